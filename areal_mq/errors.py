@@ -1,0 +1,51 @@
+"""The error tree. Every message says what was wrong and what to do about it."""
+from __future__ import annotations
+
+
+class ArealError(Exception):
+    """Base of every areal-mq error."""
+
+
+class ConfigError(ArealError):
+    """A config file, override or CLI argument is invalid."""
+
+
+class ProtocolError(ArealError):
+    """A wire message could not be decoded or validated. `code` is a short machine-readable reason."""
+
+    def __init__(self, message: str, code: str = "bad_message", msg_id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.msg_id = msg_id
+
+
+class WorkerLost(ArealError):
+    """A worker stopped heartbeating; its jobs were requeued."""
+
+
+class BrokerUnavailable(ArealError):
+    """A broker could not be reached within the deadline."""
+
+
+class JobFailed(ArealError):
+    """A job was answered with an Error message."""
+
+
+class QueueFull(ArealError):
+    """A bounded queue rejected a job; retry later or add workers."""
+
+
+class EngineRequestError(ArealError):
+    """A generation request is invalid (empty prompt, too long, bad sampling parameters)."""
+
+
+class ModelNotFound(ArealError):
+    """A model name or path could not be resolved to weights + tokenizer."""
+
+
+class WeightsFetchError(ArealError):
+    """Fetching published weights failed or exceeded its deadline."""
+
+
+class RewardError(ArealError):
+    """A reward function failed, timed out or was misconfigured."""

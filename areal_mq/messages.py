@@ -1,0 +1,430 @@
+"""Every message that crosses a socket, defined once, typed and documented.
+
+What: pydantic models, one per message kind, each with its direction and a docstring example.
+Arrays (token ids, logprobs, versions, weight bytes) are numpy arrays; `areal_mq.protocol` moves them
+as raw frames. Why: validation at every boundary — a message that does not fit its model is answered
+with `Error`, never half-processed. See docs/protocol.md for the wire format.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = 1
+
+
+def _array_of(dtype: str):
+    want = np.dtype(dtype)
+
+    def coerce(value: Any) -> np.ndarray:
+        if isinstance(value, np.ndarray):
+            if value.dtype == want:
+                arr = value
+            elif np.can_cast(value.dtype, want, casting="same_kind") and value.dtype.kind == want.kind:
+                arr = value.astype(want)
+            elif value.size == 0:
+                arr = value.astype(want)
+            else:
+                raise ValueError(f"expected a {want.name} array, got {value.dtype.name}")
+        elif isinstance(value, (list, tuple)):
+            try:
+                arr = np.asarray(value, dtype=want)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"expected a list of {want.name}: {exc}") from None
+        else:
+            raise ValueError(f"expected a {want.name} array, got {type(value).__name__}")
+        if arr.ndim != 1:
+            raise ValueError(f"expected a 1-d {want.name} array, got shape {arr.shape}")
+        return arr
+
+    return Annotated[np.ndarray, BeforeValidator(coerce)]
+
+
+Int32Array = _array_of("int32")
+Float32Array = _array_of("float32")
+UInt8Array = _array_of("uint8")
+
+
+class Kind(str, enum.Enum):
+    READY = "ready"
+    HEARTBEAT = "heartbeat"
+    DISCONNECT = "disconnect"
+    GENERATE_REQUEST = "generate_request"
+    GENERATE_RESULT = "generate_result"
+    REWARD_JOB = "reward_job"
+    REWARD_RESULT = "reward_result"
+    SAMPLE = "sample"
+    GET_BATCH = "get_batch"
+    SAMPLE_BATCH = "sample_batch"
+    BATCH_ACK = "batch_ack"
+    ACK = "ack"
+    WEIGHTS_READY = "weights_ready"
+    WEIGHTS_FETCH = "weights_fetch"
+    WEIGHTS_CHUNK = "weights_chunk"
+    CONTROL = "control"
+    EVENT = "event"
+    ERROR = "error"
+    STATS_REQUEST = "stats_request"
+    STATS = "stats"
+
+
+class Message(BaseModel):
+    """Base of every message. `kind` and `direction` are class-level facts, not fields."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=False)
+    kind: ClassVar[Kind]
+    direction: ClassVar[str]
+
+
+# ---------------------------------------------------------------- liveness (Paranoid Pirate)
+class Ready(Message):
+    """worker -> job broker: I serve `service` and can hold `capacity` jobs at once.
+
+    Sent again with capacity 0 to drain (no new jobs), and after every reconnect.
+    Example: Ready(service="generate", capacity=16, worker_id="rollout-0", role="rollout")
+    """
+
+    kind: ClassVar[Kind] = Kind.READY
+    direction: ClassVar[str] = "worker -> job broker"
+    service: str = Field(min_length=1, max_length=64)
+    capacity: int = Field(ge=0, le=100_000)
+    worker_id: str = Field(min_length=1, max_length=128)
+    role: str = ""
+
+
+class Heartbeat(Message):
+    """any peer <-> broker: I am alive. Brokers answer every client/worker heartbeat.
+
+    Example: Heartbeat(peer_id="rollout-0")
+    """
+
+    kind: ClassVar[Kind] = Kind.HEARTBEAT
+    direction: ClassVar[str] = "worker|client <-> broker"
+    peer_id: str = ""
+
+
+class Disconnect(Message):
+    """worker -> job broker: I am leaving; requeue whatever of mine is still in flight.
+
+    Example: Disconnect(reason="sigterm")
+    """
+
+    kind: ClassVar[Kind] = Kind.DISCONNECT
+    direction: ClassVar[str] = "worker -> job broker"
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- generation
+class SamplingSpec(BaseModel):
+    """Sampling parameters on the wire (mirrors engines.base.SamplingParams). temperature 0 = greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_strings: list[str] = Field(default_factory=list)
+    seed: int | None = None
+
+
+class GenerateRequest(Message):
+    """controller -> job broker (service "generate") -> rollout worker: generate one sequence.
+
+    prompt_ids  # [P] int32, chat template already applied
+    Example: GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingSpec(max_new_tokens=64),
+                             group_id="p17-e0", sample_index=3)
+    """
+
+    kind: ClassVar[Kind] = Kind.GENERATE_REQUEST
+    direction: ClassVar[str] = "controller -> rollout worker"
+    prompt_ids: Int32Array
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    group_id: str = ""
+    sample_index: int = 0
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenerateResult(Message):
+    """rollout worker -> job broker -> controller: one finished sequence.
+
+    output_ids  # [T] int32
+    logprobs    # [T] float32, behaviour logprob (temperature-scaled, before top-p/top-k)
+    versions    # [T] int32, policy version that sampled each token
+    Example: GenerateResult(output_ids=[5, 6], logprobs=[-0.1, -2.0], versions=[3, 4],
+                            finish_reason="stop", text="42", worker_id="rollout-0")
+    """
+
+    kind: ClassVar[Kind] = Kind.GENERATE_RESULT
+    direction: ClassVar[str] = "rollout worker -> controller"
+    output_ids: Int32Array
+    logprobs: Float32Array
+    versions: Int32Array
+    finish_reason: Literal["stop", "length", "abort"]
+    text: str = ""
+    worker_id: str = ""
+    group_id: str = ""
+    sample_index: int = 0
+    stats: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> "GenerateResult":
+        n = len(self.output_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"array length mismatch: output_ids {n}, logprobs {len(self.logprobs)}, "
+                f"versions {len(self.versions)} (all must be equal)"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- rewards
+class RewardJob(Message):
+    """controller -> job broker (service "reward") -> reward worker: score completions of one prompt.
+
+    `completions` holds one completion (per-sample functions) or the whole group (group functions).
+    Example: RewardJob(task="math", prompt_id="p17", prompt="2+3?", completions=["\\boxed{5}"],
+                       reference="5")
+    """
+
+    kind: ClassVar[Kind] = Kind.REWARD_JOB
+    direction: ClassVar[str] = "controller -> reward worker"
+    task: str = Field(min_length=1)
+    prompt_id: str = ""
+    prompt: str = ""
+    completions: list[str] = Field(min_length=1)
+    reference: Any = None
+    truncated: list[bool] = Field(default_factory=list)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class RewardResult(Message):
+    """reward worker -> controller: one reward per completion, same order as the job.
+
+    Example: RewardResult(rewards=[1.0], details=[{"correct": True}], errors=[None])
+    """
+
+    kind: ClassVar[Kind] = Kind.REWARD_RESULT
+    direction: ClassVar[str] = "reward worker -> controller"
+    rewards: list[float]
+    details: list[dict[str, Any]] = Field(default_factory=list)
+    errors: list[str | None] = Field(default_factory=list)
+    cached: bool = False
+    worker_id: str = ""
+
+
+# ---------------------------------------------------------------- samples
+class SeqSample(BaseModel):
+    """One rewarded sequence inside a Sample group.
+
+    prompt_ids  # [P] int32;  output_ids/logprobs/versions  # [T]
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    prompt_ids: Int32Array
+    output_ids: Int32Array
+    logprobs: Float32Array
+    versions: Int32Array
+    reward: float
+    finish_reason: str = "stop"
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> "SeqSample":
+        n = len(self.output_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"array length mismatch: output_ids {n}, logprobs {len(self.logprobs)}, "
+                f"versions {len(self.versions)}"
+            )
+        return self
+
+
+class Sample(Message):
+    """controller -> sample store: one finished, rewarded group (all n samples of one prompt).
+
+    Answered with Ack. Example: Sample(sample_id="p17-e0", prompt_id="p17", seqs=[SeqSample(...)])
+    """
+
+    kind: ClassVar[Kind] = Kind.SAMPLE
+    direction: ClassVar[str] = "controller -> sample store"
+    sample_id: str = Field(min_length=1)
+    prompt_id: str = ""
+    seqs: list[SeqSample] = Field(min_length=1)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    def oldest_version(self) -> int:
+        """Smallest policy version among generated tokens (-1 if nothing was generated)."""
+        mins = [int(s.versions.min()) for s in self.seqs if len(s.versions)]
+        return min(mins) if mins else -1
+
+
+class GetBatch(Message):
+    """trainer -> sample store: give me `n_samples` groups no older than version - max_staleness.
+
+    `release_leases` hands back every batch served earlier and not acked (a restarted trainer).
+    Example: GetBatch(n_samples=8, version=3, max_staleness=2, timeout_ms=30000)
+    """
+
+    kind: ClassVar[Kind] = Kind.GET_BATCH
+    direction: ClassVar[str] = "trainer -> sample store"
+    n_samples: int = Field(ge=1)
+    version: int = Field(ge=0)
+    max_staleness: int | None = Field(default=None, ge=0)
+    timeout_ms: int = Field(default=0, ge=0)
+    release_leases: bool = False
+    skip_ids: list[str] = Field(default_factory=list)
+
+
+class SampleBatch(Message):
+    """sample store -> trainer: a batch to train on; ack it with BatchAck after the step.
+
+    Example: SampleBatch(batch_id="b3", samples=[...], dropped_stale=1)
+    """
+
+    kind: ClassVar[Kind] = Kind.SAMPLE_BATCH
+    direction: ClassVar[str] = "sample store -> trainer"
+    batch_id: str
+    samples: list[Sample]
+    dropped_stale: int = 0
+
+
+class BatchAck(Message):
+    """trainer -> sample store: these samples were trained on; never serve them again.
+
+    Example: BatchAck(batch_id="b3", sample_ids=["p17-e0"])
+    """
+
+    kind: ClassVar[Kind] = Kind.BATCH_ACK
+    direction: ClassVar[str] = "trainer -> sample store"
+    batch_id: str = ""
+    sample_ids: list[str] = Field(default_factory=list)
+
+
+class Ack(Message):
+    """broker/store -> client: the message `ref_id` was accepted (stored, acked, ...).
+
+    Example: Ack(ref_id="3f2a...", info={"duplicate": False})
+    """
+
+    kind: ClassVar[Kind] = Kind.ACK
+    direction: ClassVar[str] = "broker|store -> client"
+    ref_id: str = ""
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- weights and signals
+class WeightsReady(Message):
+    """trainer -> signal bus (topic "weights") -> rollout workers: policy `version` is published.
+
+    mode "disk": safetensors dir at `path`; "zmq": fetch from `endpoint` with WeightsFetch;
+    "base": the initial model, nothing to fetch.
+    Example: WeightsReady(version=4, mode="disk", path="/runs/r1/weights/v4")
+    """
+
+    kind: ClassVar[Kind] = Kind.WEIGHTS_READY
+    direction: ClassVar[str] = "trainer -> rollout workers"
+    version: int = Field(ge=0)
+    mode: Literal["disk", "zmq", "base"] = "disk"
+    path: str = ""
+    endpoint: str = ""
+    num_chunks: int = 0
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class WeightsFetch(Message):
+    """rollout worker -> trainer weight server: send me chunk `index` of `version`.
+
+    Example: WeightsFetch(version=4, index=0)
+    """
+
+    kind: ClassVar[Kind] = Kind.WEIGHTS_FETCH
+    direction: ClassVar[str] = "rollout worker -> trainer"
+    version: int = Field(ge=0)
+    index: int = Field(ge=0)
+
+
+class WeightsChunk(Message):
+    """trainer weight server -> rollout worker: raw bytes of some tensors of `version`.
+
+    tensors  # list of [nbytes] uint8, each the raw little-endian storage of one tensor
+    Example: WeightsChunk(version=4, index=0, total=3, names=["lm_head.weight"],
+                          dtypes=["bfloat16"], shapes=[[49152, 576]], tensors=[...])
+    """
+
+    kind: ClassVar[Kind] = Kind.WEIGHTS_CHUNK
+    direction: ClassVar[str] = "trainer -> rollout worker"
+    version: int
+    index: int
+    total: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    tensors: list[UInt8Array]
+
+
+class Control(Message):
+    """anyone -> signal bus (topic "control") -> every worker: pause, resume, shutdown, checkpoint.
+
+    Example: Control(action="shutdown", reason="run finished")
+    """
+
+    kind: ClassVar[Kind] = Kind.CONTROL
+    direction: ClassVar[str] = "launcher|controller -> workers"
+    action: Literal["pause", "resume", "shutdown", "checkpoint"]
+    reason: str = ""
+    target_role: str = ""
+
+
+class Event(Message):
+    """every process -> signal bus (topic "events"): one structured log event.
+
+    Example: Event(record={"event": "rollout.request_finished", "role": "rollout", "tokens": 87})
+    """
+
+    kind: ClassVar[Kind] = Kind.EVENT
+    direction: ClassVar[str] = "any -> signal bus"
+    record: dict[str, Any]
+
+
+class Error(Message):
+    """anyone -> sender: your message `ref_id` was refused or failed; `code` says why.
+
+    codes: bad_frames, bad_header, bad_version, unknown_kind, bad_fields, bad_arrays, too_large,
+    queue_full, no_service, job_failed, bad_request, internal.
+    Example: Error(code="bad_version", message="protocol version 9, this broker speaks 1", ref_id="")
+    """
+
+    kind: ClassVar[Kind] = Kind.ERROR
+    direction: ClassVar[str] = "any -> sender"
+    code: str
+    message: str
+    ref_id: str = ""
+
+
+class StatsRequest(Message):
+    """client -> broker: report your queues, workers and counters. Answered with Stats."""
+
+    kind: ClassVar[Kind] = Kind.STATS_REQUEST
+    direction: ClassVar[str] = "client -> broker"
+
+
+class Stats(Message):
+    """broker -> client: counters. Example: Stats(data={"workers": 3, "queued": {"generate": 0}})"""
+
+    kind: ClassVar[Kind] = Kind.STATS
+    direction: ClassVar[str] = "broker -> client"
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+MESSAGE_TYPES: dict[Kind, type[Message]] = {
+    cls.kind: cls
+    for cls in (
+        Ready, Heartbeat, Disconnect, GenerateRequest, GenerateResult, RewardJob, RewardResult,
+        Sample, GetBatch, SampleBatch, BatchAck, Ack, WeightsReady, WeightsFetch, WeightsChunk,
+        Control, Event, Error, StatsRequest, Stats,
+    )
+}

@@ -1,0 +1,221 @@
+"""The one module that builds and parses ZeroMQ frames.
+
+What: a message on the wire is `[routing...] header [array frames...]`. The header is one msgpack map
+
+    {"v": 1, "kind": "generate_result", "id": "9f0c...", "reply_to": "...", "service": "...",
+     "body": {... fields; every numpy array replaced by {"__nd__": i}},
+     "arrays": [["int32", [512]], ["float32", [512]], ...]}
+
+and array i travels as raw little-endian bytes in the i-th frame after the header (zero-copy where
+pyzmq allows). docs/protocol.md is the full specification, written for implementers in any language.
+Why: one place for framing means one place for the checks — every decode failure is a ProtocolError
+with a short `code`, which the receiver turns into an Error reply instead of crashing.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+from pydantic import ValidationError
+
+from areal_mq.errors import ProtocolError
+from areal_mq.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Error, Kind, Message
+
+ND_KEY = "__nd__"
+ALLOWED_DTYPES = {"int32", "float32", "uint8", "int64", "float64", "int16", "uint16", "bool"}
+DEFAULT_MAX_FRAME_BYTES = 512 * 1024 * 1024  # 512 MiB; configurable per socket owner
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class Envelope:
+    """A decoded message: the typed body plus the envelope fields brokers route on."""
+
+    msg: Message
+    id: str
+    reply_to: str = ""
+    service: str = ""
+
+    @property
+    def kind(self) -> Kind:
+        return self.msg.kind
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _extract(value: Any, arrays: list[np.ndarray]) -> Any:
+    if isinstance(value, np.ndarray):
+        arrays.append(np.ascontiguousarray(value))
+        return {ND_KEY: len(arrays) - 1}
+    if isinstance(value, dict):
+        return {k: _extract(v, arrays) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_extract(v, arrays) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def encode(
+    msg: Message,
+    *,
+    id: str | None = None,
+    reply_to: str = "",
+    service: str = "",
+) -> list[Any]:
+    """Frames (header + arrays) for `msg`, without routing frames. Arrays are sent without copies."""
+    arrays: list[np.ndarray] = []
+    body = _extract(msg.model_dump(), arrays)
+    header = {
+        "v": PROTOCOL_VERSION,
+        "kind": msg.kind.value,
+        "id": id or new_id(),
+        "reply_to": reply_to,
+        "service": service,
+        "body": body,
+        "arrays": [[a.dtype.name, list(a.shape)] for a in arrays],
+    }
+    return [msgpack.packb(header, use_bin_type=True), *arrays]
+
+
+def _frame_bytes(frame: Any) -> memoryview | bytes:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
+    return buf if buf is not None else frame
+
+
+def decode_header(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> dict:
+    """Parse and check the envelope only (version, kind, id, array table vs frames).
+
+    Cheap enough for a broker's hot path; raises ProtocolError naming the problem.
+    """
+    if not frames:
+        raise ProtocolError("empty message: expected a msgpack header frame", "bad_frames")
+    raw = _frame_bytes(frames[0])
+    if memoryview(raw).nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header frame is {memoryview(raw).nbytes} bytes (limit {MAX_HEADER_BYTES})", "too_large")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}", "bad_header") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}", "bad_header")
+    msg_id = header.get("id") if isinstance(header.get("id"), str) else None
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r}; this peer speaks version {PROTOCOL_VERSION}", "bad_version", msg_id
+        )
+    kind = header.get("kind")
+    try:
+        header["kind"] = Kind(kind)
+    except ValueError:
+        known = ", ".join(k.value for k in Kind)
+        raise ProtocolError(f"unknown message kind {kind!r}; known kinds: {known}", "unknown_kind", msg_id) from None
+    if msg_id is None or not msg_id:
+        raise ProtocolError("header field 'id' must be a non-empty string", "bad_header")
+    for key in ("reply_to", "service"):
+        if not isinstance(header.get(key, ""), str):
+            raise ProtocolError(f"header field {key!r} must be a string", "bad_header", msg_id)
+    _check_arrays(header, frames, max_frame_bytes, msg_id)
+    return header
+
+
+def _check_arrays(header: dict, frames: Sequence[Any], max_frame_bytes: int, msg_id: str) -> None:
+    table = header.get("arrays", [])
+    if not isinstance(table, list):
+        raise ProtocolError("header field 'arrays' must be a list", "bad_arrays", msg_id)
+    if len(table) != len(frames) - 1:
+        raise ProtocolError(
+            f"header describes {len(table)} array frame(s) but {len(frames) - 1} followed", "bad_arrays", msg_id
+        )
+    for i, entry in enumerate(table):
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+            raise ProtocolError(f"array {i}: descriptor must be [dtype, shape]", "bad_arrays", msg_id)
+        dtype, shape = entry
+        if dtype not in ALLOWED_DTYPES:
+            raise ProtocolError(f"array {i}: dtype {dtype!r} not allowed", "bad_arrays", msg_id)
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ProtocolError(f"array {i}: shape {shape!r} must be non-negative ints", "bad_arrays", msg_id)
+        nbytes = memoryview(_frame_bytes(frames[i + 1])).nbytes
+        if nbytes > max_frame_bytes:
+            raise ProtocolError(
+                f"array {i}: frame of {nbytes} bytes exceeds the limit of {max_frame_bytes}", "too_large", msg_id
+            )
+        expect = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes != expect:
+            raise ProtocolError(
+                f"array {i}: declared {dtype}{shape} = {expect} bytes but the frame has {nbytes}", "bad_arrays", msg_id
+            )
+
+
+def _inject(value: Any, arrays: list[np.ndarray]) -> Any:
+    if isinstance(value, dict):
+        if len(value) == 1 and ND_KEY in value:
+            idx = value[ND_KEY]
+            if not isinstance(idx, int) or not 0 <= idx < len(arrays):
+                raise ProtocolError(f"array reference {idx!r} out of range", "bad_arrays")
+            return arrays[idx]
+        return {k: _inject(v, arrays) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_inject(v, arrays) for v in value]
+    return value
+
+
+def decode(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Envelope:
+    """Frames (without routing) -> validated Envelope; raises ProtocolError naming the problem."""
+    header = decode_header(frames, max_frame_bytes)
+    return decode_body(header, frames)
+
+
+def decode_body(header: dict, frames: Sequence[Any]) -> Envelope:
+    """Second half of decode(): arrays + pydantic validation of the body fields."""
+    msg_id = header["id"]
+    arrays = [
+        np.frombuffer(_frame_bytes(f), dtype=np.dtype(d)).reshape(s)
+        for f, (d, s) in zip(frames[1:], header.get("arrays", []))
+    ]
+    body = header.get("body", {})
+    if not isinstance(body, dict):
+        raise ProtocolError("header field 'body' must be a map", "bad_fields", msg_id)
+    cls = MESSAGE_TYPES[header["kind"]]
+    try:
+        msg = cls.model_validate(_inject(body, arrays))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in exc.errors()[:5]
+        )
+        raise ProtocolError(f"invalid {cls.__name__} fields: {problems}", "bad_fields", msg_id) from None
+    except ProtocolError as exc:
+        exc.msg_id = msg_id
+        raise
+    return Envelope(msg=msg, id=msg_id, reply_to=header.get("reply_to", ""), service=header.get("service", ""))
+
+
+def error_reply(exc: ProtocolError) -> list[Any]:
+    """Frames of an Error answering a message that failed to decode."""
+    return encode(Error(code=exc.code, message=str(exc), ref_id=exc.msg_id or ""), reply_to=exc.msg_id or "")
+
+
+def split_router(frames: Sequence[Any]) -> tuple[bytes, list[Any]]:
+    """A ROUTER socket's message -> (peer identity, message frames). One identity frame, no delimiter."""
+    if len(frames) < 2:
+        raise ProtocolError("message has no frames after the routing identity", "bad_frames")
+    ident = frames[0]
+    return (ident.bytes if hasattr(ident, "bytes") else bytes(ident)), list(frames[1:])
+
+
+def topic_frames(topic: str, msg: Message) -> list[Any]:
+    """Frames for the signal bus: [topic, header, arrays...]."""
+    return [topic.encode(), *encode(msg)]
+
+
+def decode_topic(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> tuple[str, Envelope]:
+    if len(frames) < 2:
+        raise ProtocolError("signal message needs a topic frame and a header frame", "bad_frames")
+    topic = bytes(_frame_bytes(frames[0])).decode("utf-8", "replace")
+    return topic, decode(frames[1:], max_frame_bytes)
