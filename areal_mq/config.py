@@ -1,0 +1,257 @@
+"""Run configuration: one YAML file per run, one pydantic model per component.
+
+What: `RunConfig` composes the component configs (each component owns its model in its own package);
+`load_config(path, overrides)` reads YAML, applies `--set a.b=value` overrides and validates. Unknown keys
+are rejected with their full dotted path and a did-you-mean suggestion.
+How: `areal-mq config show configs/quickstart.yaml --set trainer.lr=1e-5` prints the resolved config
+with every field's documentation.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from areal_mq.algorithms.config import TrainerConfig
+from areal_mq.data.config import DataConfig
+from areal_mq.engines.config import EngineConfig
+from areal_mq.errors import ConfigError
+from areal_mq.rewards.config import RewardConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSection(_Section):
+    """Identity and location of a run."""
+
+    name: str = Field("run", description="Run name; the run id is derived from it.")
+    run_dir: str = Field("runs/run", description="Directory for config, events, samples, checkpoints, metrics, plots.")
+    seed: int = Field(0, description="Global seed (dataset shuffle, sampling seeds, init).")
+    mode: Literal["async", "sync"] = Field("async", description="async: AReaL-style; sync: generate-reward-train loop.")
+
+
+class BrokerConfig(_Section):
+    """Addresses and liveness settings of the brokers (job broker, signal bus, sample store)."""
+
+    host: str = Field("127.0.0.1", description="Interface the brokers bind (loopback by default).")
+    job_port: int = Field(5555, ge=1, le=65535, description="Job broker ROUTER port.")
+    bus_in_port: int = Field(5556, ge=1, le=65535, description="Signal bus XSUB port (publishers connect here).")
+    bus_out_port: int = Field(5557, ge=1, le=65535, description="Signal bus XPUB port (subscribers connect here).")
+    store_port: int = Field(5558, ge=1, le=65535, description="Sample store ROUTER port.")
+    heartbeat_s: float = Field(1.0, gt=0, description="Heartbeat interval between peers and brokers.")
+    liveness: int = Field(5, ge=1, description="Missed heartbeats before a peer is declared dead.")
+    reconnect_max_s: float = Field(8.0, gt=0, description="Upper bound of the exponential reconnect backoff.")
+    max_queue: int = Field(10_000, ge=1, description="Jobs queued per service before new ones are refused.")
+    max_frame_mb: float = Field(512.0, gt=0, description="Largest accepted array frame, MiB.")
+    lease_s: float = Field(900.0, gt=0, description="A served, un-acked sample batch returns to the store after this.")
+    job_retry_s: float = Field(600.0, gt=0, description="Client resubmits a job unanswered this long.")
+
+    def addr(self, port: int, host: str | None = None) -> str:
+        return f"tcp://{host or self.host}:{port}"
+
+    @property
+    def job_addr(self) -> str:
+        return self.addr(self.job_port)
+
+    @property
+    def bus_in_addr(self) -> str:
+        return self.addr(self.bus_in_port)
+
+    @property
+    def bus_out_addr(self) -> str:
+        return self.addr(self.bus_out_port)
+
+    @property
+    def store_addr(self) -> str:
+        return self.addr(self.store_port)
+
+
+class EventsConfig(_Section):
+    """Structured event logging."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level recorded.")
+    to_bus: bool = Field(True, description="Publish events on the signal bus topic 'events'.")
+    to_file: bool = Field(True, description="Append events to run_dir/events/<role>-<worker>.jsonl.")
+    console: Literal["pretty", "json", "off"] = Field("pretty", description="What a process prints to stderr.")
+
+
+class ModelConfig(_Section):
+    """The policy model: a built-in name or a local Hugging Face directory."""
+
+    name: str = Field("smollm2-135m-instruct", description="smollm2-135m-instruct, tiny-random-llama, or a path.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for engines and trainer.")
+    cache_dir: str | None = Field(None, description="Where converted models are cached (default ~/.cache/areal-mq).")
+
+
+class ControllerConfig(_Section):
+    """Dataset iteration, grouping, staleness throttle."""
+
+    group_size: int = Field(4, ge=1, description="Samples generated per prompt (the GRPO group).")
+    batch_groups: int = Field(4, ge=1, description="Groups per training batch.")
+    max_staleness: int = Field(2, ge=0, description="η: max versions a trained token may lag the policy (0 = sync).")
+    max_concurrent_groups: int = Field(16, ge=1, description="Cap on groups in flight at once.")
+    max_new_tokens: int = Field(96, ge=1, description="Generation length cap.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of training rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for training rollouts.")
+    total_steps: int = Field(20, ge=1, description="Training steps (policy versions) of the run.")
+    reward_task: str = Field("arith", description="Reward function name or import path (module:function).")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N versions (0 = only at the end).")
+    eval_size: int = Field(200, ge=1, description="Held-out problems per evaluation.")
+
+
+class LauncherConfig(_Section):
+    """How `areal-mq run` lays processes out on one host."""
+
+    rollout_workers: int = Field(1, ge=1, description="Rollout worker processes.")
+    reward_workers: int = Field(1, ge=1, description="Reward worker processes.")
+    on_child_death: Literal["restart", "stop"] = Field("stop", description="What to do when a child process dies.")
+    max_restarts: int = Field(3, ge=0, description="Restarts per child before the run stops.")
+    threads: dict[str, int] = Field(default_factory=dict, description="torch threads per role (rollout, trainer, ...).")
+
+
+class RunConfig(_Section):
+    """A whole run. Every section is optional in YAML; defaults are documented per field."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    brokers: BrokerConfig = Field(default_factory=BrokerConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: EngineConfig = Field(default_factory=EngineConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        from areal_mq.algorithms import config as trainer_config
+
+        check = getattr(trainer_config, "validate_off_policy", None)
+        if check is not None:
+            check(self.controller.max_staleness, self.trainer)
+        return self
+
+
+# ---------------------------------------------------------------- loading and overrides
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'a.b=value' -> (['a', 'b'], parsed value). Values are parsed as YAML scalars/lists."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _model_at(path: tuple, root: type[BaseModel] = None) -> type[BaseModel] | None:
+    model = root or RunConfig
+    for part in path:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        dotted = ".".join(str(p) for p in loc) or "<root>"
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            hint = ""
+            if parent is not None:
+                close = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields), n=1, cutoff=0.5)
+                if close:
+                    hint = f" — did you mean '{'.'.join(str(p) for p in loc[:-1] + (close[0],))}'?"
+                else:
+                    hint = f" (known keys: {', '.join(parent.model_fields)})"
+            lines.append(f"  unknown key '{dotted}'{hint}")
+        else:
+            lines.append(f"  {dotted}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, source)) from None
+    except ValueError as exc:  # cross-section checks raise ValueError subclasses
+        raise ConfigError(f"invalid config ({source}): {exc}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (or start from defaults when path is None), apply overrides, validate."""
+    data: dict = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found (configs/quickstart.yaml is the usual start)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
+        source = str(p)
+    apply_overrides(data, list(overrides or []))
+    return config_from_dict(data, source)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """Plain YAML of a resolved config (what the launcher writes into run_dir/config.yaml)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def documented_yaml(cfg: BaseModel, indent: int = 0) -> str:
+    """YAML of `cfg` with each field's description as a comment (for `config show`)."""
+    pad = "  " * indent
+    out: list[str] = []
+    for name, field in type(cfg).model_fields.items():
+        value = getattr(cfg, name)
+        doc = field.description or (type(value).__doc__ or "").strip().splitlines()[0:1]
+        doc = doc if isinstance(doc, str) else (doc[0] if doc else "")
+        if isinstance(value, BaseModel):
+            out.append(f"{pad}{name}:{'  # ' + doc if doc else ''}")
+            out.append(documented_yaml(value, indent + 1))
+        else:
+            rendered = yaml.safe_dump({name: _plain(value)}, default_flow_style=True, width=10_000).strip()
+            rendered = rendered[1:-1] if rendered.startswith("{") else rendered
+            out.append(f"{pad}{rendered}{'  # ' + doc if doc else ''}")
+    return "\n".join(line for line in out if line)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return value
