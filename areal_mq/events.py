@@ -121,7 +121,7 @@ class EventSink:
         if LEVELS.get(level, 20) < self._min_level:
             raise structlog.DropEvent
         record = {"ts": time.time(), "level": level, **event_dict}
-        exc = record.pop("exc_info", None)
+        exc = record.pop("exc_info", None) or (method == "exception")
         if exc:
             info = sys.exc_info() if exc is True else exc
             if isinstance(info, BaseException):
