@@ -1,0 +1,175 @@
+"""`areal-mq` command line. Every command imports its heavy modules lazily so `--help` stays fast.
+
+    areal-mq run configs/quickstart.yaml              # the whole system on one host
+    areal-mq broker --config FILE [--only job,bus,store]
+    areal-mq worker ROLE --config FILE [--set a.b=v]  # ROLE: rollout, reward, trainer, controller, echo
+    areal-mq config show FILE [--set a.b=v]
+    areal-mq events tail [RUN_DIR] [--follow] [--bus tcp://...] [--role R] [--event 'glob'] [KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynchronous RL over ZeroMQ.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect run configs.")
+events_app = typer.Typer(no_args_is_help=True, help="Read structured events.")
+app.add_typer(config_app, name="config")
+app.add_typer(events_app, name="events")
+
+SetOpt = typer.Option(None, "--set", "-s", help="Override a config field: section.key=value (repeatable).")
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML run config (defaults if omitted).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from areal_mq import __version__
+
+        typer.echo(f"areal-mq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Show the version and exit.")) -> None:
+    """areal-mq: rollout workers generate, trainers train, ZeroMQ brokers connect them."""
+
+
+def _load(path: Optional[str], overrides: Optional[List[str]]):
+    from areal_mq.config import load_config
+    from areal_mq.errors import ConfigError
+
+    try:
+        return load_config(path, overrides or [])
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
+@config_app.command("show")
+def config_show(path: Optional[str] = typer.Argument(None, help="YAML run config."), set_: Optional[List[str]] = SetOpt,
+                plain: bool = typer.Option(False, "--plain", help="Plain YAML without field documentation.")) -> None:
+    """Print the resolved config, every field with its documentation."""
+    from areal_mq.config import documented_yaml, dump_config
+
+    cfg = _load(path, set_)
+    typer.echo(dump_config(cfg) if plain else documented_yaml(cfg))
+
+
+@app.command()
+def broker(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt,
+           only: Optional[str] = typer.Option(None, help="Comma list of job,bus,store (default: all).")) -> None:
+    """Run the job broker, signal bus and sample store (binds brokers.host, loopback by default)."""
+    cfg = _load(config, set_)
+    parts = None
+    if only:
+        parts = {p.strip() for p in only.split(",") if p.strip()}
+        bad = parts - {"job", "bus", "store"}
+        if bad:
+            typer.echo(f"error: --only takes job, bus, store; got {', '.join(sorted(bad))}", err=True)
+            raise typer.Exit(2)
+    from areal_mq.brokers.main import main as broker_main
+
+    raise typer.Exit(broker_main(cfg, parts))
+
+
+@app.command()
+def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, reward, trainer, controller."),
+           config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt,
+           worker_id: Optional[str] = typer.Option(None, help="Stable id (default: role-host-pid).")) -> None:
+    """Start one worker process of ROLE, connected to the brokers in the config."""
+    import importlib
+
+    from areal_mq.workers import ROLES
+
+    if role not in ROLES:
+        typer.echo(f"error: unknown role {role!r}; available: {', '.join(sorted(ROLES))}", err=True)
+        raise typer.Exit(2)
+    cfg = _load(config, set_)
+    module, func = ROLES[role].split(":")
+    raise typer.Exit(getattr(importlib.import_module(module), func)(cfg, worker_id) or 0)
+
+
+@events_app.command("tail")
+def events_tail(run_dir: Optional[str] = typer.Argument(None, help="Run directory (reads run_dir/events/*.jsonl)."),
+                where: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE filters on any event field."),
+                follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events."),
+                bus: Optional[str] = typer.Option(None, help="Live from the signal bus XPUB address instead."),
+                role: Optional[str] = typer.Option(None, help="Only this role."),
+                event: Optional[str] = typer.Option(None, help="Event name glob, e.g. 'broker.*'."),
+                level: str = typer.Option("debug", help="Minimum level: debug, info, warning, error."),
+                as_json: bool = typer.Option(False, "--json", help="Raw JSON lines."),
+                limit: Optional[int] = typer.Option(None, help="Stop after this many events."),
+                duration: Optional[float] = typer.Option(None, help="Stop after this many seconds.")) -> None:
+    """Show events from every process, filtered, pretty or as JSON."""
+    from pathlib import Path
+
+    from areal_mq.events import LEVELS
+    from areal_mq.tail import EventFilter, emit, iter_bus, iter_files, parse_where
+
+    if level not in LEVELS:
+        typer.echo(f"error: --level must be one of {', '.join(LEVELS)}", err=True)
+        raise typer.Exit(2)
+    if run_dir and "=" in run_dir:  # only filters were given
+        where, run_dir = [run_dir, *(where or [])], None
+    try:
+        keep = EventFilter(role=role, event=event, level=level, where=parse_where(where or []))
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if bus:
+        records = iter_bus(bus, stop_after_s=duration)
+    elif run_dir:
+        try:
+            records = iter_files(Path(run_dir), follow, stop_after_s=duration)
+            records = _peek(records)
+        except FileNotFoundError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2)
+    else:
+        typer.echo("error: give a RUN_DIR or --bus tcp://HOST:PORT", err=True)
+        raise typer.Exit(2)
+    try:
+        emit(records, keep, as_json, limit=limit)
+    except KeyboardInterrupt:
+        pass
+
+
+def _peek(it):
+    """Start a generator so errors such as a missing folder surface before printing begins."""
+    first = next(it, None)
+
+    def chain():
+        if first is not None:
+            yield first
+        yield from it
+
+    return chain()
+
+
+def main() -> None:
+    _mount_optional()
+    app()
+
+
+def _mount_optional() -> None:
+    """Sub-apps and commands that live next to their components (registered only if present)."""
+    import importlib
+
+    for module, name in (("areal_mq.rewards.cli", "reward"), ("areal_mq.launch_cli", None)):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and module.startswith(exc.name):
+                continue
+            raise
+        if name:
+            app.add_typer(mod.app, name=name)
+        else:
+            mod.register(app)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Client-side role APIs: submit jobs, talk to the sample store, publish and receive signals.
+
+What: `JobClient` (controller -> job broker), `StoreClient` (controller/trainer -> sample store),
+`SignalPublisher` / `SignalSubscriber` (signal bus). They hide framing and liveness: a client code reads
+"submit, poll results", never frame juggling.
+Why resubmission is safe: job ids are chosen by the client; the broker keeps one copy per id and answers
+each once; the client forgets a job at its first answer, so a duplicate answer is ignored here.
+All sockets are single-thread objects: use each client from one thread.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from areal_mq import protocol
+from areal_mq.errors import BrokerUnavailable, JobFailed, ProtocolError
+from areal_mq.messages import (Ack, BatchAck, Error, GetBatch, Heartbeat, Kind, Message, Sample, SampleBatch,
+                               Stats, StatsRequest)
+
+
+def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    return sock
+
+
+class JobClient:
+    """Submit jobs to services and collect their answers; survives broker restarts by resubmitting."""
+
+    def __init__(self, address: str, *, heartbeat_s: float = 1.0, liveness: int = 5, retry_s: float = 600.0,
+                 ctx: zmq.Context | None = None, log: Any = None):
+        self.address, self.heartbeat_s, self.liveness, self.retry_s = address, heartbeat_s, liveness, retry_s
+        self.ctx = ctx or zmq.Context.instance()
+        self.log = log
+        self.sock = _dealer(self.ctx, address)
+        self.pending: dict[str, tuple[float, list, str]] = {}  # id -> (sent_at, frames, service)
+        self._last_heard = time.monotonic()
+        self._next_beat = 0.0
+        self.reconnects = 0
+
+    def submit(self, msg: Message, service: str = "", job_id: str | None = None) -> str:
+        job_id = job_id or protocol.new_id()
+        frames = protocol.encode(msg, id=job_id, service=service)
+        self.pending[job_id] = (time.monotonic(), frames, service)
+        self.sock.send_multipart(frames, copy=False)
+        return job_id
+
+    def poll(self, timeout: float = 0.0) -> list[tuple[str, Message]]:
+        """Answers that arrived within `timeout` seconds: (job id, result message or Error)."""
+        out: list[tuple[str, Message]] = []
+        self._liveness()
+        if self.sock.poll(int(timeout * 1000), zmq.POLLIN):
+            while True:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._last_heard = time.monotonic()
+                try:
+                    env = protocol.decode(frames)
+                except ProtocolError as exc:
+                    if self.log:
+                        self.log.warning("client.bad_reply", error=str(exc))
+                    continue
+                if env.kind == Kind.HEARTBEAT:
+                    continue
+                ref = env.reply_to or getattr(env.msg, "ref_id", "")
+                if ref in self.pending:
+                    del self.pending[ref]
+                    out.append((ref, env.msg))
+        return out
+
+    def wait(self, job_id: str, timeout: float) -> Message:
+        """Block until `job_id` is answered; raises JobFailed on Error, BrokerUnavailable on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for rid, msg in self.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
+                if rid == job_id:
+                    if isinstance(msg, Error):
+                        raise JobFailed(f"job {job_id} failed: [{msg.code}] {msg.message}")
+                    return msg
+        raise BrokerUnavailable(f"job {job_id} not answered within {timeout:.1f}s (broker {self.address})")
+
+    def _liveness(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._next_beat = now + self.heartbeat_s
+            self.sock.send_multipart(protocol.encode(Heartbeat(peer_id="client")))
+        if now - self._last_heard > self.heartbeat_s * self.liveness:
+            self._reconnect()
+        else:
+            for job_id, (sent, frames, _svc) in list(self.pending.items()):
+                if now - sent > self.retry_s:
+                    self.pending[job_id] = (now, frames, _svc)
+                    self.sock.send_multipart(frames, copy=False)
+
+    def _reconnect(self) -> None:
+        """The broker went silent: new socket (new identity), resubmit everything still unanswered."""
+        self.sock.close(0)
+        self.sock = _dealer(self.ctx, self.address)
+        self.reconnects += 1
+        self._last_heard = time.monotonic()
+        if self.log:
+            self.log.warning("client.reconnect", broker=self.address, resubmitting=len(self.pending))
+        for job_id, (_, frames, svc) in list(self.pending.items()):
+            self.pending[job_id] = (time.monotonic(), frames, svc)
+            self.sock.send_multipart(frames, copy=False)
+
+    def stats(self, timeout: float = 5.0) -> dict:
+        return self._request_stats(timeout)
+
+    def _request_stats(self, timeout: float) -> dict:
+        rid = self.submit(StatsRequest())
+        msg = self.wait(rid, timeout)
+        return msg.data if isinstance(msg, Stats) else {}
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class StoreClient:
+    """Request/response with the sample store; every call retries across store restarts until its deadline."""
+
+    def __init__(self, address: str, *, heartbeat_s: float = 1.0, ctx: zmq.Context | None = None,
+                 max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES):
+        self.address, self.heartbeat_s = address, heartbeat_s
+        self.ctx = ctx or zmq.Context.instance()
+        self.max_frame_bytes = max_frame_bytes
+        self.sock = _dealer(self.ctx, address)
+
+    def _call(self, msg: Message, timeout: float, resend_s: float) -> Message:
+        req_id = protocol.new_id()
+        frames = protocol.encode(msg, id=req_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            self.sock.send_multipart(frames, copy=False)
+            resend_at = min(deadline, time.monotonic() + resend_s)
+            while time.monotonic() < resend_at:
+                if not self.sock.poll(int(max(1, (resend_at - time.monotonic()) * 1000)), zmq.POLLIN):
+                    continue
+                env = protocol.decode(self.sock.recv_multipart(copy=False), self.max_frame_bytes)
+                if env.reply_to != req_id:
+                    continue  # a late answer to an earlier attempt
+                if isinstance(env.msg, Error):
+                    raise JobFailed(f"sample store refused {msg.kind.value}: [{env.msg.code}] {env.msg.message}")
+                return env.msg
+            if time.monotonic() >= deadline:
+                raise BrokerUnavailable(f"sample store {self.address} did not answer {msg.kind.value} "
+                                        f"within {timeout:.1f}s")
+            self.sock.close(0)  # store may have restarted: fresh identity, send again (requests are idempotent)
+            self.sock = _dealer(self.ctx, self.address)
+
+    def put(self, sample: Sample, timeout: float = 60.0) -> Ack:
+        return self._call(sample, timeout, resend_s=max(5.0, self.heartbeat_s * 5))
+
+    def get_batch(self, n_samples: int, version: int, max_staleness: int | None = None, wait_s: float = 5.0,
+                  release_leases: bool = False, skip_ids: list[str] | None = None,
+                  timeout: float = 120.0) -> SampleBatch:
+        msg = GetBatch(n_samples=n_samples, version=version, max_staleness=max_staleness,
+                       timeout_ms=int(wait_s * 1000), release_leases=release_leases, skip_ids=skip_ids or [])
+        return self._call(msg, timeout, resend_s=wait_s + max(5.0, self.heartbeat_s * 5))
+
+    def ack(self, batch: SampleBatch | str, sample_ids: list[str] | None = None, timeout: float = 60.0) -> Ack:
+        if isinstance(batch, SampleBatch):
+            batch_id, sample_ids = batch.batch_id, [s.sample_id for s in batch.samples]
+        else:
+            batch_id = batch
+        return self._call(BatchAck(batch_id=batch_id, sample_ids=sample_ids or []), timeout, resend_s=5.0)
+
+    def stats(self, timeout: float = 10.0) -> dict:
+        return self._call(StatsRequest(), timeout, resend_s=5.0).data
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class SignalPublisher:
+    """PUB socket connected to the bus's XSUB side."""
+
+    def __init__(self, address: str, ctx: zmq.Context | None = None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.connect(address)
+
+    def publish(self, topic: str, msg: Message) -> None:
+        self.sock.send_multipart(protocol.topic_frames(topic, msg), copy=False)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class SignalSubscriber:
+    """SUB socket on the bus's XPUB side; `recv(timeout)` -> (topic, Envelope) or None."""
+
+    def __init__(self, address: str, topics: tuple[str, ...] = ("weights", "control"),
+                 ctx: zmq.Context | None = None, max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES):
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        for t in topics:
+            self.sock.setsockopt(zmq.SUBSCRIBE, t.encode())
+        self.sock.connect(address)
+        self.max_frame_bytes = max_frame_bytes
+
+    def recv(self, timeout: float = 0.0) -> tuple[str, protocol.Envelope] | None:
+        if not self.sock.poll(int(timeout * 1000), zmq.POLLIN):
+            return None
+        return protocol.decode_topic(self.sock.recv_multipart(copy=False), self.max_frame_bytes)
+
+    def close(self) -> None:
+        self.sock.close(0)

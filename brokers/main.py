@@ -1,0 +1,97 @@
+"""`areal-mq broker`: runs the job broker, signal bus and sample store in one poll loop.
+
+Each component can also run alone (`--only job|bus|store`), e.g. the sample store on the trainer's host.
+All bind to `brokers.host` (127.0.0.1 by default). SIGTERM/SIGINT stop the loop cleanly; the sample store's
+log makes a restart lose nothing.
+
+    areal-mq broker --config configs/quickstart.yaml [--only store] [--set brokers.job_port=6000]
+"""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from areal_mq.events import make_logger
+
+
+class BrokerHost:
+    """Polls the sockets of the components it hosts and gives each its `tick` every loop."""
+
+    def __init__(self, cfg: Any, only: set[str] | None = None, log: Any = None):
+        from areal_mq.brokers.job_broker import JobBroker
+        from areal_mq.brokers.sample_store import SampleStore
+        from areal_mq.brokers.signal_bus import SignalBus
+
+        b = cfg.brokers
+        only = only or {"job", "bus", "store"}
+        self.ctx = zmq.Context()
+        max_frame = int(b.max_frame_mb * 1024 * 1024)
+        self.log = log
+        self.components: list = []
+        self.poller = zmq.Poller()
+        self._owner: dict = {}
+        if "bus" in only:
+            self.bus = SignalBus(self.ctx, b.bus_in_addr,
+                                 b.bus_out_addr, max_frame_bytes=max_frame, log=log)
+            self._add(self.bus, self.bus.sockets, lambda s: self.bus.handle(s))
+        if "job" in only:
+            self.job = JobBroker(self.ctx, b.job_addr, heartbeat_s=b.heartbeat_s,
+                                 liveness=b.liveness, max_queue=b.max_queue, max_frame_bytes=max_frame, log=log)
+            self._add(self.job, [self.job.sock], lambda s: self.job.handle())
+        if "store" in only:
+            self.store = SampleStore(self.ctx, b.store_addr,
+                                     Path(cfg.run.run_dir) / "store", lease_s=b.lease_s, max_frame_bytes=max_frame,
+                                     log=log)
+            self._add(self.store, [self.store.sock], lambda s: self.store.handle())
+        self._stop = False
+
+    def _add(self, component: Any, sockets: list, handler: Any) -> None:
+        self.components.append(component)
+        for s in sockets:
+            self.poller.register(s, zmq.POLLIN)
+            self._owner[s] = handler
+
+    def run(self, tick_s: float = 0.05) -> None:
+        while not self._stop:
+            for sock, _ in self.poller.poll(int(tick_s * 1000)):
+                self._owner[sock](sock)
+            now = time.monotonic()
+            for c in self.components:
+                tick = getattr(c, "tick", None)
+                if tick:
+                    tick(now)
+
+    def stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def close(self) -> None:
+        for c in self.components:
+            c.close()
+        self.ctx.term()
+
+
+def main(cfg: Any, only: set[str] | None = None) -> int:
+    log, sink = make_logger(cfg, "broker", "-".join(sorted(only)) if only else "all")
+    host = None
+    try:
+        host = BrokerHost(cfg, only, log)
+        signal.signal(signal.SIGTERM, host.stop)
+        signal.signal(signal.SIGINT, host.stop)
+        b = cfg.brokers
+        log.info("broker.started", job=b.job_addr, bus_in=b.bus_in_addr, bus_out=b.bus_out_addr,
+                 store=b.store_addr, components=sorted(only or {"job", "bus", "store"}))
+        host.run()
+        log.info("broker.stopped")
+        return 0
+    except zmq.ZMQError as exc:
+        log.error("broker.bind_failed", error=str(exc), hint="is another broker using these ports? "
+                  "change brokers.*_port with --set")
+        return 2
+    finally:
+        if host is not None:
+            host.close()
+        sink.close()

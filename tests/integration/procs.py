@@ -1,0 +1,85 @@
+"""Helpers for integration tests: free ports, run configs, and processes stopped by PID."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def write_config(tmp_path: Path, extra: dict | None = None, name: str = "config.yaml") -> Path:
+    job, bus_in, bus_out, store = free_ports(4)
+    data = {
+        "run": {"name": "test", "run_dir": str(tmp_path / "run")},
+        "brokers": {"job_port": job, "bus_in_port": bus_in, "bus_out_port": bus_out, "store_port": store,
+                    "heartbeat_s": 0.2, "liveness": 5, "reconnect_max_s": 1.0},
+        "events": {"console": "json"},
+    }
+    for section, values in (extra or {}).items():
+        data.setdefault(section, {}).update(values)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+class Procs:
+    """Starts CLI processes with logs in tmp_path; stops every one of them by PID."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(self, args: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
+        log = self.tmp_path / f"{name}.log"
+        full_env = {**os.environ, **(env or {})}
+        proc = subprocess.Popen([sys.executable, "-m", "areal_mq.cli", *args], stdout=open(log, "wb"),
+                                stderr=subprocess.STDOUT, env=full_env, stdin=subprocess.DEVNULL)
+        self.procs.append((proc, log))
+        return proc
+
+    def log(self, proc: subprocess.Popen) -> str:
+        for p, path in self.procs:
+            if p is proc:
+                return path.read_text(errors="replace")
+        return ""
+
+    def stop(self, proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        return proc.returncode
+
+    def stop_all(self) -> None:
+        for proc, _ in reversed(self.procs):
+            self.stop(proc, timeout=5)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

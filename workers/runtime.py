@@ -1,0 +1,302 @@
+"""The worker runtime every role shares: connect, READY, heartbeats, reconnect, signals, graceful drain.
+
+What: `WorkerRuntime` owns the worker's sockets in a background I/O thread (DEALER to the job broker, SUB
+to the signal bus). The role's own thread sees only typed objects:
+
+    rt = WorkerRuntime(cfg, role="reward", service="reward", capacity=4)
+    initial = rt.start()            # connect + subscribe; returns the retained WeightsReady (late joiners)
+    ... load `initial` if the role cares about weights ...
+    rt.ready()                      # READY(service, capacity): jobs start flowing
+    while not rt.stopping:
+        job = rt.next_job(timeout=0.1)          # Job(id, msg) | None
+        sig = rt.next_signal()                  # Envelope(WeightsReady | Control) | None
+        rt.reply(job, result) / rt.fail(job, code, message)     # thread-safe
+    rt.close()                      # drain: READY(0), wait for in-flight, DISCONNECT (broker requeues rest)
+
+Why an I/O thread: heartbeats keep flowing while the role computes (a decoding step, a weight load), so
+liveness measures the process, not the length of its work items. Liveness (Paranoid Pirate): the broker
+answers every heartbeat; silence for `liveness` intervals means the broker is gone, and the runtime
+reconnects with exponential backoff (capped at `reconnect_max_s`) and sends READY again.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from areal_mq import protocol
+from areal_mq.errors import ProtocolError
+from areal_mq.events import make_logger
+from areal_mq.messages import Control, Disconnect, Error, Heartbeat, Kind, Message, Ready, WeightsReady
+
+
+@dataclass
+class Job:
+    id: str
+    msg: Message
+    received_at: float = field(default_factory=time.monotonic)
+
+
+def default_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+class WorkerRuntime:
+    def __init__(self, cfg: Any, role: str, service: str | None, capacity: int, worker_id: str | None = None,
+                 topics: tuple[str, ...] = ("weights", "control"), log: Any = None, install_signals: bool = True):
+        self.cfg, self.role, self.service, self.capacity = cfg, role, service, capacity
+        self.worker_id = worker_id or default_worker_id(role)
+        self.topics = topics
+        self._sink = None
+        if log is None:
+            log, self._sink = make_logger(cfg, role, self.worker_id)
+        self.log = log
+        b = cfg.brokers
+        self.heartbeat_s, self.liveness, self.backoff_max = b.heartbeat_s, b.liveness, b.reconnect_max_s
+        self.max_frame_bytes = int(b.max_frame_mb * 1024 * 1024)
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.signals: queue.Queue[protocol.Envelope] = queue.Queue()
+        self._outbox: queue.Queue[list] = queue.Queue()
+        self._in_flight: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop_io = threading.Event()
+        self._stopping = threading.Event()
+        self._announced = False
+        self._weights_version = -1
+        self._ctx = zmq.Context()
+        self._wake_addr = f"inproc://wake-{id(self)}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PUSH)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(self._wake_addr)
+        self._thread: threading.Thread | None = None
+        self.reconnects = 0
+        if install_signals and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self.request_stop("sigterm"))
+
+    # ------------------------------------------------------------ role-facing API
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def request_stop(self, reason: str) -> None:
+        if not self._stopping.is_set():
+            self.log.info(f"{self.role}.stopping", reason=reason)
+        self._stopping.set()
+
+    def start(self, wait_weights_s: float = 10.0) -> WeightsReady | None:
+        """Start the I/O thread; if subscribed to weights, wait for the bus's retained WeightsReady."""
+        self._thread = threading.Thread(target=self._io_loop, name=f"{self.role}-io", daemon=True)
+        self._thread.start()
+        if "weights" not in self.topics:
+            return None
+        deadline = time.monotonic() + wait_weights_s
+        while time.monotonic() < deadline:
+            try:
+                env = self.signals.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(env.msg, WeightsReady):
+                return env.msg
+            self.signals.put(env)
+        self.log.warning(f"{self.role}.no_retained_weights", waited_s=wait_weights_s,
+                         hint="signal bus unreachable? starting from the base model")
+        return None
+
+    def ready(self, capacity: int | None = None) -> None:
+        """Announce (again) to the job broker; capacity 0 means 'send me nothing new'."""
+        if capacity is not None:
+            self.capacity = capacity
+        self._announced = self.service is not None
+        if self._announced:
+            self._send(protocol.encode(self._ready_msg()))
+
+    def next_job(self, timeout: float = 0.0) -> Job | None:
+        try:
+            return self.jobs.get(timeout=timeout) if timeout > 0 else self.jobs.get_nowait()
+        except queue.Empty:
+            return None
+
+    def next_signal(self, timeout: float = 0.0) -> protocol.Envelope | None:
+        try:
+            return self.signals.get(timeout=timeout) if timeout > 0 else self.signals.get_nowait()
+        except queue.Empty:
+            return None
+
+    def reply(self, job: Job, msg: Message) -> None:
+        with self._lock:
+            self._in_flight.discard(job.id)
+        self._send(protocol.encode(msg, reply_to=job.id))
+
+    def fail(self, job: Job, code: str, message: str) -> None:
+        self.log.warning(f"{self.role}.job_failed", job=job.id, code=code, error=message)
+        self.reply(job, Error(code=code, message=message, ref_id=job.id))
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    def close(self, drain_timeout: float = 30.0) -> None:
+        """Graceful drain: stop taking jobs, wait for in-flight ones, then DISCONNECT (the rest is requeued)."""
+        if self._thread is None:
+            return
+        if self._announced:
+            self.ready(0)
+            deadline = time.monotonic() + drain_timeout
+            while self.in_flight and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._send(protocol.encode(Disconnect(reason="drained" if not self.in_flight else "drain timeout")))
+        time.sleep(0.05)
+        self._stop_io.set()
+        self._wake()
+        self._thread.join(5)
+        self._thread = None
+        self._wake_tx.close(0)
+        self._wake_rx.close(0)
+        self._ctx.term()
+        self.log.info(f"{self.role}.closed", reconnects=self.reconnects)
+        if self._sink is not None:
+            self._sink.close()
+
+    # ------------------------------------------------------------ I/O thread
+    def _ready_msg(self) -> Ready:
+        return Ready(service=self.service or "-", capacity=self.capacity, worker_id=self.worker_id, role=self.role)
+
+    def _send(self, frames: list) -> None:
+        self._outbox.put(frames)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _connect(self) -> zmq.Socket:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.connect(self.cfg.brokers.job_addr)
+        return dealer
+
+    def _io_loop(self) -> None:
+        dealer = self._connect() if self.service else None
+        sub = None
+        if self.topics:
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            for t in self.topics:
+                sub.setsockopt(zmq.SUBSCRIBE, t.encode())
+            sub.connect(self.cfg.brokers.bus_out_addr)
+        try:
+            self._run(dealer, sub)
+        finally:
+            for s in (dealer, sub):
+                if s is not None:
+                    s.close(0)
+
+    def _run(self, dealer: zmq.Socket | None, sub: zmq.Socket | None) -> None:
+        poller = zmq.Poller()
+        for s in (dealer, sub, self._wake_rx):
+            if s is not None:
+                poller.register(s, zmq.POLLIN)
+        last_heard = next_beat = time.monotonic()
+        backoff = self.heartbeat_s
+        while not self._stop_io.is_set():
+            events = dict(poller.poll(int(self.heartbeat_s * 250)))
+            if self._wake_rx in events:
+                while self._wake_rx.poll(0):
+                    self._wake_rx.recv()
+            if dealer is not None:
+                self._flush_outbox(dealer)
+                if dealer in events:
+                    last_heard = self._drain_dealer(dealer, last_heard)
+            elif not self._outbox.empty():
+                self._outbox = queue.Queue()
+            if sub is not None and sub in events:
+                self._drain_sub(sub)
+            now = time.monotonic()
+            if dealer is None:
+                continue
+            if now >= next_beat:
+                next_beat = now + self.heartbeat_s
+                dealer.send_multipart(protocol.encode(Heartbeat(peer_id=self.worker_id)))
+            if now - last_heard > self.heartbeat_s * self.liveness:
+                poller.unregister(dealer)
+                dealer.close(0)
+                self.log.warning(f"{self.role}.broker_lost", silent_s=round(now - last_heard, 1),
+                                 retry_in_s=round(backoff, 1))
+                self._stop_io.wait(backoff)
+                backoff = min(backoff * 2, self.backoff_max)
+                dealer = self._connect()
+                poller.register(dealer, zmq.POLLIN)
+                self.reconnects += 1
+                with self._lock:
+                    self._in_flight.clear()  # the old broker's jobs are resubmitted by their clients
+                if self._announced:
+                    dealer.send_multipart(protocol.encode(self._ready_msg()))
+                last_heard = time.monotonic()
+            elif now - last_heard < self.heartbeat_s * 2:
+                backoff = self.heartbeat_s
+
+    def _flush_outbox(self, dealer: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            dealer.send_multipart(frames, copy=False)
+
+    def _drain_dealer(self, dealer: zmq.Socket, last_heard: float) -> float:
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return last_heard
+            last_heard = time.monotonic()
+            try:
+                env = protocol.decode(frames, self.max_frame_bytes)
+            except ProtocolError as exc:
+                self.log.warning(f"{self.role}.bad_job", code=exc.code, error=str(exc))
+                if exc.msg_id:  # answer it so the client is not left waiting
+                    dealer.send_multipart(protocol.error_reply(exc), copy=False)
+                continue
+            if env.kind == Kind.HEARTBEAT:
+                continue
+            if env.kind == Kind.ERROR:
+                self.log.warning(f"{self.role}.broker_error", code=env.msg.code, error=env.msg.message)
+                continue
+            with self._lock:
+                self._in_flight.add(env.id)
+            self.jobs.put(Job(env.id, env.msg))
+
+    def _drain_sub(self, sub: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                topic, env = protocol.decode_topic(frames, self.max_frame_bytes)
+            except ProtocolError as exc:
+                self.log.warning(f"{self.role}.bad_signal", code=exc.code, error=str(exc))
+                continue
+            if isinstance(env.msg, WeightsReady):
+                if env.msg.version <= self._weights_version:
+                    continue  # the bus replays the retained version to every new subscriber
+                self._weights_version = env.msg.version
+            if isinstance(env.msg, Control) and env.msg.action == "shutdown" and \
+                    env.msg.target_role in ("", self.role):
+                self.request_stop(f"control: {env.msg.reason}")
+            self.signals.put(env)
