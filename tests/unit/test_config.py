@@ -1,0 +1,61 @@
+"""Config loading: YAML files, --set overrides, unknown keys with did-you-mean, every field documented."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from areal_mq.config import RunConfig, documented_yaml, load_config, parse_override
+from areal_mq.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+
+
+def test_overrides_parse_yaml_values(tmp_path):
+    cfg = load_config(None, ["brokers.job_port=7001", "controller.max_staleness=0", "run.name=abc"])
+    assert cfg.brokers.job_port == 7001 and cfg.controller.max_staleness == 0 and cfg.run.name == "abc"
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("controller.group_sise=3", "did you mean 'controller.group_size'"),
+    ("brokers.job_port=notaport", "brokers.job_port"),
+    ("controller.max_staleness=-1", "controller.max_staleness"),
+    ("noequals", "section.key=value"),
+])
+def test_bad_overrides_are_explained(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_yaml_file_unknown_nested_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("brokers:\n  heartbeat: 2\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'brokers.heartbeat' — did you mean 'brokers.heartbeat_s'"):
+        load_config(path)
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def _fields(model: type[BaseModel], prefix=""):
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _fields(ann, prefix + name + ".")
+        else:
+            yield prefix + name, field
+
+
+def test_every_field_is_documented():
+    missing = [name for name, field in _fields(RunConfig) if not field.description]
+    assert not missing, f"fields without description: {missing}"
+    assert "# Job broker ROUTER port." in documented_yaml(RunConfig())
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    load_config(path)

@@ -1,0 +1,121 @@
+"""Round trips of every message shape (hypothesis) and every kind of bad input decode() must refuse."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_mq import protocol
+from areal_mq.errors import ProtocolError
+from areal_mq.messages import (Control, Error, GenerateRequest, GenerateResult, RewardJob, Sample, SamplingSpec,
+                               SeqSample, WeightsReady)
+
+ints = st.lists(st.integers(-2**31, 2**31 - 1), max_size=300)
+floats = st.floats(allow_nan=False, width=32)
+
+
+def _wire(frames):
+    return [bytes(memoryview(f)) for f in frames]  # what really arrives: bytes, not our numpy objects
+
+
+@given(tokens=ints, temp=st.floats(0, 5), text=st.text(max_size=50), idx=st.integers(0, 1000))
+@settings(max_examples=60, deadline=None)
+def test_generate_request_round_trip(tokens, temp, text, idx):
+    msg = GenerateRequest(prompt_ids=tokens, sampling=SamplingSpec(temperature=temp, stop_strings=[text]),
+                          group_id=text, sample_index=idx, meta={"k": [1, text]})
+    env = protocol.decode(_wire(protocol.encode(msg, service="generate")))
+    assert env.service == "generate"
+    assert env.msg.prompt_ids.dtype == np.int32
+    assert env.msg.prompt_ids.tolist() == tokens
+    assert env.msg.sampling == msg.sampling and env.msg.meta == msg.meta
+
+
+@given(n=st.integers(0, 200), data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_generate_result_and_nested_sample_round_trip(n, data):
+    ids = data.draw(st.lists(st.integers(0, 50000), min_size=n, max_size=n))
+    lps = data.draw(st.lists(floats, min_size=n, max_size=n))
+    vers = data.draw(st.lists(st.integers(-1, 100), min_size=n, max_size=n))
+    res = GenerateResult(output_ids=ids, logprobs=lps, versions=vers, finish_reason="length", text="t")
+    back = protocol.decode(_wire(protocol.encode(res, reply_to="abc")))
+    assert back.reply_to == "abc"
+    np.testing.assert_array_equal(back.msg.logprobs, np.asarray(lps, np.float32))
+    seq = SeqSample(prompt_ids=[1, 2], output_ids=ids, logprobs=lps, versions=vers, reward=0.5)
+    sample = Sample(sample_id="s", seqs=[seq, seq])
+    got = protocol.decode(_wire(protocol.encode(sample))).msg
+    assert len(got.seqs) == 2 and got.seqs[1].versions.tolist() == vers
+
+
+@pytest.mark.parametrize("msg", [
+    Control(action="shutdown", reason="done"), WeightsReady(version=3, path="/x"),
+    RewardJob(task="math", completions=["a", "b"], reference={"x": 1}), Error(code="c", message="m"),
+])
+def test_plain_messages_round_trip(msg):
+    env = protocol.decode(_wire(protocol.encode(msg)))
+    assert env.msg == msg and env.kind == msg.kind
+
+
+def _header(frames):
+    return msgpack.unpackb(frames[0], raw=False)
+
+
+def _with_header(frames, **changes):
+    h = _header(frames)
+    h.update(changes)
+    return [msgpack.packb(h), *frames[1:]]
+
+
+GOOD = _wire(protocol.encode(GenerateResult(output_ids=[1, 2, 3], logprobs=[0.0] * 3, versions=[0] * 3,
+                                            finish_reason="stop")))
+
+
+@pytest.mark.parametrize("frames, code, words", [
+    ([], "bad_frames", "empty"),
+    ([b"\xc1\xff garbage"], "bad_header", "msgpack"),
+    ([msgpack.packb([1, 2])], "bad_header", "map"),
+    (_with_header(GOOD, v=9), "bad_version", "version 9"),
+    (_with_header(GOOD, kind="teleport"), "unknown_kind", "teleport"),
+    (_with_header(GOOD, id=""), "bad_header", "id"),
+    (GOOD[:-1], "bad_arrays", "3 array frame(s) but 2"),
+    ([GOOD[0], GOOD[1], GOOD[2], GOOD[3][:4]], "bad_arrays", "frame has 4"),
+    (_with_header(GOOD, arrays=[["complex128", [3]], ["float32", [3]], ["int32", [3]]]), "bad_arrays", "complex128"),
+])
+def test_bad_frames_are_refused_with_a_reason(frames, code, words):
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode(frames)
+    assert info.value.code == code
+    assert words in str(info.value)
+
+
+def test_wrong_field_types_and_length_mismatch_name_the_field():
+    h = _header(GOOD)
+    h["body"]["finish_reason"] = 7
+    with pytest.raises(ProtocolError, match="finish_reason") as info:
+        protocol.decode([msgpack.packb(h), *GOOD[1:]])
+    assert info.value.code == "bad_fields"
+    mismatch = _wire(protocol.encode(GenerateResult.model_construct(
+        output_ids=np.zeros(3, np.int32), logprobs=np.zeros(2, np.float32), versions=np.zeros(3, np.int32),
+        finish_reason="stop", text="", worker_id="", group_id="", sample_index=0, stats={})))
+    with pytest.raises(ProtocolError, match="length mismatch"):
+        protocol.decode(mismatch)
+    h = _header(GOOD)
+    h["body"]["output_ids"] = {"__nd__": 1}  # a float32 frame where int32 is required
+    with pytest.raises(ProtocolError, match="int32"):
+        protocol.decode([msgpack.packb(h), *GOOD[1:]])
+
+
+def test_oversized_frame_is_refused():
+    big = _wire(protocol.encode(GenerateRequest(prompt_ids=np.zeros(1000, np.int32))))
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode(big, max_frame_bytes=1000)
+    assert info.value.code == "too_large"
+
+
+def test_error_reply_names_the_problem():
+    try:
+        protocol.decode(_with_header(GOOD, v=2))
+    except ProtocolError as exc:
+        env = protocol.decode(_wire(protocol.error_reply(exc)))
+    assert env.msg.code == "bad_version" and env.msg.ref_id == _header(GOOD)["id"]
