@@ -135,6 +135,8 @@ class GenerateRequest(Message):
     """controller -> job broker (service "generate") -> rollout worker: generate one sequence.
 
     prompt_ids  # [P] int32, chat template already applied
+    min_version: the controller's current policy version; a worker that has not loaded it yet holds the
+    request until it has (otherwise a request racing its WeightsReady would be generated stale).
     Example: GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingSpec(max_new_tokens=64),
                              group_id="p17-e0", sample_index=3)
     """
@@ -145,6 +147,7 @@ class GenerateRequest(Message):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     group_id: str = ""
     sample_index: int = 0
+    min_version: int = Field(0, ge=0, description="Start only once the worker's policy is at least this version.")
     meta: dict[str, Any] = Field(default_factory=dict)
 
 
