@@ -15,3 +15,5 @@ class EngineConfig(BaseModel):
     kv_on_update: Literal["recompute", "keep"] = Field(
         "recompute", description="On a weight update: recompute in-flight KV caches under the new weights, or keep them."
     )
+    weights_timeout_s: float = Field(60.0, gt=0, description="Deadline for fetching published weights (zmq mode).")
+    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: time to finish running sequences before handing them back.")
