@@ -99,6 +99,7 @@ class ControllerConfig(_Section):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of training rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for training rollouts.")
     total_steps: int = Field(20, ge=1, description="Training steps (policy versions) of the run.")
+    max_retries: int = Field(3, ge=0, description="Retries of a failed generation/reward job before the group is dropped.")
     reward_task: str = Field("arith", description="Reward function name or import path (module:function).")
     eval_every: int = Field(0, ge=0, description="Evaluate every N versions (0 = only at the end).")
     eval_size: int = Field(200, ge=1, description="Held-out problems per evaluation.")

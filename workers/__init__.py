@@ -3,5 +3,9 @@
 A role entrypoint is `main(cfg: RunConfig, worker_id: str | None) -> int`.
 """
 ROLES: dict[str, str] = {
+    "rollout": "areal_mq.workers.rollout:main",
+    "reward": "areal_mq.workers.reward:main",
+    "trainer": "areal_mq.workers.trainer:main",
+    "controller": "areal_mq.workers.controller:main",
     "echo": "areal_mq.workers.echo:main",
 }

@@ -1,0 +1,255 @@
+"""`areal-mq worker controller`: dataset -> groups of GenerateRequests -> rewards -> sample store.
+
+Dataflow (async mode):
+
+    dataset ──prompt──► admit? ──n × GenerateRequest──► job broker ──► rollout workers
+                          ▲                                              │ GenerateResult
+       WeightsReady(v) ───┘ (signal bus)                                 ▼
+                                     group complete ──RewardJob──► reward workers
+                                                     ◄─RewardResult──┘
+                                     Sample(group, rewards, per-token versions, logprobs) ──► sample store
+
+Invariants:
+- admission: a new prompt only while `submitted_groups < (max_staleness + v + 1) * batch_groups` and
+  fewer than `max_concurrent_groups` groups are in flight (v = newest policy version seen);
+- every request carries `min_version = v`, so no worker starts it on older weights than the controller knew;
+- a failed or refused generation/reward job is retried (up to `max_retries`, with a pause), never silently
+  lost: a group that still fails is logged as `controller.group_failed` with the reason;
+- a group reaches the store exactly once (sample_id = group id; the store deduplicates resends);
+- the strict per-sample staleness filter lives in the sample store (it knows the trainer's version).
+Who waits on whom: the controller waits on nobody's speed — it only stops admitting when the bound says so.
+Sync mode (`run.mode: sync`) is the classic loop: one whole batch is admitted, generated, rewarded and stored,
+and the next is admitted only when the trainer has published the next version. That is exactly the
+admission rule with η = 0, so sync mode forces η = 0 and reuses it; what differs between the modes is the
+launcher's thread split (sync phases alternate, so each may use every core).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_mq.messages import Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, SamplingSpec
+from areal_mq.messages import Sample, SeqSample
+
+
+def can_admit(submitted_groups: int, version: int, max_staleness: int, batch_groups: int, in_flight: int,
+              max_concurrent: int) -> bool:
+    """The staleness throttle of the AReaL paper plus a concurrency cap (pure; property-tested)."""
+    return submitted_groups < (max_staleness + version + 1) * batch_groups and in_flight < max_concurrent
+
+
+def request_seed(run_seed: int, group_id: str, index: int) -> int:
+    digest = hashlib.sha256(f"{run_seed}/{group_id}/{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class Group:
+    group_id: str
+    problem: Any
+    prompt_ids: list[int]
+    results: dict[int, GenerateResult] = field(default_factory=dict)
+    reward_job: str | None = None
+    retries: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+class Controller:
+    def __init__(self, cfg: Any, dataset: Any, formatter: Any, jobs: Any, store: Any, log: Any):
+        self.cfg, self.c = cfg, cfg.controller
+        self.dataset, self.formatter, self.jobs, self.store, self.log = dataset, formatter, jobs, store, log
+        self.version = 0
+        self.submitted = 0
+        self.groups: dict[str, Group] = {}
+        self.by_job: dict[str, tuple[str, str, int]] = {}  # job id -> (kind, group id, sample index)
+        self.retry_at: list[tuple[float, str, str, int]] = []
+        self.stored = 0
+        self.failed = 0
+        self.gen_tokens = 0
+        self.rewards: list[float] = []
+        self.started = time.monotonic()
+        self.state_path = Path(cfg.run.run_dir) / "controller_state.json"
+
+    # ------------------------------------------------------------ admission
+    def admit(self) -> int:
+        admitted = 0
+        eta = 0 if self.cfg.run.mode == "sync" else self.c.max_staleness
+        while can_admit(self.submitted, self.version, eta, self.c.batch_groups, len(self.groups),
+                        self.c.max_concurrent_groups):
+            try:
+                problem = next(self.dataset)
+            except StopIteration:
+                break
+            self._start_group(problem)
+            admitted += 1
+        return admitted
+
+    def _start_group(self, problem: Any) -> None:
+        group_id = f"g{self.submitted:07d}-{problem.id}"
+        self.submitted += 1
+        group = Group(group_id, problem, self.formatter.ids(problem))
+        self.groups[group_id] = group
+        for i in range(self.c.group_size):
+            self._submit_generation(group, i)
+
+    def _submit_generation(self, group: Group, index: int) -> None:
+        sampling = SamplingSpec(temperature=self.c.temperature, top_p=self.c.top_p,
+                                max_new_tokens=self.c.max_new_tokens,
+                                seed=request_seed(self.cfg.run.seed, group.group_id, index))
+        job = self.jobs.submit(GenerateRequest(prompt_ids=group.prompt_ids, sampling=sampling,
+                                               group_id=group.group_id, sample_index=index,
+                                               min_version=self.version), service="generate")
+        self.by_job[job] = ("generate", group.group_id, index)
+
+    # ------------------------------------------------------------ answers
+    def on_answer(self, job_id: str, msg: Any) -> None:
+        kind, group_id, index = self.by_job.pop(job_id, (None, "", 0))
+        group = self.groups.get(group_id)
+        if group is None:
+            return
+        if isinstance(msg, Error):
+            self._retry(group, kind, index, f"[{msg.code}] {msg.message}")
+        elif kind == "generate" and isinstance(msg, GenerateResult):
+            group.results[index] = msg
+            self.gen_tokens += len(msg.output_ids)
+            if len(group.results) == self.c.group_size:
+                self._submit_reward(group)
+        elif kind == "reward" and isinstance(msg, RewardResult):
+            self._store(group, msg)
+
+    def _retry(self, group: Group, kind: str, index: int, reason: str) -> None:
+        group.retries += 1
+        if group.retries > self.c.max_retries:
+            self.groups.pop(group.group_id, None)
+            self.failed += 1
+            self.log.error("controller.group_failed", group=group.group_id, stage=kind, reason=reason,
+                           retries=group.retries - 1)
+            return
+        self.log.warning("controller.retry", group=group.group_id, stage=kind, reason=reason, attempt=group.retries)
+        self.retry_at.append((time.monotonic() + min(5.0, 0.5 * 2 ** group.retries), kind, group.group_id, index))
+
+    def _run_retries(self) -> None:
+        now = time.monotonic()
+        due = [r for r in self.retry_at if r[0] <= now]
+        self.retry_at = [r for r in self.retry_at if r[0] > now]
+        for _, kind, group_id, index in due:
+            group = self.groups.get(group_id)
+            if group is None:
+                continue
+            if kind == "generate":
+                self._submit_generation(group, index)
+            else:
+                self._submit_reward(group)
+
+    def _submit_reward(self, group: Group) -> None:
+        ordered = [group.results[i] for i in range(self.c.group_size)]
+        job = self.jobs.submit(RewardJob(
+            task=self.c.reward_task, prompt_id=group.problem.id, prompt=group.problem.prompt,
+            completions=[r.text for r in ordered], reference=group.problem.answer,
+            truncated=[r.finish_reason == "length" for r in ordered]), service="reward")
+        self.by_job[job] = ("reward", group.group_id, 0)
+
+    def _store(self, group: Group, result: RewardResult) -> None:
+        ordered = [group.results[i] for i in range(self.c.group_size)]
+        seqs = [SeqSample(prompt_ids=group.prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs,
+                          versions=r.versions, reward=float(rw), finish_reason=r.finish_reason,
+                          info={"detail": d} if d else {})
+                for r, rw, d in zip(ordered, result.rewards, result.details or [{}] * len(ordered))]
+        sample = Sample(sample_id=group.group_id, prompt_id=group.problem.id, seqs=seqs,
+                        meta={"level": group.problem.level})
+        self.store.put(sample)
+        self.groups.pop(group.group_id, None)
+        self.stored += 1
+        self.rewards.extend(result.rewards)
+        self.log.info("controller.group_stored", group=group.group_id, reward_mean=round(
+            sum(result.rewards) / len(result.rewards), 4), versions=sorted({int(v) for r in ordered
+                                                                           for v in r.versions}),
+            latency_s=round(time.monotonic() - group.submitted_at, 2))
+        self.save_state()
+
+    # ------------------------------------------------------------ state
+    def on_weights(self, version: int) -> None:
+        if version > self.version:
+            self.version = version
+            self.log.info("controller.version", version=version, submitted=self.submitted, stored=self.stored)
+
+    def save_state(self) -> None:
+        state = {"dataset": self.dataset.state_dict(), "submitted": self.submitted,
+                 "in_flight_problems": [g.problem.id for g in self.groups.values()]}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.state_path)
+
+    def load_state(self) -> list[str]:
+        """Resume: dataset position and the problems whose groups were in flight (to be generated again)."""
+        if not self.state_path.exists():
+            return []
+        state = json.loads(self.state_path.read_text())
+        self.dataset.load_state_dict(state["dataset"])
+        self.submitted = state["submitted"] - len(state["in_flight_problems"])
+        return state["in_flight_problems"]
+
+    def stats(self) -> dict:
+        elapsed = max(1e-6, time.monotonic() - self.started)
+        recent = self.rewards[-200:]
+        return {"version": self.version, "submitted": self.submitted, "stored": self.stored, "failed": self.failed,
+                "in_flight": len(self.groups), "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
+                "reward_mean": round(sum(recent) / len(recent), 4) if recent else None}
+
+    # ------------------------------------------------------------ loop
+    def step(self, timeout: float = 0.05) -> None:
+        """One round: admit, collect answers, run due retries."""
+        self.admit()
+        for job_id, msg in self.jobs.poll(timeout):
+            self.on_answer(job_id, msg)
+        self._run_retries()
+
+    def done(self) -> bool:
+        return self.version >= self.c.total_steps
+
+
+def main(cfg: Any, worker_id: str | None = None) -> int:
+    from areal_mq.client import JobClient, StoreClient
+    from areal_mq.data import build_dataset
+    from areal_mq.data.prompts import ChatFormatter
+    from areal_mq.engines.models import load_tokenizer, resolve_model
+    from areal_mq.messages import WeightsReady
+    from areal_mq.workers.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(cfg, role="controller", service=None, capacity=0, worker_id=worker_id)
+    b = cfg.brokers
+    jobs = JobClient(b.job_addr, heartbeat_s=b.heartbeat_s, liveness=b.liveness, retry_s=b.job_retry_s, log=rt.log)
+    store = StoreClient(b.store_addr, heartbeat_s=b.heartbeat_s)
+    try:
+        tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
+        ctl = Controller(cfg, build_dataset(cfg.data), ChatFormatter(tokenizer, cfg.data.system_prompt), jobs,
+                         store, rt.log)
+        replay = ctl.load_state()
+        initial = rt.start()
+        if initial is not None:
+            ctl.on_weights(initial.version)
+        for problem_id in replay:  # groups that were in flight when the previous run stopped
+            problem = next((p for p in ctl.dataset.problems if p.id == problem_id), None)
+            if problem is not None:
+                ctl._start_group(problem)
+        rt.log.info("controller.started", mode=cfg.run.mode, version=ctl.version, resumed_groups=len(replay),
+                    dataset_size=len(ctl.dataset))
+        last_report = time.monotonic()
+        while not rt.stopping and not ctl.done():
+            while (env := rt.next_signal()) is not None:
+                if isinstance(env.msg, WeightsReady):
+                    ctl.on_weights(env.msg.version)
+            ctl.step()
+            if time.monotonic() - last_report > 2.0:
+                rt.log.info("controller.stats", **ctl.stats())
+                last_report = time.monotonic()
+        rt.log.info("controller.finished", **ctl.stats())
+        return 0
+    finally:
+        jobs.close()
+        store.close()
+        rt.close()
