@@ -1,11 +1,114 @@
-"""Config of the trainer (owned by areal_mq.algorithms)."""
+"""Config of the trainer (owned by areal_mq.algorithms).
+
+What: `TrainerConfig` holds every knob of the decoupled-PPO trainer — optimisation, the loss
+(clipping, behaviour-policy correction, KL), advantages, micro-batch packing, weight publishing and
+checkpoints. `validate_off_policy(max_staleness, cfg)` is the cross-section rule the root RunConfig
+calls: asynchronous training (max_staleness > 0) without the behaviour correction is refused unless
+the user opts in explicitly.
+Why: one documented model, unknown keys rejected, so a typo in a YAML file fails loudly.
+"""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from areal_mq.errors import ConfigError
 
 
 class TrainerConfig(BaseModel):
     """Decoupled-PPO trainer settings."""
 
     model_config = ConfigDict(extra="forbid")
+
+    # ---------------------------------------------------------------- optimisation
     lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear LR warmup from 0 to `lr`.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR after warmup: constant, or linear/cosine decay to lr*min_lr_ratio at decay_steps."
+    )
+    decay_steps: int = Field(1000, ge=1, description="Optimizer step at which linear/cosine decay reaches its floor.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of the decayed LR as a fraction of `lr`.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="fp32, or bf16 autocast over fp32 master weights (Accelerate mixed precision)."
+    )
+    seed: int = Field(1, description="Seed of torch/numpy/python RNGs and of the mini-batch shuffle.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+
+    # ---------------------------------------------------------------- loss
+    temperature: float = Field(
+        1.0, ge=0, description="Sampling temperature of the rollouts; logprobs are log_softmax(logits/temperature) "
+        "(0 means greedy: no scaling). Must equal the rollout temperature."
+    )
+    eps_clip_low: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip below: r >= 1 - eps_clip_low.")
+    eps_clip_high: float = Field(0.2, gt=0, description="PPO ratio clip above: r <= 1 + eps_clip_high (clip-higher).")
+    behav_correction: bool = Field(
+        True, description="Decoupled PPO: recompute proximal logprobs and weight tokens by exp(prox - behaviour). "
+        "Off: plain PPO centred on the behaviour logprobs (no recompute)."
+    )
+    behav_weight_cap: float | None = Field(
+        5.0, gt=0, description="Cap of the behaviour importance weight exp(prox - behaviour) (null: no cap)."
+    )
+    behav_cap_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate: use min(w, cap); mask: tokens with w > cap contribute no loss."
+    )
+    allow_uncorrected_off_policy: bool = Field(
+        False, description="Allow max_staleness > 0 with behav_correction off (biased; you must opt in)."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen initial model (0: off).")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator: k1 = logp - ref, k3 = e^(ref-logp) - (ref-logp) - 1.")
+
+    # ---------------------------------------------------------------- advantages
+    reward_scale: float = Field(1.0, description="Rewards are transformed as clip((r + reward_bias) * reward_scale).")
+    reward_bias: float = Field(0.0, description="Added to every reward before scaling.")
+    reward_clip: float | None = Field(None, gt=0, description="Clip transformed rewards to [-reward_clip, reward_clip].")
+    adv_baseline: Literal["group_mean", "leave_one_out", "none"] = Field(
+        "group_mean", description="Baseline subtracted within a group: its mean, the mean of the others, or none."
+    )
+    adv_std_norm: bool = Field(True, description="Divide group advantages by the group's reward std (GRPO).")
+    adv_eps: float = Field(1e-6, gt=0, description="Added to the std before dividing.")
+
+    # ---------------------------------------------------------------- batching
+    ppo_n_minibatches: int = Field(1, ge=1, description="Optimizer steps per training step (the batch is split).")
+    max_tokens_per_mb: int = Field(4096, ge=16, description="Token budget of one packed micro-batch (per rank).")
+    packing: Literal["dynamic", "padded"] = Field(
+        "dynamic", description="dynamic: first-fit-decreasing packing into one padding-free row; "
+        "padded: fixed `padded_mb_size` sequences per micro-batch, right-padded (baseline)."
+    )
+    padded_mb_size: int = Field(4, ge=1, description="Sequences per micro-batch when packing == padded.")
+
+    # ---------------------------------------------------------------- weights and checkpoints
+    publish_mode: Literal["disk", "zmq"] = Field("disk", description="How new weights reach rollout workers.")
+    publish_dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="dtype of published weights.")
+    keep_weight_versions: int = Field(2, ge=1, description="Published versions kept (disk dirs / zmq server).")
+    weight_server_host: str = Field("127.0.0.1", description="Interface the zmq weight server binds to.")
+    weight_server_port: int = Field(0, ge=0, le=65535, description="Port of the zmq weight server (0: any free port).")
+    weight_chunk_mb: float = Field(64.0, gt=0, description="Target size of one WeightsChunk (a tensor is never split).")
+    checkpoint_every: int = Field(50, ge=0, description="Checkpoint every N training steps (0: only at shutdown).")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in run_dir/checkpoints.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.behav_cap_mode == "mask" and self.behav_weight_cap is None:
+            raise ValueError("behav_cap_mode 'mask' needs a behav_weight_cap; set one (e.g. 5.0) or use 'truncate'")
+        return self
+
+
+def validate_off_policy(max_staleness: int, cfg: TrainerConfig) -> None:
+    """Refuse asynchronous training without behaviour correction unless explicitly allowed.
+
+    With max_staleness > 0 a batch mixes tokens sampled by several older policies. Without the
+    decoupled correction PPO's trust region is centred on those stale behaviour policies and the
+    gradient is biased. Raises ConfigError explaining the two ways out.
+    """
+    if max_staleness > 0 and not cfg.behav_correction and not cfg.allow_uncorrected_off_policy:
+        raise ConfigError(
+            f"asynchronous training (max_staleness={max_staleness}) with trainer.behav_correction=false "
+            "trains on stale samples without correcting for the policy that generated them (biased updates). "
+            "Set trainer.behav_correction=true (recommended), or max_staleness=0 for synchronous training, "
+            "or trainer.allow_uncorrected_off_policy=true to accept the bias explicitly."
+        )

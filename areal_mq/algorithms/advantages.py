@@ -1,0 +1,47 @@
+"""Rewards -> per-sequence advantages (GRPO-style group normalisation).
+
+What: every `Sample` is one prompt's group of n rewarded sequences. Rewards are transformed
+(`clip((r + reward_bias) * reward_scale, ±reward_clip)`), a baseline is subtracted inside the group
+(the group mean, the leave-one-out mean of the others, or none), and optionally the result is divided
+by the group's std (population std + adv_eps). Every generated token of a sequence gets its
+sequence's advantage. A group of one sequence has no baseline to compare against: advantage 0
+(unless adv_baseline is "none").
+Why: pure numpy, so it can be checked by hand and runs identically on every data-parallel rank.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from areal_mq.algorithms.config import TrainerConfig
+
+
+def transform_rewards(rewards: np.ndarray, cfg: TrainerConfig) -> np.ndarray:
+    """clip((r + bias) * scale) as float64."""
+    out = (np.asarray(rewards, dtype=np.float64) + cfg.reward_bias) * cfg.reward_scale
+    if cfg.reward_clip is not None:
+        out = np.clip(out, -cfg.reward_clip, cfg.reward_clip)
+    return out
+
+
+def group_advantages(rewards: np.ndarray, cfg: TrainerConfig) -> np.ndarray:
+    """Advantages of one group's sequences (same order as `rewards`)."""
+    r = transform_rewards(rewards, cfg)
+    n = len(r)
+    if n == 0:
+        return r
+    if cfg.adv_baseline == "none":
+        adv = r.copy()
+    elif n == 1:
+        return np.zeros(1)
+    elif cfg.adv_baseline == "group_mean":
+        adv = r - r.mean()
+    else:  # leave_one_out: baseline of sequence i is the mean of the other n-1
+        adv = r - (r.sum() - r) / (n - 1)
+    if cfg.adv_std_norm and n > 1:
+        adv = adv / (r.std() + cfg.adv_eps)
+    return adv
+
+
+def batch_advantages(groups: list[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:
+    """group_advantages for every group of a batch."""
+    return [group_advantages(g, cfg) for g in groups]

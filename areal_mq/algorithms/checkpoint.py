@@ -1,0 +1,151 @@
+"""Trainer checkpoints with exact resume.
+
+What: `save_checkpoint(trainer, root, extra)` writes root/step{version:08d}/ containing
+- the model as a plain Hugging Face directory (config.json + model.safetensors in fp32, plus the
+  tokenizer files of the source model) — `AutoModelForCausalLM.from_pretrained(dir)` loads it;
+- trainer_state.pt: optimizer and scheduler state dicts (torch.load(weights_only=True)-safe);
+- rng_rank{r}.pt: python / numpy / torch RNG states of every data-parallel rank;
+- trainer_state.json: policy version, optimizer steps, ids of consumed samples and the caller's
+  opaque `extra` dict (e.g. the controller's dataset position; must be JSON-serialisable).
+The directory is written under a temporary name and renamed into place, so a crash never leaves a
+half checkpoint under a real name; older checkpoints beyond `keep_checkpoints` are pruned.
+`load_checkpoint(trainer, dir)` restores all of it and returns `extra`; `latest_checkpoint(root)`
+finds the newest complete one.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from areal_mq.algorithms.trainer import Trainer
+
+STATE_JSON = "trainer_state.json"
+STATE_PT = "trainer_state.pt"
+_NAME = re.compile(r"^step(\d{8})$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+
+
+def _rng_state() -> dict:
+    import torch
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos,
+                                                     has_gauss, gauss],
+            "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and not (dst / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def save_checkpoint(trainer: "Trainer", root: Path, extra: dict, keep: int | None = None) -> Path:
+    """Write a checkpoint of `trainer` (collective under data parallelism: call on every rank)."""
+    import torch
+
+    acc = trainer.accelerator
+    final = root / f"step{trainer.version:08d}"
+    tmp = root / f".step{trainer.version:08d}.tmp"
+    json.dumps(extra)  # fail before writing anything if `extra` cannot be stored
+    if trainer.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        trainer.unwrapped.save_pretrained(str(tmp), safe_serialization=True)
+        _copy_tokenizer(trainer.model_path, tmp)
+        torch.save({"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
+                   tmp / STATE_PT)
+        state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
+                 "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids, "extra": extra}
+        (tmp / STATE_JSON).write_text(json.dumps(state))
+    acc.wait_for_everyone()
+    torch.save(_rng_state(), tmp / f"rng_rank{trainer.rank}.pt")
+    acc.wait_for_everyone()
+    if trainer.is_main:
+        if final.exists():  # the same version saved again (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        prune_checkpoints(root, keep or trainer.cfg.keep_checkpoints)
+    acc.wait_for_everyone()
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / STATE_JSON).is_file()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(Path(root))
+    return found[-1] if found else None
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_model_weights(trainer: "Trainer", path: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint {path} has no *.safetensors weights")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    model = trainer.unwrapped
+    tied = _tied_names(model)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    bad_missing = [m for m in missing if m not in tied]
+    if bad_missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit the model: missing {bad_missing[:5]}, "
+                         f"unexpected {list(unexpected)[:5]}; was it saved from a different model?")
+
+
+def _tied_names(model) -> set[str]:
+    """State-dict names that alias an earlier tensor (tied weights: saved once)."""
+    seen, tied = set(), set()
+    for name, t in model.state_dict().items():
+        (tied.add(name) if t.data_ptr() in seen else seen.add(t.data_ptr()))
+    return tied
+
+
+def load_checkpoint(trainer: "Trainer", path: Path) -> dict:
+    """Restore model, optimizer, scheduler, RNG, version and consumed ids; return `extra`."""
+    import torch
+
+    if not (path / STATE_JSON).is_file():
+        raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STATE_JSON})")
+    state = json.loads((path / STATE_JSON).read_text())
+    _load_model_weights(trainer, path)
+    blobs = torch.load(path / STATE_PT, weights_only=True)
+    trainer.optimizer.load_state_dict(blobs["optimizer"])
+    trainer.scheduler.load_state_dict(blobs["scheduler"])
+    rng_file = path / f"rng_rank{trainer.rank}.pt"
+    if rng_file.is_file():  # absent if the world size grew: that rank keeps its seeded RNG
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    trainer.version = int(state["version"])
+    trainer.optimizer_steps = int(state["optimizer_steps"])
+    trainer.consumed_ids = list(state["consumed_ids"])
+    return dict(state.get("extra", {}))

@@ -1,0 +1,197 @@
+"""Sequences -> micro-batches: dynamic padding-free packing (default) or fixed-size padded batches.
+
+What:
+- `samples_to_seqs` flattens Sample groups into `SeqData` (prompt + generated tokens, behaviour
+  logprobs, versions, the sequence's advantage).
+- `plan_step` splits a step's sequences into PPO mini-batches, each mini-batch across data-parallel
+  ranks (longest-processing-time first: balanced token counts), and each rank's share into
+  micro-batches: first-fit-decreasing bins under `max_tokens_per_mb` ("dynamic"), or
+  `padded_mb_size` sequences in arrival order ("padded", the baseline). Every rank computes the
+  same plan from the same sequence list, so no communication is needed.
+- `build_microbatch` turns one bin into tensors. Packed: ONE row, sequences concatenated, position
+  ids restarting at 0 per sequence and no attention mask — transformers (>= 4.53, checked on 5.23)
+  then builds a block-diagonal causal mask from the position ids, so attention never crosses
+  sequences. Forward MUST pass use_cache=False: with a cache the packed-sequence detection is skipped.
+  A sequence longer than the budget gets a micro-batch of its own (counted as oversized).
+Why: on long-tail length mixes padding wastes most of the compute; packing removes it while the
+loss and gradients stay exactly those of the unpacked computation (tests/unit/algorithms).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from areal_mq.algorithms.advantages import group_advantages
+from areal_mq.algorithms.config import TrainerConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from areal_mq.messages import Sample
+
+
+@dataclass
+class SeqData:
+    """One training sequence. tokens  # [P+T] int64; behav_logp, versions  # [T]."""
+
+    tokens: np.ndarray
+    prompt_len: int
+    behav_logp: np.ndarray
+    versions: np.ndarray
+    advantage: float
+    sample_id: str
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_gen(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def samples_to_seqs(samples: Sequence["Sample"], cfg: TrainerConfig) -> list[SeqData]:
+    """Flatten groups into sequences with their advantages. Sequences with no generated token are
+    dropped (nothing to train on); an empty prompt is refused (its first token has no context)."""
+    seqs: list[SeqData] = []
+    for sample in samples:
+        advs = group_advantages(np.array([s.reward for s in sample.seqs]), cfg)
+        for i, (seq, adv) in enumerate(zip(sample.seqs, advs)):
+            if len(seq.prompt_ids) == 0:
+                raise ValueError(
+                    f"sample {sample.sample_id!r} sequence {i} has an empty prompt: its first generated token "
+                    "has no context to score it; the controller must send at least one prompt token"
+                )
+            if len(seq.output_ids) == 0:
+                continue
+            tokens = np.concatenate([seq.prompt_ids, seq.output_ids]).astype(np.int64)
+            seqs.append(SeqData(tokens, len(seq.prompt_ids), np.asarray(seq.logprobs, np.float32),
+                                np.asarray(seq.versions, np.int64), float(adv), sample.sample_id))
+    return seqs
+
+
+# ---------------------------------------------------------------- planning (pure index arithmetic)
+def lpt_partition(indices: Sequence[int], weights: Sequence[int], k: int) -> list[list[int]]:
+    """Split `indices` into k parts of balanced total weight (heaviest first to the lightest part).
+    Deterministic: ties go to the lowest part index; each part keeps ascending index order."""
+    parts: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in sorted(indices, key=lambda j: (-weights[j], j)):
+        target = min(range(k), key=lambda p: (loads[p], p))
+        parts[target].append(i)
+        loads[target] += weights[i]
+    return [sorted(p) for p in parts]
+
+
+def ffd_bins(indices: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit-decreasing bin packing under `budget` tokens; an oversized item gets its own bin."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(indices, key=lambda j: (-lengths[j], j)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+@dataclass
+class StepPlan:
+    """Micro-batch bins (sequence indices) of this rank, per mini-batch, and the global counts the
+    loss normalises by (generated tokens of each whole mini-batch, over all ranks)."""
+
+    minibatches: list[list[list[int]]]
+    gen_tokens: list[int]
+    oversized: int = 0
+    all_minibatch_seqs: list[list[int]] = field(default_factory=list)
+
+
+def plan_step(seqs: Sequence[SeqData], cfg: TrainerConfig, world_size: int = 1, rank: int = 0) -> StepPlan:
+    """Mini-batches -> ranks -> micro-batches, identical on every rank."""
+    lengths = [s.length for s in seqs]
+    n_mb = min(cfg.ppo_n_minibatches, len(seqs)) or 1
+    minis = lpt_partition(range(len(seqs)), lengths, n_mb)
+    plan = StepPlan([], [], 0, minis)
+    for mini in minis:
+        mine = lpt_partition(mini, lengths, world_size)[rank]
+        if cfg.packing == "dynamic":
+            bins = ffd_bins(mine, lengths, cfg.max_tokens_per_mb)
+        else:
+            bins = [mine[i:i + cfg.padded_mb_size] for i in range(0, len(mine), cfg.padded_mb_size)]
+        plan.minibatches.append(bins)
+        plan.gen_tokens.append(sum(seqs[i].n_gen for i in mini))
+        plan.oversized += sum(1 for i in mine if lengths[i] > cfg.max_tokens_per_mb)
+    return plan
+
+
+# ---------------------------------------------------------------- tensors
+@dataclass
+class MicroBatch:
+    """Model inputs of one micro-batch plus per-generated-token training data ([N] tensors).
+
+    input_ids, position_ids  # [B, L] (B == 1 when packed); attention_mask  # [B, L] or None (packed)
+    keep_cols  # [C] sequence columns whose logits are needed (passed as logits_to_keep)
+    logit_index  # [N] index into the flattened [B*C] kept logits predicting each generated token
+    """
+
+    seq_ids: list[int]
+    input_ids: "torch.Tensor"
+    position_ids: "torch.Tensor"
+    attention_mask: "torch.Tensor | None"
+    keep_cols: "torch.Tensor"
+    logit_index: "torch.Tensor"
+    targets: "torch.Tensor"
+    behav_logp: "torch.Tensor"
+    advantages: "torch.Tensor"
+    versions: "torch.Tensor"
+    n_tokens: int  # real (non-pad) tokens fed to the model
+    prox_logp: "torch.Tensor | None" = None
+    ref_logp: "torch.Tensor | None" = None
+
+
+def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, pad_id: int = 0) -> MicroBatch:
+    """Tensors for the sequences `ids` (packed into one row, or right-padded rows)."""
+    import torch
+
+    chosen = [seqs[i] for i in ids]
+    if packed:
+        rows = [np.concatenate([s.tokens for s in chosen])]
+        pos = [np.concatenate([np.arange(s.length) for s in chosen])]
+        starts = np.cumsum([0] + [s.length for s in chosen[:-1]])
+        where = [(0, int(o)) for o in starts]
+        width = len(rows[0])
+    else:
+        width = max(s.length for s in chosen)
+        rows = [np.pad(s.tokens, (0, width - s.length), constant_values=pad_id) for s in chosen]
+        pos = [np.arange(width) for _ in chosen]
+        where = [(r, 0) for r in range(len(chosen))]
+    row_idx, col_idx = [], []
+    for (r, off), s in zip(where, chosen):
+        cols = off + s.prompt_len - 1 + np.arange(s.n_gen)  # logits at column c score the token at c+1
+        row_idx.append(np.full(s.n_gen, r))
+        col_idx.append(cols)
+    rows_np, cols_np = np.concatenate(row_idx), np.concatenate(col_idx)
+    keep = np.unique(cols_np)
+    logit_index = rows_np * len(keep) + np.searchsorted(keep, cols_np)
+    mask = None
+    if not packed:
+        mask = torch.tensor(np.stack([np.arange(width) < s.length for s in chosen]), dtype=torch.long)
+    return MicroBatch(
+        seq_ids=list(ids),
+        input_ids=torch.from_numpy(np.stack(rows)).long(),
+        position_ids=torch.from_numpy(np.stack(pos)).long(),
+        attention_mask=mask,
+        keep_cols=torch.from_numpy(keep).long(),
+        logit_index=torch.from_numpy(logit_index).long(),
+        targets=torch.from_numpy(np.concatenate([s.tokens[s.prompt_len:] for s in chosen])).long(),
+        behav_logp=torch.from_numpy(np.concatenate([s.behav_logp for s in chosen])).float(),
+        advantages=torch.from_numpy(np.concatenate([np.full(s.n_gen, s.advantage) for s in chosen])).float(),
+        versions=torch.from_numpy(np.concatenate([s.versions for s in chosen])).long(),
+        n_tokens=sum(s.length for s in chosen),
+    )

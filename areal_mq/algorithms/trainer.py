@@ -1,0 +1,250 @@
+"""The decoupled-PPO trainer on Hugging Face Accelerate.
+
+What: `Trainer(cfg, model_path).train_step(samples)` runs one training step on a batch of rewarded
+groups and returns its metrics; `version` counts finished steps (0 = the initial model).
+One step:
+
+    samples -> sequences + GRPO advantages -> plan (mini-batches / ranks / packed micro-batches)
+            -> proximal logprobs recomputed with the current weights (no grad)  [behav_correction]
+            -> for each mini-batch: forward/backward every micro-batch (gradients accumulate,
+               DDP syncs only on the last), clip, AdamW step, LR schedule step
+            -> version += 1
+
+Every rank receives the SAME full sample list and computes the same plan; it trains only its share.
+The loss of every micro-batch is normalised by the generated-token count of the whole mini-batch
+over all ranks and multiplied by the world size (DDP averages gradients), so a step's gradient is
+the token mean over the batch whatever the number of ranks or micro-batches.
+Logprobs follow areal_mq/engines/base.py: log_softmax(logits / temperature)[token].
+
+How to run: in-process (`Trainer(cfg, path)`), or under `accelerate launch --num_processes 2 --cpu`
+(see tests/integration/test_trainer_ddp.py); the worker is workers/trainer.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from areal_mq.algorithms.config import TrainerConfig
+from areal_mq.algorithms.packing import MicroBatch, SeqData, build_microbatch, plan_step, samples_to_seqs
+from areal_mq.algorithms.ppo import ppo_loss
+
+if TYPE_CHECKING:
+    import torch
+
+    from areal_mq.messages import Sample
+
+# order of the summed metrics vector reduced over ranks
+_SUMS = ("loss", "clipped", "weight_sum", "capped", "kl_sum", "entropy_sum", "n_gen", "fwd_tokens")
+
+
+def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False):
+    """Logprobs [N] of the generated tokens of `mb` (and their entropies [N] if asked, no grad)."""
+    import torch
+
+    out = model(
+        input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+        use_cache=False,  # required: with a cache transformers skips the packed-sequence mask
+        logits_to_keep=mb.keep_cols,
+    )
+    logits = out.logits.reshape(-1, out.logits.shape[-1])[mb.logit_index].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, mb.targets[:, None]).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+class Trainer:
+    """Policy parameters, optimizer and schedule; see the module docstring."""
+
+    def __init__(self, cfg: TrainerConfig, model_path: str | Path, accelerator: Any = None):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        from areal_mq.algorithms.optim import build_optimizer, build_scheduler
+        from areal_mq.engines.models import load_causal_lm
+
+        self.cfg = cfg
+        self.model_path = Path(model_path)
+        self.accelerator = accelerator or Accelerator(mixed_precision="bf16" if cfg.precision == "bf16" else "no")
+        set_seed(cfg.seed)
+        model = load_causal_lm(self.model_path, "float32")  # fp32 master weights; bf16 = autocast
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        self.unwrapped = model
+        self.optimizer = build_optimizer(model, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.model = self.accelerator.prepare_model(model)
+        self.ref_model = None
+        if cfg.kl_coef > 0:
+            self.ref_model = self.accelerator.prepare_model(load_causal_lm(self.model_path, "float32").eval(),
+                                                            evaluation_mode=True)
+            self.ref_model.requires_grad_(False)
+        self.version = 0
+        self.optimizer_steps = 0
+        self.consumed_ids: list[str] = []
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def prepare(self, samples: Sequence["Sample"]) -> tuple[list[SeqData], list[list[MicroBatch]], list[int], int]:
+        """Sequences, this rank's micro-batches per mini-batch, global generated tokens per mini-batch,
+        and the number of oversized sequences."""
+        seqs = samples_to_seqs(samples, self.cfg)
+        if not seqs:
+            raise ValueError("the batch has no generated tokens to train on (every sequence is empty)")
+        plan = plan_step(seqs, self.cfg, self.world_size, self.rank)
+        packed = self.cfg.packing == "dynamic"
+        pad_id = self.unwrapped.config.pad_token_id or 0
+        minis = [[build_microbatch(seqs, b, packed, pad_id) for b in bins] for bins in plan.minibatches]
+        return seqs, minis, plan.gen_tokens, plan.oversized
+
+    def recompute(self, minis: list[list[MicroBatch]]) -> None:
+        """Proximal (and reference) logprobs with the current weights, stored on each micro-batch."""
+        import torch
+
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for mb in (m for mini in minis for m in mini):
+                    if self.cfg.behav_correction:
+                        mb.prox_logp, _ = token_logprobs(self.model, mb, self.cfg.temperature)
+                    if self.ref_model is not None:
+                        mb.ref_logp, _ = token_logprobs(self.ref_model, mb, self.cfg.temperature)
+        finally:
+            self.model.train()
+
+    def backward_minibatch(self, mini: list[MicroBatch], gen_tokens: int) -> np.ndarray:
+        """Accumulate the gradient of one mini-batch (zeroed first). Returns this rank's metric sums."""
+        sums = np.zeros(len(_SUMS))
+        self.optimizer.zero_grad(set_to_none=True)
+        if not mini:  # this rank has no sequence: join DDP's gradient all-reduce with zeros
+            out = self.model(input_ids=self._dummy_ids(), use_cache=False)
+            self.accelerator.backward(out.logits.sum() * 0.0)
+            return sums
+        for k, mb in enumerate(mini):
+            last = k == len(mini) - 1
+            ctx = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
+            with ctx:
+                logp, entropy = token_logprobs(self.model, mb, self.cfg.temperature, with_entropy=True)
+                prox = mb.prox_logp if self.cfg.behav_correction else mb.behav_logp
+                loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, gen_tokens, self.cfg, mb.ref_logp)
+                self.accelerator.backward(loss * self.world_size)
+            sums += [float(loss.detach()), st.clipped, st.weight_sum, st.capped, st.kl_sum,
+                     float(entropy.sum()), st.n_tokens, mb.n_tokens]
+            self._weight_max = max(self._weight_max, st.weight_max)
+        return sums
+
+    def optimizer_step(self) -> float:
+        """Clip, step AdamW and the schedule. Returns the gradient norm before clipping."""
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        return float(norm)
+
+    def train_step(self, samples: Sequence["Sample"]) -> dict[str, float]:
+        """One training step on `samples` (the same list on every rank); returns metrics."""
+        t0 = time.perf_counter()
+        seqs, minis, gen_tokens, oversized = self.prepare(samples)
+        t1 = time.perf_counter()
+        self.recompute(minis)
+        t2 = time.perf_counter()
+        self._weight_max = 0.0
+        sums, norms, lr = np.zeros(len(_SUMS)), [], self.scheduler.get_last_lr()[0]
+        for mini, n_gen in zip(minis, gen_tokens):
+            sums += self.backward_minibatch(mini, n_gen)
+            norms.append(self.optimizer_step())
+        sums, weight_max = self._reduce(sums, self._weight_max)
+        elapsed = time.perf_counter() - t0
+        metrics = self._metrics(seqs, samples, sums, weight_max, norms, len(minis))
+        metrics.update(lr=lr, oversized_seqs=oversized, prepare_s=t1 - t0, prox_recompute_s=t2 - t1,
+                       step_s=elapsed, tokens_per_s=sum(s.length for s in seqs) / elapsed,
+                       n_microbatches=sum(len(m) for m in minis))
+        self.version += 1
+        self.consumed_ids.extend(s.sample_id for s in samples)
+        metrics["version"] = self.version
+        return {k: (int(v) if isinstance(v, (int, np.integer)) else float(v)) for k, v in metrics.items()}
+
+    # ------------------------------------------------------------------------------------------
+    def _dummy_ids(self) -> "torch.Tensor":
+        import torch
+
+        return torch.zeros((1, 1), dtype=torch.long)
+
+    def _reduce(self, sums: np.ndarray, weight_max: float) -> tuple[np.ndarray, float]:
+        if self.world_size == 1:
+            return sums, weight_max
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(sums, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        m = torch.tensor([weight_max], dtype=torch.float64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        return t.numpy(), float(m[0])
+
+    def _metrics(self, seqs, samples, sums, weight_max, norms, n_minis) -> dict[str, float]:
+        s = dict(zip(_SUMS, sums))
+        n = max(s["n_gen"], 1.0)
+        stale = np.concatenate([self.version - q.versions for q in seqs])
+        rewards = [q.reward for smp in samples for q in smp.seqs]
+        out = {
+            "loss": s["loss"] / n_minis, "clip_frac": s["clipped"] / n, "entropy": s["entropy_sum"] / n,
+            "behav_weight_mean": s["weight_sum"] / n, "behav_weight_max": weight_max,
+            "behav_capped_frac": s["capped"] / n, "grad_norm": float(np.mean(norms)),
+            "grad_norm_max": float(np.max(norms)), "staleness_mean": float(stale.mean()),
+            "staleness_max": int(stale.max()), "n_samples": len(samples), "n_seqs": len(seqs),
+            "n_tokens": int(sum(q.length for q in seqs)), "n_gen_tokens": int(s["n_gen"]),
+            "reward_mean": float(np.mean(rewards)), "adv_abs_mean": float(np.mean([abs(q.advantage) for q in seqs])),
+        }
+        if self.cfg.kl_coef > 0:
+            out["kl"] = s["kl_sum"] / n
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def publish_tensors(self, dtype: str | None = None) -> dict[str, "torch.Tensor"]:
+        """A snapshot of the policy weights for publishing: state-dict names, tied duplicates dropped
+        (as save_pretrained does), cast to `dtype` (default cfg.publish_dtype), always copied."""
+        from areal_mq.engines.models import torch_dtype
+
+        want = torch_dtype(dtype or self.cfg.publish_dtype)
+        seen: set[int] = set()
+        out = {}
+        for name, t in self.unwrapped.state_dict().items():
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            out[name] = t.detach().to(dtype=want, copy=True).contiguous()
+        return out
+
+    def save_checkpoint(self, root: str | Path, extra: dict | None = None) -> Path:
+        from areal_mq.algorithms.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, Path(root), extra or {})
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Restore everything saved by save_checkpoint; returns the `extra` dict."""
+        from areal_mq.algorithms.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, Path(path))

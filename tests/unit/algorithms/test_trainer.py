@@ -1,0 +1,114 @@
+"""The Trainer on the real tiny Llama: learning direction, metrics, checkpoints and exact resume."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from areal_mq.algorithms.config import TrainerConfig
+from areal_mq.algorithms.trainer import Trainer
+from areal_mq.messages import Sample, SeqSample
+from tests.unit.algorithms.batches import behaviour_near_model, make_samples
+
+RESUME_CFG = dict(lr=1e-3, warmup_steps=2, lr_schedule="cosine", decay_steps=10, ppo_n_minibatches=2,
+                  max_tokens_per_mb=64, seed=7, weight_decay=0.01)
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
+
+
+def test_rewarded_sequence_becomes_more_likely(tiny_model_dir):
+    good = SeqSample(prompt_ids=[5, 6, 7], output_ids=[100, 200, 300], logprobs=[0, 0, 0], versions=[0] * 3,
+                     reward=1.0)
+    bad = SeqSample(prompt_ids=[5, 6, 7], output_ids=[400, 500, 600], logprobs=[0, 0, 0], versions=[0] * 3,
+                    reward=0.0)
+    batch = behaviour_near_model([Sample(sample_id="g", seqs=[good, bad])], tiny_model_dir, noise=0.0)
+    trainer = Trainer(TrainerConfig(lr=3e-3, grad_clip=None), tiny_model_dir)
+    before = [s.logprobs.sum() for s in batch[0].seqs]
+    metrics = [trainer.train_step(batch) for _ in range(3)]
+    from areal_mq.algorithms.packing import build_microbatch, samples_to_seqs
+    from areal_mq.algorithms.trainer import token_logprobs
+
+    seqs = samples_to_seqs(batch, trainer.cfg)
+    with torch.no_grad():
+        trained = [token_logprobs(trainer.model, build_microbatch(seqs, [i], True), 1.0)[0].sum().item()
+                   for i in range(2)]
+    assert trained[0] > before[0] + 0.01 and trained[1] < before[1] - 0.01
+    assert trainer.version == 3 and [m["version"] for m in metrics] == [1, 2, 3]
+    # on-policy first step: proximal == behaviour == current, so the ratio and weight are exactly 1
+    assert metrics[0]["clip_frac"] == 0.0 and metrics[0]["behav_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_metrics_report_staleness_weights_and_throughput(tiny_model_dir):
+    trainer = Trainer(TrainerConfig(max_tokens_per_mb=64), tiny_model_dir)
+    trainer.version = 5
+    batch = make_samples(4, version=5, staleness=3)
+    for seq in batch[0].seqs:  # behaviour far less likely than the model: weights e^(p - b) blow past the cap
+        seq.logprobs = seq.logprobs - 40.0
+    m = trainer.train_step(batch)
+    for key in ("loss", "clip_frac", "entropy", "behav_weight_mean", "behav_weight_max", "behav_capped_frac",
+                "grad_norm", "staleness_mean", "staleness_max", "tokens_per_s", "prox_recompute_s", "lr"):
+        assert np.isfinite(m[key]), key
+    assert 0 < m["staleness_mean"] <= 3 and m["staleness_max"] <= 3
+    assert 0 < m["behav_capped_frac"] < 1 and m["behav_weight_max"] > trainer.cfg.behav_weight_cap
+    assert m["n_microbatches"] > 1 and m["version"] == 6
+
+
+def test_empty_batch_is_refused(tiny_model_dir):
+    trainer = Trainer(TrainerConfig(), tiny_model_dir)
+    empty = SeqSample(prompt_ids=[1], output_ids=[], logprobs=[], versions=[], reward=1.0)
+    with pytest.raises(ValueError, match="no generated tokens"):
+        trainer.train_step([Sample(sample_id="e", seqs=[empty])])
+    assert trainer.version == 0
+
+
+def test_resume_reaches_the_same_parameters_as_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    cfg = TrainerConfig(**RESUME_CFG)
+    batches = [make_samples(10 + i, version=i, staleness=1) for i in range(4)]
+
+    straight = Trainer(cfg, tiny_model_dir)
+    for b in batches:
+        straight.train_step(b)
+    expected = _params(straight)
+    del straight
+
+    first = Trainer(cfg, tiny_model_dir)
+    for b in batches[:2]:
+        first.train_step(b)
+    at_two = _params(first)
+    ckpt = first.save_checkpoint(tmp_path / "ckpt", extra={"dataset_pos": 17})
+    del first
+    torch.manual_seed(999)  # disturb the RNG: resume must restore it
+
+    resumed = Trainer(cfg, tiny_model_dir)
+    assert resumed.load_checkpoint(ckpt) == {"dataset_pos": 17}
+    assert resumed.version == 2 and resumed.optimizer_steps == 4
+    assert resumed.consumed_ids == [s.sample_id for b in batches[:2] for s in b]
+    for b in batches[2:]:
+        resumed.train_step(b)
+    got = _params(resumed)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{name} differs after resume"
+    # the checkpoint is a plain Hugging Face model holding the step-2 weights
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(str(ckpt), local_files_only=True)
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, at_two[name]), name
+    assert (ckpt / "tokenizer.json").is_file()
+
+
+def test_checkpoints_are_pruned_and_latest_found(tiny_model_dir, tmp_path):
+    from areal_mq.algorithms.checkpoint import latest_checkpoint, list_checkpoints
+
+    trainer = Trainer(TrainerConfig(keep_checkpoints=2), tiny_model_dir)
+    batch = make_samples(5, n_groups=1)
+    for _ in range(3):
+        trainer.train_step(batch)
+        trainer.save_checkpoint(tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step00000002", "step00000003"]
+    assert latest_checkpoint(tmp_path).name == "step00000003"
+    assert not list(tmp_path.glob(".*tmp"))
+    with pytest.raises(TypeError):
+        trainer.save_checkpoint(tmp_path, extra={"bad": object()})
