@@ -1,0 +1,76 @@
+"""Held-out evaluation: greedy answers of a policy version on the test split, graded strict and lenient.
+
+strict  = the final answer in the form the prompt asks for (\\boxed{N}) equals the reference;
+lenient = the last number in the text equals the reference (tells arithmetic from format learning).
+The policy is the base model, or a published weights directory (run_dir/weights/vN), or a checkpoint —
+always a named version, never weights that change during the evaluation.
+
+    areal-mq eval --config configs/quickstart.yaml [--weights runs/quickstart/weights/v20] [--n 200]
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version: int | None = None,
+             progress: bool = True, max_new_tokens: int | None = None) -> dict:
+    from areal_mq.data import load_eval_problems
+    from areal_mq.data.answers import grade
+    from areal_mq.data.prompts import ChatFormatter
+    from areal_mq.engines import build_engine
+    from areal_mq.engines.base import EngineRequest, SamplingParams
+    from areal_mq.engines.models import load_tokenizer, resolve_model
+
+    problems = load_eval_problems(cfg.data)[: n or cfg.controller.eval_size]
+    if not problems:
+        raise ValueError("no held-out problems: set data.eval_name")
+    tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
+    fmt = ChatFormatter(tokenizer, cfg.data.system_prompt)
+    engine = build_engine(cfg.rollout, cfg.model, seed=cfg.run.seed)
+    t0 = time.perf_counter()
+    try:
+        if weights:
+            engine.update_weights(version if version is not None else 1, path=str(weights))
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or cfg.controller.max_new_tokens)
+        for p in problems:
+            engine.submit(EngineRequest(p.id, fmt.ids(p), sampling))
+        outputs = _drain(engine, len(problems), progress)
+    finally:
+        engine.close()
+    by_id = {p.id: p for p in problems}
+    totals: dict = defaultdict(lambda: [0, 0, 0])  # level -> [n, strict, lenient]
+    for out in outputs:
+        verdict = grade(out.text, by_id[out.request_id].answer)
+        for key in ("all", f"L{by_id[out.request_id].level}"):
+            totals[key][0] += 1
+            totals[key][1] += int(bool(verdict["strict"]))
+            totals[key][2] += int(bool(verdict["lenient"]))
+    n_all, strict, lenient = totals["all"]
+    return {"n": n_all, "strict": strict / n_all, "lenient": lenient / n_all, "weights": weights or "base",
+            "version": version if version is not None else 0, "seconds": round(time.perf_counter() - t0, 1),
+            "truncated": sum(o.finish_reason == "length" for o in outputs) / n_all,
+            "by_level": {k: {"n": v[0], "strict": v[1] / v[0], "lenient": v[2] / v[0]}
+                         for k, v in sorted(totals.items()) if k != "all"}}
+
+
+def _drain(engine: Any, total: int, progress: bool) -> list:
+    from tqdm import tqdm
+
+    outputs = []
+    with tqdm(total=total, desc="eval", unit="problem", disable=not progress, leave=False) as bar:
+        while engine.has_work():
+            done = engine.step()
+            outputs.extend(done)
+            bar.update(len(done))
+    return outputs
+
+
+def append_result(run_dir: str | Path, result: dict) -> None:
+    path = Path(run_dir) / "eval.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), **result}) + "\n")

@@ -1,0 +1,149 @@
+"""CLI commands `run`, `eval` and `plot` (mounted on the main `areal-mq` app by areal_mq.cli).
+
+    areal-mq run configs/quickstart.yaml [--set a.b=v] [--resume RUN_DIR]
+    areal-mq eval --config configs/quickstart.yaml [--weights RUN_DIR/weights/vN] [--n 200]
+    areal-mq plot RUN_DIR
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)
+    app.command("eval")(eval_cmd)
+    app.command("plot")(plot_cmd)
+
+
+def _cfg(path: Optional[str], overrides: Optional[List[str]], resume: Optional[str] = None):
+    from areal_mq.config import load_config
+    from areal_mq.errors import ConfigError
+
+    try:
+        if resume:
+            saved = Path(resume) / "config.yaml"
+            if not saved.exists():
+                raise ConfigError(f"--resume {resume}: no config.yaml there (is it a run directory?)")
+            return load_config(saved, overrides or [])
+        return load_config(path, overrides or [])
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
+def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g. configs/quickstart.yaml)."),
+        set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: section.key=value."),
+        resume: Optional[str] = typer.Option(None, help="Continue the run in this run directory."),
+        skip_eval: bool = typer.Option(False, "--skip-eval", help="No held-out evaluation before/after."),
+        quiet: bool = typer.Option(False, help="No live display (logs only).")) -> None:
+    """Run the whole system on this host: brokers, controller, rollout, reward and trainer processes."""
+    if not config and not resume:
+        typer.echo("error: give a CONFIG or --resume RUN_DIR", err=True)
+        raise typer.Exit(2)
+    from rich.console import Console
+
+    from areal_mq.launcher import Launcher, settle_ports
+
+    cfg = settle_ports(_cfg(config, set_, resume))
+    console = Console(stderr=True)
+    launcher = Launcher(cfg, console)
+    path = launcher.prepare()
+    console.print(f"[bold]areal-mq run[/] {cfg.run.name}: mode={cfg.run.mode} η={cfg.controller.max_staleness} "
+                  f"model={cfg.model.name} steps={cfg.controller.total_steps} → {cfg.run.run_dir}")
+    if not skip_eval and not resume:
+        _eval_into_run(cfg, None, 0, console, "base model")
+    launcher.plan(path)
+    outcome = "failed"
+    try:
+        launcher.start_all()
+        from areal_mq.progress import live_progress
+
+        outcome = live_progress(launcher, console, quiet=quiet)
+    except KeyboardInterrupt:
+        console.print("[yellow]Ctrl-C: asking the trainer to checkpoint, then stopping…[/]")
+        launcher.request_checkpoint_and_stop("ctrl-c")
+        outcome = "interrupted"
+    finally:
+        launcher.stop_all()
+    if outcome == "failed":
+        console.print(f"[red]run stopped: {launcher.failure}[/]")
+        raise typer.Exit(1)
+    if outcome == "done" and not skip_eval:
+        final = _latest_weights(Path(cfg.run.run_dir))
+        if final is not None:
+            _eval_into_run(cfg, str(final), int(final.name[1:]), console, f"policy {final.name}")
+    _plot_and_summary(cfg, console)
+    if outcome == "interrupted":
+        raise typer.Exit(130)
+
+
+def _latest_weights(run_dir: Path) -> Path | None:
+    versions = sorted((run_dir / "weights").glob("v*"), key=lambda p: int(p.name[1:]) if p.name[1:].isdigit() else -1)
+    return versions[-1] if versions else None
+
+
+def _eval_into_run(cfg, weights, version, console, label) -> dict:
+    from areal_mq.evaluate import append_result, evaluate
+
+    console.print(f"evaluating {label} on {cfg.controller.eval_size} held-out problems…")
+    result = evaluate(cfg, weights=weights, version=version)
+    append_result(cfg.run.run_dir, result)
+    console.print(f"  {label}: strict {result['strict']:.1%}  lenient {result['lenient']:.1%}  "
+                  f"(n={result['n']}, {result['seconds']}s)")
+    return result
+
+
+def _plot_and_summary(cfg, console) -> None:
+    from areal_mq.plots import plot_run, read_jsonl
+
+    run_dir = Path(cfg.run.run_dir)
+    try:
+        png = plot_run(run_dir)
+        console.print(f"plot: {png}")
+    except FileNotFoundError as exc:
+        console.print(f"no plot: {exc}")
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    if len(evals) >= 2:
+        a, b = evals[0], evals[-1]
+        console.print(f"[bold]held-out accuracy[/] (seed {cfg.run.seed}, n={b['n']}): strict {a['strict']:.1%} → "
+                      f"{b['strict']:.1%}, lenient {a['lenient']:.1%} → {b['lenient']:.1%}")
+
+
+def eval_cmd(config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML run config."),
+             set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: section.key=value."),
+             weights: Optional[str] = typer.Option(None, help="Published weights dir or checkpoint (default: base)."),
+             n: Optional[int] = typer.Option(None, help="Number of held-out problems."),
+             as_json: bool = typer.Option(False, "--json", help="Print the result as JSON.")) -> None:
+    """Accuracy (strict and lenient) of the base model or a checkpoint on the held-out split."""
+    from areal_mq.evaluate import evaluate
+
+    cfg = _cfg(config, set_)
+    if weights and not Path(weights).is_dir():
+        typer.echo(f"error: --weights {weights} is not a directory", err=True)
+        raise typer.Exit(2)
+    t0 = time.time()
+    result = evaluate(cfg, weights=weights, n=n)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(f"{result['weights']}: strict {result['strict']:.1%}  lenient {result['lenient']:.1%}  "
+               f"truncated {result['truncated']:.1%}  n={result['n']}  ({time.time() - t0:.0f}s)")
+    for level, r in result["by_level"].items():
+        typer.echo(f"  {level}: strict {r['strict']:.1%} lenient {r['lenient']:.1%} (n={r['n']})")
+
+
+def plot_cmd(run_dir: str = typer.Argument(..., help="Run directory."),
+             out: Optional[str] = typer.Option(None, help="PNG path (default RUN_DIR/plots/training.png).")) -> None:
+    """Draw reward, held-out accuracy, staleness and throughput against time."""
+    from areal_mq.plots import plot_run
+
+    try:
+        typer.echo(str(plot_run(run_dir, out)))
+    except FileNotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)

@@ -1,0 +1,187 @@
+"""`areal-mq run CONFIG`: start brokers, controller, rollout, reward and trainer processes on one host.
+
+What: writes the resolved config into the run directory (picking free loopback ports when the configured
+ones are taken), starts each process with its log in run_dir/logs/, divides CPU threads between them
+(`launcher.threads`), shows live progress, and stops everything cleanly.
+Why a supervisor: a child that dies is reported by name with its exit status, the reason from its log and
+the log's path; it is restarted (`launcher.on_child_death: restart`, up to `max_restarts`) or the run stops.
+Ctrl-C (SIGINT) asks the trainer to checkpoint (Control "checkpoint" then "shutdown") and waits for it.
+The run ends when the trainer exits after `controller.total_steps` versions.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_mq.config import RunConfig, dump_config
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def settle_ports(cfg: RunConfig) -> RunConfig:
+    """Keep configured ports that are free; replace taken ones with free ones (a second run on one host)."""
+    b = cfg.brokers
+    for name in ("job_port", "bus_in_port", "bus_out_port", "store_port"):
+        if not port_free(b.host, getattr(b, name)):
+            setattr(b, name, free_port(b.host))
+    return cfg
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig, console: Any = None):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.run_dir)
+        self.console = console
+        self.children: list[Child] = []
+        self.stopping = False
+        self.failure: str | None = None
+
+    def prepare(self) -> Path:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "config.yaml"
+        path.write_text(dump_config(self.cfg))
+        return path
+
+    def plan(self, config_path: Path) -> list[Child]:
+        cfg, lc = self.cfg, self.cfg.launcher
+        base = [sys.executable, "-m", "areal_mq.cli"]
+        kids = [Child("broker", "broker", [*base, "broker", "--config", str(config_path)],
+                      self.run_dir / "logs" / "broker.log")]
+        roles = [("reward", lc.reward_workers), ("rollout", lc.rollout_workers), ("trainer", 1), ("controller", 1)]
+        for role, count in roles:
+            for i in range(count):
+                name = f"{role}-{i}" if count > 1 or role in ("reward", "rollout") else role
+                env = {}
+                if role in lc.threads:
+                    env = {"OMP_NUM_THREADS": str(lc.threads[role]), "MKL_NUM_THREADS": str(lc.threads[role])}
+                kids.append(Child(name, role, [*base, "worker", role, "--config", str(config_path), "--worker-id",
+                                               name], self.run_dir / "logs" / f"{name}.log", env))
+        self.children = kids
+        return kids
+
+    def start(self, child: Child) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
+        log = open(child.log_path, "ab")
+        child.proc = subprocess.Popen(child.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, start_new_session=True)
+        log.close()
+
+    def start_all(self) -> None:
+        from areal_mq.client import JobClient
+
+        for child in self.children:
+            self.start(child)
+            if child.role == "broker":
+                probe = JobClient(self.cfg.brokers.job_addr)
+                try:
+                    probe.stats(timeout=30)
+                finally:
+                    probe.close()
+
+    # ------------------------------------------------------------ supervision
+    def check_children(self) -> str | None:
+        """Handle dead children; returns 'done' when the trainer finished, 'failed' when the run must stop."""
+        for child in self.children:
+            code = child.proc.poll() if child.proc else None
+            if code is None:
+                continue
+            if child.role == "trainer" and code == 0:
+                return "done"
+            if self.stopping:
+                continue
+            reason = describe_exit(code, child.log_path)
+            lc = self.cfg.launcher
+            if lc.on_child_death == "restart" and child.restarts < lc.max_restarts and child.role != "broker":
+                child.restarts += 1
+                self.say(f"[yellow]{child.name} died ({reason}); restarting ({child.restarts}/{lc.max_restarts}). "
+                         f"Log: {child.log_path}[/]")
+                self.start(child)
+                continue
+            self.failure = f"{child.name} died ({reason}). Log: {child.log_path}"
+            return "failed"
+        return None
+
+    def say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text)
+        else:
+            print(text, file=sys.stderr)
+
+    def request_checkpoint_and_stop(self, reason: str) -> None:
+        from areal_mq.client import SignalPublisher
+        from areal_mq.messages import Control
+
+        pub = SignalPublisher(self.cfg.brokers.bus_in_addr)
+        try:
+            time.sleep(0.3)  # PUB sockets drop what they send before the connection is up
+            pub.publish("control", Control(action="checkpoint", reason=reason))
+            pub.publish("control", Control(action="shutdown", reason=reason))
+            time.sleep(0.2)
+        finally:
+            pub.close()
+
+    def stop_all(self, grace_s: float = 30.0) -> None:
+        """Workers first (SIGTERM: drain and checkpoint), the broker last; SIGKILL after the grace period."""
+        self.stopping = True
+        order = [c for c in self.children if c.role != "broker"] + [c for c in self.children if c.role == "broker"]
+        for group in (order[:-1], order[-1:]):
+            for c in group:
+                if c.proc and c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for c in group:
+                if c.proc is None:
+                    continue
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait(5)
+
+
+def describe_exit(code: int, log_path: Path) -> str:
+    why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    last = last_error_line(log_path)
+    return f"{why}; last log line: {last}" if last else why
+
+
+def last_error_line(log_path: Path, lines: int = 40) -> str:
+    try:
+        tail = log_path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    for line in reversed(tail):
+        if any(w in line for w in ("Error", "error", "Traceback", "failed")):
+            return line.strip()[:300]
+    return tail[-1].strip()[:300] if tail else ""

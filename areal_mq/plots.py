@@ -1,0 +1,71 @@
+"""`areal-mq plot RUN_DIR`: reward, held-out accuracy, staleness and throughput against wall time (PNG).
+
+Reads run_dir/metrics.jsonl (one line per training step, written by the trainer), run_dir/eval.jsonl
+(held-out evaluations, each pinned to a policy version) and the controller's events; writes
+run_dir/plots/training.png.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def controller_stats(run_dir: Path) -> list[dict]:
+    rows: list[dict] = []
+    for path in sorted((run_dir / "events").glob("controller*.jsonl")):
+        rows.extend(r for r in read_jsonl(path) if r.get("event") == "controller.stats")
+    return sorted(rows, key=lambda r: r.get("ts", 0))
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    ctl = controller_stats(run_dir)
+    if not metrics and not evals:
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl or eval.jsonl to plot")
+    t0 = min([m["time"] for m in metrics if "time" in m] + [e["time"] for e in evals] or [0])
+    minutes = lambda rows, key="time": [(r[key] - t0) / 60 for r in rows]  # noqa: E731
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+    ax[0, 0].plot(minutes(metrics), [m.get("reward_mean") for m in metrics], marker=".", label="batch reward")
+    ax[0, 0].set(title="Reward", xlabel="minutes", ylabel="mean reward")
+    for key, style in (("strict", "o-"), ("lenient", "s--")):
+        ax[0, 1].plot(minutes(evals), [e[key] for e in evals], style, label=f"{key} (\\boxed vs last number)")
+    for e in evals:
+        ax[0, 1].annotate(f"v{e.get('version', 0)}", ((e["time"] - t0) / 60, e["strict"]), fontsize=8)
+    ax[0, 1].set(title="Held-out accuracy", xlabel="minutes", ylabel="accuracy", ylim=(0, 1))
+    ax[0, 1].legend(fontsize=8)
+    ax[1, 0].plot(minutes(metrics), [m.get("staleness_mean") for m in metrics], marker=".", label="mean")
+    ax[1, 0].plot(minutes(metrics), [m.get("staleness_max") for m in metrics], marker=".", label="max")
+    ax[1, 0].set(title="Per-token staleness (versions)", xlabel="minutes")
+    ax[1, 0].legend(fontsize=8)
+    ax[1, 1].plot(minutes(metrics), [m.get("tokens_per_s") for m in metrics], marker=".", label="training tok/s")
+    if ctl:
+        ax[1, 1].plot(minutes(ctl, "ts"), [c.get("gen_tokens_per_s") for c in ctl], label="generation tok/s")
+    ax[1, 1].set(title="Throughput", xlabel="minutes", ylabel="tokens/s")
+    ax[1, 1].legend(fontsize=8)
+    ax[0, 0].legend(fontsize=8)
+    fig.suptitle(f"areal-mq run {run_dir.name}")
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "plots" / "training.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
