@@ -136,6 +136,11 @@ class RunConfig(_Section):
         check = getattr(trainer_config, "validate_off_policy", None)
         if check is not None:
             check(self.controller.max_staleness, self.trainer)
+        if abs(self.trainer.temperature - self.controller.temperature) > 1e-9:
+            raise ConfigError(
+                f"trainer.temperature ({self.trainer.temperature}) must equal controller.temperature "
+                f"({self.controller.temperature}): behaviour logprobs are log_softmax(logits / T) at the sampling "
+                "temperature, and the trainer recomputes them the same way")
         return self
 
 
