@@ -112,3 +112,30 @@ def test_checkpoints_are_pruned_and_latest_found(tiny_model_dir, tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
     with pytest.raises(TypeError):
         trainer.save_checkpoint(tmp_path, extra={"bad": object()})
+
+
+@pytest.mark.parametrize("mode", ["disk", "zmq"])
+def test_published_weights_load_into_a_fresh_model(tiny_model_dir, tmp_path, mode):
+    from areal_mq.engines.models import load_causal_lm
+    from areal_mq.weights import WeightPublisher, load_published
+
+    cfg = TrainerConfig(lr=1e-3, publish_mode=mode, publish_dtype="float32")
+    trainer = Trainer(cfg, tiny_model_dir)
+    trainer.train_step(make_samples(6, n_groups=1))
+    tensors = trainer.publish_tensors()
+    assert "lm_head.weight" not in tensors  # tied to the embedding: sent once
+    publisher = WeightPublisher(cfg, tmp_path)
+    try:
+        ready = publisher.publish(trainer.version, tensors, trainer.unwrapped.config.to_json_string())
+        fresh = load_causal_lm(tiny_model_dir, "float32")
+        missing, unexpected = fresh.load_state_dict(load_published(ready, timeout_s=30), strict=False)
+    finally:
+        publisher.close()
+    assert missing == ["lm_head.weight"] and unexpected == []
+    trained = dict(trainer.unwrapped.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, trained[name]), name
+    if mode == "disk":
+        from transformers import AutoModelForCausalLM
+
+        assert AutoModelForCausalLM.from_pretrained(ready.path, local_files_only=True) is not None
