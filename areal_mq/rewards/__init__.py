@@ -1,0 +1,33 @@
+"""The reward service: reward functions, verifiers, a sandbox, an executor and an HTTP bridge.
+
+    from areal_mq.rewards import RewardConfig, RewardExecutor, RewardRegistry, group_reward
+    with RewardExecutor(RewardConfig(processes=2)) as ex:
+        result = ex.score(RewardJob(task="arith", completions=["\\boxed{4}"], reference=4))
+
+Modules: config (RewardConfig, TaskConfig, SandboxConfig, HttpBridgeConfig), registry (names, import
+paths, @group_reward), formats/math_rewards/arith (verifiers), sandbox/code_reward (code tests),
+executor/slots/_pool (the process pool), http_bridge (remote endpoints). See docs/rewards.md.
+Names are imported lazily so `import areal_mq.rewards` stays cheap for the CLI.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "RewardConfig": "config", "TaskConfig": "config", "SandboxConfig": "config", "HttpBridgeConfig": "config",
+    "RewardRegistry": "registry", "group_reward": "registry", "import_path": "registry",
+    "RewardExecutor": "executor", "HttpRewardBridge": "http_bridge", "HttpRewardError": "http_bridge",
+    "CodeSandbox": "sandbox", "SandboxResult": "sandbox",
+    "math_equal": "math_rewards", "math_reward": "math_rewards", "format_reward": "math_rewards",
+    "arith_reward": "arith", "arith_correct_strict": "arith", "arith_correct_lenient": "arith",
+    "parse_gsm8k_answer": "formats", "code_reward": "code_reward",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_mq.rewards' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
