@@ -1,0 +1,183 @@
+"""Load problems from JSONL files into `Problem` records.
+
+What: three formats, all one JSON object per line.
+- `arith`  the built-in task (areal_mq/data/arith_*.jsonl): `question`, `answer` (number), `level`, `id`.
+- `gsm8k`  GSM8K layout: `question`, and `answer` = worked solution ending in "#### N" (N may have commas).
+- `jsonl`  any records: the user prompt is `prompt_template` with `{field}` placeholders filled from the record,
+           the reference answer is `record[answer_field]`.
+
+Why: the controller needs one uniform record (prompt text + reference answer + id) whatever the source; every
+bad line must fail loudly with file, line number and what to fix, never be skipped silently.
+
+Placeholders: `{name}` (a Python identifier) is replaced by the record's field; `{{` and `}}` are literal braces;
+any other brace text stays as is, so "\\boxed{}" needs no escaping. Run the tests: `pytest tests/unit/data`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_mq.data.answers import canonical_number, format_number
+from areal_mq.errors import ConfigError
+
+# The prompt the built-in and GSM8K tasks use. Short on purpose: every prompt token costs decode time on CPU.
+DEFAULT_MATH_TEMPLATE = "{question}\nPut your final answer in \\boxed{}."
+
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+
+
+class DataFormatError(ConfigError):
+    """A dataset file is missing, unreadable, or has a bad record. The message names file, line and fix."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt of a dataset.
+
+    id        unique within the dataset (from the record's id field, else "<file stem>-<line>")
+    prompt    the user message (template applied; the chat template is applied later, see prompts.py)
+    answer    reference answer as a canonical number string ("1234", "-2.5") or, for non-numeric
+              references, the raw string
+    level     difficulty level where the source has one (arith), else None
+    meta      the rest of the record (e.g. the GSM8K worked solution), for logging and reward functions
+    """
+
+    id: str
+    prompt: str
+    answer: str
+    level: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+
+def template_fields(template: str) -> list[str]:
+    """Placeholder names used by `template`, in order of first use."""
+    names: list[str] = []
+    for m in _PLACEHOLDER.finditer(template):
+        if m.group(1) and m.group(1) not in names:
+            names.append(m.group(1))
+    return names
+
+
+def fill_template(template: str, record: dict[str, Any]) -> str:
+    """Replace `{field}` by str(record[field]); `{{`/`}}` become literal braces. KeyError on a missing field."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "{{":
+            return "{"
+        if m.group(0) == "}}":
+            return "}"
+        return str(record[m.group(1)])
+
+    return _PLACEHOLDER.sub(sub, template)
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, object) for each non-blank line; DataFormatError on unreadable file or bad JSON."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataFormatError(f"dataset file {path} does not exist; pass an existing .jsonl file or 'arith'")
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); "
+                                      "each line must be one JSON object") from None
+            if not isinstance(obj, dict):
+                raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def normalize_answer(value: Any, where: str) -> str:
+    """Reference answer as a canonical number string when it is numeric, else the stripped string."""
+    if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
+        raise DataFormatError(f"{where}: answer must be a number or a string, got {value!r}")
+    if isinstance(value, (int, float)):
+        return format_number(value) if isinstance(value, int) else canonical_number(repr(value)) or str(value)
+    text = str(value).strip()
+    if not text:
+        raise DataFormatError(f"{where}: answer is empty")
+    return canonical_number(text) or text
+
+
+def _require(obj: dict, name: str, where: str, hint: str) -> Any:
+    if name not in obj:
+        raise DataFormatError(f"{where}: missing field {name!r} (has {sorted(obj)}); {hint}")
+    return obj[name]
+
+
+def _problem_id(obj: dict, id_field: str | None, path: Path, lineno: int) -> str:
+    if id_field and id_field in obj:
+        return str(obj[id_field])
+    return f"{path.stem}-{lineno}"
+
+
+def load_gsm8k(path: str | Path, template: str = DEFAULT_MATH_TEMPLATE, id_field: str | None = "id") -> list[Problem]:
+    """GSM8K layout: `question` + `answer` whose last line is "#### N"; the part before is kept as meta."""
+    path = Path(path)
+    problems = []
+    for lineno, obj in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        hint = "GSM8K records need 'question' and 'answer' ending in '#### N'"
+        question = _require(obj, "question", where, hint)
+        solution = str(_require(obj, "answer", where, hint))
+        m = _GSM8K_FINAL.search(solution)
+        if m is None:
+            raise DataFormatError(f"{where}: answer has no final '#### N' line; {hint}")
+        answer = normalize_answer(m.group(1), where)
+        prompt = fill_template(template, {**obj, "question": question})
+        meta = {"solution": solution[: m.start()].strip()}
+        problems.append(Problem(_problem_id(obj, id_field, path, lineno), prompt, answer, None, meta))
+    return _checked(problems, path)
+
+
+def load_records(
+    path: str | Path,
+    template: str,
+    answer_field: str = "answer",
+    id_field: str | None = "id",
+    level_field: str | None = "level",
+) -> list[Problem]:
+    """Generic JSONL: prompt = `template` filled from the record, answer = record[answer_field]."""
+    path = Path(path)
+    needed = template_fields(template)
+    problems = []
+    for lineno, obj in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        for name in [*needed, answer_field]:
+            _require(obj, name, where, f"the prompt template uses {needed} and the answer field is {answer_field!r}")
+        answer = normalize_answer(obj[answer_field], where)
+        level = obj.get(level_field) if level_field else None
+        if level is not None and (isinstance(level, bool) or not isinstance(level, int)):
+            raise DataFormatError(f"{where}: {level_field!r} must be an integer, got {level!r}")
+        meta = {k: v for k, v in obj.items() if k not in (answer_field, id_field)}
+        prompt = fill_template(template, obj)
+        problems.append(Problem(_problem_id(obj, id_field, path, lineno), prompt, answer, level, meta))
+    return _checked(problems, path)
+
+
+def _checked(problems: list[Problem], path: Path) -> list[Problem]:
+    if not problems:
+        raise DataFormatError(f"dataset file {path} has no records; it needs at least one JSON object line")
+    seen: dict[str, int] = {}
+    for i, p in enumerate(problems):
+        if p.id in seen:
+            raise DataFormatError(f"{path}: duplicate id {p.id!r} (records {seen[p.id] + 1} and {i + 1}); ids must be unique")
+        seen[p.id] = i
+    return problems
+
+
+def sniff_format(path: str | Path) -> str:
+    """'gsm8k' if the first record has `question` and an `answer` containing '####', else 'jsonl'."""
+    for _, obj in read_jsonl(path):
+        if "question" in obj and "####" in str(obj.get("answer", "")):
+            return "gsm8k"
+        return "jsonl"
+    raise DataFormatError(f"dataset file {path} has no records; it needs at least one JSON object line")
