@@ -16,8 +16,10 @@ over all ranks and multiplied by the world size (DDP averages gradients), so a s
 the token mean over the batch whatever the number of ranks or micro-batches.
 Logprobs follow areal_mq/engines/base.py: log_softmax(logits / temperature)[token].
 
-How to run: in-process (`Trainer(cfg, path)`), or under `accelerate launch --num_processes 2 --cpu`
-(see tests/integration/test_trainer_ddp.py); the worker is workers/trainer.py.
+How to run: in-process (`Trainer(cfg, path)`), or data-parallel on CPU with
+`accelerate launch --multi_gpu --num_processes 2 SCRIPT` (torchrun + gloo; accelerate 1.15's `--cpu`
+launcher only starts several processes through mpirun) — see tests/integration/test_trainer_ddp.py.
+The worker is workers/trainer.py.
 """
 from __future__ import annotations
 
@@ -74,7 +76,12 @@ class Trainer:
 
         self.cfg = cfg
         self.model_path = Path(model_path)
-        self.accelerator = accelerator or Accelerator(mixed_precision="bf16" if cfg.precision == "bf16" else "no")
+        import torch
+
+        # cpu=True without a GPU: under `accelerate launch --multi_gpu` (torchrun) that gives a gloo
+        # MULTI_CPU group; accelerate's `--cpu` launcher starts several processes only through mpirun
+        self.accelerator = accelerator or Accelerator(
+            cpu=not torch.cuda.is_available(), mixed_precision="bf16" if cfg.precision == "bf16" else "no")
         set_seed(cfg.seed)
         model = load_causal_lm(self.model_path, "float32")  # fp32 master weights; bf16 = autocast
         if cfg.gradient_checkpointing:
@@ -133,14 +140,15 @@ class Trainer:
         finally:
             self.model.train()
 
-    def backward_minibatch(self, mini: list[MicroBatch], gen_tokens: int) -> np.ndarray:
-        """Accumulate the gradient of one mini-batch (zeroed first). Returns this rank's metric sums."""
-        sums = np.zeros(len(_SUMS))
+    def backward_minibatch(self, mini: list[MicroBatch], gen_tokens: int) -> tuple[np.ndarray, float]:
+        """Accumulate the gradient of one mini-batch (zeroed first). Returns this rank's metric sums
+        (ordered as _SUMS) and its largest behaviour weight."""
+        sums, weight_max = np.zeros(len(_SUMS)), 0.0
         self.optimizer.zero_grad(set_to_none=True)
         if not mini:  # this rank has no sequence: join DDP's gradient all-reduce with zeros
             out = self.model(input_ids=self._dummy_ids(), use_cache=False)
             self.accelerator.backward(out.logits.sum() * 0.0)
-            return sums
+            return sums, weight_max
         for k, mb in enumerate(mini):
             last = k == len(mini) - 1
             ctx = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
@@ -151,8 +159,8 @@ class Trainer:
                 self.accelerator.backward(loss * self.world_size)
             sums += [float(loss.detach()), st.clipped, st.weight_sum, st.capped, st.kl_sum,
                      float(entropy.sum()), st.n_tokens, mb.n_tokens]
-            self._weight_max = max(self._weight_max, st.weight_max)
-        return sums
+            weight_max = max(weight_max, st.weight_max)
+        return sums, weight_max
 
     def optimizer_step(self) -> float:
         """Clip, step AdamW and the schedule. Returns the gradient norm before clipping."""
@@ -170,12 +178,13 @@ class Trainer:
         t1 = time.perf_counter()
         self.recompute(minis)
         t2 = time.perf_counter()
-        self._weight_max = 0.0
-        sums, norms, lr = np.zeros(len(_SUMS)), [], self.scheduler.get_last_lr()[0]
+        sums, weight_max, norms = np.zeros(len(_SUMS)), 0.0, []
+        lr = self.scheduler.get_last_lr()[0]
         for mini, n_gen in zip(minis, gen_tokens):
-            sums += self.backward_minibatch(mini, n_gen)
+            mb_sums, mb_max = self.backward_minibatch(mini, n_gen)
+            sums, weight_max = sums + mb_sums, max(weight_max, mb_max)
             norms.append(self.optimizer_step())
-        sums, weight_max = self._reduce(sums, self._weight_max)
+        sums, weight_max = self._reduce(sums, weight_max)
         elapsed = time.perf_counter() - t0
         metrics = self._metrics(seqs, samples, sums, weight_max, norms, len(minis))
         metrics.update(lr=lr, oversized_seqs=oversized, prepare_s=t1 - t0, prox_recompute_s=t2 - t1,
