@@ -98,19 +98,23 @@ class RewardExecutor:
         self._pool: SlotPool | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "RewardExecutor":
-        """Validate every configured task, then start the pool processes."""
+    def validate(self) -> list[str]:
+        """Resolve every configured task (RewardError if one is broken); returns the functions to warm up."""
         warm = []
         for task in self.cfg.tasks:
-            plan = self.plan(task)
-            warm += [ref for ref, _ in plan.fns]
+            warm += [ref for ref, _ in self.plan(task).fns]
         if self.cfg.start_method != "fork":
             try:
                 pickle.dumps(self.registry)
             except Exception as exc:
-                raise ConfigError(f"a registered reward function cannot be sent to a '{self.cfg.start_method}' "
+                raise RewardError(f"a registered reward function cannot be sent to a '{self.cfg.start_method}' "
                                   f"pool process ({type(exc).__name__}: {exc}); define it at module level or "
                                   "set reward.start_method: fork") from None
+        return warm
+
+    def start(self) -> "RewardExecutor":
+        """Validate every configured task, then start the pool processes."""
+        warm = self.validate()
         ctx = mp.get_context(self.cfg.start_method)
         self._pool = SlotPool(ctx, self.cfg.processes, self.cfg.timeout_s, self.registry, warm,
                               take=self._take_call, done=self._finish_call, failed=self._call_failed)
@@ -155,10 +159,10 @@ class RewardExecutor:
             return hit
         tcfg = self.cfg.tasks.get(task) or self.cfg.tasks.get("*")
         if tcfg is None:
-            if task not in self.registry.names():
+            if task not in self.registry.names() and ":" not in task:
                 raise RewardError(f"unknown reward task {task!r}: not in reward.tasks "
                                   f"({sorted(self.cfg.tasks) or 'none'}) and no registered function of that name "
-                                  f"({', '.join(self.registry.names())})")
+                                  f"({', '.join(self.registry.names())}), nor an import path 'pkg.module:function'")
             tcfg = TaskConfig(fn=task)
         plan = self._build_plan(task, tcfg)
         with self._lock:

@@ -1,0 +1,156 @@
+"""Serve RewardJobs from a job broker: the reward worker role and `areal-mq reward serve`.
+
+What: `RewardServer(cfg, executor, runtime).run()` takes RewardJobs from the broker's service "reward",
+scores them on a RewardExecutor and replies RewardResult. Capacity = reward.processes. Failures inside
+reward functions become default rewards plus a `reward.error` event naming the job and the exception; a
+job that cannot be scored at all (unknown task, bad flags) is answered with Error(bad_request).
+`serve(fn, broker="tcp://HOST:PORT")` attaches a reward server for one function to a running broker from
+any host (the Python API behind `areal-mq reward serve`).
+
+    broker --RewardJob--> runtime.next_job --> executor.submit --(pool process)--> Future
+                                   runtime.reply(RewardResult) <-- done callback --+
+Invariant: every job taken is answered once (reply or Error) unless this process dies, in which case the
+broker requeues it to another reward worker. On SIGTERM or Control(shutdown): stop taking jobs, finish
+those in flight, DISCONNECT, stop the pool.
+Run: areal-mq worker reward --config configs/quickstart.yaml
+     areal-mq reward serve my_pkg.rewards:score --broker tcp://10.0.0.2:5555
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from ..errors import ConfigError, RewardError
+from ..messages import Control, RewardJob
+from .config import RewardConfig, TaskConfig
+from .executor import RewardExecutor
+from .registry import RewardRegistry
+
+
+class RewardServer:
+    """The reward worker loop; owns neither the runtime nor the executor (callers close them)."""
+
+    def __init__(self, executor: RewardExecutor, runtime: Any):
+        self.ex, self.rt = executor, runtime
+        self.answered = 0
+
+    def run(self) -> None:
+        self.rt.ready(self.ex.capacity)
+        self.rt.log.info("reward.started", service=self.rt.service, capacity=self.ex.capacity,
+                         tasks=sorted(self.ex.cfg.tasks) or "registry names", processes=self.ex.cfg.processes)
+        while not self.rt.stopping:
+            job = self.rt.next_job(timeout=0.1)
+            if job is not None:
+                self.handle(job)
+            self._signals()
+
+    def handle(self, job) -> None:
+        if not isinstance(job.msg, RewardJob):
+            self.rt.fail(job, "bad_request", f"reward workers take reward_job, got {job.msg.kind.value}")
+            return
+        started = time.monotonic()
+        try:
+            fut = self.ex.submit(job.msg, job_id=job.id)
+        except RewardError as exc:
+            self.rt.log.error("reward.error", job=job.id, task=job.msg.task, kind="bad_request", error=str(exc))
+            self.rt.fail(job, "bad_request", str(exc))
+            return
+        fut.add_done_callback(lambda f: self._done(job, f, started))
+
+    def _done(self, job, fut, started: float) -> None:
+        exc = fut.exception()
+        if exc is not None:  # only when the executor is closing under the job
+            self.rt.fail(job, "job_failed", f"{type(exc).__name__}: {exc}")
+            return
+        result = fut.result()
+        self.rt.reply(job, result)
+        self.answered += 1
+        self.rt.log.debug("reward.job_done", job=job.id, task=job.msg.task, n=len(result.rewards),
+                          cached=result.cached, ms=round((time.monotonic() - started) * 1000, 1))
+
+    def _signals(self) -> None:
+        env = self.rt.next_signal()
+        if env is None or not isinstance(env.msg, Control):
+            return
+        target = env.msg.target_role
+        if target not in ("", self.rt.role):
+            return
+        if env.msg.action == "pause":
+            self.rt.ready(0)
+        elif env.msg.action == "resume":
+            self.rt.ready(self.ex.capacity)
+
+
+def run_worker(cfg: Any, worker_id: str | None = None, *, registry: RewardRegistry | None = None,
+               service: str = "reward") -> int:
+    """Start runtime + executor from a RunConfig, serve until stopped, clean up. Returns an exit code."""
+    import sys
+
+    from areal_mq.workers.runtime import WorkerRuntime, default_worker_id
+
+    worker_id = worker_id or default_worker_id("reward")
+    log_holder: list = []
+    ex = RewardExecutor(cfg.reward, registry, worker_id=worker_id,
+                        on_error=lambda rec: log_holder[0].error("reward.error", **rec))
+    try:
+        ex.validate()
+    except RewardError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    rt = WorkerRuntime(cfg, role="reward", service=service, capacity=cfg.reward.processes, worker_id=worker_id,
+                       topics=("control",))
+    log_holder.append(rt.log)
+    server = RewardServer(ex, rt)
+    try:
+        ex.start()
+        rt.start()
+        server.run()
+        rt.log.info("reward.stopping", answered=server.answered, **ex.stats())
+    finally:
+        rt.close()
+        ex.close()
+    return 0
+
+
+def serve(fn: Callable | str, *, broker: str | None = None, config: Any = None, task: str = "*",
+          service: str = "reward", processes: int | None = None, timeout_s: float | None = None,
+          worker_id: str | None = None, overrides: list[str] | None = None) -> int:
+    """Serve one reward function (a callable or 'pkg.mod:func' / registered name) for `task` ('*' = all)
+    on the broker at `broker` ('tcp://HOST:PORT'); `config` is a RunConfig or YAML path for the rest.
+    Blocks until SIGTERM or Control(shutdown). Callables must be importable (module level)."""
+    cfg = build_config(config, broker, overrides)
+    registry = RewardRegistry()
+    ref = fn
+    if callable(fn):
+        ref = f"served:{getattr(fn, '__qualname__', 'fn')}"
+        registry.register(ref, fn)
+    updates: dict = {"tasks": {task: TaskConfig(fn=ref)}}
+    if processes is not None:
+        updates["processes"] = processes
+    if timeout_s is not None:
+        updates["timeout_s"] = timeout_s
+    reward = RewardConfig.model_validate({**cfg.reward.model_dump(), **updates})
+    return run_worker(cfg.model_copy(update={"reward": reward}), worker_id, registry=registry, service=service)
+
+
+def build_config(config: Any, broker: str | None, overrides: list[str] | None = None) -> Any:
+    """A RunConfig from a RunConfig / YAML path / defaults, with the job broker address replaced."""
+    from areal_mq.config import RunConfig, load_config
+
+    if isinstance(config, RunConfig):
+        cfg = config
+    else:
+        cfg = load_config(config, overrides or [])
+    if broker:
+        host, port = parse_address(broker)
+        cfg = cfg.model_copy(update={"brokers": cfg.brokers.model_copy(update={"host": host, "job_port": port})})
+    return cfg
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'tcp://HOST:PORT' -> (HOST, PORT); ConfigError naming the expected form otherwise."""
+    rest = address[len("tcp://"):] if address.startswith("tcp://") else None
+    host, _, port = (rest or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"broker address {address!r} must look like tcp://HOST:PORT, e.g. tcp://10.0.0.2:5555")
+    return host, int(port)
