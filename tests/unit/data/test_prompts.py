@@ -1,0 +1,42 @@
+"""Chat formatting with the real SmolLM2 tokenizer (from the tiny-random-llama build, which ships it)."""
+from __future__ import annotations
+
+import pytest
+
+from areal_mq.data.loaders import Problem
+from areal_mq.data.prompts import ChatFormatter
+from areal_mq.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from areal_mq.engines.models import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("tiny-random-llama"))
+
+
+PROBLEM = Problem(id="p", prompt="What is 2 + 3?\nPut your final answer in \\boxed{}.", answer="5")
+
+
+def test_default_system_prompt_is_the_tokenizers(tokenizer):
+    text = ChatFormatter(tokenizer).text(PROBLEM)
+    assert text.startswith("<|im_start|>system\n") and "SmolLM" in text
+    assert text.endswith("<|im_start|>user\nWhat is 2 + 3?\nPut your final answer in \\boxed{}.<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+
+
+def test_custom_system_prompt_and_ids(tokenizer):
+    fmt = ChatFormatter(tokenizer, system_prompt="Be brief.")
+    assert fmt.messages(PROBLEM)[0] == {"role": "system", "content": "Be brief."}
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in fmt.text(PROBLEM)
+    ids = fmt.ids(PROBLEM)
+    assert tokenizer.decode(ids) == fmt.text(PROBLEM)  # no extra BOS/EOS added
+    assert len(ids) < 100  # arith prompts stay short
+
+
+def test_tokenizer_without_chat_template_is_rejected():
+    class Plain:
+        chat_template = None
+
+    with pytest.raises(ConfigError, match="no chat template"):
+        ChatFormatter(Plain())
