@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False  # keep generating past the tokenizer's EOS (stop_token_ids still stop)
 
     def validate(self) -> None:
         """Raise EngineRequestError naming the bad field."""
@@ -45,6 +46,10 @@ class SamplingParams:
             raise EngineRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_new_tokens < 1:
             raise EngineRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise EngineRequestError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise EngineRequestError(f"stop_strings must be non-empty strings, got {self.stop_strings}")
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""In-place weight loading for the torch engine: validate everything first, then copy.
+
+What: `load_weights_in_place(model, tensors=... | path=...)` copies new values into the model's
+existing parameter tensors (no module re-construction, so the engine's fused views and KV cache stay
+valid). Sources: a mapping name -> torch.Tensor / numpy array, or a safetensors file or a directory
+of *.safetensors files (read tensor by tensor, so peak memory stays about one tensor).
+
+Why validate first: a bad update (unknown name, wrong shape, missing parameter) must leave the
+engine serving the old weights intact, with an error that names the offending tensors.
+Tied parameters (lm_head.weight == embed_tokens.weight) count as present under either name.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from areal_mq.errors import EngineRequestError
+
+
+def _alias_groups(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """name -> parameter for every name (tied ones too), and the names grouped by tensor."""
+    by_name: dict[str, torch.Tensor] = {}
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_name[name] = param
+        groups.setdefault(id(param), []).append(name)
+    return by_name, list(groups.values())
+
+
+def _source(tensors: Mapping[str, Any] | None, path: str | None,
+            stack: contextlib.ExitStack) -> tuple[dict[str, tuple], Callable[[str], Any]]:
+    """(name -> shape, getter) for a tensor mapping or a safetensors file/dir (handles kept in stack)."""
+    if (tensors is None) == (path is None):
+        raise EngineRequestError("update_weights needs exactly one of tensors= or path=")
+    if tensors is not None:
+        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in tensors.items()}
+        return shapes, lambda k: tensors[k]
+    from safetensors import safe_open
+
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
+    if not files or not all(f.is_file() for f in files):
+        raise EngineRequestError(f"no safetensors weights at {root} (expected a .safetensors file or a "
+                                 f"directory holding *.safetensors)")
+    where: dict[str, Any] = {}
+    shapes = {}
+    for f in files:
+        try:
+            fh = stack.enter_context(safe_open(str(f), framework="pt"))
+            for k in fh.keys():
+                shapes[k] = tuple(fh.get_slice(k).get_shape())
+                where[k] = fh
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise EngineRequestError(f"cannot read weights file {f}: {exc}") from exc
+    return shapes, lambda name: where[name].get_tensor(name)
+
+
+def _check(by_name: dict[str, torch.Tensor], groups: list[list[str]], shapes: dict[str, tuple]) -> None:
+    unknown = sorted(k for k in shapes if k not in by_name)
+    if unknown:
+        raise EngineRequestError(f"weight update has {len(unknown)} tensors the model does not have, e.g. "
+                                 f"{unknown[:5]}; was it saved from a different model?")
+    missing = [g[0] for g in groups if not any(n in shapes for n in g)]
+    if missing:
+        raise EngineRequestError(f"weight update misses {len(missing)} parameters, e.g. {missing[:5]}; "
+                                 f"publish the full state dict.")
+    wrong = [f"{k}: got {list(s)}, model has {list(by_name[k].shape)}"
+             for k, s in shapes.items() if tuple(by_name[k].shape) != s]
+    if wrong:
+        raise EngineRequestError(f"weight update has wrong shapes: {'; '.join(wrong[:5])}")
+
+
+def load_weights_in_place(model: torch.nn.Module, tensors: Mapping[str, Any] | None = None,
+                          path: str | None = None) -> int:
+    """Copy a full state dict into `model`'s parameters; returns the number of tensors copied.
+
+    Raises EngineRequestError (and changes nothing) for unknown names, wrong shapes or missing
+    parameters.
+    """
+    by_name, groups = _alias_groups(model)
+    copied = 0
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        shapes, get = _source(tensors, None if path is None else str(path), stack)
+        _check(by_name, groups, shapes)
+        for group in groups:
+            name = next(n for n in group if n in shapes)  # one copy per tied tensor
+            value = get(name)
+            if not isinstance(value, torch.Tensor):
+                value = torch.as_tensor(value)
+            by_name[name].copy_(value)
+            copied += 1
+    return copied
