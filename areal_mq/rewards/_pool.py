@@ -44,7 +44,10 @@ def pool_main(conn, registry: RewardRegistry, warm: list[str]) -> None:
     """Serve calls until the parent sends None or goes away."""
     _die_with_parent()
     try:
-        os.setpgid(0, 0)  # our own group, so the executor can kill what a hung function started
+        # Our own session (so our own process group): the executor can kill what a hung function started,
+        # and on kernels with autogroup scheduling each pool process gets its own CPU share instead of
+        # splitting one share with its parent's whole session.
+        os.setsid()
     except OSError:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business

@@ -117,7 +117,8 @@ class RewardExecutor:
         warm = self.validate()
         ctx = mp.get_context(self.cfg.start_method)
         self._pool = SlotPool(ctx, self.cfg.processes, self.cfg.timeout_s, self.registry, warm,
-                              take=self._take_call, done=self._finish_call, failed=self._call_failed)
+                              take=self._take_call, done=self._finish_call, failed=self._call_failed,
+                              requeue=self._requeue_call)
         self._pool.start()
         return self
 
@@ -144,6 +145,10 @@ class RewardExecutor:
     @property
     def capacity(self) -> int:
         return self.cfg.processes
+
+    def pool_pids(self) -> list[int]:
+        """PIDs of the pool processes right now (they change when one is replaced)."""
+        return self._pool.pids() if self._pool else []
 
     def stats(self) -> dict:
         with self._lock:
@@ -289,6 +294,12 @@ class RewardExecutor:
                     call.attempts += 1
                     return call
             return None
+
+    def _requeue_call(self, call: Call) -> None:
+        """A call that was sent but never started (its process was killed): run it again, no attempt spent."""
+        with self._lock:
+            call.attempts -= 1
+            self._pending.appendleft(call)
 
     def _finish_call(self, call: Call, out: list) -> None:
         st = self._jobs.get(call.job_id)

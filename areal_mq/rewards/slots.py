@@ -6,6 +6,10 @@ hands results back (`done(call, out)`) or failures (`failed(call, kind, error, t
 exception | timeout | crashed). A call past its deadline gets its process group SIGKILLed and the slot
 a fresh process; so does a process that died. Processes are started from the dispatcher thread only,
 because PR_SET_PDEATHSIG ties each child to the thread that forked it.
+Each process holds up to PREFETCH calls: it starts the next one the moment it sends a result, without
+waiting for this thread to wake up (which takes milliseconds on a loaded machine). The deadline runs for
+the call at the head only; calls queued behind a call that hangs or crashes go back to the queue unharmed
+(`requeue`), they were never started.
 """
 from __future__ import annotations
 
@@ -13,18 +17,21 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import wait
 from typing import Callable
 
 from ..errors import RewardError
 from ._pool import pool_main
 
+PREFETCH = 2
+
 
 class _Slot:
     def __init__(self, proc, conn):
         self.proc, self.conn = proc, conn
         self.ready = False
-        self.call = None
+        self.calls: deque = deque()  # sent, in order; the head is running
         self.deadline = 0.0
 
 
@@ -32,10 +39,10 @@ class SlotPool:
     """See the module docstring. `take`, `done` and `failed` run on the dispatcher thread."""
 
     def __init__(self, ctx, n: int, timeout_s: float, registry, warm: list[str], *,
-                 take: Callable, done: Callable, failed: Callable):
+                 take: Callable, done: Callable, failed: Callable, requeue: Callable):
         self._ctx, self._n, self._timeout = ctx, n, timeout_s
         self._registry, self._warm = registry, warm
-        self._take, self._done, self._failed = take, done, failed
+        self._take, self._done, self._failed, self._requeue = take, done, failed, requeue
         self._slots: list[_Slot] = []
         self._stopping = False
         self._startup_failures = 0
@@ -60,6 +67,9 @@ class SlotPool:
 
     def alive(self) -> int:
         return sum(1 for s in list(self._slots) if s.proc.is_alive())
+
+    def pids(self) -> list[int]:
+        return [s.proc.pid for s in list(self._slots) if s.proc.pid is not None]
 
     def stop(self) -> None:
         self._stopping = True
@@ -92,26 +102,31 @@ class SlotPool:
             self._shutdown()
 
     def _assign(self) -> None:
-        for slot in self._slots:
-            if not slot.ready or slot.call is not None:
-                continue
-            call = self._take()
-            if call is None:
-                return
-            try:
-                slot.conn.send((call.id, call.plan.fns, call.plan.group, *call.args))
-            except (BrokenPipeError, EOFError, OSError):
-                slot.call = call
-                self._replace(slot, "crashed", "the pool process was gone when the call was sent")
-                continue
-            except Exception as exc:  # unpicklable arguments: the call cannot run anywhere
-                self._failed(call, "exception", f"cannot send the job to a pool process: "
-                                                f"{type(exc).__name__}: {exc}", "")
-                continue
-            slot.call, slot.deadline = call, time.monotonic() + self._timeout
+        for depth in range(1, PREFETCH + 1):  # first one call per idle process, then top up
+            for slot in list(self._slots):
+                if not slot.ready or len(slot.calls) >= depth:
+                    continue
+                call = self._take()
+                if call is None:
+                    return
+                self._send(slot, call)
+
+    def _send(self, slot: _Slot, call) -> None:
+        try:
+            slot.conn.send((call.id, call.plan.fns, call.plan.group, *call.args))
+        except (BrokenPipeError, EOFError, OSError):
+            slot.calls.append(call)
+            self._replace(slot, "crashed", "the pool process was gone when the call was sent")
+            return
+        except Exception as exc:  # unpicklable arguments: the call cannot run anywhere
+            self._failed(call, "exception", f"cannot send the job to a pool process: {type(exc).__name__}: {exc}", "")
+            return
+        if not slot.calls:
+            slot.deadline = time.monotonic() + self._timeout
+        slot.calls.append(call)
 
     def _wait_once(self) -> None:
-        busy = [s.deadline for s in self._slots if s.call is not None]
+        busy = [s.deadline for s in self._slots if s.calls]
         timeout = max(0.0, min(busy) - time.monotonic()) if busy else 1.0
         by_conn = {s.conn: s for s in self._slots}
         for obj in wait(list(by_conn) + [self._wake_r], timeout=min(timeout, 1.0)):
@@ -122,7 +137,8 @@ class SlotPool:
                 except BlockingIOError:
                     pass
                 continue
-            self._receive(by_conn[obj])
+            if by_conn[obj] in self._slots:  # not replaced by an earlier message of this round
+                self._receive(by_conn[obj])
 
     def _receive(self, slot: _Slot) -> None:
         try:
@@ -138,9 +154,11 @@ class SlotPool:
             slot.ready = True
             self._startup_failures = 0
             return
-        call, slot.call = slot.call, None
-        if call is None or msg[0] != call.id:
-            return  # a late answer to a call we already gave up on
+        if not slot.calls or msg[0] != slot.calls[0].id:
+            return  # cannot happen with one pipe per process; ignore rather than mis-assign
+        call = slot.calls.popleft()
+        if slot.calls:  # the process started the next call as it sent this result
+            slot.deadline = time.monotonic() + self._timeout
         if msg[1] == "ok":
             self._done(call, msg[2])
         else:
@@ -159,18 +177,21 @@ class SlotPool:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for slot in self._slots:
-            if slot.call is not None and now > slot.deadline:
+        for slot in list(self._slots):
+            if slot.calls and now > slot.deadline:
                 self._replace(slot, "timeout", f"no result within {self._timeout}s; pool process "
                                                f"{slot.proc.pid} was killed and replaced")
 
     def _replace(self, slot: _Slot, kind: str, error: str) -> None:
-        """Kill the slot's process (group), start a new one, report the call it held (if any)."""
-        call = slot.call
+        """Kill the slot's process (group), start a new one, report the call it was running (if any)
+        and put the calls queued behind it back."""
+        calls = list(slot.calls)
         self._kill(slot)
         self._slots[self._slots.index(slot)] = self._respawn()
-        if call is not None:
-            self._failed(call, kind, error, "")
+        for call in reversed(calls[1:]):
+            self._requeue(call)
+        if calls:
+            self._failed(calls[0], kind, error, "")
 
     def _respawn(self) -> _Slot:
         delay = 0.1
