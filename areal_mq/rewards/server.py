@@ -105,7 +105,7 @@ def run_worker(cfg: Any, worker_id: str | None = None, *, registry: RewardRegist
         ex.start()
         rt.start()
         server.run()
-        rt.log.info("reward.stopping", answered=server.answered, **ex.stats())
+        rt.log.info("reward.stats", answered=server.answered, **ex.stats())
     finally:
         rt.close()
         ex.close()

@@ -180,3 +180,13 @@ def test_closing_fails_unfinished_jobs_instead_of_hanging(tmp):
     ex.close()
     with pytest.raises(RewardError, match="closed"):
         fut.result(timeout=30)
+
+
+def test_a_call_queued_behind_a_hung_one_is_not_charged_for_it():
+    """One process holds two calls (prefetch); the first hangs, the second never started: it is rerun."""
+    cfg = RewardConfig(processes=1, timeout_s=1.5, retries=0, tasks={"hangs": TaskConfig(fn=f"{FNS}:hangs")})
+    errors = []
+    with RewardExecutor(cfg, on_error=errors.append) as ex:
+        r = ex.score(job("hangs", "slow", "fast"), job_id="job-queued", timeout=60)
+    assert r.rewards == [0.0, 0.5] and "timeout" in r.errors[0] and r.errors[1] is None
+    assert [e["indices"] for e in errors] == [[0]]
