@@ -96,15 +96,18 @@ def _two_step_keys() -> list[Key]:
     return [("+-", a, b, c) for a, b, c in itertools.product(range(2, 10), repeat=3) if c <= a + b]
 
 
-# Default mix, chosen from the base-model measurement (python -m areal_mq.data.measure_base): the model mostly
-# solves L1 and mostly fails L2/L3, so the mix puts overall lenient accuracy in the 20-50% band RL learns from.
+# Default mix, chosen from the base-model measurement (python -m areal_mq.data.measure_base; numbers in the
+# docstring of measure_base): greedy SmolLM2-135M-Instruct mostly solves bare single-digit sums and small
+# products, rarely two-digit subtraction in words. Held-out sizes weight the easy pools up so overall lenient
+# accuracy sits in the 20-50% band RL learns from, and total 220 (>= 200 for the report, with slack).
+# L1 has only 45 keys per op, so at most half are held out.
 POOLS: tuple[Pool, ...] = (
-    Pool(1, "+", lambda: _add_keys(1, 9), n_test=20, n_train=150),
-    Pool(1, "-", lambda: _sub_keys(1, 9), n_test=20, n_train=150),
-    Pool(2, "+", lambda: _add_keys(10, 99), n_test=50, n_train=600),
-    Pool(2, "-", lambda: _sub_keys(10, 99), n_test=50, n_train=600),
-    Pool(3, "*", _mul_keys, n_test=20, n_train=400),
-    Pool(3, "+-", _two_step_keys, n_test=80, n_train=800),
+    Pool(1, "+", lambda: _add_keys(1, 9), n_test=22, n_train=300),
+    Pool(1, "-", lambda: _sub_keys(1, 9), n_test=22, n_train=300),
+    Pool(2, "+", lambda: _add_keys(10, 99), n_test=50, n_train=700),
+    Pool(2, "-", lambda: _sub_keys(10, 99), n_test=36, n_train=500),
+    Pool(3, "*", _mul_keys, n_test=24, n_train=400),
+    Pool(3, "+-", _two_step_keys, n_test=66, n_train=800),
 )
 
 

@@ -32,7 +32,7 @@ class DataConfig(BaseModel):
     prompt_template: str | None = Field(
         None,
         description="User prompt with {field} placeholders ({{ }} for literal braces). None: the built-in math "
-        "prompt '{question}' + 'Put your final answer in \\boxed{}.' (required for format jsonl).",
+        "prompt '{question}' + 'End your answer with \\boxed{{N}}, where N is the number.' (required for jsonl).",
     )
     answer_field: str = Field("answer", min_length=1, description="Record field holding the reference answer (jsonl).")
     id_field: str = Field("id", min_length=1, description="Record field holding a unique id; missing ids use file-line.")
@@ -51,7 +51,7 @@ class DataConfig(BaseModel):
     @model_validator(mode="after")
     def _jsonl_needs_template(self) -> DataConfig:
         if self.format == "jsonl" and self.prompt_template is None:
-            raise ValueError("format 'jsonl' needs prompt_template, e.g. '{question}\\nPut your final answer in \\boxed{}.'")
+            raise ValueError("format 'jsonl' needs prompt_template, e.g. '{question} Answer as \\boxed{{N}}.'")
         if self.format == "arith" and self.name not in ARITH_SOURCES:
             raise ValueError(f"format 'arith' is only for the built-in sources {ARITH_SOURCES}, got name {self.name!r}")
         return self

@@ -25,7 +25,9 @@ from areal_mq.data.answers import canonical_number, format_number
 from areal_mq.errors import ConfigError
 
 # The prompt the built-in and GSM8K tasks use. Short on purpose: every prompt token costs decode time on CPU.
-DEFAULT_MATH_TEMPLATE = "{question}\nPut your final answer in \\boxed{}."
+# Chosen over "Put your final answer in \boxed{}." (never boxed, 25% lenient on a 16-problem probe) and two
+# other wordings: with an explicit "\boxed{N}" the base model boxes sometimes and answers more often right.
+DEFAULT_MATH_TEMPLATE = "{question}\nEnd your answer with \\boxed{{N}}, where N is the number."
 
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)

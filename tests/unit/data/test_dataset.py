@@ -76,7 +76,7 @@ def test_default_config_builds_arith_train_and_test():
     held_out = load_eval_problems(cfg)
     assert len(ds) > 1000 and len(held_out) >= 200
     assert {p.id for p in ds.problems}.isdisjoint({p.id for p in held_out})
-    assert all(p.prompt.endswith("Put your final answer in \\boxed{}.") for p in held_out)
+    assert all(p.prompt.endswith("\nEnd your answer with \\boxed{N}, where N is the number.") for p in held_out)
     assert {p.level for p in held_out} == {1, 2, 3}
 
 

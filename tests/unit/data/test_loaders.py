@@ -33,7 +33,9 @@ def test_gsm8k_parses_final_answer_and_keeps_solution(tmp_path):
     problems = load_gsm8k(_write(tmp_path / "gsm.jsonl", GSM))
     assert [p.answer for p in problems] == ["5", "2400", "-7"]
     assert [p.id for p in problems] == ["gsm-1", "gsm-2", "gsm-3"]  # file stem + line when there is no id
-    assert problems[0].prompt == "Nat has 3 cats and buys 2. How many?\nPut your final answer in \\boxed{}."
+    assert problems[0].prompt == (
+        "Nat has 3 cats and buys 2. How many?\nEnd your answer with \\boxed{N}, where N is the number."
+    )
     assert problems[0].meta["solution"] == "3 + 2 = <<3+2=5>>5"
     assert problems[0].level is None
 
