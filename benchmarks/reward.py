@@ -1,8 +1,9 @@
 """Reward benchmark: math-verify rewards/s directly, in 1 and 2 pool processes, and through the broker.
 
-What it measures, in one run, on the same generated jobs (groups of 4 completions with fractions,
-decimals, thousands separators and LaTeX, a quarter of them wrong; every string unique so math-verify's
-internal caches do not help; the reward cache is off):
+What it measures, in one run, on generated jobs (groups of 4 completions with fractions, decimals,
+thousands separators and LaTeX, a quarter of them wrong; new strings every round and each mode in its own
+processes, so math-verify's internal caches never help; the reward cache is off; every mode of a round
+scores the same jobs):
   direct      math_reward called in this process, one call after another (no pool, no IPC)
   pool-1/2    a RewardExecutor with 1 or 2 pool processes, all jobs submitted at once
   routed-1/2  a JobClient -> job broker process -> `areal-mq reward serve math` process with 1 or 2 pool
@@ -213,8 +214,10 @@ def run(args, workdir: Path) -> dict:
             run_routed(routed.client, f"reward-{n}", warm)
         for r in tqdm(range(rounds), desc="rounds", file=sys.stderr):
             order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
+            # the same jobs for every mode of a round: each mode runs in its own processes, so no process
+            # sees a string twice (math-verify caches parses), and the modes compare on identical work
+            jobs = make_jobs(n_jobs, rng, f"r{r}")
             for mode in order:
-                jobs = make_jobs(n_jobs, rng, f"r{r}-{mode}")
                 if mode == "direct":
                     times[mode].append(run_direct(jobs))
                 elif mode.startswith("pool"):
