@@ -118,8 +118,8 @@ class Launcher:
                 continue
             if child.role == "trainer" and code == 0:
                 return "done"
-            if self.stopping:
-                continue
+            if self.stopping or (code == 0 and child.role == "controller"):
+                continue  # the controller stops by itself once the last version is reached
             reason = describe_exit(code, child.log_path)
             lc = self.cfg.launcher
             if lc.on_child_death == "restart" and child.restarts < lc.max_restarts and child.role != "broker":

@@ -309,6 +309,25 @@ def load_published(ready: WeightsReady, timeout_s: float = 60.0) -> dict[str, "t
     return fetch_weights(ready, timeout_s)
 
 
+def unique_tensors(tensors: Mapping[str, "torch.Tensor"], dtype: str | None = None) -> dict[str, "torch.Tensor"]:
+    """Detached CPU copies in `dtype`, one per storage: tied parameters (lm_head == embed_tokens) are sent
+    once under their first name (safetensors refuses shared memory; engines accept either name)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        t = t.detach()
+        if dtype is not None:
+            t = t.to(getattr(torch, dtype))
+        out[name] = t.cpu().contiguous()
+    return out
+
+
 class WeightPublisher:
     """Trainer-side publishing in the mode TrainerConfig chooses (disk dirs under run_dir/weights or
     a WeightServer). Call `publish` on the main rank only."""
@@ -323,6 +342,7 @@ class WeightPublisher:
 
     def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"],
                 hf_config_json: str | None = None) -> WeightsReady:
+        tensors = unique_tensors(tensors, self.cfg.publish_dtype)
         if self.server is not None:
             return self.server.publish(version, tensors)
         return publish_disk(self.weights_dir, version, tensors, self.cfg.keep_weight_versions, hf_config_json)

@@ -49,8 +49,10 @@ class RolloutWorker:
         except ArealError as exc:
             self.log.error("rollout.weights_failed", version=ready.version, error=str(exc))
             return
-        self.log.info("rollout.weights_updated", version=ready.version, mode=ready.mode, in_flight=running,
-                      total_s=round(time.perf_counter() - t0, 3), **{k: round(v, 4) for k, v in timings.items()})
+        fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in timings.items()}
+        fields.update(version=ready.version, mode=ready.mode, running=running,
+                      total_s=round(time.perf_counter() - t0, 3))
+        self.log.info("rollout.weights_updated", **fields)
 
     def on_signal(self, env: Any) -> None:
         msg = env.msg
