@@ -245,7 +245,7 @@ class VllmEngine(Engine):
             request_id=state.request.request_id, prompt_ids=list(state.request.prompt_ids),
             output_ids=np.asarray(state.tokens, dtype=np.int32), logprobs=np.asarray(state.logprobs, dtype=np.float32),
             versions=spans, finish_reason=reason, text=state.text,
-            stats={"own_versions": stamps, "weight_versions": [(s.version, s.start, s.end) for s in comp.weight_versions]},
+            stats={"prompt_tokens": len(state.request.prompt_ids), "output_tokens": n, "own_versions": stamps, "weight_versions": [(s.version, s.start, s.end) for s in comp.weight_versions]},
         )
         self._reqs.pop(state.request.request_id, None)
         if state.task is not None and state.task is not asyncio.current_task():
@@ -361,3 +361,17 @@ class VllmEngine(Engine):
             "version_mismatches": self._counters["version_mismatches"], "last_update": dict(self._last_update),
             "kv_cache_space_gib": self.vcfg.kv_cache_space_gib,
         }
+
+
+def build(engine_cfg: EngineConfig, model_cfg: Any = None, seed: int | None = None, **kwargs: Any) -> Engine:
+    """Builder for `engine: vllm` and `engine: vllm-server` (used by areal_mq.engines.build_engine)."""
+    if engine_cfg.engine == "vllm-server":
+        from areal_mq.engines.vllm_server import VllmServerEngine
+
+        return VllmServerEngine(engine_cfg, tokenizer=kwargs.get("tokenizer"))
+    from areal_mq.engines.models import DEFAULT_MODEL, resolve_model
+
+    model_dir = kwargs.get("model_dir") or resolve_model(
+        getattr(model_cfg, "name", DEFAULT_MODEL), getattr(model_cfg, "cache_dir", None))
+    dtype = engine_cfg.dtype if engine_cfg.dtype != "auto" else getattr(model_cfg, "dtype", "float32")
+    return VllmEngine(engine_cfg, model_dir, dtype=dtype, seed=seed or 0)

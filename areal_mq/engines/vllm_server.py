@@ -61,8 +61,10 @@ STEP_WAIT_S = 0.05
 class VllmServerEngine(Engine):
     """A running vLLM server behind the Engine contract (see module docstring)."""
 
-    def __init__(self, config: EngineConfig, *, version: int = 0):
+    def __init__(self, config: EngineConfig, *, version: int = 0, tokenizer: Any = None):
+        """tokenizer (optional, a HF tokenizer): decodes EngineOutput.text; the server returns token ids only."""
         self.config, self.vcfg = config, config.vllm
+        self._tokenizer = tokenizer
         url = urlsplit(self.vcfg.server_url)
         if url.scheme != "http" or not url.hostname:
             raise ConfigError(f"engine.vllm.server_url must be http://HOST:PORT, got {self.vcfg.server_url!r}")
@@ -91,7 +93,7 @@ class VllmServerEngine(Engine):
             data = resp.read()
         except OSError as exc:
             raise VllmError(f"vLLM server {self.vcfg.server_url} unreachable on {method} {path}: {exc}. "
-                            f"Start one with: {' '.join(server_command('MODEL_DIR'))}") from exc
+                            f"Start one with: python -m areal_mq.engines.vllm_server --model MODEL_DIR --port {self._port}") from exc
         finally:
             conn.close()
         if resp.status == 404:
@@ -175,7 +177,9 @@ class VllmServerEngine(Engine):
             output_ids=np.asarray(tokens, dtype=np.int32),
             logprobs=np.asarray(logprobs[: len(tokens)] + [np.nan] * (len(tokens) - len(logprobs)), dtype=np.float32),
             versions=versions, finish_reason=reason if reason in ("stop", "length", "abort") else "abort",
-            stats={"weight_versions": spans, **({"error": err} if err else {})},
+            text=self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer and tokens else "",
+            stats={"prompt_tokens": len(request.prompt_ids), "output_tokens": len(tokens),
+                   "weight_versions": spans, **({"error": err} if err else {})},
         )
         with self._cond:
             self._counters["finished"] += 1
