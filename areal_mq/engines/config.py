@@ -32,7 +32,7 @@ class EngineConfig(BaseModel):
                     "never exceed it; requests wait until they fit.",
     )
     prefill_chunk_tokens: int = Field(
-        256, ge=1,
+        128, ge=1,
         description="torch engine: most prompt/recompute tokens prefilled per step, so long prompts and "
                     "post-update KV recomputation never stall decoding of the other sequences for long.",
     )

@@ -1,0 +1,293 @@
+"""Engine benchmark: the embedded torch engine vs Hugging Face `generate` on SmolLM2-135M-Instruct.
+
+What it measures, in one run, on the same chat-templated prompts and the same weights:
+  uniform   every request generates exactly L tokens; all arrive at once. HF generate runs them in
+            fixed batches of `max_concurrent` (left-padded prompts).
+  longtail  most requests generate L tokens, every 8th one 8L; they arrive as a stream (one every
+            `gap` seconds). HF generate takes them in arrival order in fixed batches, each batch starting
+            when its last member has arrived and generating as long as its longest member (padding).
+            The engine submits each request when it arrives and refills slots as sequences finish.
+  update    16 (8 with --quick) sequences mid-generation, then `update_weights(path=<model dir>)`:
+            load_s (135M params from disk into the live model) and resume_s = time from the end of the
+            load to the first token decoded under the new version (pause + KV recompute/keep + a step),
+            for kv_on_update recompute (default) and keep.
+Both sides sample at temperature 1.0 and count only requested tokens (HF's padding steps are waste).
+Rounds alternate the order of the engines (the machine is shared); ratios are medians of per-round
+ratios. Headline ratios (larger is better): uniform_vs_hf_generate (target 1.0) and
+longtail_vs_hf_generate (1.5); the time targets are expressed as ratios too:
+update_resume_vs_0.5s = 0.5 s / resume_s (target 1.0) and weights_load_vs_3s = 3 s / load_s (1.0).
+
+To add an engine column (e.g. vLLM): write `run_<name>(ctx, workload) -> seconds` and add it to
+RUNNERS; each runner gets the same Workload (prompts, lengths, arrival times).
+
+    python benchmarks/engine.py [--quick] [--json PATH] [--dtype bfloat16|float32] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TARGETS = {"uniform_vs_hf_generate": 1.0, "longtail_vs_hf_generate": 1.5,
+           "update_resume_vs_0.5s": 1.0, "weights_load_vs_3s": 1.0}
+# quick, full
+SIZES = {"slots": (8, 16), "rounds": (1, 2), "uniform_n": (16, 32), "uniform_len": (16, 64),
+         "longtail_n": (16, 64), "short_len": (6, 32), "update_tokens": (16, 32)}
+LONG_EVERY, LONG_FACTOR, ARRIVAL_GAP_S = 8, 8, 0.05
+QUESTIONS = [
+    "What is 17 * 23?", "Name three rivers in Europe.", "Write a haiku about autumn leaves.",
+    "Explain what a prime number is.", "How many legs does a spider have?", "Give me a synonym for happy.",
+    "What is the capital of Australia?", "Summarize the water cycle in one sentence.",
+    "If a train travels 60 km in 45 minutes, what is its speed?", "List four primary colors of light.",
+    "Translate 'good morning' into Spanish.", "Why is the sky blue?", "What is 2 to the power of 10?",
+    "Suggest a name for a small bakery.", "Describe a cat in five words.", "What does CPU stand for?",
+]
+
+
+def log(text: str) -> None:
+    print(f"[engine bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    lengths: list[int]  # tokens to generate per request
+    arrivals: list[float]  # seconds after the start
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass
+class Context:
+    model_dir: Path
+    tokenizer: object
+    hf_model: object
+    engine: object  # a TorchEngine, reused across runs
+    slots: int
+
+
+def make_workloads(tokenizer, q: int) -> list[Workload]:
+    from areal_mq.engines.models import apply_chat_template
+
+    def prompts(n: int) -> list[list[int]]:
+        return [apply_chat_template(tokenizer, QUESTIONS[i % len(QUESTIONS)] + f" (#{i})") for i in range(n)]
+
+    n_u, n_l = SIZES["uniform_n"][q], SIZES["longtail_n"][q]
+    short = SIZES["short_len"][q]
+    uniform = Workload("uniform", prompts(n_u), [SIZES["uniform_len"][q]] * n_u, [0.0] * n_u)
+    lengths = [short * LONG_FACTOR if i % LONG_EVERY == 3 else short for i in range(n_l)]
+    longtail = Workload("longtail", prompts(n_l), lengths, [i * ARRIVAL_GAP_S for i in range(n_l)])
+    return [uniform, longtail]
+
+
+# -- runners: one per engine; each returns wall seconds until every request finished -------------
+
+
+def run_torch_engine(ctx: Context, wl: Workload) -> float:
+    from areal_mq.engines.base import EngineRequest, SamplingParams
+
+    engine, pending, done = ctx.engine, list(range(len(wl.prompts))), 0
+    start = time.perf_counter()
+    while done < len(wl.prompts):
+        now = time.perf_counter() - start
+        while pending and wl.arrivals[pending[0]] <= now:
+            i = pending.pop(0)
+            sp = SamplingParams(temperature=1.0, max_new_tokens=wl.lengths[i], ignore_eos=True, seed=i)
+            engine.submit(EngineRequest(f"{wl.name}-{i}-{start}", wl.prompts[i], sp))
+        if engine.has_work():
+            done += len(engine.step())
+        else:
+            time.sleep(0.001)
+    return time.perf_counter() - start
+
+
+def run_hf_generate(ctx: Context, wl: Workload) -> float:
+    import torch
+
+    tok, model = ctx.tokenizer, ctx.hf_model
+    start = time.perf_counter()
+    for b in range(0, len(wl.prompts), ctx.slots):
+        idx = list(range(b, min(b + ctx.slots, len(wl.prompts))))
+        wait = wl.arrivals[idx[-1]] - (time.perf_counter() - start)
+        if wait > 0:  # a fixed batch starts once its last member has arrived
+            time.sleep(wait)
+        width = max(len(wl.prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):  # left padding
+            ids[row, width - len(wl.prompts[i]):] = torch.tensor(wl.prompts[i])
+            mask[row, width - len(wl.prompts[i]):] = 1
+        longest = max(wl.lengths[i] for i in idx)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id)
+    return time.perf_counter() - start
+
+
+RUNNERS = {"torch_engine": run_torch_engine, "hf_generate": run_hf_generate}
+
+
+# -- weight update timing --------------------------------------------------------------------------
+
+
+def measure_update(ctx: Context, mode: str, tokens_before: int) -> dict:
+    """Sequences mid-generation, then a weight update from disk; time to the first new-version token."""
+    from areal_mq.engines.base import EngineRequest, SamplingParams
+
+    engine = ctx.engine
+    engine.cfg = engine.cfg.model_copy(update={"kv_on_update": mode})
+    ids = [f"upd-{mode}-{i}" for i in range(ctx.slots)]
+    for i, rid in enumerate(ids):
+        sp = SamplingParams(temperature=1.0, max_new_tokens=tokens_before * 4, ignore_eos=True, seed=i)
+        engine.submit(EngineRequest(rid, make_prompt(ctx, i), sp))
+    for _ in range(tokens_before):
+        engine.step()
+    timings = engine.update_weights(engine.version + 1, path=str(ctx.model_dir))
+    t0, before = time.perf_counter(), engine.stats()["generated_tokens"]
+    steps = 0
+    while engine.stats()["generated_tokens"] == before:
+        engine.step()
+        steps += 1
+    resume = timings["pause_s"] + time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
+    return {"mode": mode, "load_s": round(timings["load_s"], 3), "pause_s": round(timings["pause_s"], 4),
+            "resume_s": round(resume, 3), "steps_to_first_token": steps,
+            "recompute_tokens": int(timings["recompute_tokens"]), "in_flight": int(timings["in_flight"])}
+
+
+def make_prompt(ctx: Context, i: int) -> list[int]:
+    from areal_mq.engines.models import apply_chat_template
+
+    return apply_chat_template(ctx.tokenizer, QUESTIONS[i % len(QUESTIONS)])
+
+
+# -- driver ----------------------------------------------------------------------------------------
+
+
+def machine(args) -> dict:
+    import torch
+
+    model = ""
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "model": args.model, "dtype": args.dtype, "loadavg_at_start": list(os.getloadavg())}
+
+
+def setup(args, q: int) -> Context:
+    import torch
+
+    from areal_mq.engines.config import EngineConfig
+    from areal_mq.engines.models import load_causal_lm, load_tokenizer, resolve_model
+    from areal_mq.engines.torch_engine import TorchEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    slots = SIZES["slots"][q]
+    cfg = EngineConfig(max_concurrent=slots, dtype=args.dtype, seed=0)
+    engine = TorchEngine(model_dir, cfg, dtype=args.dtype, tokenizer=tokenizer)
+    hf_model = load_causal_lm(model_dir, args.dtype)
+    log(f"engine loaded the model in {engine.load_s:.2f}s; threads={torch.get_num_threads()}")
+    return Context(model_dir, tokenizer, hf_model, engine, slots)
+
+
+def run(args) -> dict:
+    from tqdm import tqdm
+
+    q = 0 if args.quick else 1
+    ctx = setup(args, q)
+    workloads = make_workloads(ctx.tokenizer, q)
+    warm = Workload("warm", workloads[0].prompts[:2], [4, 4], [0.0, 0.0])
+    for runner in RUNNERS.values():
+        runner(ctx, warm)
+    times: dict[tuple[str, str], list[float]] = {}
+    jobs = [(r, wl) for r in range(SIZES["rounds"][q]) for wl in workloads]
+    for r, wl in tqdm(jobs, desc="runs", file=sys.stderr):
+        names = list(RUNNERS) if r % 2 == 0 else list(reversed(RUNNERS))
+        for name in names:
+            seconds = RUNNERS[name](ctx, wl)
+            times.setdefault((wl.name, name), []).append(seconds)
+            log(f"{wl.name:9s} {name:13s} {wl.tokens / seconds:7.1f} tok/s ({seconds:.1f}s)")
+    updates = [measure_update(ctx, mode, SIZES["update_tokens"][q]) for mode in ("recompute", "keep")]
+    ctx.engine.close()
+    results = [{"workload": wl.name, "engine": name, "requests": len(wl.prompts), "tokens": wl.tokens,
+                "seconds": [round(s, 2) for s in times[(wl.name, name)]],
+                "tokens_per_s": round(wl.tokens / statistics.median(times[(wl.name, name)]), 1)}
+               for wl in workloads for name in RUNNERS]
+    results += [{"workload": "update", "engine": "torch_engine", **u} for u in updates]
+
+    def ratio(wl: str) -> float:  # per round (same load), then the median
+        pairs = zip(times[(wl, "hf_generate")], times[(wl, "torch_engine")])
+        return round(statistics.median(hf / eng for hf, eng in pairs), 3)
+
+    default = updates[0]
+    ratios = {"uniform_vs_hf_generate": ratio("uniform"), "longtail_vs_hf_generate": ratio("longtail"),
+              "update_resume_vs_0.5s": round(0.5 / default["resume_s"], 3),
+              "weights_load_vs_3s": round(3.0 / max(u["load_s"] for u in updates), 3)}
+    return {"benchmark": "engine", "quick": args.quick, "machine": machine(args), "results": results,
+            "ratios": ratios, "targets": dict(TARGETS)}
+
+
+def table(report: dict, command: str) -> str:
+    rows = [("workload / engine", "tokens/s", "seconds per round")]
+    for r in report["results"]:
+        if r["workload"] == "update":
+            rows.append((f"update kv={r['mode']}", "-", f"load {r['load_s']:.2f}s, resume {r['resume_s']:.3f}s "
+                         f"(pause {r['pause_s'] * 1e3:.1f}ms, {r['recompute_tokens']} tokens recomputed, "
+                         f"{r['steps_to_first_token']} steps)"))
+        else:
+            rows.append((f"{r['workload']} {r['engine']}", f"{r['tokens_per_s']:.1f}",
+                         " ".join(f"{s:.1f}" for s in r["seconds"]) + f"  ({r['tokens']} tokens)"))
+    rows += [("", "", ""), ("ratio", "value", "target")]
+    for name, value in report["ratios"].items():
+        target = report["targets"][name]
+        rows.append((name, f"{value:.3f}", f">= {target}  {'met' if value >= target else 'NOT met'}"))
+    width = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, width)) for row in rows]
+    m = report["machine"]
+    lines.append(f"machine: {m['cpus']} cpus, {m['threads']} torch threads, {m['dtype']}, "
+                 f"load at start {m['loadavg_at_start'][0]:.1f}")
+    return "\n".join(lines + [f"reproduce: {command}"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="Reduced sizes, under a minute on 2 cores.")
+    parser.add_argument("--json", type=Path, help="Write the results here.")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="Model name or directory.")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="Parameter dtype of both engines (bfloat16: fast on AMX/AVX512-BF16 CPUs).")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for both engines (default 1: on a shared 2-core machine a second "
+                             "thread mostly waits for a busy core; measured up to 10x slower under load).")
+    args = parser.parse_args()
+    started = time.monotonic()
+    report = run(args)
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),
+                                                ("threads", args.threads)) if v)
+    print(table(report, "python benchmarks/engine.py" + (" --quick" if args.quick else "") + extra))
+
+
+if __name__ == "__main__":
+    main()
