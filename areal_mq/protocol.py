@@ -13,6 +13,7 @@ with a short `code`, which the receiver turns into an Error reply instead of cra
 """
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -28,6 +29,10 @@ ND_KEY = "__nd__"
 ALLOWED_DTYPES = {"int32", "float32", "uint8", "int64", "float64", "int16", "uint16", "bool"}
 DEFAULT_MAX_FRAME_BYTES = 512 * 1024 * 1024  # 512 MiB; configurable per socket owner
 MAX_HEADER_BYTES = 4 * 1024 * 1024
+# Read-only lookup tables for the hot path (a broker decodes every header): dict lookups instead of
+# Enum(...) / np.dtype(...) / np.prod(...) calls, which dominate a small message's decode time.
+_DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
+_KINDS = {k.value: k for k in Kind}
 
 
 @dataclass
@@ -111,11 +116,10 @@ def decode_header(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAM
             f"protocol version {version!r}; this peer speaks version {PROTOCOL_VERSION}", "bad_version", msg_id
         )
     kind = header.get("kind")
-    try:
-        header["kind"] = Kind(kind)
-    except ValueError:
+    header["kind"] = _KINDS.get(kind) if isinstance(kind, str) else None
+    if header["kind"] is None:
         known = ", ".join(k.value for k in Kind)
-        raise ProtocolError(f"unknown message kind {kind!r}; known kinds: {known}", "unknown_kind", msg_id) from None
+        raise ProtocolError(f"unknown message kind {kind!r}; known kinds: {known}", "unknown_kind", msg_id)
     if msg_id is None or not msg_id:
         raise ProtocolError("header field 'id' must be a non-empty string", "bad_header")
     for key in ("reply_to", "service"):
@@ -137,16 +141,18 @@ def _check_arrays(header: dict, frames: Sequence[Any], max_frame_bytes: int, msg
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
             raise ProtocolError(f"array {i}: descriptor must be [dtype, shape]", "bad_arrays", msg_id)
         dtype, shape = entry
-        if dtype not in ALLOWED_DTYPES:
+        np_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if np_dtype is None:
             raise ProtocolError(f"array {i}: dtype {dtype!r} not allowed", "bad_arrays", msg_id)
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ProtocolError(f"array {i}: shape {shape!r} must be non-negative ints", "bad_arrays", msg_id)
+        for d in shape:
+            if type(d) is not int or d < 0:  # bool is an int subclass; a shape of True is refused too
+                raise ProtocolError(f"array {i}: shape {shape!r} must be non-negative ints", "bad_arrays", msg_id)
         nbytes = memoryview(_frame_bytes(frames[i + 1])).nbytes
         if nbytes > max_frame_bytes:
             raise ProtocolError(
                 f"array {i}: frame of {nbytes} bytes exceeds the limit of {max_frame_bytes}", "too_large", msg_id
             )
-        expect = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        expect = math.prod(shape) * np_dtype.itemsize
         if nbytes != expect:
             raise ProtocolError(
                 f"array {i}: declared {dtype}{shape} = {expect} bytes but the frame has {nbytes}", "bad_arrays", msg_id
@@ -154,15 +160,16 @@ def _check_arrays(header: dict, frames: Sequence[Any], max_frame_bytes: int, msg
 
 
 def _inject(value: Any, arrays: list[np.ndarray]) -> Any:
+    # Recurse only into containers: most body values are scalars, and a call per scalar is what costs.
     if isinstance(value, dict):
         if len(value) == 1 and ND_KEY in value:
             idx = value[ND_KEY]
             if not isinstance(idx, int) or not 0 <= idx < len(arrays):
                 raise ProtocolError(f"array reference {idx!r} out of range", "bad_arrays")
             return arrays[idx]
-        return {k: _inject(v, arrays) for k, v in value.items()}
+        return {k: _inject(v, arrays) if isinstance(v, (dict, list)) else v for k, v in value.items()}
     if isinstance(value, list):
-        return [_inject(v, arrays) for v in value]
+        return [_inject(v, arrays) if isinstance(v, (dict, list)) else v for v in value]
     return value
 
 
@@ -176,7 +183,7 @@ def decode_body(header: dict, frames: Sequence[Any]) -> Envelope:
     """Second half of decode(): arrays + pydantic validation of the body fields."""
     msg_id = header["id"]
     arrays = [
-        np.frombuffer(_frame_bytes(f), dtype=np.dtype(d)).reshape(s)
+        np.frombuffer(_frame_bytes(f), dtype=_DTYPES[d]).reshape(s)
         for f, (d, s) in zip(frames[1:], header.get("arrays", []))
     ]
     body = header.get("body", {})

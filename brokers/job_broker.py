@@ -30,6 +30,8 @@ from areal_mq.messages import Error, Heartbeat, Kind, Stats
 
 DEFAULT_SERVICE = {Kind.GENERATE_REQUEST: "generate", Kind.REWARD_JOB: "reward"}
 REPLY_KINDS = {Kind.GENERATE_RESULT, Kind.REWARD_RESULT, Kind.ERROR}
+# Plain-int socket flags: pyzmq's flag enums cost an Enum operation per frame on the hot path.
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class JobBroker:
         self.max_frame_bytes = max_frame_bytes
         self.log = log
         self.workers: dict[bytes, WorkerState] = {}
+        self.by_service: dict[str, dict[bytes, WorkerState]] = collections.defaultdict(dict)  # dispatch index
         self.queues: dict[str, collections.deque[str]] = collections.defaultdict(collections.deque)
         self.jobs: dict[str, JobState] = {}
         self.counters: collections.Counter = collections.Counter()
@@ -79,11 +82,16 @@ class JobBroker:
     # ------------------------------------------------------------ input
     def handle(self) -> None:
         """Process every message waiting on the socket (bounded batch to stay fair to other sockets)."""
+        sock = self.sock
         for _ in range(256):
             try:
-                raw = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frame = sock.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            raw = [frame]
+            while frame.more:  # a multipart message arrives whole: the rest is already here
+                frame = sock.recv(_NOBLOCK, copy=False)
+                raw.append(frame)
             self._on_message(raw)
 
     def _on_message(self, raw: list) -> None:
@@ -135,10 +143,12 @@ class JobBroker:
         if worker is None:
             worker = WorkerState(ident, msg.worker_id, msg.service, msg.capacity, time.monotonic())
             self.workers[ident] = worker
+            self.by_service[msg.service][ident] = worker
             self.log.info("broker.worker_ready", worker=msg.worker_id, service=msg.service, capacity=msg.capacity)
         else:
+            if msg.capacity != worker.capacity:  # workers re-announce periodically: log changes only
+                self.log.info("broker.worker_capacity", worker=msg.worker_id, capacity=msg.capacity)
             worker.capacity, worker.last_seen = msg.capacity, time.monotonic()
-            self.log.info("broker.worker_capacity", worker=msg.worker_id, capacity=msg.capacity)
         self._dispatch(worker.service)
 
     def _on_job(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
@@ -181,10 +191,11 @@ class JobBroker:
     # ------------------------------------------------------------ dispatch and liveness
     def _dispatch(self, service: str) -> None:
         queue = self.queues.get(service)
-        while queue:
+        candidates = self.by_service.get(service)
+        while queue and candidates:
             best = None
-            for w in self.workers.values():
-                if w.service == service and w.free > 0 and (best is None or w.free > best.free):
+            for w in candidates.values():
+                if w.free > 0 and (best is None or w.free > best.free):
                     best = w
             if best is None:
                 return
@@ -199,6 +210,7 @@ class JobBroker:
         worker = self.workers.pop(ident, None)
         if worker is None:
             return
+        self.by_service[worker.service].pop(ident, None)
         requeued = 0
         for job_id in sorted(worker.in_flight, reverse=True):
             job = self.jobs.get(job_id)
@@ -220,7 +232,10 @@ class JobBroker:
 
     def _send(self, ident: bytes, frames: list) -> None:
         try:
-            self.sock.send_multipart([ident, *frames], copy=False)
+            self.sock.send(ident, _SNDMORE)
+            for frame in frames[:-1]:
+                self.sock.send(frame, _SNDMORE, copy=False)
+            self.sock.send(frames[-1], 0, copy=False)
         except zmq.ZMQError as exc:  # peer gone; the client will resubmit
             self.counters["send_errors"] += 1
             self.log.info("broker.send_failed", peer=ident.hex(), error=str(exc))

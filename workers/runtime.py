@@ -154,6 +154,7 @@ class WorkerRuntime:
             deadline = time.monotonic() + drain_timeout
             while self.in_flight and time.monotonic() < deadline:
                 time.sleep(0.05)
+            self._announced = False  # no re-announcing READY after DISCONNECT
             self._send(protocol.encode(Disconnect(reason="drained" if not self.in_flight else "drain timeout")))
         time.sleep(0.05)
         self._stop_io.set()
@@ -213,6 +214,7 @@ class WorkerRuntime:
                 poller.register(s, zmq.POLLIN)
         last_heard = next_beat = time.monotonic()
         backoff = self.heartbeat_s
+        beats = 0
         while not self._stop_io.is_set():
             events = dict(poller.poll(int(self.heartbeat_s * 250)))
             if self._wake_rx in events:
@@ -230,8 +232,13 @@ class WorkerRuntime:
             if dealer is None:
                 continue
             if now >= next_beat:
-                next_beat = now + self.heartbeat_s
+                next_beat, beats = now + self.heartbeat_s, beats + 1
                 dealer.send_multipart(protocol.encode(Heartbeat(peer_id=self.worker_id)))
+                if self._announced and beats % self.liveness == 0:
+                    # Re-announce once per liveness window: a broker restarted faster than that (our socket
+                    # reconnected silently) or one that dropped us during a stall answers heartbeats from
+                    # anyone, so without this it would never learn about us again. Harmless when registered.
+                    dealer.send_multipart(protocol.encode(self._ready_msg()))
             if now - last_heard > self.heartbeat_s * self.liveness:
                 poller.unregister(dealer)
                 dealer.close(0)
