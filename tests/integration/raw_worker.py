@@ -65,6 +65,9 @@ class RawWorker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.address)
+        self.ready()
+
+    def ready(self) -> None:
         self.send(pack("ready", {"service": "reward", "capacity": self.capacity, "worker_id": self.worker_id,
                                  "role": "reward"}))
 
@@ -76,15 +79,17 @@ class RawWorker:
         beat_every = self.heartbeat_s if self.heartbeat_s > 0 else None
         silence_limit = (self.heartbeat_s or 1.0) * self.liveness
         last_heard = next_beat = time.monotonic()
-        backoff = self.heartbeat_s or 1.0
+        backoff, beats = self.heartbeat_s or 1.0, 0
         while not self.stopping:
             if self.sock.poll(50, zmq.POLLIN):
                 last_heard = time.monotonic()
                 self.drain()
             now = time.monotonic()
             if beat_every and now >= next_beat:
-                next_beat = now + beat_every
+                next_beat, beats = now + beat_every, beats + 1
                 self.send(pack("heartbeat", {"peer_id": self.worker_id}))
+                if beats % self.liveness == 0:  # re-announce once per liveness window (§5.4)
+                    self.ready()
             if beat_every and now - last_heard > silence_limit:  # broker gone: new socket, READY again
                 self.sock.close(0)
                 time.sleep(backoff)

@@ -22,7 +22,7 @@ from areal_mq.client import JobClient
 from areal_mq.errors import JobFailed
 from areal_mq.messages import MESSAGE_TYPES, Error, GenerateRequest, RewardJob, RewardResult, SamplingSpec, SeqSample
 
-from .conftest import wait_for
+from .conftest import broker_up, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RAW_WORKER = ROOT / "tests" / "integration" / "raw_worker.py"
@@ -149,6 +149,21 @@ def test_raw_worker_drains_and_disconnects_on_sigterm(broker, cfg, raw_workers):
     assert proc.wait(10) == 0
     wait_for(lambda: "raw-leaving" not in registered(cfg), 10, what="worker removed")
     assert broker_stats(cfg)["counters"].get("workers_lost", 0) == 0  # left by DISCONNECT, not by silence
+
+
+def test_raw_worker_rejoins_a_restarted_broker(broker, procs, config_path, cfg, raw_workers):
+    raw_workers("raw-rejoin")
+    wait_for(lambda: "raw-rejoin" in registered(cfg), 30, what="raw worker registered")
+    procs.stop(broker, signal.SIGKILL)
+    procs.start(["broker", "--config", str(config_path)], "broker2")
+    broker_up(cfg)
+    # However fast the restart, the worker re-announces itself (READY once per liveness window, §5.4).
+    wait_for(lambda: "raw-rejoin" in registered(cfg), 30, what="raw worker re-registered")
+    client = JobClient(cfg.brokers.job_addr, heartbeat_s=cfg.brokers.heartbeat_s)
+    try:
+        assert client.wait(client.submit(RewardJob(task="length", completions=["ab"])), 20).rewards == [2.0]
+    finally:
+        client.close()
 
 
 # ---------------------------------------------------------------- the document matches the code
