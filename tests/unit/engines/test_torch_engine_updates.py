@@ -26,6 +26,8 @@ def hf_new(hf_tiny, new_state):
 
 
 def generate_with_update(engine, prompts, sampling, chunk=None, **update):
+    """Submit, step BEFORE times, update to version 1, run to the end. The caller's engine must admit
+    every prompt in one step (prefill_chunk_tokens >= total prompt tokens: see `engine_for`)."""
     for i, p in enumerate(prompts):
         engine.submit(EngineRequest(f"u{i}", p, sampling))
     outs = {}
@@ -40,9 +42,13 @@ def generate_with_update(engine, prompts, sampling, chunk=None, **update):
     return outs, timings
 
 
+def engine_for(make_engine, **overrides):
+    return make_engine(prefill_chunk_tokens=512, **overrides)
+
+
 @pytest.mark.parametrize("chunk", [256, 16])
 def test_recompute_update_mid_generation(make_engine, hf_tiny, hf_new, new_state, prompts, chunk):
-    engine = make_engine(kv_on_update="recompute")
+    engine = engine_for(make_engine, kv_on_update="recompute")
     # admission uses one full prefill; the recompute after the update is chunked (16: over several steps)
     outs, timings = generate_with_update(engine, prompts, greedy(BEFORE + AFTER, ignore_eos=True),
                                          chunk=chunk, tensors=new_state)
@@ -60,7 +66,7 @@ def test_recompute_update_mid_generation(make_engine, hf_tiny, hf_new, new_state
 
 
 def test_sampled_logprobs_after_recompute_update(make_engine, hf_tiny, hf_new, new_state, prompts):
-    engine = make_engine(kv_on_update="recompute")
+    engine = engine_for(make_engine, kv_on_update="recompute")
     sp = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=BEFORE + AFTER, ignore_eos=True, seed=5)
     outs, _ = generate_with_update(engine, prompts[:2], sp, tensors=new_state)
     for i, p in enumerate(prompts[:2]):
@@ -70,10 +76,10 @@ def test_sampled_logprobs_after_recompute_update(make_engine, hf_tiny, hf_new, n
 
 
 def test_keep_update_reuses_old_kv(make_engine, hf_tiny, hf_new, new_state, prompts):
-    keep = make_engine(kv_on_update="keep")
+    keep = engine_for(make_engine, kv_on_update="keep")
     kept, timings = generate_with_update(keep, prompts, greedy(BEFORE + AFTER, ignore_eos=True), tensors=new_state)
     assert timings["recompute_tokens"] == 0
-    recompute = make_engine(kv_on_update="recompute")
+    recompute = engine_for(make_engine, kv_on_update="recompute")
     recomputed, _ = generate_with_update(recompute, prompts, greedy(BEFORE + AFTER, ignore_eos=True),
                                          tensors=new_state)
     differ = 0
@@ -90,13 +96,14 @@ def test_update_from_safetensors_dir_equals_tensor_update(make_engine, new_state
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in new_state.items()}, str(tmp_path / "model.safetensors"))
-    a, _ = generate_with_update(make_engine(), prompts[:2], greedy(BEFORE + AFTER, ignore_eos=True), path=str(tmp_path))
-    b, _ = generate_with_update(make_engine(), prompts[:2], greedy(BEFORE + AFTER, ignore_eos=True), tensors=new_state)
+    sp = greedy(BEFORE + AFTER, ignore_eos=True)
+    a, _ = generate_with_update(engine_for(make_engine), prompts[:2], sp, path=str(tmp_path))
+    b, _ = generate_with_update(engine_for(make_engine), prompts[:2], sp, tensors=new_state)
     assert all(a[k].output_ids.tolist() == b[k].output_ids.tolist() for k in b)
 
 
 def test_waiting_requests_start_under_the_new_version(make_engine, new_state, prompts):
-    engine = make_engine(max_concurrent=1)
+    engine = engine_for(make_engine, max_concurrent=1)
     engine.submit(EngineRequest("first", prompts[0], greedy(4, ignore_eos=True)))
     engine.submit(EngineRequest("second", prompts[1], greedy(4, ignore_eos=True)))
     engine.step()
@@ -129,10 +136,10 @@ def _broken_updates(new_state, tmp_path):
 
 
 def test_refused_updates_change_nothing(make_engine, new_state, prompts, tmp_path):
-    baseline = make_engine()
+    baseline = engine_for(make_engine)
     baseline.submit(EngineRequest("a", prompts[0], greedy(8, ignore_eos=True)))
     expected = run_all(baseline)["a"].output_ids.tolist()
-    engine = make_engine()
+    engine = engine_for(make_engine)
     for kwargs, match in _broken_updates(new_state, tmp_path):
         with pytest.raises(EngineRequestError, match=match):
             engine.update_weights(1, **kwargs)
@@ -142,7 +149,7 @@ def test_refused_updates_change_nothing(make_engine, new_state, prompts, tmp_pat
 
 
 def test_chunked_recompute_lets_short_rows_decode_first(make_engine, new_state, prompts):
-    engine = make_engine(kv_on_update="recompute")
+    engine = engine_for(make_engine, kv_on_update="recompute")
     for i, p in enumerate(prompts):
         engine.submit(EngineRequest(f"u{i}", p, greedy(30, ignore_eos=True)))
     for _ in range(3):
