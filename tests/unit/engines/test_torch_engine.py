@@ -192,3 +192,34 @@ def test_pause_and_resume(make_engine, prompts):
     assert engine.step() == [] and engine.stats()["generated_tokens"] == 0 and engine.has_work()
     engine.resume()
     assert len(run_all(engine)["a"].output_ids) == 3
+
+
+def test_bfloat16_engine_logprobs_close_to_hf_bfloat16(make_engine, tiny_model_dir, prompts):
+    from areal_mq.engines.models import load_causal_lm
+
+    engine = make_engine(dtype="bfloat16")
+    engine.submit(EngineRequest("b", prompts[1], SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)))
+    out = run_all(engine)["b"]
+    ref = full_logprobs(load_causal_lm(tiny_model_dir, "bfloat16"), prompts[1], out.output_ids.tolist())
+    torch.testing.assert_close(torch.from_numpy(out.logprobs), ref, atol=0.15, rtol=0.02)
+
+
+@pytest.mark.slow
+def test_smollm2_engine_matches_hf_generate_and_answers():
+    from areal_mq.engines import build_engine
+    from areal_mq.engines.config import EngineConfig
+    from areal_mq.engines.models import apply_chat_template, load_causal_lm
+    from types import SimpleNamespace
+
+    engine = build_engine(EngineConfig(threads=1), SimpleNamespace(name="smollm2-135m-instruct", dtype="float32",
+                                                                   cache_dir=None))
+    try:
+        prompt = apply_chat_template(engine.tokenizer, "What is 2+3? Answer with just the number.")
+        engine.submit(EngineRequest("s", prompt, greedy(16)))
+        out = run_all(engine)["s"]
+        hf = load_causal_lm(engine.model.name_or_path)
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+        assert out.output_ids.tolist() == ref and "5" in out.text and out.finish_reason == "stop"
+    finally:
+        engine.close()
