@@ -311,7 +311,9 @@ def load_published(ready: WeightsReady, timeout_s: float = 60.0) -> dict[str, "t
 
 def unique_tensors(tensors: Mapping[str, "torch.Tensor"], dtype: str | None = None) -> dict[str, "torch.Tensor"]:
     """Detached CPU copies in `dtype`, one per storage: tied parameters (lm_head == embed_tokens) are sent
-    once under their first name (safetensors refuses shared memory; engines accept either name)."""
+    once under their first name (safetensors refuses shared memory; engines accept either name).
+    Always copies, even when the dtype already matches: the zmq server serves these tensors later, and
+    live parameters would change under a reader while the next step trains."""
     import torch
 
     out: dict[str, Any] = {}
@@ -321,10 +323,8 @@ def unique_tensors(tensors: Mapping[str, "torch.Tensor"], dtype: str | None = No
         if key in seen:
             continue
         seen.add(key)
-        t = t.detach()
-        if dtype is not None:
-            t = t.to(getattr(torch, dtype))
-        out[name] = t.cpu().contiguous()
+        want = getattr(torch, dtype) if dtype is not None else t.dtype
+        out[name] = t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
     return out
 
 

@@ -235,17 +235,9 @@ class Trainer:
     def publish_tensors(self, dtype: str | None = None) -> dict[str, "torch.Tensor"]:
         """A snapshot of the policy weights for publishing: state-dict names, tied duplicates dropped
         (as save_pretrained does), cast to `dtype` (default cfg.publish_dtype), always copied."""
-        from areal_mq.engines.models import torch_dtype
+        from areal_mq.weights import unique_tensors
 
-        want = torch_dtype(dtype or self.cfg.publish_dtype)
-        seen: set[int] = set()
-        out = {}
-        for name, t in self.unwrapped.state_dict().items():
-            if t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            out[name] = t.detach().to(dtype=want, copy=True).contiguous()
-        return out
+        return unique_tensors(self.unwrapped.state_dict(), dtype or self.cfg.publish_dtype)
 
     def save_checkpoint(self, root: str | Path, extra: dict | None = None) -> Path:
         from areal_mq.algorithms.checkpoint import save_checkpoint

@@ -130,3 +130,19 @@ def test_fetch_whose_server_dies_fails_clearly_within_deadline(server_process):
     assert time.monotonic() - t0 < 6.0
     text = str(err.value)
     assert ready.endpoint in text and "version 5" in text and "trainer may have died" in text
+
+
+def test_publisher_serves_a_snapshot_not_the_live_tensors(tmp_path):
+    from areal_mq.algorithms.config import TrainerConfig
+    from areal_mq.weights import WeightPublisher
+
+    live = {"w": torch.zeros(4, 4), "tied": None}
+    live["tied"] = live["w"]  # the same storage under two names: published once
+    publisher = WeightPublisher(TrainerConfig(publish_mode="zmq", publish_dtype="float32"), tmp_path)
+    try:
+        ready = publisher.publish(1, live)
+        live["w"].add_(1.0)  # the next training step changes the parameters in place
+        got = fetch_weights(ready, timeout_s=10)
+    finally:
+        publisher.close()
+    assert list(got) == ["w"] and torch.equal(got["w"], torch.zeros(4, 4))

@@ -1,0 +1,174 @@
+"""Trainer benchmark: dynamic packed micro-batches vs fixed-size padded micro-batches, side by side.
+
+What it measures, in one run, on SmolLM2-135M-Instruct (fp32 master weights, CPU):
+  the same long-tail batch of sequences (lognormal generated lengths: many short, a few long — the shape
+  of real RL rollouts) is trained with full decoupled-PPO train_steps, alternating
+  - packed: first-fit-decreasing bins under `max_tokens_per_mb`, one padding-free row per micro-batch
+    (position ids restart per sequence, block-diagonal causal attention), and
+  - padded: `padded_mb_size` sequences per micro-batch in arrival order, right-padded, where the size
+    is chosen so that a padded micro-batch holds the same number of REAL tokens on average as the
+    packed budget (same nominal memory per micro-batch).
+Training tokens/s counts real tokens (prompt + generated) per wall second of the whole step (proximal
+recompute, forward/backward, optimizer); the ratio `packed_vs_padded_tokens_per_s` is the median packed
+step throughput over the median padded one (medians: robust to a neighbour's burst on a shared
+machine). It also reports the cost of the proximal-logprob recompute (a no-grad forward) per step.
+One torch thread by default: on an oversubscribed machine a descheduled OpenMP thread stalls every
+parallel kernel, which makes step time track the number of kernels rather than the work and hides
+the difference being measured; pass --threads 2 on an idle machine.
+
+    python benchmarks/trainer.py [--quick] [--json PATH] [--threads N]
+
+`--quick` uses fewer, shorter sequences (same code path, same long-tail shape) and finishes in about a
+minute on 2 idle cores. benchmarks/RESULTS.md records runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TARGETS = {"packed_vs_padded_tokens_per_s": 1.3}
+SIZES = {  # quick, full
+    "groups": (4, 8), "group_size": (4, 4), "prompt_len": ((8, 24), (24, 64)),
+    "gen_median": (12, 48), "gen_max": (240, 512), "budget": (384, 2048), "rounds": (2, 2),
+}
+
+
+def log(text: str) -> None:
+    print(f"[trainer bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def longtail_batch(seed: int, groups: int, group_size: int, prompt_len: tuple[int, int], median: int,
+                   max_len: int) -> list:
+    """Sample groups whose generated lengths are lognormal (sigma 1): median `median`, tail to `max_len`."""
+    from areal_mq.messages import Sample, SeqSample
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for g in range(groups):
+        prompt = rng.integers(100, 49000, rng.integers(*prompt_len), dtype=np.int32)
+        seqs = []
+        for _ in range(group_size):
+            n = int(np.clip(rng.lognormal(np.log(median), 1.0), 4, max_len))
+            seqs.append(SeqSample(prompt_ids=prompt, output_ids=rng.integers(100, 49000, n, dtype=np.int32),
+                                  logprobs=np.full(n, -8.0, np.float32), versions=np.zeros(n, np.int32),
+                                  reward=float(rng.integers(0, 2))))
+        samples.append(Sample(sample_id=f"b{g}", seqs=seqs))
+    return samples
+
+
+def padded_tokens(lengths: list[int], size: int) -> int:
+    """Tokens a padded plan computes (rows x longest row, per micro-batch of `size` in order)."""
+    return sum(max(lengths[i:i + size]) * len(lengths[i:i + size]) for i in range(0, len(lengths), size))
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from areal_mq.algorithms.config import TrainerConfig
+    from areal_mq.algorithms.trainer import Trainer
+    from areal_mq.engines.models import resolve_model
+
+    q = 0 if args.quick else 1
+    size = {k: v[q] for k, v in SIZES.items()}
+    torch.set_num_threads(args.threads)
+    batch = longtail_batch(0, size["groups"], size["group_size"], size["prompt_len"], size["gen_median"],
+                           size["gen_max"])
+    lengths = [len(s.prompt_ids) + len(s.output_ids) for smp in batch for s in smp.seqs]
+    mb_size = max(1, round(size["budget"] / np.mean(lengths)))
+    base = TrainerConfig(lr=1e-7, max_tokens_per_mb=size["budget"], padded_mb_size=mb_size)
+    cfgs = {"packed": base, "padded": base.model_copy(update={"packing": "padded"})}
+    log(f"{len(lengths)} sequences, {sum(lengths)} tokens (median {int(np.median(lengths))}, max {max(lengths)}); "
+        f"packed budget {size['budget']} tokens, padded {mb_size} seqs/micro-batch")
+    t0 = time.perf_counter()
+    trainer = Trainer(base, resolve_model("smollm2-135m-instruct"))
+    load_s = time.perf_counter() - t0
+    trainer.train_step(longtail_batch(1, 1, 2, (8, 9), 8, 16))  # warm-up: allocator, kernels
+    steps: dict[str, list[dict]] = {"packed": [], "padded": []}
+    order = [m for r in range(size["rounds"]) for m in (("packed", "padded") if r % 2 == 0 else ("padded", "packed"))]
+    for mode in tqdm(order, desc="train steps", unit="step", file=sys.stderr):
+        trainer.cfg = cfgs[mode]
+        steps[mode].append(trainer.train_step(batch))
+    results = []
+    for mode, ms in steps.items():
+        total_s = sum(m["step_s"] for m in ms)
+        results.append({
+            "name": mode, "steps": len(ms), "tokens_per_step": ms[0]["n_tokens"],
+            "tokens_per_s": float(np.median([m["tokens_per_s"] for m in ms])),
+            "tokens_per_s_total": ms[0]["n_tokens"] * len(ms) / total_s,
+            "step_s": [round(m["step_s"], 3) for m in ms],
+            "prox_recompute_s": [round(m["prox_recompute_s"], 3) for m in ms],
+            "prox_recompute_share": sum(m["prox_recompute_s"] for m in ms) / total_s,
+            "microbatches_per_step": ms[0]["n_microbatches"],
+            "computed_tokens_per_step": sum(lengths) if mode == "packed" else padded_tokens(lengths, mb_size),
+        })
+    by = {r["name"]: r for r in results}
+    ratio = by["packed"]["tokens_per_s"] / by["padded"]["tokens_per_s"]
+    setup = {"name": "setup", "sequences": len(lengths), "tokens": sum(lengths), "median_len": float(np.median(lengths)),
+             "max_len": max(lengths), "budget": size["budget"], "padded_mb_size": mb_size, "model_load_s": load_s,
+             "threads": args.threads, "precision": base.precision}
+    return {"benchmark": "trainer", "quick": args.quick, "machine": machine(), "results": [setup, *results],
+            "ratios": {"packed_vs_padded_tokens_per_s": ratio}, "targets": dict(TARGETS)}
+
+
+def machine() -> dict:
+    import torch
+
+    model = ""
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "loadavg": list(os.getloadavg())}
+
+
+def table(report: dict, command: str) -> str:
+    setup, packed, padded = report["results"]
+    ratio = report["ratios"]["packed_vs_padded_tokens_per_s"]
+    target = report["targets"]["packed_vs_padded_tokens_per_s"]
+    rows = [("metric", "packed", "padded", "ratio", "target", "met"),
+            ("training tokens/s", f"{packed['tokens_per_s']:.1f}", f"{padded['tokens_per_s']:.1f}",
+             f"{ratio:.2f}", f">= {target}", "yes" if ratio >= target else "NO"),
+            ("micro-batches per step", str(packed["microbatches_per_step"]), str(padded["microbatches_per_step"]),
+             "-", "-", "-"),
+            ("tokens computed per step (real+pad)", str(packed["computed_tokens_per_step"]),
+             str(padded["computed_tokens_per_step"]), "-", "-", "-"),
+            ("proximal recompute share of step", f"{packed['prox_recompute_share']:.1%}",
+             f"{padded['prox_recompute_share']:.1%}", "-", "-", "-")]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    note = (f"{setup['sequences']} seqs, {setup['tokens']} tokens/step (median {setup['median_len']:.0f}, max "
+            f"{setup['max_len']}); budget {setup['budget']}, padded {setup['padded_mb_size']} seqs/mb; "
+            f"load avg {report['machine']['loadavg'][0]:.1f}")
+    return "\n".join([*lines, note, f"command: {command}"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="Fewer, shorter sequences; about a minute on 2 cores.")
+    parser.add_argument("--json", type=Path, help="Write the results here.")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (see module docstring).")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    started = time.monotonic()
+    report = run(args)
+    report["wall_s"] = time.monotonic() - started
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    print(table(report, "python " + " ".join(["benchmarks/trainer.py", *sys.argv[1:]])))
+    print(f"wall time {report['wall_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
