@@ -25,7 +25,12 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 @dataclass
 class SamplingParams:
-    """Sampling settings of one request. temperature 0 means greedy."""
+    """Sampling settings of one request. temperature 0 means greedy.
+
+    Stopping: at the tokenizer's EOS (unless ignore_eos), at any of stop_token_ids (the stopping token
+    is kept in output_ids), when the text contains a stop string (text is cut before it), or after
+    max_new_tokens. seed: a per-request random stream, so the tokens do not depend on batch mates.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
