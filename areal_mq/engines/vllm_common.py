@@ -117,6 +117,7 @@ def sampling_kwargs(request: EngineRequest, default_seed: int | None = None) -> 
         "stop_token_ids": [int(t) for t in sp.stop_token_ids],
         "stop": list(sp.stop_strings),
         "skip_special_tokens": True,
+        "ignore_eos": bool(getattr(sp, "ignore_eos", False)),
     }
     if sp.seed is not None:
         kwargs["seed"] = int(sp.seed)

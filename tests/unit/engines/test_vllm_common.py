@@ -65,7 +65,8 @@ def test_sampling_kwargs_maps_fields_and_derives_seeds():
     kw = sampling_kwargs(req(temperature=0.5, max_new_tokens=7, stop_token_ids=[2], stop_strings=["\n\n"], seed=3))
     assert kw["temperature"] == 0.5 and kw["max_tokens"] == 7 and kw["logprobs"] == 0
     assert kw["stop_token_ids"] == [2] and kw["stop"] == ["\n\n"] and kw["seed"] == 3
-    assert "seed" not in sampling_kwargs(req())
+    assert "seed" not in sampling_kwargs(req()) and sampling_kwargs(req())["ignore_eos"] is False
+    assert sampling_kwargs(req(ignore_eos=True))["ignore_eos"] is True
     a, b = sampling_kwargs(req(rid="a"), default_seed=1), sampling_kwargs(req(rid="b"), default_seed=1)
     assert a["seed"] != b["seed"] and a == sampling_kwargs(req(rid="a"), default_seed=1)
 
