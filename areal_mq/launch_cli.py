@@ -50,7 +50,7 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     from areal_mq.launcher import Launcher, settle_ports
 
     cfg = settle_ports(_cfg(config, set_, resume))
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     launcher = Launcher(cfg, console)
     path = launcher.prepare()
     console.print(f"[bold]areal-mq run[/] {cfg.run.name}: mode={cfg.run.mode} η={cfg.controller.max_staleness} "

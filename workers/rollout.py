@@ -115,9 +115,10 @@ class RolloutWorker:
         now = time.monotonic()
         if now - self._last_stats >= every_s:
             stats = self.engine.stats()
-            self.log.info("rollout.stats", running=len(self.jobs), held=len(self.held),
-                          occupancy=round(len(self.jobs) / max(1, self.rt.capacity), 3),
-                          tokens=self.tokens, **{k: v for k, v in stats.items() if isinstance(v, (int, float))})
+            fields = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+            fields.update(running=len(self.jobs), held=len(self.held), tokens=self.tokens,
+                          occupancy=round(len(self.jobs) / max(1, self.rt.capacity), 3))
+            self.log.info("rollout.stats", **fields)
             self._last_stats = now
 
     # ------------------------------------------------------------ loop

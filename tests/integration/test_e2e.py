@@ -1,0 +1,118 @@
+"""The whole system on one host through `areal-mq run`, with the tiny random Llama (slow: run in CI).
+
+- a short asynchronous run trains, publishes weights that the rollout worker loads mid-generation, and
+  trains on samples whose tokens carry policy versions > 0;
+- with max_staleness 0 the asynchronous mode trains on exactly the samples of sync mode and reaches
+  exactly the same parameters (deterministic engine setting: one sequence at a time);
+- a child killed during the run is reported by name, with the reason and its log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .procs import free_ports, wait_for
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+REWARD = f"{Path(__file__).with_name('varied_reward.py')}:varied"
+
+
+def _sets(run_dir: Path, *extra: str) -> list[str]:
+    job, bus_in, bus_out, store = free_ports(4)
+    base = [f"run.run_dir={run_dir}", f"brokers.job_port={job}", f"brokers.bus_in_port={bus_in}",
+            f"brokers.bus_out_port={bus_out}", f"brokers.store_port={store}", f"controller.reward_task={REWARD}",
+            "brokers.heartbeat_s=0.5", "events.console=json"]
+    return [x for s in (*base, *extra) for x in ("--set", s)]
+
+
+def _run(run_dir: Path, *extra: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--skip-eval",
+           "--quiet", *_sets(run_dir, *extra)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _events(run_dir: Path, name: str) -> list[dict]:
+    out = []
+    for path in (run_dir / "events").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("event") == name:
+                out.append(rec)
+    return out
+
+
+def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
+    run_dir = tmp_path / "async"
+    done = _run(run_dir, "controller.total_steps=6", "controller.max_new_tokens=48", "controller.max_staleness=3",
+                "controller.max_concurrent_groups=8", "rollout.max_concurrent=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert any(m["grad_norm"] > 0 for m in metrics)
+    stored = _events(run_dir, "controller.group_stored")
+    assert any(max(g["versions"]) > 0 for g in stored)
+    updates = _events(run_dir, "rollout.weights_updated")
+    assert {u["version"] for u in updates} >= {1, 2, 3, 4, 5}
+    assert any(u["running"] > 0 for u in updates), "no update arrived while sequences were being generated"
+    assert any(len(g["versions"]) > 1 for g in stored), "no sequence spans two policy versions"
+    assert all(m["staleness_max"] <= 3 for m in metrics)
+    assert (run_dir / "plots" / "training.png").stat().st_size > 10_000
+
+
+def _final_params(run_dir: Path):
+    from safetensors.torch import load_file
+
+    ckpt = sorted((run_dir / "checkpoints").glob("step*"))[-1]
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def test_eta_zero_reproduces_sync_mode_exactly(tmp_path):
+    common = ("controller.total_steps=3", "controller.max_new_tokens=16", "rollout.max_concurrent=1",
+              "controller.max_staleness=0")
+    sync = _run(tmp_path / "sync", "run.mode=sync", *common)
+    assert sync.returncode == 0, sync.stderr[-3000:]
+    asyn = _run(tmp_path / "async", "run.mode=async", *common)
+    assert asyn.returncode == 0, asyn.stderr[-3000:]
+    a, b = _final_params(tmp_path / "sync"), _final_params(tmp_path / "async")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] == b[name]).all(), f"{name} differs between sync and η=0"
+    from areal_mq.engines.models import resolve_model
+    from safetensors.torch import load_file
+
+    base = load_file(str(resolve_model("tiny-random-llama") / "model.safetensors"))
+    changed = any(not (base[n] == a[n]).all() for n in a if n in base)
+    assert changed, "training did not move the parameters: the comparison would prove nothing"
+    for run in ("sync", "async"):
+        trained = [m["n_samples"] for m in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())]
+        assert trained == [2, 2, 2]
+    ids = lambda r: sorted(g["group"] for g in _events(tmp_path / r, "controller.group_stored"))  # noqa: E731
+    assert ids("sync")[:6] == ids("async")[:6]
+
+
+def test_killed_child_is_reported_by_name(tmp_path):
+    run_dir = tmp_path / "kill"
+    cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--skip-eval", "--quiet",
+           *_sets(run_dir, "controller.total_steps=500")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        started = wait_for(lambda: _events(run_dir, "rollout.engine_ready") if (run_dir / "events").exists() else [],
+                           180, interval=0.5, what="rollout worker up")
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 180, interval=0.5, what="first training step")
+        os.kill(started[0]["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert "rollout-0 died (killed by signal SIGKILL" in err
+    assert "rollout-0.log" in err
