@@ -65,8 +65,9 @@ class SlotKVCache:
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot src into slot dst (slot compaction)."""
         if length > 0 and src != dst:
-            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+            with torch.inference_mode():  # the cache tensors may be inference tensors (grown while decoding)
+                self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+                self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     @property
     def nbytes(self) -> int:
