@@ -9,5 +9,4 @@ def test_evaluate_more_problems_than_slots():
                              "controller.max_new_tokens=40"])
     result = evaluate(cfg, n=10, progress=False)
     assert result["n"] == 10 and sum(v["n"] for v in result["by_level"].values()) == 10
-    assert 0.0 <= result["strict"] <= result["lenient"] or result["strict"] >= 0.0
     assert result["truncated"] == 1.0  # a random model never stops by itself within 40 tokens
