@@ -57,6 +57,24 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
                          for k, v in sorted(totals.items()) if k != "all"}}
 
 
+def base_eval_cached(cfg: Any, progress: bool = True) -> dict:
+    """The base model's result, cached per (model, held-out set, size, length cap, prompt): the base model
+    never changes, so a second run does not spend minutes of its budget measuring it again."""
+    import hashlib
+
+    from areal_mq.engines.models import models_cache_dir
+
+    key = json.dumps([cfg.model.model_dump(), cfg.data.model_dump(), cfg.controller.eval_size,
+                      cfg.controller.max_new_tokens, cfg.rollout.engine], sort_keys=True, default=str)
+    path = models_cache_dir(cfg.model.cache_dir).parent / "eval" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        return {**json.loads(path.read_text()), "cached": True}
+    result = evaluate(cfg, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result
+
+
 def _drain(engine: Any, total: int, progress: bool) -> list:
     from tqdm import tqdm
 

@@ -88,10 +88,10 @@ def _latest_weights(run_dir: Path) -> Path | None:
 
 
 def _eval_into_run(cfg, weights, version, console, label) -> dict:
-    from areal_mq.evaluate import append_result, evaluate
+    from areal_mq.evaluate import append_result, base_eval_cached, evaluate
 
     console.print(f"evaluating {label} on {cfg.controller.eval_size} held-out problems…")
-    result = evaluate(cfg, weights=weights, version=version)
+    result = base_eval_cached(cfg) if weights is None else evaluate(cfg, weights=weights, version=version)
     append_result(cfg.run.run_dir, result)
     console.print(f"  {label}: strict {result['strict']:.1%}  lenient {result['lenient']:.1%}  "
                   f"(n={result['n']}, {result['seconds']}s)")
