@@ -7,6 +7,11 @@ Invariants:
 - a batch is acknowledged to the store only once a checkpoint containing its effect is written (or at
   once when checkpoints are off), so a crash replays exactly the batches trained after the last checkpoint:
   none is lost and none is trained twice into the resumed parameters;
+- the store re-serves a batch whose lease expires, so the worker checkpoints (and acks) early when its
+  oldest un-acked batch reaches half of `brokers.lease_s`; a re-served sample that this policy already
+  trained on is skipped anyway (logged as trainer.duplicates_skipped);
+- Control(pause) stops taking batches until Control(resume); Control(checkpoint) checkpoints now;
+  Control(shutdown) / SIGTERM finish the current step, checkpoint, and exit;
 - samples of a batch are trained in sample_id order, so the same samples give the same step whatever order
   they reached the store in (this is what makes η = 0 reproduce sync mode exactly).
 Under `accelerate launch`, rank 0 talks to the store and the bus; the batch is broadcast to every rank.
@@ -27,6 +32,9 @@ class TrainerWorker:
         self.log = rt.log if rt else None
         self.run_dir = Path(cfg.run.run_dir)
         self.unacked: list[Any] = []
+        self.unacked_since: float | None = None  # monotonic time the oldest un-acked batch was served
+        self.consumed: set[str] = set()
+        self.paused = False
         self.first_get = True
         self.ckpt_root = self.run_dir / "checkpoints"
         self.ckpt_requested = False
@@ -43,6 +51,7 @@ class TrainerWorker:
             load_checkpoint(self.trainer, path)
             self.log_info("trainer.resumed", checkpoint=str(path), version=self.trainer.version,
                           consumed=len(self.trainer.consumed_ids))
+        self.consumed = set(self.trainer.consumed_ids)
         if self.trainer.version > 0:
             self.publish()  # rollout workers must move to the resumed policy
 
@@ -62,8 +71,17 @@ class TrainerWorker:
             self.first_get = False
             if got.dropped_stale:
                 self.log_info("trainer.stale_dropped", count=got.dropped_stale, version=self.trainer.version)
-            batch = got if got.samples else None
+            batch = self._fresh(got) if got.samples else None
         return self._broadcast(batch)
+
+    def _fresh(self, got: Any) -> Any:
+        """The batch without samples this policy already trained on (None if nothing is left)."""
+        fresh = [s for s in got.samples if s.sample_id not in self.consumed]
+        if len(fresh) < len(got.samples):
+            self.log_info("trainer.duplicates_skipped", batch=got.batch_id, count=len(got.samples) - len(fresh),
+                          hint="a lease expired before its checkpoint; raise brokers.lease_s or lower "
+                               "trainer.checkpoint_every")
+        return got.model_copy(update={"samples": fresh}) if fresh else None
 
     def _broadcast(self, obj: Any) -> Any:
         if self.trainer.world_size == 1:
@@ -77,6 +95,9 @@ class TrainerWorker:
     def step(self, batch: Any, waited_s: float) -> dict:
         samples = sorted(batch.samples, key=lambda s: s.sample_id)
         metrics = self.trainer.train_step(samples)
+        self.consumed.update(s.sample_id for s in samples)
+        if not self.unacked:
+            self.unacked_since = time.monotonic()
         self.unacked.append(batch)
         t0 = time.perf_counter()
         self.publish()
@@ -89,7 +110,7 @@ class TrainerWorker:
         every = self.cfg.trainer.checkpoint_every
         if every == 0:
             self.ack_all()
-        elif self.trainer.version % every == 0 or self.ckpt_requested:
+        elif self.trainer.version % every == 0 or self._checkpoint_due():
             self.checkpoint()
         return metrics
 
@@ -115,6 +136,14 @@ class TrainerWorker:
             for batch in self.unacked:
                 self.store.ack(batch)
         self.unacked = []
+        self.unacked_since = None
+
+    def _checkpoint_due(self) -> bool:
+        """Rank 0's decision, on every rank (checkpoints are collective): a Control(checkpoint) arrived,
+        or the oldest un-acked batch is half-way to its lease expiry."""
+        lease_due = self.unacked_since is not None and \
+            time.monotonic() - self.unacked_since > 0.5 * self.cfg.brokers.lease_s
+        return bool(self._broadcast(bool(self.main and (self.ckpt_requested or lease_due))))
 
     def handle_signals(self) -> None:
         from areal_mq.messages import Control
@@ -122,22 +151,31 @@ class TrainerWorker:
         if not (self.main and self.rt):
             return
         while (env := self.rt.next_signal()) is not None:
-            if isinstance(env.msg, Control) and env.msg.action == "checkpoint":
+            msg = env.msg
+            if not isinstance(msg, Control) or msg.target_role not in ("", "trainer"):
+                continue
+            if msg.action == "checkpoint":
                 self.ckpt_requested = True
+            elif msg.action in ("pause", "resume"):
+                self.paused = msg.action == "pause"
+                self.log_info("trainer.control", action=msg.action, reason=msg.reason)
 
     def run(self) -> None:
         total = self.cfg.controller.total_steps
         waited = time.perf_counter()
         while self.trainer.version < total and not self._stopping():
             self.handle_signals()
-            if self.ckpt_requested and self.unacked:
+            if self._checkpoint_due() and self.unacked:
                 self.checkpoint()
+            if self._broadcast(self.paused):
+                time.sleep(0.1)
+                continue
             batch = self.next_batch()
             if batch is None:
                 continue
             self.step(batch, time.perf_counter() - waited)
             waited = time.perf_counter()
-        if self.unacked or self.ckpt_requested or self.trainer.version >= total:
+        if self.unacked or self._broadcast(self.ckpt_requested) or self.trainer.version >= total:
             self.checkpoint()
         self.log_info("trainer.finished", version=self.trainer.version)
 
