@@ -84,8 +84,9 @@ class Trainer:
             cpu=not torch.cuda.is_available(), mixed_precision="bf16" if cfg.precision == "bf16" else "no")
         set_seed(cfg.seed)
         model = load_causal_lm(self.model_path, "float32")  # fp32 master weights; bf16 = autocast
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if cfg.gradient_checkpointing:  # renamed in transformers 5 (the old name warns)
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
         model.train()
         self.unwrapped = model
         self.optimizer = build_optimizer(model, cfg)

@@ -26,3 +26,12 @@ def _few_threads():
     torch.set_num_threads(1)  # 2 shared cores: keep each test on one
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Accelerate keeps process-wide state: a bf16 Trainer would make the next fp32 one fail."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)

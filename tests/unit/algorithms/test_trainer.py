@@ -139,3 +139,25 @@ def test_published_weights_load_into_a_fresh_model(tiny_model_dir, tmp_path, mod
         from transformers import AutoModelForCausalLM
 
         assert AutoModelForCausalLM.from_pretrained(ready.path, local_files_only=True) is not None
+
+
+@pytest.mark.parametrize("options", [
+    {"precision": "bf16"}, {"kl_coef": 0.1, "kl_estimator": "k3"}, {"gradient_checkpointing": True},
+    {"packing": "padded", "padded_mb_size": 3}, {"behav_cap_mode": "mask", "ppo_n_minibatches": 3},
+    {"behav_correction": False, "temperature": 0.7},
+], ids=lambda o: ",".join(o))
+def test_options_train_on_policy_without_clipping(tiny_model_dir, options):
+    """First step on on-policy data: behaviour == proximal == current (same forward), so nothing is
+    clipped or capped and the KL to the (identical) reference is zero, whatever the option."""
+    cfg = TrainerConfig(lr=1e-3, max_tokens_per_mb=64, **options)
+    batch = behaviour_near_model(make_samples(8, n_groups=2), tiny_model_dir, cfg.temperature, noise=0.0)
+    trainer = Trainer(cfg, tiny_model_dir)
+    before = _params(trainer)
+    m = trainer.train_step(batch)
+    assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+    if cfg.precision == "fp32" and cfg.ppo_n_minibatches == 1:
+        assert m["clip_frac"] == 0.0 and m["behav_capped_frac"] == 0.0
+        assert m["behav_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    if cfg.kl_coef:
+        assert m["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.unwrapped.named_parameters())
