@@ -17,10 +17,14 @@ ratios. Headline ratios (larger is better): uniform_vs_hf_generate (target 1.0) 
 longtail_vs_hf_generate (1.5); the time targets are expressed as ratios too:
 update_resume_vs_0.5s = 0.5 s / resume_s (target 1.0) and weights_load_vs_3s = 3 s / load_s (1.0).
 
-To add an engine column (e.g. vLLM): write `run_<name>(ctx, workload) -> seconds` and add it to
+To add an engine column: write `run_<name>(ctx, workload) -> seconds` and add it to
 RUNNERS; each runner gets the same Workload (prompts, lengths, arrival times).
 
-    python benchmarks/engine.py [--quick] [--json PATH] [--dtype bfloat16|float32] [--threads N]
+--vllm adds vLLM (engine: vllm, in process; needs bash docker/install-vllm.sh) as a third column on the
+same workloads plus its update timings, with ratios vllm_vs_hf_generate_{uniform,longtail} and
+vllm_vs_torch_engine_longtail. Opt-in: a vLLM start alone takes 1-4 min here (beyond --quick's minute).
+
+    python benchmarks/engine.py [--quick] [--json PATH] [--dtype bfloat16|float32] [--threads N] [--vllm]
 """
 from __future__ import annotations
 
@@ -31,13 +35,15 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TARGETS = {"uniform_vs_hf_generate": 1.0, "longtail_vs_hf_generate": 1.5,
            "update_resume_vs_0.5s": 1.0, "weights_load_vs_3s": 1.0}
+VLLM_TARGETS = {"vllm_vs_hf_generate_uniform": 1.0, "vllm_vs_hf_generate_longtail": 1.5,
+                "vllm_vs_torch_engine_longtail": 1.0}
 # quick, full
 SIZES = {"slots": (8, 16), "rounds": (1, 2), "uniform_n": (16, 32), "uniform_len": (16, 64),
          "longtail_n": (16, 64), "short_len": (6, 32), "update_tokens": (16, 32)}
@@ -75,6 +81,7 @@ class Context:
     hf_model: object
     engine: object  # a TorchEngine, reused across runs
     slots: int
+    vllm: object = None  # a VllmEngine with --vllm
 
 
 def make_workloads(tokenizer, q: int) -> list[Workload]:
@@ -135,6 +142,10 @@ def run_hf_generate(ctx: Context, wl: Workload) -> float:
     return time.perf_counter() - start
 
 
+def run_vllm(ctx: Context, wl: Workload) -> float:
+    return run_torch_engine(replace(ctx, engine=ctx.vllm), wl)  # same driver, the vLLM engine
+
+
 RUNNERS = {"torch_engine": run_torch_engine, "hf_generate": run_hf_generate}
 
 
@@ -165,6 +176,33 @@ def measure_update(ctx: Context, mode: str, tokens_before: int) -> dict:
     return {"mode": mode, "load_s": round(timings["load_s"], 3), "pause_s": round(timings["pause_s"], 4),
             "resume_s": round(resume, 3), "steps_to_first_token": steps,
             "recompute_tokens": int(timings["recompute_tokens"]), "in_flight": int(timings["in_flight"])}
+
+
+def measure_update_vllm(ctx: Context, mode: str, tokens_before: int) -> dict:
+    """As measure_update, for vLLM: it decodes in its own process, so wait on token counts, not steps.
+
+    resume_s = pause + prefix reset + resume + time until the first token under the new version."""
+    from areal_mq.engines.base import EngineRequest, SamplingParams
+
+    engine, n = ctx.vllm, ctx.slots
+    base = engine.stats()["tokens_total"]
+    prompts = [make_prompt(ctx, i) for i in range(n)]
+    for i in range(n):
+        sp = SamplingParams(temperature=1.0, max_new_tokens=tokens_before * 4, ignore_eos=True, seed=i)
+        engine.submit(EngineRequest(f"vupd-{mode}-{i}", prompts[i], sp))
+    while engine.stats()["tokens_total"] - base < n * tokens_before:
+        engine.step()
+    timings = engine.update_weights(engine.version + 1, path=str(ctx.model_dir), kv_on_update=mode)
+    t0, before = time.perf_counter(), engine.stats()["tokens_total"]
+    while engine.stats()["tokens_total"] == before:
+        time.sleep(0.001)
+    resume = timings["pause_s"] + timings["reset_s"] + timings["resume_s"] + time.perf_counter() - t0
+    for i in range(n):
+        engine.abort(f"vupd-{mode}-{i}")
+    recomputed = sum(len(p) for p in prompts) + n * tokens_before if mode == "recompute" else 0  # approx.
+    return {"mode": mode, "load_s": round(timings["load_s"], 3), "pause_s": round(timings["pause_s"], 4),
+            "resume_s": round(resume, 3), "steps_to_first_token": "-", "recompute_tokens": recomputed,
+            "in_flight": n}
 
 
 def make_prompt(ctx: Context, i: int) -> list[int]:
@@ -205,7 +243,13 @@ def setup(args, q: int) -> Context:
     engine = TorchEngine(model_dir, cfg, dtype=args.dtype, tokenizer=tokenizer)
     hf_model = load_causal_lm(model_dir, args.dtype)
     log(f"engine loaded the model in {engine.load_s:.2f}s; threads={torch.get_num_threads()}")
-    return Context(model_dir, tokenizer, hf_model, engine, slots)
+    vllm = None
+    if args.vllm:
+        from areal_mq.engines.vllm_engine import VllmEngine
+
+        vllm = VllmEngine(cfg, model_dir, dtype=args.dtype, seed=0)
+        log(f"vLLM started in {vllm.start_s:.1f}s")
+    return Context(model_dir, tokenizer, hf_model, engine, slots, vllm)
 
 
 def run(args) -> dict:
@@ -214,24 +258,30 @@ def run(args) -> dict:
     q = 0 if args.quick else 1
     ctx = setup(args, q)
     workloads = make_workloads(ctx.tokenizer, q)
+    runners = dict(RUNNERS, **({"vllm": run_vllm} if ctx.vllm else {}))
     warm = Workload("warm", workloads[0].prompts[:2], [4, 4], [0.0, 0.0])
-    for runner in RUNNERS.values():
+    for runner in runners.values():
         runner(ctx, warm)
     times: dict[tuple[str, str], list[float]] = {}
     jobs = [(r, wl) for r in range(SIZES["rounds"][q]) for wl in workloads]
     for r, wl in tqdm(jobs, desc="runs", file=sys.stderr):
-        names = list(RUNNERS) if r % 2 == 0 else list(reversed(RUNNERS))
+        names = list(runners) if r % 2 == 0 else list(reversed(runners))
         for name in names:
-            seconds = RUNNERS[name](ctx, wl)
+            seconds = runners[name](ctx, wl)
             times.setdefault((wl.name, name), []).append(seconds)
             log(f"{wl.name:9s} {name:13s} {wl.tokens / seconds:7.1f} tok/s ({seconds:.1f}s)")
     updates = [measure_update(ctx, mode, SIZES["update_tokens"][q]) for mode in ("recompute", "keep")]
+    vllm_updates = [measure_update_vllm(ctx, mode, SIZES["update_tokens"][q])
+                    for mode in ("recompute", "keep")] if ctx.vllm else []
     ctx.engine.close()
+    if ctx.vllm:
+        ctx.vllm.close()
     results = [{"workload": wl.name, "engine": name, "requests": len(wl.prompts), "tokens": wl.tokens,
                 "seconds": [round(s, 2) for s in times[(wl.name, name)]],
                 "tokens_per_s": round(wl.tokens / statistics.median(times[(wl.name, name)]), 1)}
-               for wl in workloads for name in RUNNERS]
+               for wl in workloads for name in runners]
     results += [{"workload": "update", "engine": "torch_engine", **u} for u in updates]
+    results += [{"workload": "update", "engine": "vllm", **u} for u in vllm_updates]
 
     def ratio(wl: str) -> float:  # per round (same load), then the median
         pairs = zip(times[(wl, "hf_generate")], times[(wl, "torch_engine")])
@@ -241,15 +291,22 @@ def run(args) -> dict:
     ratios = {"uniform_vs_hf_generate": ratio("uniform"), "longtail_vs_hf_generate": ratio("longtail"),
               "update_resume_vs_0.5s": round(0.5 / default["resume_s"], 3),
               "weights_load_vs_3s": round(3.0 / max(u["load_s"] for u in updates), 3)}
+    if ctx.vllm:
+        def versus(wl: str, base: str) -> float:
+            return round(statistics.median(b / v for b, v in zip(times[(wl, base)], times[(wl, "vllm")])), 3)
+
+        ratios.update(vllm_vs_hf_generate_uniform=versus("uniform", "hf_generate"),
+                      vllm_vs_hf_generate_longtail=versus("longtail", "hf_generate"),
+                      vllm_vs_torch_engine_longtail=versus("longtail", "torch_engine"))
     return {"benchmark": "engine", "quick": args.quick, "machine": machine(args), "results": results,
-            "ratios": ratios, "targets": dict(TARGETS)}
+            "ratios": ratios, "targets": {k: v for k, v in {**TARGETS, **VLLM_TARGETS}.items() if k in ratios}}
 
 
 def table(report: dict, command: str) -> str:
     rows = [("workload / engine", "tokens/s", "seconds per round")]
     for r in report["results"]:
         if r["workload"] == "update":
-            rows.append((f"update kv={r['mode']}", "-", f"load {r['load_s']:.2f}s, resume {r['resume_s']:.3f}s "
+            rows.append((f"update {r['engine']} kv={r['mode']}", "-", f"load {r['load_s']:.2f}s, resume {r['resume_s']:.3f}s "
                          f"(pause {r['pause_s'] * 1e3:.1f}ms, {r['recompute_tokens']} tokens recomputed, "
                          f"{r['steps_to_first_token']} steps)"))
         else:
@@ -277,6 +334,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both engines (default 1: on a shared 2-core machine a second "
                              "thread mostly waits for a busy core; measured up to 10x slower under load).")
+    parser.add_argument("--vllm", action="store_true",
+                        help="Also run vLLM in process (bash docker/install-vllm.sh; its start takes 1-4 min).")
     args = parser.parse_args()
     started = time.monotonic()
     report = run(args)
@@ -286,6 +345,7 @@ def main() -> None:
         args.json.write_text(json.dumps(report, indent=2))
     extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),
                                                 ("threads", args.threads)) if v)
+    extra += " --vllm" if args.vllm else ""
     print(table(report, "python benchmarks/engine.py" + (" --quick" if args.quick else "") + extra))
 
 

@@ -45,6 +45,7 @@ import numpy as np
 
 from areal_mq.engines.base import Engine, EngineOutput, EngineRequest
 from areal_mq.engines.config import EngineConfig
+from areal_mq.engines.models import check_model_dir
 from areal_mq.engines.vllm_common import (
     VllmError,
     check_request,
@@ -56,7 +57,7 @@ from areal_mq.engines.vllm_common import (
     staged_tensors,
 )
 from areal_mq.engines.vllm_worker import EXTENSION_CLS, RELOAD_METHOD
-from areal_mq.errors import ArealError, EngineRequestError, ModelNotFound
+from areal_mq.errors import ArealError, EngineRequestError
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when engine.max_model_len is unset (vLLM would take the model's 8k)
 STEP_WAIT_S = 0.05  # step() blocks at most this long for a sequence to finish (no busy loop)
@@ -84,11 +85,7 @@ class VllmEngine(Engine):
         require_vllm()
         self.config, self.vcfg = config, config.vllm
         self.model_dir = Path(model_path).expanduser()
-        if not (self.model_dir / "config.json").is_file():
-            raise ModelNotFound(
-                f"engine vllm: {self.model_dir} is not a model directory (no config.json); pass a Hugging Face model "
-                "directory, e.g. the one areal_mq.engines.models.resolve_model() returns"
-            )
+        check_model_dir(self.model_dir)  # the common mistakes, named at once instead of after a vLLM start
         self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.version = version
         self._loop_version = version  # the version stamped on arriving tokens (loop thread)

@@ -171,11 +171,14 @@ def test_bad_model_path_is_a_clear_error(tmp_path, model_dir):
     cfg = EngineConfig(engine="vllm", vllm={"start_timeout_s": 600})
     with pytest.raises(ModelNotFound, match="no config.json"):
         VllmEngine(cfg, tmp_path / "nowhere")
-    broken = tmp_path / "broken"  # a config and tokenizer but no weights: vLLM itself must fail, not hang
+    broken = tmp_path / "broken"
     broken.mkdir()
     for f in model_dir.iterdir():
         if not f.name.endswith(".safetensors"):
             (broken / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ModelNotFound, match="no weights"):
+        VllmEngine(cfg, broken)
+    (broken / "model.safetensors").write_bytes(b"\x10\x00not a safetensors file")  # vLLM must fail, not hang
     started = time.monotonic()
     with pytest.raises(VllmError, match="failed to start"):
         VllmEngine(cfg, broken)
