@@ -21,6 +21,7 @@ Under `accelerate launch`, rank 0 talks to the store and the bus; the batch is b
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     apply_thread_budget(cfg, "trainer")
     trainer = Trainer(cfg.trainer, resolve_model(cfg.model.name, cfg.model.cache_dir))
     rt = store = bus = publisher = None
+    if not trainer.is_main:  # torchrun forwards SIGTERM to every rank: only rank 0 decides when to stop
+        signal.signal(signal.SIGTERM, lambda *_: None)
     if trainer.is_main:
         rt = WorkerRuntime(cfg, role="trainer", service=None, capacity=0, worker_id=worker_id, topics=("control",))
         rt.start()

@@ -122,3 +122,48 @@ def test_zmq_weights_are_fetched_from_the_live_trainer(tmp_path, procs):
     finally:
         store.close()
         sub.close()
+
+
+def test_two_rank_worker_under_accelerate_launch(tmp_path, procs):
+    """`accelerate launch --multi_gpu --num_processes 2 -m areal_mq.cli worker trainer` on CPU: rank 0 talks
+    to the store and bus, both ranks train; SIGTERM (forwarded to both ranks) still ends in a checkpoint."""
+    import os
+    import subprocess
+    import sys
+
+    from .procs import free_ports
+
+    path, cfg = _config(tmp_path)
+    run_dir = tmp_path / "run"
+    procs.start(["broker", "--config", str(path)], "broker")
+    broker_up(cfg)
+    store = StoreClient(cfg.brokers.store_addr)
+    sub = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",))
+    log = open(tmp_path / "ddp-trainer.log", "wb")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_ports(1)[0]),
+           "-m", "areal_mq.cli", "worker", "trainer", "--config", str(path)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        _put(store, 0, "d1")
+        _next_ready(sub, 1, START_S)
+        _put(store, 1, "d2")
+        _next_ready(sub, 2, 120)
+        wait_for(lambda: (run_dir / "checkpoints" / "step00000002").is_dir(), 120, what="checkpoint 2")
+        assert [json.loads(line)["version"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()][:1] == [1]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        rng_files = sorted(p.name for p in (run_dir / "checkpoints" / "step00000002").glob("rng_rank*.pt"))
+        assert rng_files == ["rng_rank0.pt", "rng_rank1.pt"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+        store.close()
+        sub.close()
+    text = (tmp_path / "ddp-trainer.log").read_text(errors="replace")
+    assert '"world_size":2' in text.replace(" ", ""), text[-3000:]
+    assert "trainer.finished" in text  # rank 0 ended cleanly after the forwarded SIGTERM
