@@ -1,0 +1,259 @@
+"""End-to-end benchmark: synchronous vs asynchronous RL on the quickstart task, side by side in one run.
+
+What it measures: the whole system (`areal-mq run configs/quickstart.yaml`: brokers, controller, rollout,
+reward and trainer processes) is run three times on the same model, the same 2 cores and the same number of
+trained samples (total_steps x batch_groups x group_size sequences):
+  - sync         run.mode=sync (generate a batch, reward it, train on it, repeat; η = 0),
+  - async η=2    run.mode=async, controller.max_staleness=2,
+  - async η=4    run.mode=async, controller.max_staleness=4.
+Each mode gets its own best split of torch threads between processes (`launcher.threads`): sync gives
+rollout and trainer 2 threads each because their phases alternate; async gives them 1 each because they run
+at the same time. For each run it reports whole-run wall time, samples/s over the training window (first to
+last training step; see e2e_report.py for why) and held-out accuracy (strict and lenient, greedy, the same n
+problems for every mode) evaluated after all runs on kept intermediate and final weights
+(`trainer.keep_weight_versions` large; other versions and checkpoints are deleted after each run to bound
+disk use). Headline ratio: `async_vs_sync_samples_per_s` (async η=2 over sync, larger is better, target 1.5);
+η=4 is reported as `async_eta4_vs_sync_samples_per_s`. One PNG overlays accuracy and batch reward against wall
+time for the three modes.
+
+    python benchmarks/e2e.py [--quick] [--json PATH] [--out DIR] [--eval-n N] [--keep-weights]
+
+--quick runs the tiny random Llama for 3 steps per mode and evaluates its last two versions on 8 problems
+(same code path, nothing is learnt). It cannot finish in 60 s: each `areal-mq run` spends ~25-35 s starting
+its processes and ~10 s stopping them on 2 cores, so quick takes ~3 minutes (5 under a load average of 10).
+The full benchmark (SmolLM2-135M-Instruct, 24 steps x 16 sequences per mode, 10 evaluations of 200
+problems) takes about an hour; run it in the background. benchmarks/RESULTS.md records runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e_report  # noqa: E402  (sibling module of this script)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "quickstart.yaml"
+TARGETS = {"async_vs_sync_samples_per_s": 1.5}
+MODES = [  # name, label, run.mode, η, threads per role
+    ("sync", "sync", "sync", 0, {"rollout": 2, "trainer": 2, "controller": 1, "reward": 1}),
+    ("async_eta2", "async η=2", "async", 2, {"rollout": 1, "trainer": 1, "controller": 1, "reward": 1}),
+    ("async_eta4", "async η=4", "async", 4, {"rollout": 1, "trainer": 1, "controller": 1, "reward": 1}),
+]
+QUICK = {"model.name": "tiny-random-llama", "controller.total_steps": 3, "controller.batch_groups": 2,
+         "controller.group_size": 2, "controller.max_new_tokens": 16, "controller.max_concurrent_groups": 4}
+RUN_TIMEOUT_S = {True: 600, False: 3 * 3600}
+
+
+def log(text: str) -> None:
+    print(f"[e2e bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def size_overrides(quick: bool) -> dict:
+    """Overrides shared by the three runs and the evaluations (quick: the tiny model, fewer/shorter steps)."""
+    return dict(QUICK) if quick else {}
+
+
+def run_overrides(mode: tuple, quick: bool, run_dir: Path, keep_versions: int) -> dict:
+    _, _, run_mode, eta, threads = mode
+    job, bus_in, bus_out, store = free_ports(4)
+    return {**size_overrides(quick), "run.run_dir": str(run_dir), "run.mode": run_mode,
+            "controller.max_staleness": eta, "launcher.threads": json.dumps(threads),
+            "trainer.keep_weight_versions": keep_versions, "brokers.job_port": job, "brokers.bus_in_port": bus_in,
+            "brokers.bus_out_port": bus_out, "brokers.store_port": store, "events.console": "json"}
+
+
+def count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def launch(mode: tuple, quick: bool, run_dir: Path, total_steps: int) -> dict:
+    """One `areal-mq run` in a subprocess, with a step progress bar; returns timing and load figures."""
+    from tqdm import tqdm
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a leftover checkpoint would make the trainer resume instead of starting fresh
+    run_dir.mkdir(parents=True)
+    sets = run_overrides(mode, quick, run_dir, keep_versions=total_steps + 1)
+    cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(CONFIG), "--skip-eval", "--quiet",
+           *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]]
+    err_path = run_dir / "launcher.stderr.log"
+    loads: list[float] = []
+    started_ts, t0 = time.time(), time.monotonic()
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+    try:
+        with tqdm(total=total_steps, desc=f"{mode[1]} steps", unit="step", file=sys.stderr, leave=False) as bar:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                loads.append(os.getloadavg()[0])
+                bar.update(min(total_steps, count_lines(run_dir / "metrics.jsonl")) - bar.n)
+                if time.monotonic() - t0 > RUN_TIMEOUT_S[quick]:
+                    raise TimeoutError(f"{mode[1]} run exceeded {RUN_TIMEOUT_S[quick]} s; see {err_path}")
+    finally:
+        stop(proc)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        tail = err_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{mode[1]} run failed (exit {proc.returncode}); launcher output ({err_path}):\n{tail}")
+    return {"started_ts": started_ts, "wall_s": wall, "loadavg_during": sum(loads) / max(1, len(loads))}
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT lets the launcher checkpoint and stop its children. The launcher has its own session, so a
+    Ctrl-C in the terminal reaches only this script, which then sends exactly one SIGINT."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def prune(run_dir: Path, keep: set[int]) -> None:
+    """Drop checkpoints and weight versions nobody will evaluate (~0.5 GB per SmolLM2 version)."""
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    for d in (run_dir / "weights").glob("v*"):
+        if d.name[1:].isdigit() and int(d.name[1:]) not in keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def eval_config(quick: bool, run_dir: Path):
+    from areal_mq.config import load_config
+
+    sets = {**size_overrides(quick), "run.run_dir": str(run_dir), "rollout.threads": 2}
+    return load_config(CONFIG, [f"{k}={v}" for k, v in sets.items()])
+
+
+def evaluate_all(results: list[dict], versions: list[int], n: int, quick: bool, out: Path) -> dict:
+    """Base model once (greedy: the same for every mode), then each mode's kept versions, same n problems."""
+    from areal_mq.evaluate import evaluate
+
+    base = evaluate(eval_config(quick, out), weights=None, n=n, version=0)
+    log(f"base model: strict {base['strict']:.1%} lenient {base['lenient']:.1%} (n={base['n']}, {base['seconds']} s)")
+    for r in results:
+        r["evals"] = []
+        for v in versions:
+            e = evaluate(eval_config(quick, Path(r["run_dir"])), weights=str(Path(r["run_dir"]) / "weights" / f"v{v}"),
+                         n=n, version=v)
+            t = e2e_report.version_time(r, v)
+            r["evals"].append({"version": v, "t": t, "strict": e["strict"], "lenient": e["lenient"], "n": e["n"],
+                               "truncated": e["truncated"], "eval_s": e["seconds"]})
+            log(f"{r['label']} v{v} (t={t:.0f} s): strict {e['strict']:.1%} lenient {e['lenient']:.1%}")
+        r["final"] = r["evals"][-1]
+    return {k: base[k] for k in ("n", "strict", "lenient", "truncated", "seconds", "version")}
+
+
+def default_versions(steps: int, quick: bool) -> list[int]:
+    """Full: a third, two thirds and the end of the run; quick: the last two versions (fewer evaluations)."""
+    if quick:
+        return sorted({max(1, steps - 1), steps})
+    return sorted({max(1, round(steps * k / 3)) for k in (1, 2, 3)})
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    from areal_mq.config import load_config
+
+    cfg = load_config(CONFIG, [f"{k}={v}" for k, v in size_overrides(args.quick).items()])
+    c = cfg.controller
+    steps = c.total_steps
+    versions = args.eval_versions or default_versions(steps, args.quick)
+    if max(versions) != steps or min(versions) < 1:
+        raise SystemExit(f"--eval-versions {versions}: must lie in 1..{steps} and end with the final version {steps}")
+    n = args.eval_n or (8 if args.quick else c.eval_size)
+    out = args.out or ROOT / "bench-results" / ("e2e-quick" if args.quick else "e2e")
+    log(f"{cfg.model.name}: {steps} steps x {c.batch_groups} groups x {c.group_size} seqs per mode; "
+        f"evaluating versions {versions} on n={n}; runs in {out}")
+    results = []
+    for mode in tqdm(MODES, desc="modes", unit="run", file=sys.stderr):
+        run_dir = out / mode[0]
+        timing = launch(mode, args.quick, run_dir, steps)
+        summary = e2e_report.summarize_run(run_dir, timing["started_ts"], timing["wall_s"])
+        prune(run_dir, set(versions))
+        results.append({"kind": "mode", "name": mode[0], "label": mode[1], "mode": mode[2], "eta": mode[3],
+                        "threads": mode[4], "run_dir": str(run_dir), **summary,
+                        "loadavg_during": timing["loadavg_during"]})
+        log(f"{mode[1]}: {summary['samples']} samples, {summary['samples_per_s']:.3f} samples/s first->last step, "
+            f"whole run {timing['wall_s']:.0f} s, load {timing['loadavg_during']:.1f}")
+    base = evaluate_all(results, versions, n, args.quick, out)
+    if not args.keep_weights:
+        for r in results:
+            shutil.rmtree(Path(r["run_dir"]) / "weights", ignore_errors=True)
+    plot_path = e2e_report.plot(results, base, args.plot or out / "accuracy_vs_time.png")
+    by = {r["name"]: r for r in results}
+    ratios = {"async_vs_sync_samples_per_s": by["async_eta2"]["samples_per_s"] / by["sync"]["samples_per_s"],
+              "async_eta4_vs_sync_samples_per_s": by["async_eta4"]["samples_per_s"] / by["sync"]["samples_per_s"]}
+    setup = {"kind": "setup", "name": "setup", "model": cfg.model.name, "total_steps": steps,
+             "batch_groups": c.batch_groups, "group_size": c.group_size, "max_new_tokens": c.max_new_tokens,
+             "eval_n": n, "eval_versions": versions, "base": base, "plot": str(plot_path),
+             "throughput_window": "first to last training step: samples of steps 2..N / (t_N - t_1)"}
+    return {"benchmark": "e2e", "quick": args.quick, "machine": machine(), "results": [setup, *results],
+            "ratios": ratios, "targets": dict(TARGETS)}
+
+
+def machine() -> dict:
+    import torch
+
+    model = ""
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "loadavg": list(os.getloadavg())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="Tiny model, 3 steps per mode (~3 min on 2 cores).")
+    parser.add_argument("--json", type=Path, help="Write the results here.")
+    parser.add_argument("--out", type=Path, help="Where the three run dirs go (default bench-results/e2e[-quick]).")
+    parser.add_argument("--plot", type=Path, help="PNG path (default OUT/accuracy_vs_time.png).")
+    parser.add_argument("--eval-n", type=int, help="Held-out problems per evaluation (default: the config's eval_size; "
+                                                   "quick: 8).")
+    parser.add_argument("--eval-versions", type=lambda s: [int(x) for x in s.split(",")],
+                        help="Comma-separated versions to evaluate, ending with the last (default: thirds of the run).")
+    parser.add_argument("--keep-weights", action="store_true", help="Keep the evaluated weight versions on disk.")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    started = time.monotonic()
+    report = run(args)
+    report["wall_s"] = time.monotonic() - started
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    print(e2e_report.table(report, "python " + " ".join(["benchmarks/e2e.py", *sys.argv[1:]])))
+    print(f"wall time {report['wall_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""benchmarks/e2e.py --quick once, so the sync-vs-async benchmark does not rot (slow: three whole-system runs).
+
+Checks the JSON shape of BENCHMARKS.md, that the three modes trained the same number of samples, that
+each mode's staleness respects its bound, that evaluations and the plot were produced and that the
+weights were cleaned up. No speed is asserted (benchmarks measure speed; this only keeps the code path alive).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(1500)
+def test_quick_benchmark_writes_the_documented_json(tmp_path):
+    out, report_path, png = tmp_path / "runs", tmp_path / "e2e.json", tmp_path / "acc.png"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--quick", "--json", str(report_path),
+           "--out", str(out), "--plot", str(png)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1400, stdin=subprocess.DEVNULL, cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(report_path.read_text())
+    assert set(report) >= {"benchmark", "quick", "machine", "results", "ratios", "targets"}
+    assert report["benchmark"] == "e2e" and report["quick"] is True
+    assert report["targets"] == {"async_vs_sync_samples_per_s": 1.5}
+    assert set(report["ratios"]) == {"async_vs_sync_samples_per_s", "async_eta4_vs_sync_samples_per_s"}
+    assert all(math.isfinite(v) and v > 0 for v in report["ratios"].values())
+
+    setup, *modes = report["results"]
+    assert setup["kind"] == "setup" and setup["model"] == "tiny-random-llama"
+    assert [m["name"] for m in modes] == ["sync", "async_eta2", "async_eta4"]
+    expected = setup["total_steps"] * setup["batch_groups"] * setup["group_size"]
+    for m in modes:
+        assert m["samples"] == expected, f"{m['name']} trained {m['samples']} samples, expected {expected}"
+        assert m["steps"] == setup["total_steps"]
+        assert m["staleness_max"] <= m["eta"]
+        assert m["train_window_s"] > 0 and m["samples_per_s"] > 0
+        assert [e["version"] for e in m["evals"]] == setup["eval_versions"]
+        assert all(e["n"] == setup["eval_n"] and 0 <= e["strict"] <= 1 and 0 <= e["lenient"] <= 1 for e in m["evals"])
+        assert m["final"]["version"] == setup["total_steps"]
+        assert not (Path(m["run_dir"]) / "weights").exists(), "weights should be deleted without --keep-weights"
+    assert {m["threads"]["rollout"] for m in modes} == {1, 2}
+    ratio = modes[1]["samples_per_s"] / modes[0]["samples_per_s"]
+    assert report["ratios"]["async_vs_sync_samples_per_s"] == pytest.approx(ratio)
+
+    assert png.stat().st_size > 10_000
+    lines = done.stdout.strip().splitlines()
+    assert lines[-2].startswith("command: python benchmarks/e2e.py --quick")
+    assert any(line.startswith("async_vs_sync_samples_per_s") for line in lines)
