@@ -39,6 +39,7 @@ class JobClient:
         self.log = log
         self.sock = _dealer(self.ctx, address)
         self.pending: dict[str, tuple[float, list, str]] = {}  # id -> (sent_at, frames, service)
+        self._set_aside: list[tuple[str, Message]] = []  # answers wait() received for other jobs
         self._last_heard = time.monotonic()
         self._next_beat = 0.0
         self.reconnects = 0
@@ -52,6 +53,10 @@ class JobClient:
 
     def poll(self, timeout: float = 0.0) -> list[tuple[str, Message]]:
         """Answers that arrived within `timeout` seconds: (job id, result message or Error)."""
+        out, self._set_aside = self._set_aside, []
+        return out + self._receive(0.0 if out else timeout)
+
+    def _receive(self, timeout: float) -> list[tuple[str, Message]]:
         out: list[tuple[str, Message]] = []
         self._liveness()
         if self.sock.poll(int(timeout * 1000), zmq.POLLIN):
@@ -76,15 +81,21 @@ class JobClient:
         return out
 
     def wait(self, job_id: str, timeout: float) -> Message:
-        """Block until `job_id` is answered; raises JobFailed on Error, BrokerUnavailable on timeout."""
+        """Block until `job_id` is answered; raises JobFailed on Error, BrokerUnavailable on timeout.
+
+        Answers to other jobs that arrive meanwhile are kept for the next poll()/wait(), never dropped.
+        """
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for rid, msg in self.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
+        while True:
+            for i, (rid, msg) in enumerate(self._set_aside):
                 if rid == job_id:
+                    del self._set_aside[i]
                     if isinstance(msg, Error):
                         raise JobFailed(f"job {job_id} failed: [{msg.code}] {msg.message}")
                     return msg
-        raise BrokerUnavailable(f"job {job_id} not answered within {timeout:.1f}s (broker {self.address})")
+            if time.monotonic() >= deadline:
+                raise BrokerUnavailable(f"job {job_id} not answered within {timeout:.1f}s (broker {self.address})")
+            self._set_aside.extend(self._receive(min(0.1, max(0.0, deadline - time.monotonic()))))
 
     def _liveness(self) -> None:
         now = time.monotonic()

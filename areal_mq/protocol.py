@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 from pydantic import ValidationError
+from zmq import Frame as _ZmqFrame
 
 from areal_mq.errors import ProtocolError
 from areal_mq.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Error, Kind, Message
@@ -93,6 +94,12 @@ def _frame_bytes(frame: Any) -> memoryview | bytes:
     return buf if buf is not None else frame
 
 
+def _nbytes(frame: Any) -> int:
+    if type(frame) is bytes or type(frame) is _ZmqFrame:  # the common cases: len() is the byte size
+        return len(frame)
+    return memoryview(_frame_bytes(frame)).nbytes
+
+
 def decode_header(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> dict:
     """Parse and check the envelope only (version, kind, id, array table vs frames).
 
@@ -101,8 +108,9 @@ def decode_header(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAM
     if not frames:
         raise ProtocolError("empty message: expected a msgpack header frame", "bad_frames")
     raw = _frame_bytes(frames[0])
-    if memoryview(raw).nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header frame is {memoryview(raw).nbytes} bytes (limit {MAX_HEADER_BYTES})", "too_large")
+    size = _nbytes(frames[0])
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header frame is {size} bytes (limit {MAX_HEADER_BYTES})", "too_large")
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
@@ -147,7 +155,7 @@ def _check_arrays(header: dict, frames: Sequence[Any], max_frame_bytes: int, msg
         for d in shape:
             if type(d) is not int or d < 0:  # bool is an int subclass; a shape of True is refused too
                 raise ProtocolError(f"array {i}: shape {shape!r} must be non-negative ints", "bad_arrays", msg_id)
-        nbytes = memoryview(_frame_bytes(frames[i + 1])).nbytes
+        nbytes = _nbytes(frames[i + 1])
         if nbytes > max_frame_bytes:
             raise ProtocolError(
                 f"array {i}: frame of {nbytes} bytes exceeds the limit of {max_frame_bytes}", "too_large", msg_id
@@ -159,17 +167,33 @@ def _check_arrays(header: dict, frames: Sequence[Any], max_frame_bytes: int, msg
             )
 
 
+def _array_ref(ref: dict, arrays: list[np.ndarray]) -> np.ndarray:
+    idx = ref[ND_KEY]
+    if not isinstance(idx, int) or not 0 <= idx < len(arrays):
+        raise ProtocolError(f"array reference {idx!r} out of range", "bad_arrays")
+    return arrays[idx]
+
+
 def _inject(value: Any, arrays: list[np.ndarray]) -> Any:
-    # Recurse only into containers: most body values are scalars, and a call per scalar is what costs.
-    if isinstance(value, dict):
-        if len(value) == 1 and ND_KEY in value:
-            idx = value[ND_KEY]
-            if not isinstance(idx, int) or not 0 <= idx < len(arrays):
-                raise ProtocolError(f"array reference {idx!r} out of range", "bad_arrays")
-            return arrays[idx]
-        return {k: _inject(v, arrays) if isinstance(v, (dict, list)) else v for k, v in value.items()}
-    if isinstance(value, list):
-        return [_inject(v, arrays) if isinstance(v, (dict, list)) else v for v in value]
+    """Replace every {"__nd__": i} in a freshly unpacked body by arrays[i], in place.
+
+    Iterative and in place because this walk runs for every message a broker routes: no call per
+    container and no rebuilt dicts. (Assigning to an existing key while iterating a dict is allowed.)
+    """
+    if type(value) is dict and len(value) == 1 and ND_KEY in value:
+        return _array_ref(value, arrays)
+    stack = [value] if type(value) in (dict, list) else []
+    while stack:
+        node = stack.pop()
+        for key, item in (node.items() if type(node) is dict else enumerate(node)):
+            kind = type(item)
+            if kind is dict:
+                if len(item) == 1 and ND_KEY in item:
+                    node[key] = _array_ref(item, arrays)
+                else:
+                    stack.append(item)
+            elif kind is list:
+                stack.append(item)
     return value
 
 
@@ -183,7 +207,8 @@ def decode_body(header: dict, frames: Sequence[Any]) -> Envelope:
     """Second half of decode(): arrays + pydantic validation of the body fields."""
     msg_id = header["id"]
     arrays = [
-        np.frombuffer(_frame_bytes(f), dtype=_DTYPES[d]).reshape(s)
+        np.frombuffer(_frame_bytes(f), dtype=_DTYPES[d]) if len(s) == 1 else
+        np.frombuffer(_frame_bytes(f), dtype=_DTYPES[d]).reshape(s)  # 1-d: the length was checked already
         for f, (d, s) in zip(frames[1:], header.get("arrays", []))
     ]
     body = header.get("body", {})

@@ -177,6 +177,7 @@ class JobBroker:
 
     def _on_reply(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
         worker = self.workers[ident]
+        worker.last_seen = time.monotonic()  # any reply is a sign of life (heartbeats may sit in a backlog)
         job = self.jobs.get(env.reply_to)
         if job is None or job.worker != ident:
             self.counters["duplicate_replies"] += 1
