@@ -49,6 +49,21 @@ SIZES = {  # quick, full
     "large_rounds": (2, 3), "large_jobs": (4, 10), "store_samples": (2, 5), "cpu_window_s": (4.0, 15.0),
 }
 WINDOW, LARGE_WINDOW = 64, 2
+# The CLI under cProfile with a CPU clock: on a shared machine a wall-clock profile charges preemption to
+# whichever call happened to be running (usually a socket send), which hides the real hot spots.
+PROFILED_CLI = """
+import cProfile, runpy, sys, time
+out, sys.argv = sys.argv[1], ["areal-mq", *sys.argv[2:]]
+prof = cProfile.Profile(time.process_time)
+prof.enable()
+try:
+    runpy.run_module("areal_mq.cli", run_name="__main__")
+except SystemExit:
+    pass
+finally:
+    prof.disable()
+    prof.dump_stats(out)
+"""
 MIB = 1024 * 1024
 
 
@@ -89,11 +104,11 @@ class Cluster:
         self.config.write_text(yaml.safe_dump(cfg))
         self.job_addr, self.store_addr = f"tcp://127.0.0.1:{job}", f"tcp://127.0.0.1:{store}"
         self.direct_addr = f"tcp://127.0.0.1:{self.direct_port}"
-        prefix = [sys.executable]
+        argv = [sys.executable, "-m", "areal_mq.cli"]
         if profile:
             self.profile_path = workdir / "broker.prof"
-            prefix += ["-m", "cProfile", "-o", str(self.profile_path)]
-        self.start("broker", [*prefix, "-m", "areal_mq.cli", "broker", "--config", str(self.config)])
+            argv = [sys.executable, "-c", PROFILED_CLI, str(self.profile_path)]
+        self.start("broker", [*argv, "broker", "--config", str(self.config)])
         self.wait_workers(lambda w: True, "broker up")
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -104,6 +119,11 @@ class Cluster:
 
     def start_peer(self, name: str, args: list[str]) -> subprocess.Popen:
         return self.start(name, [sys.executable, str(HERE / "broker_peers.py"), *args])
+
+    def cpu_snapshot(self) -> np.ndarray:
+        """CPU seconds so far of the broker, the echo worker and this (client) process."""
+        return np.array([cpu_seconds(self.procs["broker"].pid), cpu_seconds(self.procs["echo"].pid),
+                         time.process_time()])
 
     def stats(self) -> dict:
         client = JobClient(self.job_addr)
@@ -184,8 +204,8 @@ class Pipe:
             while len(sent_at) < window and sent < n:
                 sent_at[self.send()] = time.perf_counter()
                 sent += 1
-            if not self.sock.poll(30_000):
-                raise RuntimeError(f"no answer for 30 s with {len(sent_at)} jobs in flight")
+            if not self.sock.poll(60_000):
+                raise RuntimeError(f"no answer for 60 s with {len(sent_at)} jobs in flight")
             self.receive(sent_at, lats)
         return n / (time.perf_counter() - t0), np.array(lats)
 
@@ -221,12 +241,15 @@ def alternate(cluster: Cluster, tokens: int, rounds: int, jobs: int, window: int
     pipes = {"routed": Pipe(ctx, cluster.job_addr, tokens), "direct": Pipe(ctx, cluster.direct_addr, tokens)}
     rates: dict[str, list[float]] = {"routed": [], "direct": []}
     lats: dict[str, list] = {"routed": [], "direct": []}
+    cpu = {m: np.zeros(3) for m in rates}  # broker, echo worker, client CPU seconds
     try:
         for mode, pipe in pipes.items():
             pipe.pipeline(min(200, jobs), window)  # warm-up: connections, caches
         for r in range(rounds):
             for mode in (("routed", "direct") if r % 2 == 0 else ("direct", "routed")):
+                c0 = cluster.cpu_snapshot()
                 rate, lat = pipes[mode].pipeline(jobs, window)
+                cpu[mode] += cluster.cpu_snapshot() - c0
                 rates[mode].append(rate)
                 lats[mode].append(lat)
                 log(f"{what} round {r + 1}/{rounds} {mode}: {rate:,.1f} round trips/s")
@@ -237,8 +260,10 @@ def alternate(cluster: Cluster, tokens: int, rounds: int, jobs: int, window: int
     out = {"header_bytes": header_bytes, "payload_bytes": tokens * 4, "window": window, "jobs_per_round": jobs}
     for mode in rates:
         all_lat = np.concatenate(lats[mode])
+        per_rt = cpu[mode] / (jobs * rounds) * 1e6
         out[mode] = {"round_trips_s": float(np.median(rates[mode])), "rounds": rates[mode],
-                     "p50_ms": pct(all_lat, 50), "p99_ms": pct(all_lat, 99)}
+                     "p50_ms": pct(all_lat, 50), "p99_ms": pct(all_lat, 99),
+                     "cpu_us_per_round_trip": dict(zip(("broker", "echo_worker", "client"), per_rt.round(1).tolist()))}
     return out
 
 
@@ -389,7 +414,9 @@ def table(report: dict, command: str) -> str:
              f"{swarm['heartbeats']['rtt_p99_ms']:.2f} ms; {swarm['still_registered']}/{swarm['workers']} "
              f"still registered; routed with them connected {swarm['routed_round_trips_s_with_workers']:,.0f}/s; "
              f"store put {store['put_mb_s']:,.0f} MB/s, get (incl. waiting) {store['get_mb_s']:,.0f} MB/s")
-    return "\n".join([*lines, extra, f"command: {command}"])
+    cpu = "; ".join(f"{m}: " + ", ".join(f"{k} {v:.0f}" for k, v in small[m]["cpu_us_per_round_trip"].items())
+                    for m in ("routed", "direct"))
+    return "\n".join([*lines, extra, f"CPU us per small round trip ({cpu})", f"command: {command}"])
 
 
 def print_profile(path: Path, top: int = 25) -> None:

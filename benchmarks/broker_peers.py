@@ -73,8 +73,10 @@ def run_echo(job_addr: str, direct_addr: str, heartbeat_s: float, capacity: int)
     router, dealer = _socket(ctx, zmq.ROUTER), _socket(ctx, zmq.DEALER)
     router.bind(direct_addr)
     dealer.connect(job_addr)
-    dealer.send(header("ready", "ready-0", {"service": "bench", "capacity": capacity, "worker_id": "bench-echo",
-                                             "role": "bench"}))
+    ready = header("ready", "ready-0", {"service": "bench", "capacity": capacity, "worker_id": "bench-echo",
+                                        "role": "bench"})
+    dealer.send(ready)
+    beats = 0
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
@@ -99,8 +101,10 @@ def run_echo(job_addr: str, direct_addr: str, heartbeat_s: float, capacity: int)
             if reply is not None:
                 dealer.send_multipart(reply, copy=False)
         if time.monotonic() >= next_beat:
-            next_beat = time.monotonic() + heartbeat_s
+            next_beat, beats = time.monotonic() + heartbeat_s, beats + 1
             dealer.send(header("heartbeat", f"hb-{next(ids)}", {"peer_id": "bench-echo"}))
+            if beats % 5 == 0:  # re-announce once per liveness window (docs/protocol.md §5.4)
+                dealer.send(ready)
     dealer.send(header("disconnect", "bye", {"reason": "benchmark finished"}))
     time.sleep(0.05)
     router.close(0)
