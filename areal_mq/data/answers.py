@@ -125,8 +125,10 @@ def numbers_equal(a: str | int | float | None, b: str | int | float | None) -> b
 def _to_fraction(x: str | int | float | None) -> Fraction | None:
     if x is None or isinstance(x, bool):
         return None
-    if isinstance(x, (int, float)):
+    if isinstance(x, int):
         return Fraction(x)
+    if isinstance(x, float):  # via its shortest repr: 0.1 means "0.1", not the binary fraction nearest to it
+        return Fraction(repr(x)) if x == x and abs(x) != float("inf") else None
     canon = canonical_number(x)
     if canon is None:
         try:

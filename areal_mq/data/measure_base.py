@@ -6,9 +6,21 @@ strict = the last \\boxed{N} is right, lenient = the last number in the text is 
 Why: the default arith mix was chosen from these numbers (the base model must be right sometimes, not always),
 and it is the "before" row the RL run is compared against.
 
-Run (about 2-4 minutes of CPU for 200 problems):
+Run (about 9 minutes of CPU for 200 problems; much longer in wall time on a loaded machine):
     python -m areal_mq.data.measure_base --n 200
     python -m areal_mq.data.measure_base --n 200 --eval-name data/gsm8k_test.jsonl --json /tmp/base.json
+
+Measured (SmolLM2-135M-Instruct from the Q4_1 GGUF, float32, greedy, batch 16, max_new_tokens 96, default
+prompt "{question}\\nEnd your answer with \\boxed{N}, where N is the number.", first 200 of arith:test):
+
+    level     n   strict  lenient   boxed  tokens truncated
+    L1       39     2.6%    48.7%    5.1%    41.1     20.5%
+    L2       79     0.0%    16.5%    2.5%    47.1     24.1%
+    L3       82     0.0%    19.5%    0.0%    38.1      9.8%
+    all     200     0.5%    24.0%    2.0%    42.3     17.5%
+
+"boxed" counts a numeric \\boxed{...}; another 4.5% of completions end "The answer is \\boxed{N}" with a literal N.
+Bare sums/products ("What is 3 + 4?") are mostly right; the same arithmetic in words much less often.
 """
 from __future__ import annotations
 

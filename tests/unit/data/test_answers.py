@@ -85,7 +85,8 @@ def test_format_number_is_exact():
 @pytest.mark.parametrize(
     "a,b,equal",
     [("5", "5.0", True), ("1,000", 1000, True), (2.5, "2.50", True), ("-3", "3", False), (None, "3", False),
-     ("abc", "abc", False), ("1/3", "1/3", True), (True, 1, False)],
+     ("abc", "abc", False), ("1/3", "1/3", True), (True, 1, False),
+     (0.1, "0.1", True), (float("nan"), "1", False)],
 )
 def test_numbers_equal(a, b, equal):
     assert numbers_equal(a, b) is equal
