@@ -5,10 +5,11 @@ so the display costs the workers nothing and works the same when replaying a fin
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
+
+from areal_mq.tail import read_new_lines
 
 
 class RunView:
@@ -22,20 +23,7 @@ class RunView:
         self.evals: list[dict] = []
 
     def _new_lines(self, path: Path) -> list[dict]:
-        if not path.exists():
-            return []
-        with open(path, "rb") as f:
-            f.seek(self._offsets.get(path, 0))
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self._offsets[path] = self._offsets.get(path, 0) + end
-        rows = []
-        for line in data[:end].splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-        return rows
+        return read_new_lines(path, self._offsets)
 
     def refresh(self) -> None:
         self.metrics.extend(self._new_lines(self.run_dir / "metrics.jsonl"))

@@ -51,19 +51,22 @@ def iter_files(run_dir: Path, follow: bool, poll_s: float = 0.2, stop_after_s: f
     offsets: dict[Path, int] = {}
     backlog: list[dict] = []
     for path in sorted(folder.glob("*.jsonl")):
-        backlog.extend(_read_new(path, offsets))
+        backlog.extend(read_new_lines(path, offsets))
     yield from sorted(backlog, key=lambda r: r.get("ts", 0))
     started = time.monotonic()
     while follow and (stop_after_s is None or time.monotonic() - started < stop_after_s):
         fresh: list[dict] = []
         for path in sorted(folder.glob("*.jsonl")):
-            fresh.extend(_read_new(path, offsets))
+            fresh.extend(read_new_lines(path, offsets))
         yield from sorted(fresh, key=lambda r: r.get("ts", 0))
         if not fresh:
             time.sleep(poll_s)
 
 
-def _read_new(path: Path, offsets: dict[Path, int]) -> list[dict]:
+def read_new_lines(path: Path, offsets: dict[Path, int]) -> list[dict]:
+    """JSON records appended to `path` since the offset remembered in `offsets` (complete lines only)."""
+    if not path.exists():
+        return []
     out = []
     with open(path, "rb") as f:
         f.seek(offsets.get(path, 0))
