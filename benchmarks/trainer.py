@@ -18,8 +18,8 @@ the difference being measured; pass --threads 2 on an idle machine.
 
     python benchmarks/trainer.py [--quick] [--json PATH] [--threads N]
 
-`--quick` uses fewer, shorter sequences (same code path, same long-tail shape) and finishes in about a
-minute on 2 idle cores. benchmarks/RESULTS.md records runs.
+`--quick` uses fewer, shorter sequences and one alternation (same code path, same long-tail shape); it
+finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import numpy as np
 TARGETS = {"packed_vs_padded_tokens_per_s": 1.3}
 SIZES = {  # quick, full
     "groups": (4, 8), "group_size": (4, 4), "prompt_len": ((8, 24), (24, 64)),
-    "gen_median": (12, 48), "gen_max": (240, 512), "budget": (384, 2048), "rounds": (2, 2),
+    "gen_median": (12, 48), "gen_max": (240, 512), "budget": (384, 2048), "rounds": (1, 2),
 }
 
 
