@@ -21,14 +21,16 @@ from typing import Sequence
 import torch
 
 
-def _truncate(probs: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort probs [N, V] descending and zero what top-k / top-p exclude; returns (kept, order)."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1]).unsqueeze(0)
-    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-    keep = before < top_ps.unsqueeze(1)  # smallest prefix whose mass reaches top_p (first always kept)
+def _truncate(weights: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort unnormalized weights [N, V] descending and zero what top-k / top-p exclude;
+    returns (kept weights in sorted order, order)."""
+    sorted_w, order = weights.sort(dim=-1, descending=True)
+    rank = torch.arange(weights.shape[-1]).unsqueeze(0)
+    cum = sorted_w.cumsum(-1)
+    before = cum - sorted_w  # mass strictly before each token
+    keep = before < top_ps.unsqueeze(1) * cum[:, -1:]  # smallest prefix reaching top_p (first always kept)
     keep &= (top_ks.unsqueeze(1) <= 0) | (rank < top_ks.unsqueeze(1))
-    return sorted_p * keep, order
+    return sorted_w * keep, order
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -37,6 +39,11 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = (uniforms * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return idx.clamp(max=weights.shape[-1] - 1)
+
+
+def _rows(mask: torch.Tensor) -> slice | torch.Tensor:
+    """Index for the rows in `mask`: a slice when it is all of them (a view, no [N, V] copy)."""
+    return slice(None) if bool(mask.all()) else mask.nonzero().flatten()
 
 
 def sample_tokens(
@@ -50,24 +57,27 @@ def sample_tokens(
     n = logits.shape[0]
     temps = torch.tensor(list(temperatures), dtype=torch.float32)
     greedy = temps <= 0.0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-    logp = torch.log_softmax(scaled, dim=-1)
+    shifted = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+    shifted -= shifted.amax(dim=-1, keepdim=True)  # softmax weights exp(shifted) <= 1, no overflow
+    weights = shifted.exp()
+    log_total = weights.sum(dim=-1).log()  # so log_softmax(x)[t] = shifted[t] - log_total
     tokens = torch.empty(n, dtype=torch.long)
     if bool(greedy.any()):
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     sampled = (~greedy).nonzero().flatten().tolist()
     if sampled:
         u = torch.stack([torch.rand((), generator=generators[i]) for i in sampled])
-        probs = logp[sampled].exp()
         tp = torch.tensor([float(top_ps[i]) for i in sampled])
         tk = torch.tensor([int(top_ks[i]) for i in sampled])
+        w = weights if len(sampled) == n else weights[sampled]
         truncating = (tp < 1.0) | (tk > 0)
         picked = torch.empty(len(sampled), dtype=torch.long)
         if bool(truncating.any()):
-            kept, order = _truncate(probs[truncating], tp[truncating], tk[truncating])
-            j = _inverse_cdf(kept, u[truncating])
-            picked[truncating] = order.gather(1, j.unsqueeze(1)).squeeze(1)
-        if bool((~truncating).any()):
-            picked[~truncating] = _inverse_cdf(probs[~truncating], u[~truncating])
+            rows = _rows(truncating)
+            kept, order = _truncate(w[rows], tp[rows], tk[rows])
+            picked[rows] = order.gather(1, _inverse_cdf(kept, u[rows]).unsqueeze(1)).squeeze(1)
+        if not bool(truncating.all()):
+            rows = _rows(~truncating)
+            picked[rows] = _inverse_cdf(w[rows], u[rows])
         tokens[sampled] = picked
-    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, shifted.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_total
