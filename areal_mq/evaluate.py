@@ -30,7 +30,9 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
         raise ValueError("no held-out problems: set data.eval_name")
     tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
     fmt = ChatFormatter(tokenizer, cfg.data.system_prompt)
-    engine = build_engine(cfg.rollout, cfg.model, seed=cfg.run.seed)
+    # greedy outputs do not depend on the batch (per-request streams), so evaluate with wide batches
+    engine_cfg = cfg.rollout.model_copy(update={"max_concurrent": max(cfg.rollout.max_concurrent, 32)})
+    engine = build_engine(engine_cfg, cfg.model, seed=cfg.run.seed)
     t0 = time.perf_counter()
     try:
         if weights:
@@ -65,7 +67,8 @@ def base_eval_cached(cfg: Any, progress: bool = True) -> dict:
     from areal_mq.engines.models import models_cache_dir
 
     key = json.dumps([cfg.model.model_dump(), cfg.data.model_dump(), cfg.controller.eval_size,
-                      cfg.controller.max_new_tokens, cfg.rollout.engine], sort_keys=True, default=str)
+                      cfg.controller.max_new_tokens, cfg.rollout.engine] + ([cfg.rollout.dtype] if cfg.rollout.dtype != "auto" else []),
+                     sort_keys=True, default=str)
     path = models_cache_dir(cfg.model.cache_dir).parent / "eval" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
         return {**json.loads(path.read_text()), "cached": True}
