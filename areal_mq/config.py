@@ -85,7 +85,7 @@ class ModelConfig(_Section):
 
     name: str = Field("smollm2-135m-instruct", description="smollm2-135m-instruct, tiny-random-llama, or a path.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for engines and trainer.")
-    cache_dir: str | None = Field(None, description="Where converted models are cached (default ~/.cache/areal-mq).")
+    cache_dir: str | None = Field(None, description="Folder holding converted models (default $AREAL_MQ_CACHE/models or ~/.cache/areal-mq/models).")
 
 
 class ControllerConfig(_Section):

@@ -129,6 +129,7 @@ class SamplingSpec(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     stop_strings: list[str] = Field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False
 
 
 class GenerateRequest(Message):
