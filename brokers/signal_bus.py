@@ -3,7 +3,7 @@
 Publishers (trainer, launcher, every process's event publisher) connect PUB sockets to the XSUB side;
 subscribers connect SUB sockets to the XPUB side. Frames: [topic, header, arrays...].
 
-Retention: the bus remembers the WeightsReady with the highest version. Whenever a subscriber subscribes
+Retention: the bus remembers the latest WeightsReady (a resumed trainer may go back to an older version). Whenever a subscriber subscribes
 to a prefix of "weights" (XPUB_VERBOSE shows every subscription), the bus sends the retained message
 again — or WeightsReady(version=0, mode="base") if nothing was published yet — so a late joiner always
 learns the current policy before it takes jobs. Receivers treat a version they already have as a no-op.
@@ -34,7 +34,6 @@ class SignalBus:
         self.max_frame_bytes = max_frame_bytes
         self.log = log
         self.retained: list | None = None
-        self.retained_version = -1
         self.forwarded = 0
 
     @property
@@ -60,10 +59,10 @@ class SignalBus:
             except ProtocolError as exc:
                 self.log.warning("bus.bad_weights_message", error=str(exc), code=exc.code)
                 return
-            if env.msg.version >= self.retained_version:
-                self.retained = [f.bytes for f in frames]
-                self.retained_version = env.msg.version
-                self.log.info("bus.weights_retained", version=env.msg.version, mode=env.msg.mode)
+            # the latest announcement wins, even a lower version: a trainer that resumed from a checkpoint
+            # republishes its older version, and late joiners must get that policy, not the lost one
+            self.retained = [f.bytes for f in frames]
+            self.log.info("bus.weights_retained", version=env.msg.version, mode=env.msg.mode)
         self.forwarded += 1
         self.xpub.send_multipart(frames, copy=False)
 

@@ -173,7 +173,7 @@ class Controller:
 
     # ------------------------------------------------------------ state
     def on_weights(self, version: int) -> None:
-        if version > self.version:
+        if version != self.version:  # lower after a trainer resumed from a checkpoint
             self.version = version
             self.log.info("controller.version", version=version, submitted=self.submitted, stored=self.stored)
 

@@ -34,8 +34,8 @@ class RolloutWorker:
 
     # ------------------------------------------------------------ weights
     def load(self, ready: WeightsReady) -> None:
-        if ready.mode == "base" or ready.version <= self.engine.version:
-            return
+        if ready.mode == "base" or ready.version == self.engine.version:
+            return  # "base" = nothing published yet; a lower version is loaded: the trainer resumed
         from areal_mq.weights import load_published
 
         t0 = time.perf_counter()

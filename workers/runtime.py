@@ -69,7 +69,7 @@ class WorkerRuntime:
         self._stop_io = threading.Event()
         self._stopping = threading.Event()
         self._announced = False
-        self._weights_version = -1
+        self._weights_key: tuple | None = None
         self._ctx = zmq.Context()
         self._wake_addr = f"inproc://wake-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PULL)
@@ -300,9 +300,10 @@ class WorkerRuntime:
                 self.log.warning(f"{self.role}.bad_signal", code=exc.code, error=str(exc))
                 continue
             if isinstance(env.msg, WeightsReady):
-                if env.msg.version <= self._weights_version:
+                key = (env.msg.version, env.msg.path, env.msg.endpoint)
+                if key == self._weights_key:
                     continue  # the bus replays the retained version to every new subscriber
-                self._weights_version = env.msg.version
+                self._weights_key = key  # a lower version is real: a trainer resumed from a checkpoint
             if isinstance(env.msg, Control) and env.msg.action == "shutdown" and \
                     env.msg.target_role in ("", self.role):
                 self.request_stop(f"control: {env.msg.reason}")

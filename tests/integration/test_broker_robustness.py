@@ -191,3 +191,22 @@ def test_late_joiner_gets_the_retained_weights(broker, cfg):
         early.close()
         if late:
             late.close()
+
+
+def test_resumed_trainer_announcing_an_older_version_is_followed(broker, cfg):
+    pub = SignalPublisher(cfg.brokers.bus_in_addr)
+    early = WorkerRuntime(cfg, role="early", service=None, capacity=1, install_signals=False)
+    late = None
+    try:
+        early.start(wait_weights_s=10)
+        for v, path in ((3, "/w/3"), (1, "/w/1-resumed")):
+            wait_for(lambda: pub.publish("weights", WeightsReady(version=v, path=path)) or
+                     (early.next_signal(0.1) or None), 10, what=f"weights v{v} delivered")
+        late = WorkerRuntime(cfg, role="late", service=None, capacity=1, install_signals=False)
+        got = late.start(wait_weights_s=10)
+        assert got.version == 1 and got.path == "/w/1-resumed"
+    finally:
+        pub.close()
+        early.close()
+        if late:
+            late.close()

@@ -51,8 +51,9 @@ def _events(run_dir: Path, name: str) -> list[dict]:
 
 def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
     run_dir = tmp_path / "async"
-    done = _run(run_dir, "controller.total_steps=6", "controller.max_new_tokens=48", "controller.max_staleness=3",
-                "controller.max_concurrent_groups=8", "rollout.max_concurrent=4")
+    # generation slower than a training step (long sequences, two slots), so updates land mid-generation
+    done = _run(run_dir, "controller.total_steps=6", "controller.max_new_tokens=160", "controller.max_staleness=3",
+                "controller.max_concurrent_groups=8", "rollout.max_concurrent=2")
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
