@@ -10,19 +10,22 @@ Each mode gets its own best split of torch threads between processes (`launcher.
 rollout and trainer 2 threads each because their phases alternate; async gives them 1 each because they run
 at the same time. For each run it reports whole-run wall time, samples/s over the training window (first to
 last training step; see e2e_report.py for why) and held-out accuracy (strict and lenient, greedy, the same n
-problems for every mode) evaluated after all runs on kept intermediate and final weights
+problems for every mode) evaluated after all runs on the half-way and final weights
 (`trainer.keep_weight_versions` large; other versions and checkpoints are deleted after each run to bound
 disk use). Headline ratio: `async_vs_sync_samples_per_s` (async η=2 over sync, larger is better, target 1.5);
 η=4 is reported as `async_eta4_vs_sync_samples_per_s`. One PNG overlays accuracy and batch reward against wall
 time for the three modes.
 
-    python benchmarks/e2e.py [--quick] [--json PATH] [--out DIR] [--eval-n N] [--keep-weights]
+    python benchmarks/e2e.py [--quick] [--json PATH] [--out DIR] [--plot PNG] [--eval-n N]
+                             [--eval-versions 12,24] [--keep-weights] [--reuse-runs]
 
 --quick runs the tiny random Llama for 3 steps per mode and evaluates its last two versions on 8 problems
 (same code path, nothing is learnt). It cannot finish in 60 s: each `areal-mq run` spends ~25-35 s starting
 its processes and ~10 s stopping them on 2 cores, so quick takes ~3 minutes (5 under a load average of 10).
-The full benchmark (SmolLM2-135M-Instruct, 24 steps x 16 sequences per mode, 10 evaluations of 200
-problems) takes about an hour; run it in the background. benchmarks/RESULTS.md records runs.
+The full benchmark (SmolLM2-135M-Instruct, 24 steps x 16 sequences per mode, 7 evaluations of 100
+problems) takes hours on a shared 2-core machine: run it in the background with nohup. Each finished run
+is saved to OUT/<mode>/bench_run.json; `--reuse-runs` picks those up (e.g. after an evaluation failed).
+benchmarks/RESULTS.md records runs.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ MODES = [  # name, label, run.mode, η, threads per role
 ]
 QUICK = {"model.name": "tiny-random-llama", "controller.total_steps": 3, "controller.batch_groups": 2,
          "controller.group_size": 2, "controller.max_new_tokens": 16, "controller.max_concurrent_groups": 4}
+QUICK_EVAL_N, FULL_EVAL_N = 8, 100  # held-out problems per evaluation (same n for every mode and version)
 RUN_TIMEOUT_S = {True: 600, False: 3 * 3600}
 
 
@@ -172,10 +176,28 @@ def evaluate_all(results: list[dict], versions: list[int], n: int, quick: bool, 
 
 
 def default_versions(steps: int, quick: bool) -> list[int]:
-    """Full: a third, two thirds and the end of the run; quick: the last two versions (fewer evaluations)."""
+    """Full: half-way and the end of the run; quick: the last two versions. Each evaluation of 100
+    SmolLM2 answers costs ~10-20 minutes on a shared 2-core machine, hence only two per mode."""
     if quick:
         return sorted({max(1, steps - 1), steps})
-    return sorted({max(1, round(steps * k / 3)) for k in (1, 2, 3)})
+    return sorted({max(1, steps // 2), steps})
+
+
+def run_mode(mode: tuple, args: argparse.Namespace, run_dir: Path, steps: int, versions: list[int]) -> dict:
+    """Run one mode (or, with --reuse-runs, take its saved result when its weights are still there)."""
+    saved = run_dir / "bench_run.json"
+    if args.reuse_runs and saved.exists() and all((run_dir / "weights" / f"v{v}").is_dir() for v in versions):
+        log(f"{mode[1]}: reusing {saved}")
+        return json.loads(saved.read_text())
+    timing = launch(mode, args.quick, run_dir, steps)
+    summary = e2e_report.summarize_run(run_dir, timing["started_ts"], timing["wall_s"])
+    prune(run_dir, set(versions))
+    result = {"kind": "mode", "name": mode[0], "label": mode[1], "mode": mode[2], "eta": mode[3], "threads": mode[4],
+              "run_dir": str(run_dir), **summary, "loadavg_during": timing["loadavg_during"]}
+    saved.write_text(json.dumps(result, indent=1))
+    log(f"{mode[1]}: {summary['samples']} samples, {summary['samples_per_s']:.3f} samples/s first->last step, "
+        f"whole run {timing['wall_s']:.0f} s, load {timing['loadavg_during']:.1f}")
+    return result
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -189,21 +211,12 @@ def run(args: argparse.Namespace) -> dict:
     versions = args.eval_versions or default_versions(steps, args.quick)
     if max(versions) != steps or min(versions) < 1:
         raise SystemExit(f"--eval-versions {versions}: must lie in 1..{steps} and end with the final version {steps}")
-    n = args.eval_n or (8 if args.quick else c.eval_size)
+    n = args.eval_n or (QUICK_EVAL_N if args.quick else min(FULL_EVAL_N, c.eval_size))
     out = args.out or ROOT / "bench-results" / ("e2e-quick" if args.quick else "e2e")
     log(f"{cfg.model.name}: {steps} steps x {c.batch_groups} groups x {c.group_size} seqs per mode; "
         f"evaluating versions {versions} on n={n}; runs in {out}")
-    results = []
-    for mode in tqdm(MODES, desc="modes", unit="run", file=sys.stderr):
-        run_dir = out / mode[0]
-        timing = launch(mode, args.quick, run_dir, steps)
-        summary = e2e_report.summarize_run(run_dir, timing["started_ts"], timing["wall_s"])
-        prune(run_dir, set(versions))
-        results.append({"kind": "mode", "name": mode[0], "label": mode[1], "mode": mode[2], "eta": mode[3],
-                        "threads": mode[4], "run_dir": str(run_dir), **summary,
-                        "loadavg_during": timing["loadavg_during"]})
-        log(f"{mode[1]}: {summary['samples']} samples, {summary['samples_per_s']:.3f} samples/s first->last step, "
-            f"whole run {timing['wall_s']:.0f} s, load {timing['loadavg_during']:.1f}")
+    results = [run_mode(mode, args, out / mode[0], steps, versions)
+               for mode in tqdm(MODES, desc="modes", unit="run", file=sys.stderr)]
     base = evaluate_all(results, versions, n, args.quick, out)
     if not args.keep_weights:
         for r in results:
@@ -238,11 +251,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="Write the results here.")
     parser.add_argument("--out", type=Path, help="Where the three run dirs go (default bench-results/e2e[-quick]).")
     parser.add_argument("--plot", type=Path, help="PNG path (default OUT/accuracy_vs_time.png).")
-    parser.add_argument("--eval-n", type=int, help="Held-out problems per evaluation (default: the config's eval_size; "
-                                                   "quick: 8).")
+    parser.add_argument("--eval-n", type=int, help=f"Held-out problems per evaluation (default {FULL_EVAL_N}; "
+                                                   f"quick: {QUICK_EVAL_N}).")
     parser.add_argument("--eval-versions", type=lambda s: [int(x) for x in s.split(",")],
-                        help="Comma-separated versions to evaluate, ending with the last (default: thirds of the run).")
+                        help="Comma-separated versions to evaluate, ending with the last (default: half-way, last).")
     parser.add_argument("--keep-weights", action="store_true", help="Keep the evaluated weight versions on disk.")
+    parser.add_argument("--reuse-runs", action="store_true", help="Reuse runs saved in OUT (evaluate only).")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.monotonic()
