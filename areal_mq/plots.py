@@ -29,6 +29,18 @@ def controller_stats(run_dir: Path) -> list[dict]:
     return sorted(rows, key=lambda r: r.get("ts", 0))
 
 
+def generation_rate(ctl: list[dict], t0: float) -> tuple[list[float], list[float]]:
+    """Windowed generation rate from successive controller.stats (cumulative average for old runs)."""
+    if not all("gen_tokens" in c for c in ctl):
+        return [(c["ts"] - t0) / 60 for c in ctl], [c.get("gen_tokens_per_s") for c in ctl]
+    xs, ys = [], []
+    for a, b in zip(ctl, ctl[1:]):
+        if b["ts"] > a["ts"]:
+            xs.append((b["ts"] - t0) / 60)
+            ys.append((b["gen_tokens"] - a["gen_tokens"]) / (b["ts"] - a["ts"]))
+    return xs, ys
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib
 
@@ -46,8 +58,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
     ax[0, 0].plot(minutes(metrics), [m.get("reward_mean") for m in metrics], marker=".", label="batch reward")
     ax[0, 0].set(title="Reward", xlabel="minutes", ylabel="mean reward")
-    for key, style in (("strict", "o-"), ("lenient", "s--")):
-        ax[0, 1].plot(minutes(evals), [e[key] for e in evals], style, label=f"{key} (\\boxed vs last number)")
+    for key, style, what in (("strict", "o-", "answer in \\boxed{}"), ("lenient", "s--", "last number")):
+        ax[0, 1].plot(minutes(evals), [e[key] for e in evals], style, label=f"{key} ({what})")
     for e in evals:
         ax[0, 1].annotate(f"v{e.get('version', 0)}", ((e["time"] - t0) / 60, e["strict"]), fontsize=8)
     ax[0, 1].set(title="Held-out accuracy", xlabel="minutes", ylabel="accuracy", ylim=(0, 1))
@@ -58,7 +70,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax[1, 0].legend(fontsize=8)
     ax[1, 1].plot(minutes(metrics), [m.get("tokens_per_s") for m in metrics], marker=".", label="training tok/s")
     if ctl:
-        ax[1, 1].plot(minutes(ctl, "ts"), [c.get("gen_tokens_per_s") for c in ctl], label="generation tok/s")
+        ax[1, 1].plot(*generation_rate(ctl, t0), label="generation tok/s")
     ax[1, 1].set(title="Throughput", xlabel="minutes", ylabel="tokens/s")
     ax[1, 1].legend(fontsize=8)
     ax[0, 0].legend(fontsize=8)

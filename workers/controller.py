@@ -197,7 +197,7 @@ class Controller:
         elapsed = max(1e-6, time.monotonic() - self.started)
         recent = self.rewards[-200:]
         return {"version": self.version, "submitted": self.submitted, "stored": self.stored, "failed": self.failed,
-                "in_flight": len(self.groups), "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
+                "in_flight": len(self.groups), "gen_tokens": self.gen_tokens, "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
                 "reward_mean": round(sum(recent) / len(recent), 4) if recent else None}
 
     # ------------------------------------------------------------ loop
