@@ -8,7 +8,8 @@ repeated lines earn `penalty`, a truncated completion (RewardJob.truncated) earn
 
     reason          reward (defaults)
     correct         1.0   exactly one final \boxed{N}, N == reference
-    wrong           0.0   one well-formed box, wrong or not an integer, or followed by too much text
+    wrong           0.0   one well-formed box with a wrong integer, or followed by too much text
+    not_integer     0.0   (no_answer_reward) a box without an integer, e.g. a copied literal \boxed{N}
     no_box          0.0   (unboxed_correct: the last number is right but unboxed -> lenient_correct_reward,
                            0 by default; the quickstart pays 0.25 because the base model boxes ~2% of the time)
     multiple_boxes -0.5   malformed_box -0.5   repetition -0.5   truncated -0.5
@@ -79,11 +80,11 @@ def arith_reward(prompt: str, completion: str, reference, *, truncated: bool = F
             reason = "box_not_final"
         else:
             reason = "correct" if value == gold else "wrong"
-    if reason == "no_box" and arith_correct_lenient(completion, gold):
+    if reason == "no_box" and lenient_correct_reward and arith_correct_lenient(completion, gold):
         reason = "unboxed_correct"  # shaping: right number, wrong form (worth something while boxing is rare)
     rewards = {
-        "unboxed_correct": lenient_correct_reward if lenient_correct_reward else no_answer_reward,
-        "correct": correct_reward, "wrong": wrong_reward, "not_integer": wrong_reward,
+        "unboxed_correct": lenient_correct_reward,
+        "correct": correct_reward, "wrong": wrong_reward, "not_integer": no_answer_reward,
         "box_not_final": wrong_reward, "no_box": no_answer_reward, "truncated": truncated_reward,
     }
     return {
