@@ -29,7 +29,7 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
     if not problems:
         raise ValueError("no held-out problems: set data.eval_name")
     tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
-    fmt = ChatFormatter(tokenizer, cfg.data.system_prompt)
+    fmt = ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
     # greedy outputs do not depend on the batch (per-request streams), so evaluate with wide batches
     engine_cfg = cfg.rollout.model_copy(update={"max_concurrent": max(cfg.rollout.max_concurrent, 32)})
     engine = build_engine(engine_cfg, cfg.model, seed=cfg.run.seed)

@@ -226,7 +226,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     store = StoreClient(b.store_addr, heartbeat_s=b.heartbeat_s)
     try:
         tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
-        ctl = Controller(cfg, build_dataset(cfg.data), ChatFormatter(tokenizer, cfg.data.system_prompt), jobs,
+        ctl = Controller(cfg, build_dataset(cfg.data), ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples), jobs,
                          store, rt.log)
         replay = ctl.load_state()
         initial = rt.start()

@@ -50,6 +50,10 @@ class TrainerConfig(BaseModel):
         True, description="Decoupled PPO: recompute proximal logprobs and weight tokens by exp(prox - behaviour). "
         "Off: plain PPO centred on the behaviour logprobs (no recompute)."
     )
+    always_recompute_prox: bool = Field(
+        False, description="Recompute proximal logprobs in a separate no-grad pass even with one mini-batch (where "
+        "the training forward already gives the same numbers; default reuses it and saves a forward)."
+    )
     behav_weight_cap: float | None = Field(
         5.0, gt=0, description="Cap of the behaviour importance weight exp(prox - behaviour) (null: no cap)."
     )

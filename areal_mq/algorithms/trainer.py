@@ -6,6 +6,8 @@ One step:
 
     samples -> sequences + GRPO advantages -> plan (mini-batches / ranks / packed micro-batches)
             -> proximal logprobs recomputed with the current weights (no grad)  [behav_correction]
+               (skipped with one mini-batch: the weights do not change before the only backward, so the
+               proximal logprobs ARE that forward's logprobs, taken detached — same loss, one forward less)
             -> for each mini-batch: forward/backward every micro-batch (gradients accumulate,
                DDP syncs only on the last), clip, AdamW step, LR schedule step
             -> version += 1
@@ -126,15 +128,23 @@ class Trainer:
         minis = [[build_microbatch(seqs, b, packed, pad_id) for b in bins] for bins in plan.minibatches]
         return seqs, minis, plan.gen_tokens, plan.oversized
 
+    def prox_from_forward(self, minis: list[list[MicroBatch]]) -> bool:
+        """True when the proximal logprobs need no separate pass: with a single mini-batch nothing updates
+        the weights between a recompute and the backward's forward, so both give the same numbers."""
+        return self.cfg.behav_correction and len(minis) == 1 and not self.cfg.always_recompute_prox
+
     def recompute(self, minis: list[list[MicroBatch]]) -> None:
         """Proximal (and reference) logprobs with the current weights, stored on each micro-batch."""
         import torch
 
+        recompute_prox = self.cfg.behav_correction and not self.prox_from_forward(minis)
+        if not recompute_prox and self.ref_model is None:
+            return
         self.model.eval()
         try:
             with torch.no_grad():
                 for mb in (m for mini in minis for m in mini):
-                    if self.cfg.behav_correction:
+                    if recompute_prox:
                         mb.prox_logp, _ = token_logprobs(self.model, mb, self.cfg.temperature)
                     if self.ref_model is not None:
                         mb.ref_logp, _ = token_logprobs(self.ref_model, mb, self.cfg.temperature)
@@ -155,7 +165,10 @@ class Trainer:
             ctx = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
             with ctx:
                 logp, entropy = token_logprobs(self.model, mb, self.cfg.temperature, with_entropy=True)
-                prox = mb.prox_logp if self.cfg.behav_correction else mb.behav_logp
+                if not self.cfg.behav_correction:
+                    prox = mb.behav_logp
+                else:  # None: one mini-batch, so this forward runs on the proximal weights (see recompute)
+                    prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
                 loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, gen_tokens, self.cfg, mb.ref_logp)
                 self.accelerator.backward(loss * self.world_size)
             sums += [float(loss.detach()), st.clipped, st.weight_sum, st.capped, st.kl_sum,
@@ -190,7 +203,7 @@ class Trainer:
         metrics = self._metrics(seqs, samples, sums, weight_max, norms, len(minis))
         metrics.update(lr=lr, oversized_seqs=oversized, prepare_s=t1 - t0, prox_recompute_s=t2 - t1,
                        step_s=elapsed, tokens_per_s=sum(s.length for s in seqs) / elapsed,
-                       n_microbatches=sum(len(m) for m in minis))
+                       n_microbatches=sum(len(m) for m in minis), prox_from_forward=int(self.prox_from_forward(minis)))
         self.version += 1
         self.consumed_ids.extend(s.sample_id for s in samples)
         metrics["version"] = self.version

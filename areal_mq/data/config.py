@@ -15,6 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 ARITH_SOURCES = ("arith", "arith:train", "arith:test")
 
 
+class ChatExample(BaseModel):
+    """One worked example shown to the model as an earlier chat exchange (a one-shot/few-shot prompt)."""
+
+    model_config = ConfigDict(extra="forbid")
+    user: str = Field(..., min_length=1, description="The example question, as the user turn.")
+    assistant: str = Field(..., min_length=1, description="The example answer in the wanted form, as the assistant turn.")
+
+
 class DataConfig(BaseModel):
     """Which dataset the controller iterates, how prompts are built, and the held-out set."""
 
@@ -38,6 +46,12 @@ class DataConfig(BaseModel):
     id_field: str = Field("id", min_length=1, description="Record field holding a unique id; missing ids use file-line.")
     system_prompt: str | None = Field(
         None, description="System message for the chat template. None keeps the tokenizer's default; '' sends none."
+    )
+    examples: list[ChatExample] = Field(
+        default_factory=list,
+        description="Worked examples sent as earlier user/assistant turns before every problem (training and eval "
+        "alike), e.g. [{user: 'What is 2 + 30?', assistant: '2 + 30 = 32. The answer is \\boxed{32}.'}]. Pick "
+        "examples outside the held-out set.",
     )
     levels: list[int] | None = Field(
         None, description="Keep only problems of these difficulty levels (train and eval). None keeps all."

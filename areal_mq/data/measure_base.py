@@ -68,12 +68,13 @@ def measure(
     batch_size: int = 16,
     max_new_tokens: int = 96,
     system_prompt: str | None = None,
+    examples: Sequence[Any] = (),
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per problem: id, level, answer, completion, tokens, strict, lenient, boxed, last."""
     from tqdm import tqdm
 
-    fmt = ChatFormatter(tokenizer, system_prompt)
+    fmt = ChatFormatter(tokenizer, system_prompt, examples)
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=len(problems), desc="greedy eval", unit="problem", disable=not progress)
     for start in range(0, len(problems), batch_size):
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-name", default="arith:test", help="'arith:test' or a JSONL path")
     parser.add_argument("--template", default=None, help="prompt template (default: the built-in math prompt)")
     parser.add_argument("--system-prompt", default=None, help="system message (default: the tokenizer's)")
+    parser.add_argument("--example", nargs=2, action="append", default=[], metavar=("USER", "ASSISTANT"),
+                        help="a worked example sent as earlier chat turns (repeatable)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--json", type=Path, default=None, help="write summary + per-problem rows here")
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     from areal_mq.engines.models import load_causal_lm, load_tokenizer, resolve_model
 
     cfg = DataConfig(eval_name=args.eval_name, eval_size=args.n, prompt_template=args.template,
-                     system_prompt=args.system_prompt)
+                     system_prompt=args.system_prompt,
+                     examples=[{"user": u, "assistant": a} for u, a in args.example])
     problems = load_eval_problems(cfg)
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_causal_lm(path, "float32")
     t0 = time.monotonic()
     rows = measure(model, tokenizer, problems, batch_size=args.batch, max_new_tokens=args.max_new_tokens,
-                   system_prompt=args.system_prompt)
+                   system_prompt=args.system_prompt, examples=cfg.examples)
     summary = summarize(rows)
     elapsed = time.monotonic() - t0
     if args.json:

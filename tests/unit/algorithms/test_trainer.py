@@ -161,3 +161,32 @@ def test_options_train_on_policy_without_clipping(tiny_model_dir, options):
     if cfg.kl_coef:
         assert m["kl"] == pytest.approx(0.0, abs=1e-6)
     assert any(not torch.equal(p, before[n]) for n, p in trainer.unwrapped.named_parameters())
+
+
+def test_prox_from_the_training_forward_equals_a_separate_recompute(tiny_model_dir):
+    """With one mini-batch the proximal logprobs are taken from the training forward (detached) instead of a
+    separate no-grad pass: off-policy data (stale versions, behaviour far from the model, weights capped)
+    must give the same loss, weights and parameters either way, over several steps."""
+    batch = make_samples(8, n_groups=2, version=3, staleness=2)
+    for k, seq in enumerate(batch[0].seqs):  # off-policy: behaviour weights far from 1, some past the cap
+        seq.logprobs = seq.logprobs - (40.0 if k == 0 else 0.5)
+    runs = {}
+    for always in (False, True):
+        trainer = Trainer(TrainerConfig(lr=1e-3, max_tokens_per_mb=64, seed=3, always_recompute_prox=always),
+                          tiny_model_dir)
+        trainer.version = 3
+        runs[always] = ([trainer.train_step(batch) for _ in range(3)], _params(trainer))
+    (fast, fast_params), (slow, slow_params) = runs[False], runs[True]
+    assert [m["prox_from_forward"] for m in fast] == [1, 1, 1] and [m["prox_from_forward"] for m in slow] == [0] * 3
+    for a, b in zip(fast, slow):
+        for key in ("loss", "behav_weight_mean", "behav_capped_frac", "clip_frac", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert fast[0]["behav_capped_frac"] > 0  # the comparison covered capped weights
+    for name, p in fast_params.items():
+        torch.testing.assert_close(p, slow_params[name], rtol=1e-4, atol=1e-6)
+
+
+def test_several_minibatches_still_recompute_the_proximal_policy(tiny_model_dir):
+    trainer = Trainer(TrainerConfig(lr=1e-3, max_tokens_per_mb=64, ppo_n_minibatches=2), tiny_model_dir)
+    m = trainer.train_step(make_samples(8, n_groups=2))
+    assert m["prox_from_forward"] == 0 and m["prox_recompute_s"] > 0

@@ -40,3 +40,31 @@ def test_tokenizer_without_chat_template_is_rejected():
 
     with pytest.raises(ConfigError, match="no chat template"):
         ChatFormatter(Plain())
+
+
+def test_worked_examples_are_earlier_chat_turns_in_order(tokenizer):
+    from areal_mq.data.config import DataConfig
+
+    cfg = DataConfig(examples=[{"user": "What is 2 + 30?", "assistant": "2 + 30 = 32. The answer is \\boxed{32}."},
+                               {"user": "What is 9 * 11?", "assistant": "The answer is \\boxed{99}."}])
+    fmt = ChatFormatter(tokenizer, None, cfg.examples)
+    roles = [t["role"] for t in fmt.messages(PROBLEM)]
+    assert roles == ["user", "assistant", "user", "assistant", "user"]
+    text = fmt.text(PROBLEM)
+    # the examples come before the problem, the assistant answers are complete turns, generation opens after
+    assert text.index("What is 2 + 30?") < text.index("\\boxed{32}.<|im_end|>") < text.index("What is 9 * 11?")
+    assert text.index("\\boxed{99}.<|im_end|>") < text.index(PROBLEM.prompt)
+    assert text.endswith(PROBLEM.prompt + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_bad_examples_are_refused_with_the_field_named():
+    from pydantic import ValidationError
+
+    from areal_mq.data.config import DataConfig
+
+    with pytest.raises(ValidationError, match="examples.0.assistant"):
+        DataConfig(examples=[{"user": "What is 2 + 30?"}])
+    with pytest.raises(ValidationError, match="examples.0.answer"):
+        DataConfig(examples=[{"user": "q", "assistant": "a", "answer": "32"}])
+    with pytest.raises(ConfigError, match="chat example"):
+        ChatFormatter(type("T", (), {"chat_template": "x"})(), None, [("only one",)])
