@@ -58,6 +58,7 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     if not skip_eval and not resume:
         _eval_into_run(cfg, None, 0, console, "base model")
     launcher.plan(path)
+    _stop_signals_interrupt()
     outcome = "failed"
     try:
         launcher.start_all()
@@ -80,6 +81,19 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     _plot_and_summary(cfg, console)
     if outcome == "interrupted":
         raise typer.Exit(130)
+
+
+def _stop_signals_interrupt() -> None:
+    """SIGTERM (and SIGINT, even where a non-interactive shell started us with SIGINT ignored) take the same
+    path as Ctrl-C: checkpoint, then stop every child. Without this, `kill PID` of the launcher would leave
+    its children running and the last batches untrained-but-unsaved."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _latest_weights(run_dir: Path) -> Path | None:

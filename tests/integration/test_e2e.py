@@ -117,3 +117,29 @@ def test_killed_child_is_reported_by_name(tmp_path):
     assert proc.returncode == 1
     assert "rollout-0 died (killed by signal SIGKILL" in err
     assert "rollout-0.log" in err
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_stops_every_child(tmp_path):
+    """`kill PID` of the launcher takes the Ctrl-C path (also when started from a non-interactive shell,
+    which leaves SIGINT ignored): the trainer checkpoints, every child process ends, exit status 130."""
+    run_dir = tmp_path / "term"
+    cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--skip-eval", "--quiet",
+           *_sets(run_dir, "controller.total_steps=500", "trainer.checkpoint_every=1000")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 180, interval=0.5, what="first training step")
+        wait_for(lambda: _events(run_dir, "trainer.step"), 60, interval=0.5, what="a trainer.step event")
+        pids = {json.loads(line)["pid"] for path in (run_dir / "events").glob("*.jsonl")
+                for line in path.read_text().splitlines() if '"pid"' in line} - {proc.pid}
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-2000:]
+    assert sorted((run_dir / "checkpoints").glob("step*")), "no checkpoint written on SIGTERM"
+    assert pids, "no worker pids found in the events"
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower(), pid
