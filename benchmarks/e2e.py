@@ -1,8 +1,8 @@
 """End-to-end benchmark: synchronous vs asynchronous RL on the quickstart task, side by side in one run.
 
 What it measures: the whole system (`areal-mq run configs/quickstart.yaml`: brokers, controller, rollout,
-reward and trainer processes) is run three times on the same model, the same 2 cores and the same number of
-trained samples (total_steps x batch_groups x group_size sequences):
+reward and trainer processes) runs in three modes (sync twice, see below) on the same model, the same 2 cores
+and the same number of trained samples (total_steps x batch_groups x group_size sequences):
   - sync         run.mode=sync (generate a batch, reward it, train on it, repeat; η = 0),
   - async η=2    run.mode=async, controller.max_staleness=2,
   - async η=4    run.mode=async, controller.max_staleness=4.
@@ -10,11 +10,13 @@ Each mode gets its own best split of torch threads between processes (`launcher.
 rollout and trainer 2 threads each because their phases alternate; async gives them 1 each because they run
 at the same time. For each run it reports whole-run wall time, samples/s over the training window (first to
 last training step; see e2e_report.py for why) and held-out accuracy (strict and lenient, greedy, the same n
-problems for every mode) evaluated after all runs on the half-way and final weights
+problems for every mode) evaluated after all runs on kept intermediate and final weights
 (`trainer.keep_weight_versions` large; other versions and checkpoints are deleted after each run to bound
 disk use). Headline ratio: `async_vs_sync_samples_per_s` (async η=2 over sync, larger is better, target 1.5);
-η=4 is reported as `async_eta4_vs_sync_samples_per_s`. One PNG overlays accuracy and batch reward against wall
-time for the three modes.
+η=4 is reported as `async_eta4_vs_sync_samples_per_s`. The machine is shared and its load drifts over the
+hours a full run takes, so sync runs first AND last (sync, η=2, η=4, sync again) and the ratios divide by the
+mean of the two sync rates: a load that rises or falls linearly over the run then cancels. One PNG overlays
+accuracy and batch reward against wall time for every run.
 
     python benchmarks/e2e.py [--quick] [--json PATH] [--out DIR] [--plot PNG] [--eval-n N]
                              [--eval-versions 12,24] [--keep-weights] [--reuse-runs]
@@ -47,14 +49,17 @@ import e2e_report  # noqa: E402  (sibling module of this script)
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 TARGETS = {"async_vs_sync_samples_per_s": 1.5}
-MODES = [  # name, label, run.mode, η, threads per role
-    ("sync", "sync", "sync", 0, {"rollout": 2, "trainer": 2, "controller": 1, "reward": 1}),
-    ("async_eta2", "async η=2", "async", 2, {"rollout": 1, "trainer": 1, "controller": 1, "reward": 1}),
-    ("async_eta4", "async η=4", "async", 4, {"rollout": 1, "trainer": 1, "controller": 1, "reward": 1}),
+SYNC_THREADS = {"rollout": 2, "trainer": 2, "controller": 1, "reward": 1}
+ASYNC_THREADS = {"rollout": 1, "trainer": 1, "controller": 1, "reward": 1}
+MODES = [  # name, label, run.mode, η, threads per role; sync first and last (see the docstring)
+    ("sync", "sync", "sync", 0, SYNC_THREADS),
+    ("async_eta2", "async η=2", "async", 2, ASYNC_THREADS),
+    ("async_eta4", "async η=4", "async", 4, ASYNC_THREADS),
+    ("sync_repeat", "sync again", "sync", 0, SYNC_THREADS),
 ]
 QUICK = {"model.name": "tiny-random-llama", "controller.total_steps": 3, "controller.batch_groups": 2,
          "controller.group_size": 2, "controller.max_new_tokens": 16, "controller.max_concurrent_groups": 4}
-QUICK_EVAL_N, FULL_EVAL_N = 8, 100  # held-out problems per evaluation (same n for every mode and version)
+QUICK_EVAL_N = 8  # held-out problems per quick evaluation (full: the config's eval_size, 200)
 RUN_TIMEOUT_S = {True: 600, False: 3 * 3600}
 
 
@@ -74,14 +79,15 @@ def free_ports(n: int) -> list[int]:
 
 
 def size_overrides(quick: bool) -> dict:
-    """Overrides shared by the three runs and the evaluations (quick: the tiny model, fewer/shorter steps)."""
+    """Overrides shared by the runs and the evaluations (quick: the tiny model, fewer/shorter steps)."""
     return dict(QUICK) if quick else {}
 
 
-def run_overrides(mode: tuple, quick: bool, run_dir: Path, keep_versions: int) -> dict:
+def run_overrides(mode: tuple, quick: bool, run_dir: Path, steps: int) -> dict:
     _, _, run_mode, eta, threads = mode
     job, bus_in, bus_out, store = free_ports(4)
-    return {**size_overrides(quick), "run.run_dir": str(run_dir), "run.mode": run_mode,
+    keep_versions = steps + 1
+    return {**size_overrides(quick), "controller.total_steps": steps, "run.run_dir": str(run_dir), "run.mode": run_mode,
             "controller.max_staleness": eta, "launcher.threads": json.dumps(threads),
             "trainer.keep_weight_versions": keep_versions, "brokers.job_port": job, "brokers.bus_in_port": bus_in,
             "brokers.bus_out_port": bus_out, "brokers.store_port": store, "events.console": "json"}
@@ -102,7 +108,7 @@ def launch(mode: tuple, quick: bool, run_dir: Path, total_steps: int) -> dict:
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a leftover checkpoint would make the trainer resume instead of starting fresh
     run_dir.mkdir(parents=True)
-    sets = run_overrides(mode, quick, run_dir, keep_versions=total_steps + 1)
+    sets = run_overrides(mode, quick, run_dir, total_steps)
     cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(CONFIG), "--skip-eval", "--quiet",
            *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]]
     err_path = run_dir / "launcher.stderr.log"
@@ -176,11 +182,10 @@ def evaluate_all(results: list[dict], versions: list[int], n: int, quick: bool, 
 
 
 def default_versions(steps: int, quick: bool) -> list[int]:
-    """Full: half-way and the end of the run; quick: the last two versions. Each evaluation of 100
-    SmolLM2 answers costs ~10-20 minutes on a shared 2-core machine, hence only two per mode."""
+    """Full: a third, two thirds and the end of the run; quick: the last two versions (fewer evaluations)."""
     if quick:
         return sorted({max(1, steps - 1), steps})
-    return sorted({max(1, steps // 2), steps})
+    return sorted({max(1, round(steps * k / 3)) for k in (1, 2, 3)})
 
 
 def run_mode(mode: tuple, args: argparse.Namespace, run_dir: Path, steps: int, versions: list[int]) -> dict:
@@ -207,11 +212,11 @@ def run(args: argparse.Namespace) -> dict:
 
     cfg = load_config(CONFIG, [f"{k}={v}" for k, v in size_overrides(args.quick).items()])
     c = cfg.controller
-    steps = c.total_steps
+    steps = args.steps or c.total_steps
     versions = args.eval_versions or default_versions(steps, args.quick)
     if max(versions) != steps or min(versions) < 1:
         raise SystemExit(f"--eval-versions {versions}: must lie in 1..{steps} and end with the final version {steps}")
-    n = args.eval_n or (QUICK_EVAL_N if args.quick else min(FULL_EVAL_N, c.eval_size))
+    n = args.eval_n or (QUICK_EVAL_N if args.quick else c.eval_size)
     out = args.out or ROOT / "bench-results" / ("e2e-quick" if args.quick else "e2e")
     log(f"{cfg.model.name}: {steps} steps x {c.batch_groups} groups x {c.group_size} seqs per mode; "
         f"evaluating versions {versions} on n={n}; runs in {out}")
@@ -223,12 +228,14 @@ def run(args: argparse.Namespace) -> dict:
             shutil.rmtree(Path(r["run_dir"]) / "weights", ignore_errors=True)
     plot_path = e2e_report.plot(results, base, args.plot or out / "accuracy_vs_time.png")
     by = {r["name"]: r for r in results}
-    ratios = {"async_vs_sync_samples_per_s": by["async_eta2"]["samples_per_s"] / by["sync"]["samples_per_s"],
-              "async_eta4_vs_sync_samples_per_s": by["async_eta4"]["samples_per_s"] / by["sync"]["samples_per_s"]}
+    sync_rate = (by["sync"]["samples_per_s"] + by["sync_repeat"]["samples_per_s"]) / 2
+    ratios = {"async_vs_sync_samples_per_s": by["async_eta2"]["samples_per_s"] / sync_rate,
+              "async_eta4_vs_sync_samples_per_s": by["async_eta4"]["samples_per_s"] / sync_rate}
     setup = {"kind": "setup", "name": "setup", "model": cfg.model.name, "total_steps": steps,
              "batch_groups": c.batch_groups, "group_size": c.group_size, "max_new_tokens": c.max_new_tokens,
              "eval_n": n, "eval_versions": versions, "base": base, "plot": str(plot_path),
-             "throughput_window": "first to last training step: samples of steps 2..N / (t_N - t_1)"}
+             "throughput_window": "first to last training step: samples of steps 2..N / (t_N - t_1)",
+             "sync_samples_per_s_mean": sync_rate}
     return {"benchmark": "e2e", "quick": args.quick, "machine": machine(), "results": [setup, *results],
             "ratios": ratios, "targets": dict(TARGETS)}
 
@@ -249,12 +256,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="Tiny model, 3 steps per mode (~3 min on 2 cores).")
     parser.add_argument("--json", type=Path, help="Write the results here.")
-    parser.add_argument("--out", type=Path, help="Where the three run dirs go (default bench-results/e2e[-quick]).")
+    parser.add_argument("--out", type=Path, help="Where the run dirs go (default bench-results/e2e[-quick]).")
     parser.add_argument("--plot", type=Path, help="PNG path (default OUT/accuracy_vs_time.png).")
-    parser.add_argument("--eval-n", type=int, help=f"Held-out problems per evaluation (default {FULL_EVAL_N}; "
-                                                   f"quick: {QUICK_EVAL_N}).")
+    parser.add_argument("--eval-n", type=int, help=f"Held-out problems per evaluation (default: the config's "
+                                                   f"eval_size; quick: {QUICK_EVAL_N}).")
     parser.add_argument("--eval-versions", type=lambda s: [int(x) for x in s.split(",")],
-                        help="Comma-separated versions to evaluate, ending with the last (default: half-way, last).")
+                        help="Comma-separated versions to evaluate, ending with the last (default: thirds of the run).")
+    parser.add_argument("--steps", type=int, help="Training steps per mode (default: the config's total_steps).")
     parser.add_argument("--keep-weights", action="store_true", help="Keep the evaluated weight versions on disk.")
     parser.add_argument("--reuse-runs", action="store_true", help="Reuse runs saved in OUT (evaluate only).")
     args = parser.parse_args()

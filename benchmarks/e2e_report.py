@@ -141,6 +141,7 @@ def table(report: dict, command: str) -> str:
              f"{setup['group_size']} seqs; eval after the runs on the final weights",
              "threads: sync rollout 2 / trainer 2 (generation and training alternate, each phase gets both cores); "
              "async rollout 1 / trainer 1 (they run at once, one core each); controller and reward 1 each",
-             "ratio uses samples/s first->last training step (samples of steps 2..N / (t_N - t_1))",
+             "ratios: samples/s first->last training step (samples of steps 2..N / (t_N - t_1)) over the mean of "
+             f"the two sync runs ({setup['sync_samples_per_s_mean']:.3f}/s; sync runs first and last)",
              f"plot: {setup['plot']}"]
     return "\n".join([*_fmt_table(rows), "", *_fmt_table(ratio_rows), *notes, f"command: {command}"])

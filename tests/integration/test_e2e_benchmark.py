@@ -1,6 +1,6 @@
-"""benchmarks/e2e.py --quick once, so the sync-vs-async benchmark does not rot (slow: three whole-system runs).
+"""benchmarks/e2e.py --quick once, so the sync-vs-async benchmark does not rot (slow: four whole-system runs).
 
-Checks the JSON shape of BENCHMARKS.md, that the three modes trained the same number of samples, that
+Checks the JSON shape of BENCHMARKS.md, that every run trained the same number of samples, that
 each mode's staleness respects its bound, that evaluations and the plot were produced and that the
 weights were cleaned up. No speed is asserted (benchmarks measure speed; this only keeps the code path alive).
 """
@@ -36,7 +36,7 @@ def test_quick_benchmark_writes_the_documented_json(tmp_path):
 
     setup, *modes = report["results"]
     assert setup["kind"] == "setup" and setup["model"] == "tiny-random-llama"
-    assert [m["name"] for m in modes] == ["sync", "async_eta2", "async_eta4"]
+    assert [m["name"] for m in modes] == ["sync", "async_eta2", "async_eta4", "sync_repeat"]
     expected = setup["total_steps"] * setup["batch_groups"] * setup["group_size"]
     for m in modes:
         assert m["samples"] == expected, f"{m['name']} trained {m['samples']} samples, expected {expected}"
@@ -48,7 +48,7 @@ def test_quick_benchmark_writes_the_documented_json(tmp_path):
         assert m["final"]["version"] == setup["total_steps"]
         assert not (Path(m["run_dir"]) / "weights").exists(), "weights should be deleted without --keep-weights"
     assert {m["threads"]["rollout"] for m in modes} == {1, 2}
-    ratio = modes[1]["samples_per_s"] / modes[0]["samples_per_s"]
+    ratio = modes[1]["samples_per_s"] / ((modes[0]["samples_per_s"] + modes[3]["samples_per_s"]) / 2)
     assert report["ratios"]["async_vs_sync_samples_per_s"] == pytest.approx(ratio)
 
     assert png.stat().st_size > 10_000
