@@ -41,6 +41,15 @@ def generation_rate(ctl: list[dict], t0: float) -> tuple[list[float], list[float
     return xs, ys
 
 
+def rolling_mean(values: list, window: int) -> list[float]:
+    """Mean of the last `window` values at each point (fewer at the start); None values are skipped."""
+    out = []
+    for i in range(len(values)):
+        xs = [v for v in values[max(0, i - window + 1): i + 1] if v is not None]
+        out.append(sum(xs) / len(xs) if xs else float("nan"))
+    return out
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib
 
@@ -56,8 +65,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     t0 = min([m["time"] for m in metrics if "time" in m] + [e["time"] for e in evals] or [0])
     minutes = lambda rows, key="time": [(r[key] - t0) / 60 for r in rows]  # noqa: E731
     fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
-    ax[0, 0].plot(minutes(metrics), [m.get("reward_mean") for m in metrics], marker=".", label="batch reward")
-    ax[0, 0].set(title="Reward", xlabel="minutes", ylabel="mean reward")
+    rewards = [m.get("reward_mean") for m in metrics]
+    ax[0, 0].plot(minutes(metrics), rewards, marker=".", alpha=0.45, label="batch reward")
+    if len(rewards) >= 4:  # one batch is a few prompts: the trend is only visible averaged
+        ax[0, 0].plot(minutes(metrics), rolling_mean(rewards, 5), lw=2, label="mean of last 5 batches")
+    ax[0, 0].set(title="Reward (sampled at the training temperature)", xlabel="minutes", ylabel="mean reward")
+    ax[0, 0].legend(fontsize=8)
     for key, style, what in (("strict", "o-", "answer in \\boxed{}"), ("lenient", "s--", "last number")):
         ax[0, 1].plot(minutes(evals), [e[key] for e in evals], style, label=f"{key} ({what})")
     for e in evals:

@@ -140,7 +140,7 @@ def table(report: dict, command: str) -> str:
              f"model {setup['model']}, {setup['total_steps']} steps x {setup['batch_groups']} groups x "
              f"{setup['group_size']} seqs; eval after the runs on the final weights",
              "threads: sync rollout 2 / trainer 2 (generation and training alternate, each phase gets both cores); "
-             "async rollout 1 / trainer 1 (they run at once, one core each); controller and reward 1 each",
+             "async rollout 1 / trainer 2 (they run at once; training is the bottleneck); controller and reward 1 each",
              "ratios: samples/s first->last training step (samples of steps 2..N / (t_N - t_1)) over the mean of "
              f"the two sync runs ({setup['sync_samples_per_s_mean']:.3f}/s; sync runs first and last)",
              f"plot: {setup['plot']}"]
