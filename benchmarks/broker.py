@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import pstats
 import subprocess
 import sys
@@ -38,6 +36,9 @@ import msgpack
 import numpy as np
 import yaml
 import zmq
+
+import common  # sibling module: benchmarks/ is on sys.path when run as a script
+from common import cpu_seconds, free_ports
 
 from areal_mq import protocol
 from areal_mq.client import JobClient
@@ -71,25 +72,6 @@ MIB = 1024 * 1024
 
 def log(text: str) -> None:
     print(f"[broker bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process from /proc/PID/stat (fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Cluster:
@@ -379,14 +361,7 @@ def swarm_cpu(cluster: Cluster, workers: int, window_s: float, jobs: int) -> dic
 
 # ---------------------------------------------------------------- report
 def machine() -> dict:
-    model = ""
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
-            "python": platform.python_version(), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
-            "msgpack": ".".join(map(str, msgpack.version)), "loadavg_at_start": list(os.getloadavg())}
+    return common.machine(pyzmq=zmq.__version__, libzmq=zmq.zmq_version(), msgpack=".".join(map(str, msgpack.version)))
 
 
 def check(value: float, target: float, larger_is_better: bool = True) -> str:

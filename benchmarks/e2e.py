@@ -35,17 +35,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e_report  # noqa: E402  (sibling module of this script)
+import common  # noqa: E402  (sibling modules of this script)
+import e2e_report  # noqa: E402
+from common import free_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "quickstart.yaml"
@@ -66,17 +66,6 @@ RUN_TIMEOUT_S = {True: 600, False: 3 * 3600}
 
 def log(text: str) -> None:
     print(f"[e2e bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def size_overrides(quick: bool) -> dict:
@@ -245,13 +234,7 @@ def run(args: argparse.Namespace) -> dict:
 def machine() -> dict:
     import torch
 
-    model = ""
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "loadavg": list(os.getloadavg())}
+    return common.machine(torch=torch.__version__)
 
 
 def main() -> None:

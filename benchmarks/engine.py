@@ -31,12 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import common  # sibling module: benchmarks/ is on sys.path when run as a script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -217,14 +218,8 @@ def make_prompt(ctx: Context, i: int) -> list[int]:
 def machine(args) -> dict:
     import torch
 
-    model = ""
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "model": args.model, "dtype": args.dtype, "loadavg_at_start": list(os.getloadavg())}
+    return common.machine(torch=torch.__version__, threads=torch.get_num_threads(), model=args.model,
+                          dtype=args.dtype)
 
 
 def setup(args, q: int) -> Context:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import subprocess
@@ -32,6 +30,9 @@ import time
 from pathlib import Path
 
 import yaml
+
+import common  # sibling module: benchmarks/ is on sys.path when run as a script
+from common import cpu_seconds, free_ports
 
 from areal_mq.client import JobClient
 from areal_mq.messages import RewardJob, RewardResult
@@ -87,16 +88,6 @@ def run_pool(ex: RewardExecutor, jobs: list[RewardJob], tag: str, cpu: dict | No
         cpu.setdefault(tag.split("-", 1)[1], []).append((sum(cpu_seconds(p) for p in pids) - c0) / elapsed)
     check(results)
     return elapsed
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (fields 14 and 15 of /proc/PID/stat); 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_routed(client: JobClient, service: str, jobs: list[RewardJob]) -> float:
@@ -171,26 +162,8 @@ class Routed:
                     p.wait(5)
 
 
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def machine() -> dict:
-    model = ""
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
-            "python": platform.python_version(), "loadavg_at_start": list(os.getloadavg())}
+    return common.machine()
 
 
 def run(args, workdir: Path) -> dict:

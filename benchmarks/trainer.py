@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+import common  # sibling module: benchmarks/ is on sys.path when run as a script
 
 TARGETS = {"packed_vs_padded_tokens_per_s": 1.3}
 SIZES = {  # quick, full
@@ -122,13 +122,7 @@ def run(args: argparse.Namespace) -> dict:
 def machine() -> dict:
     import torch
 
-    model = ""
-    try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "loadavg": list(os.getloadavg())}
+    return common.machine(torch=torch.__version__)
 
 
 def table(report: dict, command: str) -> str:
@@ -149,7 +143,7 @@ def table(report: dict, command: str) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     note = (f"{setup['sequences']} seqs, {setup['tokens']} tokens/step (median {setup['median_len']:.0f}, max "
             f"{setup['max_len']}); budget {setup['budget']}, padded {setup['padded_mb_size']} seqs/mb; "
-            f"load avg {report['machine']['loadavg'][0]:.1f}")
+            f"load avg {report['machine']['loadavg_at_start'][0]:.1f}")
     return "\n".join([*lines, note, f"command: {command}"])
 
 
