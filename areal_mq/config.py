@@ -99,6 +99,9 @@ class ControllerConfig(_Section):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of training rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for training rollouts.")
     total_steps: int = Field(20, ge=1, description="Training steps (policy versions) of the run.")
+    drop_uniform_groups: bool = Field(
+        False, description="Do not train on groups whose rewards are all equal (zero advantage, no gradient); "
+        "generate a replacement instead (DAPO dynamic sampling). Dropped groups are logged and still plotted.")
     max_retries: int = Field(3, ge=0, description="Retries of a failed generation/reward job before the group is dropped.")
     reward_task: str = Field("arith", description="Reward function name or import path (module:function).")
     eval_every: int = Field(0, ge=0, description="Evaluate every N versions (0 = only at the end).")

@@ -58,6 +58,10 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     if not skip_eval and not resume:
         _eval_into_run(cfg, None, 0, console, "base model")
     launcher.plan(path)
+    if cfg.controller.eval_every and not skip_eval:
+        from areal_mq.periodic_eval import PeriodicEval
+
+        launcher.evaluator = PeriodicEval.from_config(cfg, path)
     _stop_signals_interrupt()
     outcome = "failed"
     try:
@@ -71,6 +75,8 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
         outcome = "interrupted"
     finally:
         launcher.stop_all()
+        if launcher.evaluator is not None:  # a periodic evaluation still running is a result worth its minutes
+            launcher.evaluator.wait(timeout_s=600 if outcome == "done" else 0)
     if outcome == "failed":
         console.print(f"[red]run stopped: {launcher.failure}[/]")
         raise typer.Exit(1)
@@ -132,16 +138,24 @@ def eval_cmd(config: Optional[str] = typer.Option(None, "--config", "-c", help="
              set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: section.key=value."),
              weights: Optional[str] = typer.Option(None, help="Published weights dir or checkpoint (default: base)."),
              n: Optional[int] = typer.Option(None, help="Number of held-out problems."),
+             version: Optional[int] = typer.Option(None, help="Policy version these weights are (recorded)."),
+             append_to: Optional[str] = typer.Option(None, help="Append the result to RUN_DIR/eval.jsonl."),
+             no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
              as_json: bool = typer.Option(False, "--json", help="Print the result as JSON.")) -> None:
     """Accuracy (strict and lenient) of the base model or a checkpoint on the held-out split."""
-    from areal_mq.evaluate import evaluate
+    from areal_mq.evaluate import append_result, evaluate
 
     cfg = _cfg(config, set_)
     if weights and not Path(weights).is_dir():
         typer.echo(f"error: --weights {weights} is not a directory", err=True)
         raise typer.Exit(2)
+    if append_to and not Path(append_to).is_dir():
+        typer.echo(f"error: --append-to {append_to} is not a run directory", err=True)
+        raise typer.Exit(2)
     t0 = time.time()
-    result = evaluate(cfg, weights=weights, n=n)
+    result = evaluate(cfg, weights=weights, n=n, version=version, progress=not no_progress)
+    if append_to:
+        append_result(append_to, result)
     if as_json:
         typer.echo(json.dumps(result))
         return

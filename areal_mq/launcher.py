@@ -66,6 +66,7 @@ class Launcher:
         self.children: list[Child] = []
         self.stopping = False
         self.failure: str | None = None
+        self.evaluator: Any = None  # PeriodicEval (areal_mq.periodic_eval) when controller.eval_every > 0
 
     def prepare(self) -> Path:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -111,7 +112,10 @@ class Launcher:
 
     # ------------------------------------------------------------ supervision
     def check_children(self) -> str | None:
-        """Handle dead children; returns 'done' when the trainer finished, 'failed' when the run must stop."""
+        """Handle dead children; returns 'done' when the trainer finished, 'failed' when the run must stop.
+        Also the supervision tick for the periodic evaluator (it starts and reaps background evaluations)."""
+        if self.evaluator is not None and not self.stopping and (note := self.evaluator.poll()):
+            self.say(note)
         for child in self.children:
             code = child.proc.poll() if child.proc else None
             if code is None:

@@ -29,6 +29,16 @@ def controller_stats(run_dir: Path) -> list[dict]:
     return sorted(rows, key=lambda r: r.get("ts", 0))
 
 
+def group_rewards(run_dir: Path) -> list[dict]:
+    """Every finished group's mean reward with its time: stored and dropped ones (the trained batches miss
+    the dropped ones, so only this shows how the rollout policy does)."""
+    rows: list[dict] = []
+    for path in sorted((run_dir / "events").glob("controller*.jsonl")):
+        rows.extend(r for r in read_jsonl(path)
+                    if r.get("event") in ("controller.group_stored", "controller.group_dropped") and "reward_mean" in r)
+    return sorted(rows, key=lambda r: r.get("ts", 0))
+
+
 def generation_rate(ctl: list[dict], t0: float) -> tuple[list[float], list[float]]:
     """Windowed generation rate from successive controller.stats (cumulative average for old runs)."""
     if not all("gen_tokens" in c for c in ctl):
@@ -66,8 +76,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     minutes = lambda rows, key="time": [(r[key] - t0) / 60 for r in rows]  # noqa: E731
     fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
     rewards = [m.get("reward_mean") for m in metrics]
-    ax[0, 0].plot(minutes(metrics), rewards, marker=".", alpha=0.45, label="batch reward")
-    if len(rewards) >= 4:  # one batch is a few prompts: the trend is only visible averaged
+    ax[0, 0].plot(minutes(metrics), rewards, marker=".", alpha=0.45, label="trained batch reward")
+    groups = group_rewards(run_dir)
+    if len(groups) >= 8:  # one group is one prompt: the trend is only visible averaged
+        ax[0, 0].plot(minutes(groups, "ts"), rolling_mean([g["reward_mean"] for g in groups], 20), lw=2,
+                      label="all generated groups (mean of last 20)")
+    elif len(rewards) >= 4:
         ax[0, 0].plot(minutes(metrics), rolling_mean(rewards, 5), lw=2, label="mean of last 5 batches")
     ax[0, 0].set(title="Reward (sampled at the training temperature)", xlabel="minutes", ylabel="mean reward")
     ax[0, 0].legend(fontsize=8)

@@ -16,6 +16,9 @@ Invariants:
 - a failed or refused generation/reward job is retried (up to `max_retries`, with a pause), never silently
   lost: a group that still fails is logged as `controller.group_failed` with the reason;
 - a group reaches the store exactly once (sample_id = group id; the store deduplicates resends);
+- with `drop_uniform_groups`, a group whose rewards are all equal (zero advantage: no gradient) is logged
+  as `controller.group_dropped` and not stored; it stops counting as submitted, so admission replaces it
+  (DAPO's dynamic sampling: the trainer's steps are spent on groups that teach something);
 - the strict per-sample staleness filter lives in the sample store (it knows the trainer's version).
 Who waits on whom: the controller waits on nobody's speed — it only stops admitting when the bound says so.
 Sync mode (`run.mode: sync`) is the classic loop: one whole batch is admitted, generated, rewarded and stored,
@@ -63,7 +66,9 @@ class Controller:
         self.cfg, self.c = cfg, cfg.controller
         self.dataset, self.formatter, self.jobs, self.store, self.log = dataset, formatter, jobs, store, log
         self.version = 0
-        self.submitted = 0
+        self.submitted = 0  # groups that count against the staleness bound (admitted, not dropped)
+        self.next_group = 0  # group ids are never reused, even when a dropped group frees its place
+        self.dropped = 0
         self.groups: dict[str, Group] = {}
         self.by_job: dict[str, tuple[str, str, int]] = {}  # job id -> (kind, group id, sample index)
         self.retry_at: list[tuple[float, str, str, int]] = []
@@ -89,7 +94,8 @@ class Controller:
         return admitted
 
     def _start_group(self, problem: Any) -> None:
-        group_id = f"g{self.submitted:07d}-{problem.id}"
+        group_id = f"g{self.next_group:07d}-{problem.id}"
+        self.next_group += 1
         self.submitted += 1
         group = Group(group_id, problem, self.formatter.ids(problem))
         self.groups[group_id] = group
@@ -155,6 +161,17 @@ class Controller:
 
     def _store(self, group: Group, result: RewardResult) -> None:
         ordered = [group.results[i] for i in range(self.c.group_size)]
+        self.rewards.extend(result.rewards)
+        versions = sorted({int(v) for r in ordered for v in r.versions})
+        reward_mean = round(sum(result.rewards) / len(result.rewards), 4)
+        if self.c.drop_uniform_groups and max(result.rewards) - min(result.rewards) <= 1e-9:
+            self.groups.pop(group.group_id, None)
+            self.submitted -= 1
+            self.dropped += 1
+            self.log.info("controller.group_dropped", group=group.group_id, reason="uniform_reward",
+                          reward_mean=reward_mean, versions=versions, gen_tokens=sum(len(r.output_ids) for r in ordered))
+            self.save_state()
+            return
         seqs = [SeqSample(prompt_ids=group.prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs,
                           versions=r.versions, reward=float(rw), finish_reason=r.finish_reason,
                           info={"detail": d} if d else {})
@@ -164,11 +181,8 @@ class Controller:
         self.store.put(sample)
         self.groups.pop(group.group_id, None)
         self.stored += 1
-        self.rewards.extend(result.rewards)
-        self.log.info("controller.group_stored", group=group.group_id, reward_mean=round(
-            sum(result.rewards) / len(result.rewards), 4), versions=sorted({int(v) for r in ordered
-                                                                           for v in r.versions}),
-            latency_s=round(time.monotonic() - group.submitted_at, 2))
+        self.log.info("controller.group_stored", group=group.group_id, reward_mean=reward_mean, versions=versions,
+                      latency_s=round(time.monotonic() - group.submitted_at, 2))
         self.save_state()
 
     # ------------------------------------------------------------ state
@@ -178,7 +192,7 @@ class Controller:
             self.log.info("controller.version", version=version, submitted=self.submitted, stored=self.stored)
 
     def save_state(self) -> None:
-        state = {"dataset": self.dataset.state_dict(), "submitted": self.submitted,
+        state = {"dataset": self.dataset.state_dict(), "submitted": self.submitted, "next_group": self.next_group,
                  "in_flight_problems": [g.problem.id for g in self.groups.values()]}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
@@ -191,12 +205,14 @@ class Controller:
         state = json.loads(self.state_path.read_text())
         self.dataset.load_state_dict(state["dataset"])
         self.submitted = state["submitted"] - len(state["in_flight_problems"])
+        self.next_group = state.get("next_group", state["submitted"])
         return state["in_flight_problems"]
 
     def stats(self) -> dict:
         elapsed = max(1e-6, time.monotonic() - self.started)
         recent = self.rewards[-200:]
         return {"version": self.version, "submitted": self.submitted, "stored": self.stored, "failed": self.failed,
+                "dropped": self.dropped,
                 "in_flight": len(self.groups), "gen_tokens": self.gen_tokens, "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
                 "reward_mean": round(sum(recent) / len(recent), 4) if recent else None}
 

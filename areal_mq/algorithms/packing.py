@@ -12,7 +12,8 @@ What:
   ids restarting at 0 per sequence and no attention mask — transformers (>= 4.53, checked on 5.23)
   then builds a block-diagonal causal mask from the position ids, so attention never crosses
   sequences. Forward MUST pass use_cache=False: with a cache the packed-sequence detection is skipped.
-  A sequence longer than the budget gets a micro-batch of its own (counted as oversized).
+  A sequence longer than the budget gets a micro-batch of its own (counted as oversized). The budget
+  bounds the row, and on CPU attention over a masked row costs O(row^2): see `max_tokens_per_mb`.
 Why: on long-tail length mixes padding wastes most of the compute; packing removes it while the
 loss and gradients stay exactly those of the unpacked computation (tests/unit/algorithms).
 """

@@ -36,6 +36,11 @@ class EngineConfig(BaseModel):
         description="torch engine: most prompt/recompute tokens prefilled per step, so long prompts and "
                     "post-update KV recomputation never stall decoding of the other sequences for long.",
     )
+    share_prefill: bool = Field(
+        True,
+        description="torch engine: rows whose next prefill chunk is the same tokens on an identical KV history "
+                    "(the n samples of one prompt in a GRPO group) compute it once and copy the KV.",
+    )
     threads: int | None = Field(
         None, ge=1, description="torch intra-op threads for the engine (None: leave the process setting alone).",
     )

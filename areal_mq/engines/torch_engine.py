@@ -71,7 +71,8 @@ class TorchEngine(Engine):
         self.rows: list[SeqState] = []
         self.live: dict[str, SeqState] = {}
         self._rate: deque[tuple[float, int]] = deque()
-        self.counters = {"steps": 0, "generated_tokens": 0, "prefilled_tokens": 0, "finished": 0}
+        self.counters = {"steps": 0, "generated_tokens": 0, "prefilled_tokens": 0, "shared_prefill_tokens": 0,
+                         "finished": 0}
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -163,7 +164,7 @@ class TorchEngine(Engine):
                 break  # FIFO: the head waits for room rather than being overtaken
             self.waiting.popleft()
             reserved += seq.reserved
-            seq.kv_len = 0
+            seq.reset_kv()
             self.rows.append(seq)
 
     def _ready_count(self) -> int:
@@ -173,13 +174,21 @@ class TorchEngine(Engine):
         return r
 
     def _prefill(self) -> None:
+        """Compute KV chunks for pending rows; a row whose next chunk another row computes this step from
+        an identical KV history (the n samples of one prompt) copies that KV instead (`share_prefill`)."""
         budget = self.cfg.prefill_chunk_tokens
         slots, starts, chunks = [], [], []
+        leaders: dict[tuple[int, int], list[int]] = {}  # (start, kv_sig) -> indices into chunks
+        followers: list[tuple[int, int]] = []  # (row slot, index of the chunk it copies)
         for i in range(self._ready_count(), len(self.rows)):
-            if budget <= 0:
-                break
             seq = self.rows[i]
+            if self.cfg.share_prefill and (j := self._shared_chunk(seq, leaders, chunks)) is not None:
+                followers.append((i, j))
+                continue
+            if budget <= 0:
+                continue  # no compute left this step, but later rows may still follow a leader
             take = min(len(seq.tokens) - 1 - seq.kv_len, budget)
+            leaders.setdefault((seq.kv_len, seq.kv_sig), []).append(len(chunks))
             slots.append(i)
             starts.append(seq.kv_len)
             chunks.append(seq.tokens[seq.kv_len : seq.kv_len + take])
@@ -188,8 +197,23 @@ class TorchEngine(Engine):
             return
         self.runner.extend(self.cache, slots, starts, chunks)
         for i, chunk in zip(slots, chunks):
-            self.rows[i].kv_len += len(chunk)
+            self.rows[i].advance_kv(chunk, self.version)
+        for i, j in followers:
+            self.cache.move(slots[j], i, len(chunks[j]), start=starts[j])
+            self.rows[i].advance_kv(chunks[j], self.version)
         self.counters["prefilled_tokens"] += sum(len(c) for c in chunks)
+        self.counters["shared_prefill_tokens"] += sum(len(chunks[j]) for _, j in followers)
+
+    @staticmethod
+    def _shared_chunk(seq: SeqState, leaders: dict, chunks: list[list[int]]) -> int | None:
+        """Index of a chunk computed this step that `seq` can copy: same start, same KV history (kv_sig
+        covers tokens and weight versions so far) and the same next tokens."""
+        for j in leaders.get((seq.kv_len, seq.kv_sig), ()):
+            chunk = chunks[j]
+            end = seq.kv_len + len(chunk)
+            if end <= len(seq.tokens) - 1 and seq.tokens[seq.kv_len:end] == chunk:
+                return j
+        return None
 
     def _decode(self) -> list[EngineOutput]:
         r = self._ready_count()
@@ -205,7 +229,7 @@ class TorchEngine(Engine):
         now = time.perf_counter()
         done: list[tuple[int, str]] = []
         for i, (seq, tok, lp) in enumerate(zip(rows, new.tolist(), logprobs.tolist())):
-            seq.kv_len += 1
+            seq.advance_kv(seq.tokens[-1:], self.version)
             reason = seq.append(tok, lp, self.version, now, self.tokenizer)
             if reason is not None:
                 done.append((i, reason))
@@ -257,7 +281,7 @@ class TorchEngine(Engine):
             self.rows.sort(key=lambda s: len(s.tokens))
             for seq in self.rows:
                 stale += seq.kv_len
-                seq.kv_len = 0
+                seq.reset_kv()
         t2 = time.perf_counter()
         return {"load_s": t1 - t0, "pause_s": t2 - t1, "tensors": float(n), "in_flight": float(len(self.rows)),
                 "recompute_tokens": float(stale)}

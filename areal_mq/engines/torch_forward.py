@@ -62,12 +62,13 @@ class SlotKVCache:
             setattr(self, name, grown)
         self.capacity = new_cap
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot src into slot dst (slot compaction)."""
+    def move(self, src: int, dst: int, length: int, start: int = 0) -> None:
+        """Copy positions [start, start + length) of slot src into slot dst (slot compaction, shared prefill)."""
         if length > 0 and src != dst:
+            end = start + length
             with torch.inference_mode():  # the cache tensors may be inference tensors (grown while decoding)
-                self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-                self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+                self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
+                self.v[:, dst, :, start:end] = self.v[:, src, :, start:end]
 
     @property
     def nbytes(self) -> int:

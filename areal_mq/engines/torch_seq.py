@@ -31,6 +31,7 @@ class SeqState:
     generator: torch.Generator | None
     submitted_at: float
     kv_len: int = 0  # tokens[:kv_len] have KV in the cache
+    kv_sig: int = 0  # hash of how that KV was made (tokens, weight versions): equal sig = identical KV
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     first_token_at: float | None = None
@@ -40,6 +41,14 @@ class SeqState:
     def ready(self) -> bool:
         """KV covers every token but the last, which the next decode step feeds."""
         return self.kv_len == len(self.tokens) - 1
+
+    def advance_kv(self, tokens: list[int], version: int) -> None:
+        """KV for `tokens` (the next ones after kv_len) was written under weights `version`."""
+        self.kv_len += len(tokens)
+        self.kv_sig = hash((self.kv_sig, version, tuple(tokens)))
+
+    def reset_kv(self) -> None:
+        self.kv_len, self.kv_sig = 0, 0
 
     @property
     def output_ids(self) -> list[int]:

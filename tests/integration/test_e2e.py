@@ -33,9 +33,9 @@ def _sets(run_dir: Path, *extra: str) -> list[str]:
     return [x for s in (*base, *extra) for x in ("--set", s)]
 
 
-def _run(run_dir: Path, *extra: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--skip-eval",
-           "--quiet", *_sets(run_dir, *extra)]
+def _run(run_dir: Path, *extra: str, timeout: float = 400, evaluate: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"),
+           *([] if evaluate else ["--skip-eval"]), "--quiet", *_sets(run_dir, *extra)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -53,7 +53,8 @@ def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
     run_dir = tmp_path / "async"
     # generation slower than a training step (long sequences, two slots), so updates land mid-generation
     done = _run(run_dir, "controller.total_steps=6", "controller.max_new_tokens=160", "controller.max_staleness=3",
-                "controller.max_concurrent_groups=8", "rollout.max_concurrent=2")
+                "controller.max_concurrent_groups=8", "rollout.max_concurrent=2", "controller.eval_every=2",
+                "controller.eval_size=8", evaluate=True)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
@@ -66,6 +67,15 @@ def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
     assert any(len(g["versions"]) > 1 for g in stored), "no sequence spans two policy versions"
     assert all(m["staleness_max"] <= 3 for m in metrics)
     assert (run_dir / "plots" / "training.png").stat().st_size > 10_000
+    # held-out evaluation: the base model first, periodic ones pinned to published versions, the final one last
+    evals = [json.loads(l) for l in (run_dir / "eval.jsonl").read_text().splitlines()]
+    versions = [e["version"] for e in evals]
+    assert versions[0] == 0 and versions[-1] == 6, versions
+    periodic = versions[1:-1]
+    assert periodic and set(periodic) <= {2, 4}, versions
+    assert all(e["weights"].endswith(f"eval_pins/v{e['version']}") for e in evals[1:-1])
+    assert all(e["n"] == 8 for e in evals)
+    assert not list((run_dir / "eval_pins").glob("v*")), "pinned copies are removed after their evaluation"
 
 
 def _final_params(run_dir: Path):

@@ -239,3 +239,28 @@ def test_smollm2_engine_matches_hf_generate_and_answers():
         assert out.output_ids.tolist() == ref and "5" in out.text and out.finish_reason == "stop"
     finally:
         engine.close()
+
+
+def _group_run(engine, prompts, n=4):
+    """n seeded samples of each prompt, submitted together the way the controller sends a GRPO group."""
+    for i, p in enumerate(prompts):
+        for k in range(n):
+            sp = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=100 * i + k)
+            engine.submit(EngineRequest(f"p{i}s{k}", p, sp))
+    return run_all(engine)
+
+
+@pytest.mark.parametrize("chunk", [512, 5])  # whole prompts in one step, and many chunks in lockstep
+def test_shared_prefill_is_exact_and_computes_each_prompt_once(make_engine, prompts, chunk):
+    shared, alone = make_engine(prefill_chunk_tokens=chunk), make_engine(prefill_chunk_tokens=chunk, share_prefill=False)
+    a, b = _group_run(shared, prompts[:2]), _group_run(alone, prompts[:2])
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert a[rid].output_ids.tolist() == b[rid].output_ids.tolist()
+        torch.testing.assert_close(torch.from_numpy(a[rid].logprobs), torch.from_numpy(b[rid].logprobs),
+                                   atol=1e-5, rtol=1e-5)
+    prompt_tokens = sum(len(p) - 1 for p in prompts[:2])  # the last prompt token is fed by the first decode
+    assert alone.counters["prefilled_tokens"] == 4 * prompt_tokens and alone.counters["shared_prefill_tokens"] == 0
+    assert shared.counters["prefilled_tokens"] + shared.counters["shared_prefill_tokens"] == 4 * prompt_tokens
+    # each prompt computed once; with small chunks a prefix common to both prompts even once in all
+    assert shared.counters["prefilled_tokens"] <= prompt_tokens

@@ -161,3 +161,24 @@ def test_chunked_recompute_lets_short_rows_decode_first(make_engine, new_state, 
         engine.step()
         seen.append((engine.stats()["ready"], engine.stats()["running"]))
     assert any(0 < ready < running for ready, running in seen)  # decoding resumed before recompute ended
+
+
+def test_shared_prefill_never_mixes_kv_of_different_weights(make_engine, new_state, prompts):
+    # keep mode: rows prefilled partly under v0 keep that KV after the update; the same prompt submitted
+    # after the update must not copy it (its KV history differs): it must answer as under v1 alone
+    sp = greedy(8, ignore_eos=True)
+    engine = make_engine(prefill_chunk_tokens=4, kv_on_update="keep")
+    for k in range(2):
+        engine.submit(EngineRequest(f"old{k}", prompts[0], sp))
+    engine.step()  # 4 prompt tokens of the old rows now have v0 KV (the second row copied the first's)
+    engine.update_weights(1, tensors=new_state)
+    for k in range(2):
+        engine.submit(EngineRequest(f"new{k}", prompts[0], sp))
+    outs = {k: v.output_ids.tolist() for k, v in run_all(engine).items()}
+    fresh = make_engine(prefill_chunk_tokens=4)
+    fresh.update_weights(1, tensors=new_state)
+    fresh.submit(EngineRequest("v1", prompts[0], sp))
+    assert outs["new0"] == outs["new1"] == run_all(fresh)["v1"].output_ids.tolist()
+    assert outs["old0"] == outs["old1"]  # identical histories share
+    assert outs["old0"] != outs["new0"]  # the old rows' v0 prefix KV really mattered
+    assert engine.counters["shared_prefill_tokens"] > 0

@@ -66,13 +66,13 @@ class _Log:
         return lambda *a, **k: None
 
 
-def _answer(jobs: InMemoryJobs, job_id: str, version: int):
+def _answer(jobs: InMemoryJobs, job_id: str, version: int, rewards=lambda n: [1.0] * n):
     msg = jobs.pending.pop(job_id)
     if isinstance(msg, GenerateRequest):
         reply = GenerateResult(output_ids=[5], logprobs=[-0.1], versions=[version], finish_reason="stop", text="x")
     else:
         assert isinstance(msg, RewardJob)
-        reply = RewardResult(rewards=[1.0] * len(msg.completions))
+        reply = RewardResult(rewards=rewards(len(msg.completions)))
     jobs.answers.append((job_id, reply))
 
 
@@ -103,3 +103,30 @@ def test_can_admit_examples():
     assert can_admit(0, 0, 0, 4, 0, 8) and not can_admit(4, 0, 0, 4, 0, 8)
     assert can_admit(11, 0, 2, 4, 0, 99) and not can_admit(12, 0, 2, 4, 0, 99)
     assert not can_admit(0, 0, 2, 4, 8, 8)
+
+
+@given(seed=st.integers(0, 10_000), uniform_share=st.floats(0, 1))
+@settings(max_examples=30, deadline=None)
+def test_dropped_uniform_groups_are_replaced_without_breaking_the_bound(tmp_path_factory, seed, uniform_share):
+    eta, batch = 1, 2
+    cfg = load_config(None, [f"controller.max_staleness={eta}", f"controller.batch_groups={batch}",
+                             "controller.group_size=2", "controller.max_concurrent_groups=4",
+                             "controller.drop_uniform_groups=true", f"run.run_dir={tmp_path_factory.mktemp('run')}"])
+    jobs, store = InMemoryJobs(), InMemoryStore()
+    ctl = Controller(cfg, _Data(), Formatter(), jobs, store, _Log())
+    rng = random.Random(seed)
+    rewards = lambda n: [1.0] * n if rng.random() < uniform_share else [0.0] + [1.0] * (n - 1)  # noqa: E731
+    trained = 0
+    for _ in range(300):
+        ctl.step(timeout=0)
+        assert ctl.submitted <= (eta + ctl.version + 1) * batch
+        if jobs.pending:
+            _answer(jobs, rng.choice(sorted(jobs.pending)), ctl.version, rewards)
+        if len(store.samples) - trained >= batch:
+            trained += batch
+            ctl.on_weights(ctl.version + 1)
+    assert all(len({q.reward for q in s.seqs}) > 1 for s in store.samples), "a uniform group reached the store"
+    assert len({s.sample_id for s in store.samples}) == len(store.samples)
+    assert ctl.stored + ctl.dropped + len(ctl.groups) == ctl.next_group  # every group accounted for once
+    if uniform_share < 0.9:
+        assert ctl.version >= 3, "dropped groups must be replaced, or training starves"
