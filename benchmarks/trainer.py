@@ -1,4 +1,4 @@
-"""Trainer benchmark: dynamic packed micro-batches vs fixed-size padded micro-batches, side by side.
+"""Trainer benchmark: shared-prompt packing vs dynamic packing vs fixed-size padded micro-batches, side by side.
 
 What it measures, in one run, on SmolLM2-135M-Instruct (fp32 master weights, CPU):
   the same long-tail batch of sequences (lognormal generated lengths: many short, a few long — the shape
@@ -7,11 +7,15 @@ What it measures, in one run, on SmolLM2-135M-Instruct (fp32 master weights, CPU
     (position ids restart per sequence, block-diagonal causal attention), and
   - padded: `padded_mb_size` sequences per micro-batch in arrival order, right-padded, where the size
     is chosen so that a padded micro-batch holds the same number of REAL tokens on average as the
-    packed budget (same nominal memory per micro-batch).
+    packed budget (same nominal memory per micro-batch), and
+  - shared (the trainer's default): packed, with each group's prompt computed once for its completions
+    (tree attention mask). Its gain grows with the prompt's share of the tokens: the default batch has
+    prompts of 24-64 tokens; `--prompt-len 151` is the quickstart's one-shot prompt.
 Training tokens/s counts real tokens (prompt + generated) per wall second of the whole step (proximal
 recompute, forward/backward, optimizer); the ratio `packed_vs_padded_tokens_per_s` is the median packed
 step throughput over the median padded one (medians: robust to a neighbour's burst on a shared
-machine). It also reports the cost of the proximal-logprob recompute (a no-grad forward) per step.
+machine); `shared_vs_dynamic_tokens_per_s` compares shared with packed the same way (same logical tokens
+per step, so it is the step-time ratio). It also reports the cost of the proximal-logprob recompute.
 One torch thread by default: on an oversubscribed machine a descheduled OpenMP thread stalls every
 parallel kernel, which makes step time track the number of kernels rather than the work and hides
 the difference being measured; pass --threads 2 on an idle machine.
@@ -34,7 +38,8 @@ import numpy as np
 
 import common  # sibling module: benchmarks/ is on sys.path when run as a script
 
-TARGETS = {"packed_vs_padded_tokens_per_s": 1.3}
+TARGETS = {"packed_vs_padded_tokens_per_s": 1.3, "shared_vs_dynamic_tokens_per_s": 1.0}
+MODES = ("packed", "padded", "shared")
 SIZES = {  # quick, full
     "groups": (4, 8), "group_size": (4, 4), "prompt_len": ((8, 24), (24, 64)),
     "gen_median": (12, 48), "gen_max": (240, 512), "budget": (384, 2048), "rounds": (1, 2),
@@ -80,20 +85,21 @@ def run(args: argparse.Namespace) -> dict:
     q = 0 if args.quick else 1
     size = {k: v[q] for k, v in SIZES.items()}
     torch.set_num_threads(args.threads)
-    batch = longtail_batch(0, size["groups"], size["group_size"], size["prompt_len"], size["gen_median"],
-                           size["gen_max"])
+    prompt_len = (args.prompt_len, args.prompt_len + 1) if args.prompt_len else size["prompt_len"]
+    batch = longtail_batch(0, size["groups"], size["group_size"], prompt_len, size["gen_median"], size["gen_max"])
     lengths = [len(s.prompt_ids) + len(s.output_ids) for smp in batch for s in smp.seqs]
     mb_size = max(1, round(size["budget"] / np.mean(lengths)))
     base = TrainerConfig(lr=1e-7, max_tokens_per_mb=size["budget"], padded_mb_size=mb_size)
-    cfgs = {"packed": base, "padded": base.model_copy(update={"packing": "padded"})}
+    cfgs = {"packed": base.model_copy(update={"packing": "dynamic"}),
+            "padded": base.model_copy(update={"packing": "padded"}), "shared": base.model_copy(update={"packing": "shared"})}
     log(f"{len(lengths)} sequences, {sum(lengths)} tokens (median {int(np.median(lengths))}, max {max(lengths)}); "
         f"packed budget {size['budget']} tokens, padded {mb_size} seqs/micro-batch")
     t0 = time.perf_counter()
     trainer = Trainer(base, resolve_model("smollm2-135m-instruct"))
     load_s = time.perf_counter() - t0
     trainer.train_step(longtail_batch(1, 1, 2, (8, 9), 8, 16))  # warm-up: allocator, kernels
-    steps: dict[str, list[dict]] = {"packed": [], "padded": []}
-    order = [m for r in range(size["rounds"]) for m in (("packed", "padded") if r % 2 == 0 else ("padded", "packed"))]
+    steps: dict[str, list[dict]] = {m: [] for m in MODES}
+    order = [m for r in range(size["rounds"]) for m in (MODES if r % 2 == 0 else MODES[::-1])]
     for mode in tqdm(order, desc="train steps", unit="step", file=sys.stderr):
         trainer.cfg = cfgs[mode]
         steps[mode].append(trainer.train_step(batch))
@@ -108,15 +114,17 @@ def run(args: argparse.Namespace) -> dict:
             "prox_recompute_s": [round(m["prox_recompute_s"], 3) for m in ms],
             "prox_recompute_share": sum(m["prox_recompute_s"] for m in ms) / total_s,
             "microbatches_per_step": ms[0]["n_microbatches"],
-            "computed_tokens_per_step": sum(lengths) if mode == "packed" else padded_tokens(lengths, mb_size),
+            "computed_tokens_per_step": (padded_tokens(lengths, mb_size) if mode == "padded"
+                                         else int(np.mean([m["fwd_tokens"] for m in ms]))),
         })
     by = {r["name"]: r for r in results}
-    ratio = by["packed"]["tokens_per_s"] / by["padded"]["tokens_per_s"]
+    ratios = {"packed_vs_padded_tokens_per_s": by["packed"]["tokens_per_s"] / by["padded"]["tokens_per_s"],
+              "shared_vs_dynamic_tokens_per_s": by["shared"]["tokens_per_s"] / by["packed"]["tokens_per_s"]}
     setup = {"name": "setup", "sequences": len(lengths), "tokens": sum(lengths), "median_len": float(np.median(lengths)),
-             "max_len": max(lengths), "budget": size["budget"], "padded_mb_size": mb_size, "model_load_s": load_s,
+             "max_len": max(lengths), "prompt_len": list(prompt_len), "budget": size["budget"], "padded_mb_size": mb_size, "model_load_s": load_s,
              "threads": args.threads, "precision": base.precision}
     return {"benchmark": "trainer", "quick": args.quick, "machine": machine(), "results": [setup, *results],
-            "ratios": {"packed_vs_padded_tokens_per_s": ratio}, "targets": dict(TARGETS)}
+            "ratios": ratios, "targets": dict(TARGETS)}
 
 
 def machine() -> dict:
@@ -126,24 +134,28 @@ def machine() -> dict:
 
 
 def table(report: dict, command: str) -> str:
-    setup, packed, padded = report["results"]
-    ratio = report["ratios"]["packed_vs_padded_tokens_per_s"]
-    target = report["targets"]["packed_vs_padded_tokens_per_s"]
-    rows = [("metric", "packed", "padded", "ratio", "target", "met"),
-            ("training tokens/s", f"{packed['tokens_per_s']:.1f}", f"{padded['tokens_per_s']:.1f}",
-             f"{ratio:.2f}", f">= {target}", "yes" if ratio >= target else "NO"),
-            ("micro-batches per step", str(packed["microbatches_per_step"]), str(padded["microbatches_per_step"]),
-             "-", "-", "-"),
-            ("tokens computed per step (real+pad)", str(packed["computed_tokens_per_step"]),
-             str(padded["computed_tokens_per_step"]), "-", "-", "-"),
-            ("proximal recompute share of step", f"{packed['prox_recompute_share']:.1%}",
-             f"{padded['prox_recompute_share']:.1%}", "-", "-", "-")]
+    setup, *modes = report["results"]
+    by = {r["name"]: r for r in modes}
+    head = ("metric", *MODES, "ratio", "target", "met")
+
+    def ratio_row(label: str, key: str, values: list[str]) -> tuple:
+        r, t = report["ratios"][key], report["targets"][key]
+        return (label, *values, f"{r:.2f}", f">= {t}", "yes" if r >= t else "NO")
+
+    tps = [f"{by[m]['tokens_per_s']:.1f}" for m in MODES]
+    rows = [head,
+            ratio_row("training tokens/s (packed/padded)", "packed_vs_padded_tokens_per_s", tps),
+            ratio_row("training tokens/s (shared/packed)", "shared_vs_dynamic_tokens_per_s", tps),
+            ("micro-batches per step", *[str(by[m]["microbatches_per_step"]) for m in MODES], "-", "-", "-"),
+            ("tokens computed per step", *[str(by[m]["computed_tokens_per_step"]) for m in MODES], "-", "-", "-"),
+            ("proximal recompute share of step", *[f"{by[m]['prox_recompute_share']:.1%}" for m in MODES],
+             "-", "-", "-")]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     note = (f"{setup['sequences']} seqs, {setup['tokens']} tokens/step (median {setup['median_len']:.0f}, max "
-            f"{setup['max_len']}); budget {setup['budget']}, padded {setup['padded_mb_size']} seqs/mb; "
-            f"load avg {report['machine']['loadavg_at_start'][0]:.1f}")
+            f"{setup['max_len']}, prompts {setup['prompt_len'][0]}+ tokens); budget {setup['budget']}, padded "
+            f"{setup['padded_mb_size']} seqs/mb; load avg {report['machine']['loadavg_at_start'][0]:.1f}")
     return "\n".join([*lines, note, f"command: {command}"])
 
 
@@ -152,6 +164,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Fewer, shorter sequences; about a minute on 2 cores.")
     parser.add_argument("--json", type=Path, help="Write the results here.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (see module docstring).")
+    parser.add_argument("--prompt-len", type=int, default=0, help="Fixed prompt length (default: the size's range).")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.monotonic()

@@ -85,8 +85,9 @@ class TrainerConfig(BaseModel):
     # rows of <= 1,024 or 512 tokens (budget 300: 28 s, per-row overhead wins again).
     max_tokens_per_mb: int = Field(1024, ge=16, description="Token budget of one packed micro-batch (per rank); "
                                    "keep rows near 1k tokens on CPU (attention cost grows with the row length squared).")
-    packing: Literal["dynamic", "padded"] = Field(
-        "dynamic", description="dynamic: first-fit-decreasing packing into one padding-free row; "
+    packing: Literal["shared", "dynamic", "padded"] = Field(
+        "shared", description="shared: like dynamic, with each group's prompt computed once for all its "
+        "completions (tree attention mask); dynamic: first-fit-decreasing packing into one padding-free row; "
         "padded: fixed `padded_mb_size` sequences per micro-batch, right-padded (baseline)."
     )
     padded_mb_size: int = Field(4, ge=1, description="Sequences per micro-batch when packing == padded.")

@@ -8,6 +8,12 @@ What:
   micro-batches: first-fit-decreasing bins under `max_tokens_per_mb` ("dynamic"), or
   `padded_mb_size` sequences in arrival order ("padded", the baseline). Every rank computes the
   same plan from the same sequence list, so no communication is needed.
+- "shared" (the default) packs like "dynamic" but puts the sequences of one group — n samples of ONE
+  prompt — into a bin as a unit laid out [prompt, completion 1, ..., completion n]: the prompt is
+  computed once, each completion continues at positions P.. and attends to the prompt and to itself
+  (a tree-shaped 4D mask, see `build_microbatch`). With GRPO groups and few-shot prompts the prompt is
+  most of the tokens (quickstart: 151 prompt tokens, ~30 generated), so this computes ~2.5x fewer
+  tokens; the loss and gradients are those of separate sequences (tests/unit/algorithms/test_packing.py).
 - `build_microbatch` turns one bin into tensors. Packed: ONE row, sequences concatenated, position
   ids restarting at 0 per sequence and no attention mask — transformers (>= 4.53, checked on 5.23)
   then builds a block-diagonal causal mask from the position ids, so attention never crosses
@@ -102,6 +108,32 @@ def ffd_bins(indices: Sequence[int], lengths: Sequence[int], budget: int) -> lis
     return bins
 
 
+def prompt_units(seqs: Sequence[SeqData], ids: Sequence[int]) -> list[list[int]]:
+    """`ids` grouped by identical prompt (same sample and same prompt tokens), in first-appearance order."""
+    units: dict[tuple, list[int]] = {}
+    for i in ids:
+        s = seqs[i]
+        units.setdefault((s.sample_id, s.prompt_len, s.tokens[:s.prompt_len].tobytes()), []).append(i)
+    return list(units.values())
+
+
+def shared_bins(seqs: Sequence[SeqData], ids: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit-decreasing over prompt units (prompt once + its completions); a unit over the budget is
+    split into several, each with its own copy of the prompt."""
+    units: list[list[int]] = []
+    for unit in prompt_units(seqs, ids):
+        prompt, part, load = seqs[unit[0]].prompt_len, [], 0
+        for i in unit:
+            if part and load + seqs[i].n_gen > budget:
+                units.append(part)
+                part, load = [], 0
+            part.append(i)
+            load = (load or prompt) + seqs[i].n_gen
+        units.append(part)
+    sizes = [seqs[u[0]].prompt_len + sum(seqs[i].n_gen for i in u) for u in units]
+    return [[i for u in b for i in units[u]] for b in ffd_bins(range(len(units)), sizes, budget)]
+
+
 @dataclass
 class StepPlan:
     """Micro-batch bins (sequence indices) of this rank, per mini-batch, and the global counts the
@@ -121,7 +153,9 @@ def plan_step(seqs: Sequence[SeqData], cfg: TrainerConfig, world_size: int = 1, 
     plan = StepPlan([], [], 0, minis)
     for mini in minis:
         mine = lpt_partition(mini, lengths, world_size)[rank]
-        if cfg.packing == "dynamic":
+        if cfg.packing == "shared":
+            bins = shared_bins(seqs, mine, cfg.max_tokens_per_mb)
+        elif cfg.packing == "dynamic":
             bins = ffd_bins(mine, lengths, cfg.max_tokens_per_mb)
         else:
             bins = [mine[i:i + cfg.padded_mb_size] for i in range(0, len(mine), cfg.padded_mb_size)]
@@ -156,10 +190,14 @@ class MicroBatch:
     ref_logp: "torch.Tensor | None" = None
 
 
-def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, pad_id: int = 0) -> MicroBatch:
-    """Tensors for the sequences `ids` (packed into one row, or right-padded rows)."""
+def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, pad_id: int = 0,
+                     share_prompts: bool = False) -> MicroBatch:
+    """Tensors for the sequences `ids` (packed into one row, or right-padded rows; with `share_prompts`
+    one row where each prompt appears once, see the module docstring)."""
     import torch
 
+    if packed and share_prompts:
+        return _shared_microbatch(seqs, ids)
     chosen = [seqs[i] for i in ids]
     if packed:
         rows = [np.concatenate([s.tokens for s in chosen])]
@@ -195,4 +233,51 @@ def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, 
         advantages=torch.from_numpy(np.concatenate([np.full(s.n_gen, s.advantage) for s in chosen])).float(),
         versions=torch.from_numpy(np.concatenate([s.versions for s in chosen])).long(),
         n_tokens=sum(s.length for s in chosen),
+    )
+
+
+def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int]) -> MicroBatch:
+    """One row [prompt_a, completions of a..., prompt_b, ...] with a boolean [1, 1, L, L] mask (True =
+    attend): a prompt attends causally to itself; a completion to its prompt and causally to itself. The
+    first generated token is scored by the prompt's last column, which the completions of a unit share."""
+    import torch
+
+    order: list[int] = []
+    toks, pos, cols = [], [], []
+    blocks: list[tuple[int, int, int, int]] = []  # rows [a, b) attend to [ps, pe) and causally to [a, b)
+    off = 0
+    for unit in prompt_units(seqs, ids):
+        p_len = seqs[unit[0]].prompt_len
+        p0 = off
+        toks.append(seqs[unit[0]].tokens[:p_len])
+        pos.append(np.arange(p_len))
+        blocks.append((p0, p0 + p_len, p0, p0))
+        off += p_len
+        for i in unit:
+            gen = seqs[i].tokens[p_len:]
+            toks.append(gen)
+            pos.append(p_len + np.arange(len(gen)))
+            cols.append(np.concatenate([[p0 + p_len - 1], off + np.arange(len(gen) - 1)]).astype(np.int64))
+            blocks.append((off, off + len(gen), p0, p0 + p_len))
+            order.append(i)
+            off += len(gen)
+    mask = torch.zeros(off, off, dtype=torch.bool)
+    for a, b, ps, pe in blocks:
+        mask[a:b, ps:pe] = True
+        mask[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril_()
+    cols_np = np.concatenate(cols)
+    keep = np.unique(cols_np)
+    chosen = [seqs[i] for i in order]
+    return MicroBatch(
+        seq_ids=order,
+        input_ids=torch.from_numpy(np.concatenate(toks)[None]).long(),
+        position_ids=torch.from_numpy(np.concatenate(pos)[None]).long(),
+        attention_mask=mask[None, None],
+        keep_cols=torch.from_numpy(keep).long(),
+        logit_index=torch.from_numpy(np.searchsorted(keep, cols_np)).long(),
+        targets=torch.from_numpy(np.concatenate([s.tokens[s.prompt_len:] for s in chosen])).long(),
+        behav_logp=torch.from_numpy(np.concatenate([s.behav_logp for s in chosen])).float(),
+        advantages=torch.from_numpy(np.concatenate([np.full(s.n_gen, s.advantage) for s in chosen])).float(),
+        versions=torch.from_numpy(np.concatenate([s.versions for s in chosen])).long(),
+        n_tokens=off,
     )

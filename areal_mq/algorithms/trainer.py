@@ -123,9 +123,9 @@ class Trainer:
         if not seqs:
             raise ValueError("the batch has no generated tokens to train on (every sequence is empty)")
         plan = plan_step(seqs, self.cfg, self.world_size, self.rank)
-        packed = self.cfg.packing == "dynamic"
+        packed, shared = self.cfg.packing != "padded", self.cfg.packing == "shared"
         pad_id = self.unwrapped.config.pad_token_id or 0
-        minis = [[build_microbatch(seqs, b, packed, pad_id) for b in bins] for bins in plan.minibatches]
+        minis = [[build_microbatch(seqs, b, packed, pad_id, shared) for b in bins] for bins in plan.minibatches]
         return seqs, minis, plan.gen_tokens, plan.oversized
 
     def prox_from_forward(self, minis: list[list[MicroBatch]]) -> bool:
@@ -239,6 +239,7 @@ class Trainer:
             "grad_norm_max": float(np.max(norms)), "staleness_mean": float(stale.mean()),
             "staleness_max": int(stale.max()), "n_samples": len(samples), "n_seqs": len(seqs),
             "n_tokens": int(sum(q.length for q in seqs)), "n_gen_tokens": int(s["n_gen"]),
+            "fwd_tokens": int(s["fwd_tokens"]),  # tokens the model computed (fewer than n_tokens when prompts are shared)
             "reward_mean": float(np.mean(rewards)), "adv_abs_mean": float(np.mean([abs(q.advantage) for q in seqs])),
         }
         if self.cfg.kl_coef > 0:

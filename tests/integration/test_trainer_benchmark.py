@@ -21,10 +21,13 @@ def test_trainer_benchmark_quick_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["benchmark"] == "trainer" and report["quick"] is True
-    assert set(report["ratios"]) == set(report["targets"]) == {"packed_vs_padded_tokens_per_s"}
-    assert report["ratios"]["packed_vs_padded_tokens_per_s"] > 0
+    assert set(report["ratios"]) == set(report["targets"]) == {"packed_vs_padded_tokens_per_s",
+                                                               "shared_vs_dynamic_tokens_per_s"}
+    assert all(v > 0 for v in report["ratios"].values())
     names = [r["name"] for r in report["results"]]
-    assert names == ["setup", "packed", "padded"]
+    assert names == ["setup", "packed", "padded", "shared"]
+    by = {r["name"]: r for r in report["results"]}
+    assert by["shared"]["computed_tokens_per_step"] < by["packed"]["computed_tokens_per_step"]
     table = proc.stdout.strip().splitlines()
     assert table[0].startswith("metric") and "training tokens/s" in proc.stdout
     assert any(line.startswith("command: python benchmarks/trainer.py --quick") for line in table)

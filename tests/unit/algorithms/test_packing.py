@@ -65,13 +65,14 @@ def _unpacked_reference(model, seqs, cfg, total):
     return loss_sum
 
 
-def _microbatched(model, seqs, cfg, total, packed):
+def _microbatched(model, seqs, cfg, total, packed, share=False):
     loss_sum, n_mb = 0.0, 0
     for bins in plan_step(seqs, cfg).minibatches:
         for ids in bins:
-            mb = build_microbatch(seqs, ids, packed=packed, pad_id=0)
+            mb = build_microbatch(seqs, ids, packed=packed, pad_id=0, share_prompts=share)
+            assert sorted(mb.seq_ids) == sorted(ids)
             logp, _ = token_logprobs(model, mb, cfg.temperature)
-            prox = torch.from_numpy(np.concatenate([seqs[i].prox for i in ids]))
+            prox = torch.from_numpy(np.concatenate([seqs[i].prox for i in mb.seq_ids]))
             loss, _ = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, total, cfg)
             loss.backward()
             loss_sum += loss.item()
@@ -79,7 +80,7 @@ def _microbatched(model, seqs, cfg, total, packed):
     return loss_sum, n_mb
 
 
-@pytest.mark.parametrize("packing", ["dynamic", "padded"])
+@pytest.mark.parametrize("packing", ["shared", "dynamic", "padded"])
 def test_packed_equals_unpacked_loss_and_gradients(tiny_model_dir, packing):
     from areal_mq.engines.models import load_causal_lm
 
@@ -95,9 +96,29 @@ def test_packed_equals_unpacked_loss_and_gradients(tiny_model_dir, packing):
     ref_loss = _unpacked_reference(model, seqs, cfg, total)
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    loss, n_mb = _microbatched(model, seqs, cfg, total, packed=packing == "dynamic")
+    loss, n_mb = _microbatched(model, seqs, cfg, total, packed=packing != "padded", share=packing == "shared")
 
     assert n_mb > 1 and n_mb < len(seqs)  # really several multi-sequence micro-batches
     assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_shared_row_layout_computes_each_prompt_once():
+    seqs = samples_to_seqs(make_samples(2, n_groups=2, group_size=3), TrainerConfig())
+    ids = list(range(len(seqs)))
+    mb = build_microbatch(seqs, ids, packed=True, share_prompts=True)
+    prompts = sum(seqs[i].prompt_len for i in (0, 3))
+    assert mb.n_tokens == mb.input_ids.shape[1] == prompts + sum(s.n_gen for s in seqs)
+    assert mb.attention_mask.shape == (1, 1, mb.n_tokens, mb.n_tokens) and mb.attention_mask.dtype == torch.bool
+    a = seqs[0]
+    # the first completion continues the prompt's positions; the second starts again at the prompt length
+    assert mb.position_ids[0, :a.prompt_len + a.n_gen].tolist() == list(range(a.length))
+    assert mb.position_ids[0, a.length] == a.prompt_len
+    m = mb.attention_mask[0, 0]
+    second = a.length  # first token of the second completion: sees the prompt and itself, not completion 1
+    assert m[second, :a.prompt_len].all() and not m[second, a.prompt_len:second].any() and m[second, second]
+    assert not m[:a.prompt_len, a.prompt_len:].any()  # the prompt never sees completions
+    # over a budget a group is split, each part with its own prompt copy
+    bins = plan_step(seqs, TrainerConfig(packing="shared", max_tokens_per_mb=a.prompt_len + 2 * max(s.n_gen for s in seqs))).minibatches[0]
+    assert sorted(i for b in bins for i in b) == ids and len(bins) > 1
