@@ -39,6 +39,16 @@ def group_rewards(run_dir: Path) -> list[dict]:
     return sorted(rows, key=lambda r: r.get("ts", 0))
 
 
+def staleness_histogram(metrics: list[dict]) -> list[int]:
+    """Sum of the per-step `staleness_hist` lists (tokens at staleness 0, 1, ...); [] for older runs."""
+    total: list[int] = []
+    for m in metrics:
+        for k, c in enumerate(m.get("staleness_hist") or []):
+            total.extend([0] * (k + 1 - len(total)))
+            total[k] += c
+    return total
+
+
 def generation_rate(ctl: list[dict], t0: float) -> tuple[list[float], list[float]]:
     """Windowed generation rate from successive controller.stats (cumulative average for old runs)."""
     if not all("gen_tokens" in c for c in ctl):
@@ -91,10 +101,17 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax[0, 1].annotate(f"v{e.get('version', 0)}", ((e["time"] - t0) / 60, e["strict"]), fontsize=8)
     ax[0, 1].set(title="Held-out accuracy", xlabel="minutes", ylabel="accuracy", ylim=(0, 1))
     ax[0, 1].legend(fontsize=8)
-    ax[1, 0].plot(minutes(metrics), [m.get("staleness_mean") for m in metrics], marker=".", label="mean")
-    ax[1, 0].plot(minutes(metrics), [m.get("staleness_max") for m in metrics], marker=".", label="max")
-    ax[1, 0].set(title="Per-token staleness (versions)", xlabel="minutes")
-    ax[1, 0].legend(fontsize=8)
+    hist = staleness_histogram(metrics)
+    if hist:  # every trained token of the run, by how many versions its policy lagged the trained one
+        ax[1, 0].bar(range(len(hist)), hist, color="tab:blue")
+        mean = sum(k * c for k, c in enumerate(hist)) / max(1, sum(hist))
+        ax[1, 0].set(title=f"Per-token staleness, all trained tokens (mean {mean:.2f})", xlabel="versions behind",
+                     ylabel="tokens", xticks=range(len(hist)))
+    else:
+        ax[1, 0].plot(minutes(metrics), [m.get("staleness_mean") for m in metrics], marker=".", label="mean")
+        ax[1, 0].plot(minutes(metrics), [m.get("staleness_max") for m in metrics], marker=".", label="max")
+        ax[1, 0].set(title="Per-token staleness (versions)", xlabel="minutes")
+        ax[1, 0].legend(fontsize=8)
     ax[1, 1].plot(minutes(metrics), [m.get("tokens_per_s") for m in metrics], marker=".", label="training tok/s")
     if ctl:
         ax[1, 1].plot(*generation_rate(ctl, t0), label="generation tok/s")

@@ -69,6 +69,7 @@ class Controller:
         self.submitted = 0  # groups that count against the staleness bound (admitted, not dropped)
         self.next_group = 0  # group ids are never reused, even when a dropped group frees its place
         self.dropped = 0
+        self.dropped_by_length: dict[str, int] = {}
         self.groups: dict[str, Group] = {}
         self.by_job: dict[str, tuple[str, str, int]] = {}  # job id -> (kind, group id, sample index)
         self.retry_at: list[tuple[float, str, str, int]] = []
@@ -168,8 +169,11 @@ class Controller:
             self.groups.pop(group.group_id, None)
             self.submitted -= 1
             self.dropped += 1
+            mean_len = sum(len(r.output_ids) for r in ordered) // len(ordered)
+            bucket = f"{mean_len // 32 * 32}-{mean_len // 32 * 32 + 31}"  # the store's buckets: length bias shows
+            self.dropped_by_length[bucket] = self.dropped_by_length.get(bucket, 0) + 1
             self.log.info("controller.group_dropped", group=group.group_id, reason="uniform_reward",
-                          reward_mean=reward_mean, versions=versions, gen_tokens=sum(len(r.output_ids) for r in ordered))
+                          reward_mean=reward_mean, versions=versions, length_bucket=bucket)
             self.save_state()
             return
         seqs = [SeqSample(prompt_ids=group.prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs,
@@ -212,7 +216,7 @@ class Controller:
         elapsed = max(1e-6, time.monotonic() - self.started)
         recent = self.rewards[-200:]
         return {"version": self.version, "submitted": self.submitted, "stored": self.stored, "failed": self.failed,
-                "dropped": self.dropped,
+                "dropped": self.dropped, "dropped_by_length": dict(self.dropped_by_length),
                 "in_flight": len(self.groups), "gen_tokens": self.gen_tokens, "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
                 "reward_mean": round(sum(recent) / len(recent), 4) if recent else None}
 

@@ -207,7 +207,8 @@ class Trainer:
         self.version += 1
         self.consumed_ids.extend(s.sample_id for s in samples)
         metrics["version"] = self.version
-        return {k: (int(v) if isinstance(v, (int, np.integer)) else float(v)) for k, v in metrics.items()}
+        return {k: v if isinstance(v, list) else int(v) if isinstance(v, (int, np.integer)) else float(v)
+                for k, v in metrics.items()}
 
     # ------------------------------------------------------------------------------------------
     def _dummy_ids(self) -> "torch.Tensor":
@@ -238,6 +239,8 @@ class Trainer:
             "behav_capped_frac": s["capped"] / n, "grad_norm": float(np.mean(norms)),
             "grad_norm_max": float(np.max(norms)), "staleness_mean": float(stale.mean()),
             "staleness_max": int(stale.max()), "n_samples": len(samples), "n_seqs": len(seqs),
+            # generated tokens trained at staleness 0, 1, 2, ... versions (index = staleness)
+            "staleness_hist": np.bincount(np.clip(stale, 0, None)).astype(int).tolist(),
             "n_tokens": int(sum(q.length for q in seqs)), "n_gen_tokens": int(s["n_gen"]),
             "fwd_tokens": int(s["fwd_tokens"]),  # tokens the model computed (fewer than n_tokens when prompts are shared)
             "reward_mean": float(np.mean(rewards)), "adv_abs_mean": float(np.mean([abs(q.advantage) for q in seqs])),

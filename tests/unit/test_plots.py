@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from areal_mq.plots import plot_run, rolling_mean
+from areal_mq.plots import plot_run, rolling_mean, staleness_histogram
 
 
 def test_rolling_mean_averages_the_last_values_and_skips_gaps():
@@ -29,3 +29,22 @@ def test_plot_of_a_run_dir_is_written(tmp_path):
 def test_empty_run_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl or eval.jsonl"):
         plot_run(tmp_path)
+
+
+def test_staleness_histogram_sums_steps_of_different_lengths():
+    steps = [{"staleness_hist": [4, 1]}, {"staleness_hist": [0, 2, 3]}, {"version": 3}]
+    assert staleness_histogram(steps) == [4, 3, 3]
+    assert staleness_histogram([{"staleness_mean": 1.0}]) == []
+
+
+def test_plot_with_histograms_and_group_events(tmp_path):
+    (tmp_path / "events").mkdir()
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for v in range(1, 6):
+            f.write(json.dumps({"version": v, "time": 100.0 + 30 * v, "reward_mean": 0.5, "staleness_hist": [3, 5, 9],
+                                "tokens_per_s": 70.0}) + "\n")
+    with open(tmp_path / "events" / "controller-controller.jsonl", "w") as f:
+        for i in range(12):
+            kind = "controller.group_dropped" if i % 3 else "controller.group_stored"
+            f.write(json.dumps({"event": kind, "ts": 100.0 + 10 * i, "reward_mean": 0.1 * (i % 4)}) + "\n")
+    assert plot_run(tmp_path).stat().st_size > 10_000

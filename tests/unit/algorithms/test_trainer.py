@@ -51,6 +51,9 @@ def test_metrics_report_staleness_weights_and_throughput(tiny_model_dir):
                 "grad_norm", "staleness_mean", "staleness_max", "tokens_per_s", "prox_recompute_s", "lr"):
         assert np.isfinite(m[key]), key
     assert 0 < m["staleness_mean"] <= 3 and m["staleness_max"] <= 3
+    hist = m["staleness_hist"]  # per generated token: how many versions behind the trained policy
+    assert len(hist) == m["staleness_max"] + 1 and sum(hist) == m["n_gen_tokens"]
+    assert sum(k * c for k, c in enumerate(hist)) / sum(hist) == pytest.approx(m["staleness_mean"])
     assert 0 < m["behav_capped_frac"] < 1 and m["behav_weight_max"] > trainer.cfg.behav_weight_cap
     assert m["n_microbatches"] > 1 and m["version"] == 6
 
