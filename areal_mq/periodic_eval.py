@@ -14,6 +14,7 @@ are due it evaluates the newest and records the skipped ones in its log (`eval_p
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -67,7 +68,16 @@ class PeriodicEval:
 
     @classmethod
     def from_config(cls, cfg, config_path: Path) -> "PeriodicEval":
-        return cls(Path(config_path), Path(cfg.run.run_dir), cfg.controller.eval_every, cfg.controller.total_steps)
+        """Versions already in run_dir/eval.jsonl (a resumed run) are not evaluated again."""
+        run_dir = Path(cfg.run.run_dir)
+        done: set[int] = set()
+        if (run_dir / "eval.jsonl").exists():
+            for line in (run_dir / "eval.jsonl").read_text().splitlines():
+                try:
+                    done.add(int(json.loads(line)["version"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+        return cls(Path(config_path), run_dir, cfg.controller.eval_every, cfg.controller.total_steps, done=done)
 
     @property
     def pins(self) -> Path:
