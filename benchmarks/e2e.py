@@ -66,6 +66,17 @@ QUICK_EVAL_N = 8  # held-out problems per quick evaluation (full: the config's e
 RUN_TIMEOUT_S = {True: 600, False: 3 * 3600}
 
 
+def threads_arg(text: str) -> dict[str, int]:
+    """'rollout=1,trainer=1' -> {"rollout": 1, "trainer": 1} (roles: rollout, trainer, controller, reward)."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        role, _, n = part.partition("=")
+        if role not in SYNC_THREADS or not n.isdigit() or int(n) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected ROLE=N with ROLE in {sorted(SYNC_THREADS)}, N >= 1")
+        out[role] = int(n)
+    return out
+
+
 def log(text: str) -> None:
     print(f"[e2e bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
@@ -213,8 +224,10 @@ def run(args: argparse.Namespace) -> dict:
     out = args.out or ROOT / "bench-results" / ("e2e-quick" if args.quick else "e2e")
     log(f"{cfg.model.name}: {steps} steps x {c.batch_groups} groups x {c.group_size} seqs per mode; "
         f"evaluating versions {versions} on n={n}; runs in {out}")
+    modes = [(*m[:4], {**m[4], **args.async_threads}) if m[2] == "async" else m for m in MODES]
+    modes = [(*m[:4], {**m[4], **args.sync_threads}) if m[2] == "sync" else m for m in modes]
     results = [run_mode(mode, args, out / mode[0], steps, versions)
-               for mode in tqdm(MODES, desc="modes", unit="run", file=sys.stderr)]
+               for mode in tqdm(modes, desc="modes", unit="run", file=sys.stderr)]
     base = evaluate_all(results, versions, n, args.quick, out)
     if not args.keep_weights:
         for r in results:
@@ -251,6 +264,10 @@ def main() -> None:
                         help="Comma-separated versions to evaluate, ending with the last (default: thirds of the run).")
     parser.add_argument("--steps", type=int, help="Training steps per mode (default: the config's total_steps).")
     parser.add_argument("--keep-weights", action="store_true", help="Keep the evaluated weight versions on disk.")
+    parser.add_argument("--async-threads", type=threads_arg, default={},
+                        help=f"Thread split of the async modes, e.g. rollout=1,trainer=1 (default {ASYNC_THREADS}).")
+    parser.add_argument("--sync-threads", type=threads_arg, default={},
+                        help=f"Thread split of the sync modes (default {SYNC_THREADS}).")
     parser.add_argument("--reuse-runs", action="store_true", help="Reuse runs saved in OUT (evaluate only).")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

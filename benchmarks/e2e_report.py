@@ -58,6 +58,8 @@ def summarize_run(run_dir: Path, started_ts: float, wall_s: float) -> dict:
         "staleness_mean": sum(m["staleness_mean"] for m in metrics) / len(metrics),
         "staleness_max": max(m["staleness_max"] for m in metrics),
         "gen_tokens": sum(m["n_gen_tokens"] for m in metrics),
+        "groups_dropped": sum(1 for path in (run_dir / "events").glob("controller*.jsonl")
+                              for rec in read_jsonl(path) if rec.get("event") == "controller.group_dropped"),
         "reward_first": metrics[0]["reward_mean"], "reward_last": metrics[-1]["reward_mean"],
         "curve": [{"version": m["version"], "t": m["time"] - ready, "reward_mean": m["reward_mean"]}
                   for m in metrics],
@@ -127,6 +129,7 @@ def table(report: dict, command: str) -> str:
             ("samples/s ready->last step", *cols(lambda r: f"{r['samples_per_s_from_ready']:.3f}")),
             ("samples/s whole run", *cols(lambda r: f"{r['samples_per_s_whole_run']:.3f}")),
             ("trainer busy share", *cols(lambda r: f"{r['trainer_busy']:.0%}")),
+            ("groups dropped (uniform reward)", *cols(lambda r: str(r.get("groups_dropped", "-")))),
             ("staleness mean/max", *cols(lambda r: f"{r['staleness_mean']:.2f}/{r['staleness_max']}")),
             (f"held-out strict (n={setup['eval_n']})", *acc("strict")),
             (f"held-out lenient (n={setup['eval_n']})", *acc("lenient")),
@@ -139,8 +142,8 @@ def table(report: dict, command: str) -> str:
     notes = [f"base model: strict {setup['base']['strict']:.1%} lenient {setup['base']['lenient']:.1%}; "
              f"model {setup['model']}, {setup['total_steps']} steps x {setup['batch_groups']} groups x "
              f"{setup['group_size']} seqs; eval after the runs on the final weights",
-             "threads: sync rollout 2 / trainer 2 (generation and training alternate, each phase gets both cores); "
-             "async rollout 1 / trainer 2 (they run at once; training is the bottleneck); controller and reward 1 each",
+             "threads: torch threads per process as in the table (--sync-threads / --async-threads); "
+             "controller and reward 1 each; all processes share the same 2 cores",
              "ratios: samples/s first->last training step (samples of steps 2..N / (t_N - t_1)) over the mean of "
              f"the two sync runs ({setup['sync_samples_per_s_mean']:.3f}/s; sync runs first and last)",
              f"plot: {setup['plot']}"]
