@@ -7,9 +7,10 @@ and the same number of trained samples (total_steps x batch_groups x group_size 
   - async η=2    run.mode=async, controller.max_staleness=2,
   - async η=4    run.mode=async, controller.max_staleness=4.
 Each mode gets its own best split of torch threads between processes (`launcher.threads`): sync gives
-rollout and trainer 2 threads each because their phases alternate; async gives the trainer 2 and the rollout
-worker 1 (they run at once, and on this task training is the bottleneck: the rollout worker idles once it is
-η batches ahead, so the trainer gets most of both cores). For each run it reports whole-run wall time, samples/s over the training window (first to
+rollout and trainer 2 threads each because their phases alternate; async gives each 1 thread, because they run
+at once and 3 busy OpenMP threads on 2 cores stall each other's kernels (measured 2026-11-22: async with
+rollout 1 / trainer 2 made trainer steps 3-6x slower than alone and ran at 0.69x sync; 1 / 1 ran at 1.27x;
+benchmarks/RESULTS.md). --async-threads / --sync-threads try other splits. For each run it reports whole-run wall time, samples/s over the training window (first to
 last training step; see e2e_report.py for why) and held-out accuracy (strict and lenient, greedy, the same n
 problems for every mode) evaluated after all runs on kept intermediate and final weights
 (`trainer.keep_weight_versions` large; other versions and checkpoints are deleted after each run to bound
@@ -51,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 TARGETS = {"async_vs_sync_samples_per_s": 1.5}
 SYNC_THREADS = {"rollout": 2, "trainer": 2, "controller": 1, "reward": 1}
-ASYNC_THREADS = {"rollout": 1, "trainer": 2, "controller": 1, "reward": 1}  # the quickstart split
+ASYNC_THREADS = {"rollout": 1, "trainer": 1, "controller": 1, "reward": 1}  # one core each (see the docstring)
 MODES = [  # name, label, run.mode, η, threads per role; sync first and last (see the docstring)
     ("sync", "sync", "sync", 0, SYNC_THREADS),
     ("async_eta2", "async η=2", "async", 2, ASYNC_THREADS),
