@@ -95,11 +95,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax[0, 0].plot(minutes(metrics), rolling_mean(rewards, 5), lw=2, label="mean of last 5 batches")
     ax[0, 0].set(title="Reward (sampled at the training temperature)", xlabel="minutes", ylabel="mean reward")
     ax[0, 0].legend(fontsize=8)
+    # an evaluation is drawn when its version was published (it finishes later, often in the background)
+    published = {m["version"]: m["time"] for m in metrics if "version" in m and "time" in m}
+    eval_x = [((published.get(e.get("version"), e["time"]) if e.get("version") else t0) - t0) / 60 for e in evals]
     for key, style, what in (("strict", "o-", "answer in \\boxed{}"), ("lenient", "s--", "last number")):
-        ax[0, 1].plot(minutes(evals), [e[key] for e in evals], style, label=f"{key} ({what})")
-    for e in evals:
-        ax[0, 1].annotate(f"v{e.get('version', 0)}", ((e["time"] - t0) / 60, e["strict"]), fontsize=8)
-    ax[0, 1].set(title="Held-out accuracy", xlabel="minutes", ylabel="accuracy", ylim=(0, 1))
+        ax[0, 1].plot(eval_x, [e[key] for e in evals], style, label=f"{key} ({what})")
+    for x, e in zip(eval_x, evals):
+        ax[0, 1].annotate(f"v{e.get('version', 0)}", (x, e["strict"]), fontsize=8)
+    ax[0, 1].set(title="Held-out accuracy (at the version's publish time)", xlabel="minutes", ylabel="accuracy", ylim=(0, 1))
     ax[0, 1].legend(fontsize=8)
     hist = staleness_histogram(metrics)
     if hist:  # every trained token of the run, by how many versions its policy lagged the trained one
