@@ -266,6 +266,13 @@ class Sample(Message):
         return min(mins) if mins else -1
 
 
+def length_bucket(longest_output: int, width: int = 32) -> str:
+    """The bucket that drop reports count a group in, by its longest completion: 40 -> "32-63". The store's
+    staleness drops and the controller's uniform-reward drops use the same buckets, so length bias shows."""
+    low = longest_output // width * width
+    return f"{low}-{low + width - 1}"
+
+
 class GetBatch(Message):
     """trainer -> sample store: give me `n_samples` groups no older than version - max_staleness.
 

@@ -29,7 +29,7 @@ import zmq
 
 from areal_mq import protocol
 from areal_mq.errors import ProtocolError
-from areal_mq.messages import Ack, Error, Heartbeat, Kind, Sample, SampleBatch, Stats
+from areal_mq.messages import Ack, Error, Heartbeat, Kind, Sample, SampleBatch, Stats, length_bucket
 
 _LEN = struct.Struct("<I")
 _BIN32 = struct.Struct(">BI")  # msgpack bin 32: marker 0xc6, big-endian length
@@ -232,8 +232,7 @@ class SampleStore:
             oldest = sample.oldest_version()
             if oldest >= 0 and oldest < floor:
                 dropped.append(sid)
-                length = max(len(s.output_ids) for s in sample.seqs)
-                bucket = f"{(length // 32) * 32}-{(length // 32) * 32 + 31}"
+                bucket = length_bucket(max(len(s.output_ids) for s in sample.seqs))
                 self.drops_by_bucket[bucket] += 1
                 self.log.info("store.sample_dropped", sample=sid, reason="stale", oldest_version=oldest,
                               version=version, max_staleness=max_staleness, length_bucket=bucket)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, SamplingSpec
-from areal_mq.messages import Sample, SeqSample
+from areal_mq.messages import Sample, SeqSample, length_bucket
 
 
 def can_admit(submitted_groups: int, version: int, max_staleness: int, batch_groups: int, in_flight: int,
@@ -166,15 +166,7 @@ class Controller:
         versions = sorted({int(v) for r in ordered for v in r.versions})
         reward_mean = round(sum(result.rewards) / len(result.rewards), 4)
         if self.c.drop_uniform_groups and max(result.rewards) - min(result.rewards) <= 1e-9:
-            self.groups.pop(group.group_id, None)
-            self.submitted -= 1
-            self.dropped += 1
-            mean_len = sum(len(r.output_ids) for r in ordered) // len(ordered)
-            bucket = f"{mean_len // 32 * 32}-{mean_len // 32 * 32 + 31}"  # the store's buckets: length bias shows
-            self.dropped_by_length[bucket] = self.dropped_by_length.get(bucket, 0) + 1
-            self.log.info("controller.group_dropped", group=group.group_id, reason="uniform_reward",
-                          reward_mean=reward_mean, versions=versions, length_bucket=bucket)
-            self.save_state()
+            self._drop(group, ordered, reward_mean, versions)
             return
         seqs = [SeqSample(prompt_ids=group.prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs,
                           versions=r.versions, reward=float(rw), finish_reason=r.finish_reason,
@@ -187,6 +179,17 @@ class Controller:
         self.stored += 1
         self.log.info("controller.group_stored", group=group.group_id, reward_mean=reward_mean, versions=versions,
                       latency_s=round(time.monotonic() - group.submitted_at, 2))
+        self.save_state()
+
+    def _drop(self, group: Group, ordered: list[GenerateResult], reward_mean: float, versions: list[int]) -> None:
+        """A uniform-reward group: not stored, and no longer counted against the bound (admission replaces it)."""
+        self.groups.pop(group.group_id, None)
+        self.submitted -= 1
+        self.dropped += 1
+        bucket = length_bucket(max(len(r.output_ids) for r in ordered))
+        self.dropped_by_length[bucket] = self.dropped_by_length.get(bucket, 0) + 1
+        self.log.info("controller.group_dropped", group=group.group_id, reason="uniform_reward",
+                      reward_mean=reward_mean, versions=versions, length_bucket=bucket)
         self.save_state()
 
     # ------------------------------------------------------------ state

@@ -119,3 +119,9 @@ def test_error_reply_names_the_problem():
     except ProtocolError as exc:
         env = protocol.decode(_wire(protocol.error_reply(exc)))
     assert env.msg.code == "bad_version" and env.msg.ref_id == _header(GOOD)["id"]
+
+
+def test_length_buckets_of_drop_reports():
+    from areal_mq.messages import length_bucket
+
+    assert [length_bucket(n) for n in (0, 31, 32, 40, 64)] == ["0-31", "0-31", "32-63", "32-63", "64-95"]
