@@ -14,16 +14,14 @@ are due it evaluates the newest and records the skipped ones in its log (`eval_p
 """
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_VERSION_DIR = re.compile(r"^v(\d+)$")
+from areal_mq.weights import disk_versions
 
 
 def due_versions(published: list[int], every: int, last_step: int, done: set[int]) -> list[int]:
@@ -69,14 +67,10 @@ class PeriodicEval:
     @classmethod
     def from_config(cls, cfg, config_path: Path) -> "PeriodicEval":
         """Versions already in run_dir/eval.jsonl (a resumed run) are not evaluated again."""
+        from areal_mq.plots import read_jsonl
+
         run_dir = Path(cfg.run.run_dir)
-        done: set[int] = set()
-        if (run_dir / "eval.jsonl").exists():
-            for line in (run_dir / "eval.jsonl").read_text().splitlines():
-                try:
-                    done.add(int(json.loads(line)["version"]))
-                except (ValueError, KeyError, TypeError):
-                    continue
+        done = {int(e["version"]) for e in read_jsonl(run_dir / "eval.jsonl") if isinstance(e.get("version"), int)}
         return cls(Path(config_path), run_dir, cfg.controller.eval_every, cfg.controller.total_steps, done=done)
 
     @property
@@ -88,13 +82,13 @@ class PeriodicEval:
         note = self._reap()
         if self.proc is not None:
             return note
-        published = [int(m.group(1)) for p in (self.run_dir / "weights").glob("v*") if (m := _VERSION_DIR.match(p.name))]
-        due = due_versions(published, self.every, self.last_step, self.done)
+        due = due_versions(disk_versions(self.run_dir / "weights"), self.every, self.last_step, self.done)
         if not due:
             return note
         version, skipped = due[-1], due[:-1]
         self.done.update(due)
         if skipped:
+            self.pins.mkdir(parents=True, exist_ok=True)
             with open(self.pins / "skipped.txt", "a") as f:
                 f.write(f"evaluating v{version}; skipped {skipped} (an evaluation was still running)\n")
         pinned = pin_version(self.run_dir / "weights" / f"v{version}", self.pins)

@@ -22,21 +22,23 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def controller_stats(run_dir: Path) -> list[dict]:
+def controller_events(run_dir: Path, *names: str) -> list[dict]:
+    """The controller's events of the given names (run_dir/events/controller*.jsonl), in time order."""
     rows: list[dict] = []
-    for path in sorted((run_dir / "events").glob("controller*.jsonl")):
-        rows.extend(r for r in read_jsonl(path) if r.get("event") == "controller.stats")
+    for path in sorted((Path(run_dir) / "events").glob("controller*.jsonl")):
+        rows.extend(r for r in read_jsonl(path) if r.get("event") in names)
     return sorted(rows, key=lambda r: r.get("ts", 0))
+
+
+def controller_stats(run_dir: Path) -> list[dict]:
+    return controller_events(run_dir, "controller.stats")
 
 
 def group_rewards(run_dir: Path) -> list[dict]:
     """Every finished group's mean reward with its time: stored and dropped ones (the trained batches miss
     the dropped ones, so only this shows how the rollout policy does)."""
-    rows: list[dict] = []
-    for path in sorted((run_dir / "events").glob("controller*.jsonl")):
-        rows.extend(r for r in read_jsonl(path)
-                    if r.get("event") in ("controller.group_stored", "controller.group_dropped") and "reward_mean" in r)
-    return sorted(rows, key=lambda r: r.get("ts", 0))
+    return [r for r in controller_events(run_dir, "controller.group_stored", "controller.group_dropped")
+            if "reward_mean" in r]
 
 
 def staleness_histogram(metrics: list[dict]) -> list[int]:

@@ -225,8 +225,7 @@ def run(args: argparse.Namespace) -> dict:
     out = args.out or ROOT / "bench-results" / ("e2e-quick" if args.quick else "e2e")
     log(f"{cfg.model.name}: {steps} steps x {c.batch_groups} groups x {c.group_size} seqs per mode; "
         f"evaluating versions {versions} on n={n}; runs in {out}")
-    modes = [(*m[:4], {**m[4], **args.async_threads}) if m[2] == "async" else m for m in MODES]
-    modes = [(*m[:4], {**m[4], **args.sync_threads}) if m[2] == "sync" else m for m in modes]
+    modes = [(*m[:4], {**m[4], **(args.async_threads if m[2] == "async" else args.sync_threads)}) for m in MODES]
     results = [run_mode(mode, args, out / mode[0], steps, versions)
                for mode in tqdm(modes, desc="modes", unit="run", file=sys.stderr)]
     base = evaluate_all(results, versions, n, args.quick, out)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from areal_mq.plots import controller_events
+
 READY_EVENTS = ("controller.started", "trainer.started", "rollout.engine_ready")
 
 
@@ -58,8 +60,7 @@ def summarize_run(run_dir: Path, started_ts: float, wall_s: float) -> dict:
         "staleness_mean": sum(m["staleness_mean"] for m in metrics) / len(metrics),
         "staleness_max": max(m["staleness_max"] for m in metrics),
         "gen_tokens": sum(m["n_gen_tokens"] for m in metrics),
-        "groups_dropped": sum(1 for path in (run_dir / "events").glob("controller*.jsonl")
-                              for rec in read_jsonl(path) if rec.get("event") == "controller.group_dropped"),
+        "groups_dropped": len(controller_events(run_dir, "controller.group_dropped")),
         "reward_first": metrics[0]["reward_mean"], "reward_last": metrics[-1]["reward_mean"],
         "curve": [{"version": m["version"], "t": m["time"] - ready, "reward_mean": m["reward_mean"]}
                   for m in metrics],

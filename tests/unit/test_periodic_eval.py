@@ -53,3 +53,17 @@ def test_a_resumed_run_does_not_evaluate_recorded_versions_again(tmp_path):
     ev = PeriodicEval.from_config(cfg, tmp_path / "config.yaml")
     assert ev.done == {0, 10}
     assert due_versions([10, 20], ev.every, ev.last_step, ev.done) == [20]
+
+
+def test_two_due_versions_at_the_first_poll_evaluate_the_newest_and_record_the_other(tmp_path):
+    # regression: the skipped-versions log was written before eval_pins/ existed
+    for v in (10, 20):
+        _publish(tmp_path / "weights", v, b"w")
+    ev = PeriodicEval(tmp_path / "missing-config.yaml", tmp_path, every=10, last_step=30)
+    try:
+        assert "evaluating v20" in ev.poll()
+        assert ev.current == 20 and ev.done == {10, 20}
+        assert "skipped [10]" in (tmp_path / "eval_pins" / "skipped.txt").read_text()
+    finally:
+        ev.stop()  # the eval process (it fails on the missing config) is stopped and reaped
+    assert ev.proc is None and not (tmp_path / "eval_pins" / "v20").exists()
