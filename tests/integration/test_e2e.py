@@ -4,7 +4,8 @@
   trains on samples whose tokens carry policy versions > 0;
 - with max_staleness 0 the asynchronous mode trains on exactly the samples of sync mode and reaches
   exactly the same parameters (deterministic engine setting: one sequence at a time);
-- a child killed during the run is reported by name, with the reason and its log.
+- a child killed during the run is reported by name, with the reason and its log;
+- periodic held-out evaluations run during training, each on a pinned published version.
 """
 from __future__ import annotations
 
@@ -53,8 +54,7 @@ def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
     run_dir = tmp_path / "async"
     # generation slower than a training step (long sequences, two slots), so updates land mid-generation
     done = _run(run_dir, "controller.total_steps=6", "controller.max_new_tokens=160", "controller.max_staleness=3",
-                "controller.max_concurrent_groups=8", "rollout.max_concurrent=2", "controller.eval_every=2",
-                "controller.eval_size=8", evaluate=True)
+                "controller.max_concurrent_groups=8", "rollout.max_concurrent=2")
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
@@ -67,6 +67,14 @@ def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
     assert any(len(g["versions"]) > 1 for g in stored), "no sequence spans two policy versions"
     assert all(m["staleness_max"] <= 3 for m in metrics)
     assert (run_dir / "plots" / "training.png").stat().st_size > 10_000
+
+
+def test_periodic_evaluations_are_pinned_to_published_versions(tmp_path):
+    # a run of its own: background evaluations take CPU, which would shift the timing the test above needs
+    run_dir = tmp_path / "evals"
+    done = _run(run_dir, "controller.total_steps=6", "controller.eval_every=2", "controller.eval_size=8",
+                evaluate=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     # held-out evaluation: the base model first, periodic ones pinned to published versions, the final one last
     evals = [json.loads(l) for l in (run_dir / "eval.jsonl").read_text().splitlines()]
     versions = [e["version"] for e in evals]
