@@ -4,7 +4,8 @@
     areal-mq broker --config FILE [--only job,bus,store]
     areal-mq worker ROLE --config FILE [--set a.b=v]  # ROLE: rollout, reward, trainer, controller, echo
     areal-mq config show FILE [--set a.b=v]
-    areal-mq events tail [RUN_DIR] [--follow] [--bus tcp://...] [--role R] [--event 'glob'] [KEY=VALUE ...]
+    areal-mq events tail [RUN_DIR] [--follow] [--bus tcp://... --keys DIR] [--role R] [--event 'glob'] [KEY=VALUE ...]
+    areal-mq keys generate DIR [--name rollout-host7]  # CURVE keys for multi-host runs and external workers
 """
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynchronous RL over ZeroMQ.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect run configs.")
 events_app = typer.Typer(no_args_is_help=True, help="Read structured events.")
+keys_app = typer.Typer(no_args_is_help=True, help="CURVE keys that authenticate every socket (docs/security.md).")
 app.add_typer(config_app, name="config")
 app.add_typer(events_app, name="events")
+app.add_typer(keys_app, name="keys")
 
 SetOpt = typer.Option(None, "--set", "-s", help="Override a config field: section.key=value (repeatable).")
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML run config (defaults if omitted).")
+InsecureOpt = typer.Option(False, "--insecure", help="Unauthenticated plaintext sockets (debugging only; loopback "
+                           "only; warns at every start). Same as --set security.insecure=true.")
 
 
 def _version(value: bool) -> None:
@@ -37,12 +42,12 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """areal-mq: rollout workers generate, trainers train, ZeroMQ brokers connect them."""
 
 
-def _load(path: Optional[str], overrides: Optional[List[str]]):
+def _load(path: Optional[str], overrides: Optional[List[str]], insecure: bool = False):
     from areal_mq.config import load_config
     from areal_mq.errors import ConfigError
 
     try:
-        return load_config(path, overrides or [])
+        return load_config(path, [*(overrides or []), *(["security.insecure=true"] if insecure else [])])
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -60,9 +65,10 @@ def config_show(path: Optional[str] = typer.Argument(None, help="YAML run config
 
 @app.command()
 def broker(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt,
-           only: Optional[str] = typer.Option(None, help="Comma list of job,bus,store (default: all).")) -> None:
+           only: Optional[str] = typer.Option(None, help="Comma list of job,bus,store (default: all)."),
+           insecure: bool = InsecureOpt) -> None:
     """Run the job broker, signal bus and sample store (binds brokers.host, loopback by default)."""
-    cfg = _load(config, set_)
+    cfg = _load(config, set_, insecure)
     parts = None
     if only:
         parts = {p.strip() for p in only.split(",") if p.strip()}
@@ -78,18 +84,45 @@ def broker(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt
 @app.command()
 def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, reward, trainer, controller."),
            config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt,
-           worker_id: Optional[str] = typer.Option(None, help="Stable id (default: role-host-pid).")) -> None:
+           worker_id: Optional[str] = typer.Option(None, help="Stable id (default: role-host-pid)."),
+           insecure: bool = InsecureOpt) -> None:
     """Start one worker process of ROLE, connected to the brokers in the config."""
     import importlib
 
+    from areal_mq.errors import SecurityError
     from areal_mq.workers import ROLES
 
     if role not in ROLES:
         typer.echo(f"error: unknown role {role!r}; available: {', '.join(sorted(ROLES))}", err=True)
         raise typer.Exit(2)
-    cfg = _load(config, set_)
+    cfg = _load(config, set_, insecure)
     module, func = ROLES[role].split(":")
-    raise typer.Exit(getattr(importlib.import_module(module), func)(cfg, worker_id) or 0)
+    try:
+        code = getattr(importlib.import_module(module), func)(cfg, worker_id) or 0
+    except SecurityError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+@keys_app.command("generate")
+def keys_generate(directory: str = typer.Argument(..., help="Key directory to create (mode 0700)."),
+                  name: Optional[List[str]] = typer.Option(
+                      None, "--name", "-n", help="Only this key (ROLE or ROLE-SUFFIX, e.g. rollout-host7); "
+                      "repeatable. Default: one key per role."),
+                  overwrite: bool = typer.Option(False, help="Replace existing keys (invalidates copies).")) -> None:
+    """Create CURVE key pairs: NAME.key (public, copy anywhere) and NAME.key_secret (keep on its host)."""
+    from areal_mq.errors import SecurityError
+    from areal_mq.security import ROLES, generate_keys
+
+    try:
+        made = generate_keys(directory, name or ROLES, overwrite=overwrite)
+    except SecurityError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"{directory}: created {', '.join(made) or 'nothing (all keys exist)'}")
+    typer.echo("Every host needs the *.key public files; each process needs only its own NAME.key_secret "
+               "(set security.keys_dir, and security.key_name for a ROLE-SUFFIX key).")
 
 
 @events_app.command("tail")
@@ -97,6 +130,9 @@ def events_tail(run_dir: Optional[str] = typer.Argument(None, help="Run director
                 where: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE filters on any event field."),
                 follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events."),
                 bus: Optional[str] = typer.Option(None, help="Live from the signal bus XPUB address instead."),
+                keys: Optional[str] = typer.Option(None, "--keys", help="Key directory for --bus (default "
+                                                   "RUN_DIR/keys); its observer key is used."),
+                insecure: bool = typer.Option(False, "--insecure", help="--bus without CURVE (an insecure run)."),
                 role: Optional[str] = typer.Option(None, help="Only this role."),
                 event: Optional[str] = typer.Option(None, help="Event name glob, e.g. 'broker.*'."),
                 level: str = typer.Option("debug", help="Minimum level: debug, info, warning, error."),
@@ -120,7 +156,7 @@ def events_tail(run_dir: Optional[str] = typer.Argument(None, help="Run director
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     if bus:
-        records = iter_bus(bus, stop_after_s=duration)
+        records = iter_bus(bus, stop_after_s=duration, keys=_observer_keys(keys, run_dir, insecure))
     elif run_dir:
         try:
             records = iter_files(Path(run_dir), follow, stop_after_s=duration)
@@ -135,6 +171,25 @@ def events_tail(run_dir: Optional[str] = typer.Argument(None, help="Run director
         emit(records, keep, as_json, limit=limit)
     except KeyboardInterrupt:
         pass
+
+
+def _observer_keys(keys_dir: Optional[str], run_dir: Optional[str], insecure: bool):
+    from pathlib import Path
+
+    from areal_mq.errors import SecurityError
+    from areal_mq.security import Keyring
+
+    if insecure:
+        return Keyring.insecure()
+    if not keys_dir and not run_dir:
+        typer.echo("error: --bus needs the run's keys: --keys DIR (or RUN_DIR), or --insecure for an insecure run",
+                   err=True)
+        raise typer.Exit(2)
+    try:
+        return Keyring.load(keys_dir or Path(run_dir) / "keys", "observer")
+    except SecurityError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
 
 
 def _peek(it):

@@ -16,12 +16,15 @@ import zmq
 
 from areal_mq import protocol
 from areal_mq.errors import BrokerUnavailable, JobFailed, ProtocolError
+from areal_mq.security import Keyring
 from areal_mq.messages import (Ack, BatchAck, Error, GetBatch, Heartbeat, Kind, Message, Sample, SampleBatch,
                                Stats, StatsRequest)
 
 
-def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+def _dealer(ctx: zmq.Context, address: str, keys: Keyring | None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
+    if keys is not None:
+        keys.client(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -29,15 +32,26 @@ def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
+def send(sock: zmq.Socket, frames: list) -> bool:
+    """Send without ever blocking; False when no connection takes it now (broker down, or the CURVE
+    handshake refused our key). Callers keep the message and send it again on their retry schedule."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        return True
+    except zmq.Again:
+        return False
+
+
 class JobClient:
     """Submit jobs to services and collect their answers; survives broker restarts by resubmitting."""
 
-    def __init__(self, address: str, *, heartbeat_s: float = 1.0, liveness: int = 5, retry_s: float = 600.0,
-                 ctx: zmq.Context | None = None, log: Any = None):
+    def __init__(self, address: str, *, keys: Keyring | None = None, heartbeat_s: float = 1.0, liveness: int = 5,
+                 retry_s: float = 600.0, ctx: zmq.Context | None = None, log: Any = None):
         self.address, self.heartbeat_s, self.liveness, self.retry_s = address, heartbeat_s, liveness, retry_s
         self.ctx = ctx or zmq.Context.instance()
         self.log = log
-        self.sock = _dealer(self.ctx, address)
+        self.keys = keys
+        self.sock = _dealer(self.ctx, address, keys)
         self.pending: dict[str, tuple[float, list, str]] = {}  # id -> (sent_at, frames, service)
         self._set_aside: list[tuple[str, Message]] = []  # answers wait() received for other jobs
         self._last_heard = time.monotonic()
@@ -48,7 +62,7 @@ class JobClient:
         job_id = job_id or protocol.new_id()
         frames = protocol.encode(msg, id=job_id, service=service)
         self.pending[job_id] = (time.monotonic(), frames, service)
-        self.sock.send_multipart(frames, copy=False)
+        send(self.sock, frames)
         return job_id
 
     def poll(self, timeout: float = 0.0) -> list[tuple[str, Message]]:
@@ -94,33 +108,34 @@ class JobClient:
                         raise JobFailed(f"job {job_id} failed: [{msg.code}] {msg.message}")
                     return msg
             if time.monotonic() >= deadline:
-                raise BrokerUnavailable(f"job {job_id} not answered within {timeout:.1f}s (broker {self.address})")
+                raise BrokerUnavailable(f"job {job_id} not answered within {timeout:.1f}s (broker {self.address}; "
+                                        "is it running, and is this client's key in its key directory?)")
             self._set_aside.extend(self._receive(min(0.1, max(0.0, deadline - time.monotonic()))))
 
     def _liveness(self) -> None:
         now = time.monotonic()
         if now >= self._next_beat:
             self._next_beat = now + self.heartbeat_s
-            self.sock.send_multipart(protocol.encode(Heartbeat(peer_id="client")))
+            send(self.sock, protocol.encode(Heartbeat(peer_id="client")))
         if now - self._last_heard > self.heartbeat_s * self.liveness:
             self._reconnect()
         else:
             for job_id, (sent, frames, _svc) in list(self.pending.items()):
                 if now - sent > self.retry_s:
                     self.pending[job_id] = (now, frames, _svc)
-                    self.sock.send_multipart(frames, copy=False)
+                    send(self.sock, frames)
 
     def _reconnect(self) -> None:
         """The broker went silent: new socket (new identity), resubmit everything still unanswered."""
         self.sock.close(0)
-        self.sock = _dealer(self.ctx, self.address)
+        self.sock = _dealer(self.ctx, self.address, self.keys)
         self.reconnects += 1
         self._last_heard = time.monotonic()
         if self.log:
             self.log.warning("client.reconnect", broker=self.address, resubmitting=len(self.pending))
         for job_id, (_, frames, svc) in list(self.pending.items()):
             self.pending[job_id] = (time.monotonic(), frames, svc)
-            self.sock.send_multipart(frames, copy=False)
+            send(self.sock, frames)
 
     def stats(self, timeout: float = 5.0) -> dict:
         return self._request_stats(timeout)
@@ -137,19 +152,20 @@ class JobClient:
 class StoreClient:
     """Request/response with the sample store; every call retries across store restarts until its deadline."""
 
-    def __init__(self, address: str, *, heartbeat_s: float = 1.0, ctx: zmq.Context | None = None,
-                 max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES):
+    def __init__(self, address: str, *, keys: Keyring | None = None, heartbeat_s: float = 1.0,
+                 ctx: zmq.Context | None = None, max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES):
         self.address, self.heartbeat_s = address, heartbeat_s
         self.ctx = ctx or zmq.Context.instance()
         self.max_frame_bytes = max_frame_bytes
-        self.sock = _dealer(self.ctx, address)
+        self.keys = keys
+        self.sock = _dealer(self.ctx, address, keys)
 
     def _call(self, msg: Message, timeout: float, resend_s: float) -> Message:
         req_id = protocol.new_id()
         frames = protocol.encode(msg, id=req_id)
         deadline = time.monotonic() + timeout
         while True:
-            self.sock.send_multipart(frames, copy=False)
+            send(self.sock, frames)
             resend_at = min(deadline, time.monotonic() + resend_s)
             while time.monotonic() < resend_at:
                 if not self.sock.poll(int(max(1, (resend_at - time.monotonic()) * 1000)), zmq.POLLIN):
@@ -162,9 +178,10 @@ class StoreClient:
                 return env.msg
             if time.monotonic() >= deadline:
                 raise BrokerUnavailable(f"sample store {self.address} did not answer {msg.kind.value} "
-                                        f"within {timeout:.1f}s")
+                                        f"within {timeout:.1f}s (is it running, and is this client's key in its key "
+                                        "directory?)")
             self.sock.close(0)  # store may have restarted: fresh identity, send again (requests are idempotent)
-            self.sock = _dealer(self.ctx, self.address)
+            self.sock = _dealer(self.ctx, self.address, self.keys)
 
     def put(self, sample: Sample, timeout: float = 60.0) -> Ack:
         return self._call(sample, timeout, resend_s=max(5.0, self.heartbeat_s * 5))
@@ -193,10 +210,12 @@ class StoreClient:
 class SignalPublisher:
     """PUB socket connected to the bus's XSUB side."""
 
-    def __init__(self, address: str, ctx: zmq.Context | None = None):
+    def __init__(self, address: str, ctx: zmq.Context | None = None, keys: Keyring | None = None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PUB)
         self.sock.setsockopt(zmq.LINGER, 500)
+        if keys is not None:
+            keys.client(self.sock)
         self.sock.connect(address)
 
     def publish(self, topic: str, msg: Message) -> None:
@@ -210,10 +229,13 @@ class SignalSubscriber:
     """SUB socket on the bus's XPUB side; `recv(timeout)` -> (topic, Envelope) or None."""
 
     def __init__(self, address: str, topics: tuple[str, ...] = ("weights", "control"),
-                 ctx: zmq.Context | None = None, max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES):
+                 ctx: zmq.Context | None = None, max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
+                 keys: Keyring | None = None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.client(self.sock)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         for t in topics:
             self.sock.setsockopt(zmq.SUBSCRIBE, t.encode())

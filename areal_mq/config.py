@@ -47,6 +47,7 @@ class BrokerConfig(_Section):
     liveness: int = Field(5, ge=1, description="Missed heartbeats before a peer is declared dead.")
     reconnect_max_s: float = Field(8.0, gt=0, description="Upper bound of the exponential reconnect backoff.")
     max_queue: int = Field(10_000, ge=1, description="Jobs queued per service before new ones are refused.")
+    max_worker_capacity: int = Field(4096, ge=1, description="Largest capacity a worker may announce in READY.")
     max_frame_mb: float = Field(512.0, gt=0, description="Largest accepted array frame, MiB.")
     lease_s: float = Field(900.0, gt=0, description="A served, un-acked sample batch returns to the store after this.")
     job_retry_s: float = Field(600.0, gt=0, description="Client resubmits a job unanswered this long.")
@@ -69,6 +70,19 @@ class BrokerConfig(_Section):
     @property
     def store_addr(self) -> str:
         return self.addr(self.store_port)
+
+
+class SecurityConfig(_Section):
+    """CURVE authentication of every socket (docs/security.md)."""
+
+    keys_dir: str | None = Field(
+        None, description="Key directory (`areal-mq keys generate DIR`); default run_dir/keys, which the launcher "
+        "creates for each run.")
+    key_name: str | None = Field(
+        None, description="Which key of keys_dir this process uses (ROLE or ROLE-SUFFIX); default its role.")
+    insecure: bool = Field(
+        False, description="Plaintext, unauthenticated sockets, for debugging only: refused unless every address "
+        "is loopback, and every process logs a warning at start.")
 
 
 class EventsConfig(_Section):
@@ -123,6 +137,7 @@ class RunConfig(_Section):
 
     run: RunSection = Field(default_factory=RunSection)
     brokers: BrokerConfig = Field(default_factory=BrokerConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: EngineConfig = Field(default_factory=EngineConfig)
@@ -144,7 +159,21 @@ class RunConfig(_Section):
                 f"trainer.temperature ({self.trainer.temperature}) must equal controller.temperature "
                 f"({self.controller.temperature}): behaviour logprobs are log_softmax(logits / T) at the sampling "
                 "temperature, and the trainer recomputes them the same way")
+        self._check_exposure()
         return self
+
+    def _check_exposure(self) -> None:
+        from areal_mq.security import is_loopback
+
+        if not self.security.insecure:
+            return
+        hosts = {"brokers.host": self.brokers.host, "trainer.weight_server_host": self.trainer.weight_server_host}
+        exposed = {k: v for k, v in hosts.items() if not is_loopback(v)}
+        if exposed:
+            raise ConfigError(
+                f"security.insecure with non-loopback addresses ({', '.join(f'{k}={v}' for k, v in exposed.items())}): "
+                "unauthenticated sockets off this host would let anyone stop workers or publish weights. Use keys "
+                "(`areal-mq keys generate DIR`, security.keys_dir) or bind 127.0.0.1")
 
 
 # ---------------------------------------------------------------- loading and overrides

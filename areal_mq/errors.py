@@ -49,3 +49,7 @@ class WeightsFetchError(ArealError):
 
 class RewardError(ArealError):
     """A reward function failed, timed out or was misconfigured."""
+
+
+class SecurityError(ArealError):
+    """Keys are missing or unusable, or a setting would expose a socket without authentication."""

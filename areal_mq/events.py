@@ -60,9 +60,10 @@ def _short(value: Any) -> str:
 class BusPublisher:
     """Background thread with a PUB socket connected to the bus XSUB port; `put(record)` never blocks."""
 
-    def __init__(self, address: str, max_pending: int = 10_000):
+    def __init__(self, address: str, max_pending: int = 10_000, keys: Any = None):
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._address = address
+        self._keys = keys
         self._stop = threading.Event()
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="event-publisher", daemon=True)
@@ -84,6 +85,8 @@ class BusPublisher:
         sock = ctx.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 200)
         sock.setsockopt(zmq.SNDHWM, 10_000)
+        if self._keys is not None:
+            self._keys.client(sock)
         sock.connect(self._address)
         try:
             while not (self._stop.is_set() and self._queue.empty()):
@@ -147,15 +150,22 @@ class EventSink:
             self._file.close()
 
 
-def make_logger(cfg: Any, role: str, worker_id: str, *, console: str | None = None, stream: TextIO | None = None):
-    """Logger bound with run id, role and worker id. `cfg` is a RunConfig. Returns (logger, sink)."""
+def make_logger(cfg: Any, role: str, worker_id: str, *, console: str | None = None, stream: TextIO | None = None,
+                keys: Any = None):
+    """Logger bound with run id, role and worker id. `cfg` is a RunConfig. Returns (logger, sink).
+
+    `keys` (a security.Keyring) authenticates the bus publisher; default: the role's key from the config."""
     events = cfg.events
     file_path = None
     if events.to_file:
         folder = Path(cfg.run.run_dir) / "events"
         folder.mkdir(parents=True, exist_ok=True)
         file_path = folder / f"{role}-{worker_id}.jsonl"
-    publisher = BusPublisher(cfg.brokers.bus_in_addr) if events.to_bus else None
+    publisher = None
+    if events.to_bus:
+        from areal_mq.security import Keyring
+
+        publisher = BusPublisher(cfg.brokers.bus_in_addr, keys=keys or Keyring.from_config(cfg, role))
     sink = EventSink(file_path, publisher, console or events.console, LEVELS[events.level], stream)
     logger = structlog.wrap_logger(
         None,

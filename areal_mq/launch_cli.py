@@ -40,7 +40,9 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
         set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: section.key=value."),
         resume: Optional[str] = typer.Option(None, help="Continue the run in this run directory."),
         skip_eval: bool = typer.Option(False, "--skip-eval", help="No held-out evaluation before/after."),
-        quiet: bool = typer.Option(False, help="No live display (logs only).")) -> None:
+        quiet: bool = typer.Option(False, help="No live display (logs only)."),
+        insecure: bool = typer.Option(False, "--insecure", help="No CURVE keys: plaintext, unauthenticated sockets "
+                                      "(debugging only; loopback only).")) -> None:
     """Run the whole system on this host: brokers, controller, rollout, reward and trainer processes."""
     if not config and not resume:
         typer.echo("error: give a CONFIG or --resume RUN_DIR", err=True)
@@ -49,7 +51,7 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
 
     from areal_mq.launcher import Launcher, settle_ports
 
-    cfg = settle_ports(_cfg(config, set_, resume))
+    cfg = settle_ports(_cfg(config, [*(set_ or []), *(["security.insecure=true"] if insecure else [])], resume))
     console = Console(stderr=True, soft_wrap=True)
     launcher = Launcher(cfg, console)
     path = launcher.prepare()

@@ -7,6 +7,8 @@ Why a supervisor: a child that dies is reported by name with its exit status, th
 the log's path; it is restarted (`launcher.on_child_death: restart`, up to `max_restarts`) or the run stops.
 Ctrl-C (SIGINT) asks the trainer to checkpoint (Control "checkpoint" then "shutdown") and waits for it.
 The run ends when the trainer exits after `controller.total_steps` versions.
+Security: `prepare` creates the run's CURVE key set in run_dir/keys (0700) unless it exists or
+`security.keys_dir` names another; every child finds its key there through the config it is given.
 """
 from __future__ import annotations
 
@@ -67,9 +69,18 @@ class Launcher:
         self.stopping = False
         self.failure: str | None = None
         self.evaluator: Any = None  # PeriodicEval (areal_mq.periodic_eval) when controller.eval_every > 0
+        self.keys: Any = None
 
     def prepare(self) -> Path:
+        from areal_mq.security import Keyring, generate_keys, key_dir
+
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.cfg.security.insecure:
+            self.say("[bold red]security.insecure: every socket of this run is unauthenticated and unencrypted "
+                     "(debugging only)[/]")
+        elif self.cfg.security.keys_dir is None:
+            generate_keys(key_dir(self.cfg))  # only the missing ones: a resumed run keeps its keys
+        self.keys = Keyring.from_config(self.cfg, "launcher")
         path = self.run_dir / "config.yaml"
         path.write_text(dump_config(self.cfg))
         return path
@@ -104,7 +115,7 @@ class Launcher:
         for child in self.children:
             self.start(child)
             if child.role == "broker":
-                probe = JobClient(self.cfg.brokers.job_addr)
+                probe = JobClient(self.cfg.brokers.job_addr, keys=self.keys)
                 try:
                     probe.stats(timeout=30)
                 finally:
@@ -146,7 +157,7 @@ class Launcher:
         from areal_mq.client import SignalPublisher
         from areal_mq.messages import Control
 
-        pub = SignalPublisher(self.cfg.brokers.bus_in_addr)
+        pub = SignalPublisher(self.cfg.brokers.bus_in_addr, keys=self.keys)
         try:
             time.sleep(0.3)  # PUB sockets drop what they send before the connection is up
             pub.publish("control", Control(action="checkpoint", reason=reason))

@@ -81,10 +81,11 @@ def read_new_lines(path: Path, offsets: dict[Path, int]) -> list[dict]:
     return out
 
 
-def iter_bus(address: str, stop_after_s: float | None = None) -> Iterator[dict]:
+def iter_bus(address: str, stop_after_s: float | None = None, keys=None) -> Iterator[dict]:
+    """Event records from the bus's XPUB side; `keys` (security.Keyring) authenticates us."""
     from areal_mq.client import SignalSubscriber
 
-    sub = SignalSubscriber(address, topics=("events",))
+    sub = SignalSubscriber(address, topics=("events",), keys=keys)
     started = time.monotonic()
     try:
         while stop_after_s is None or time.monotonic() - started < stop_after_s:

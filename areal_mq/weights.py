@@ -12,7 +12,13 @@ What:
   raises WeightsFetchError — never hangs — when the server does not answer within the deadline
   (e.g. the trainer died), refuses the version, or sends something malformed.
 - `load_published(ready, timeout_s)` -> {name: tensor} for any mode ("base": {} — nothing to load).
-- `WeightPublisher(cfg, run_dir)` is the trainer-side facade choosing the mode from TrainerConfig.
+- `WeightPublisher(cfg, run_dir, keys)` is the trainer-side facade choosing the mode from TrainerConfig.
+- `check_ready(ready, run_dir, cfg)`: a WeightsReady may only name a version directory under the run's
+  weights directory, or the trainer's configured weight-server address; the bus refuses any other
+  (and rollout workers check again before loading).
+Security: with CURVE keys the weight server uses the trainer's key pair, so a fetcher that connects
+with `keys.client(sock, "trainer")` talks to the real trainer or to nobody; only roles allowed
+"weights:fetch" (security.PERMISSIONS) are served.
 Tensor names are the model's state-dict names with tied duplicates dropped (as save_pretrained does).
 
 How to run: tests/unit/test_weights.py (round trips, pruning, a server killed mid-run).
@@ -33,6 +39,7 @@ import numpy as np
 
 from areal_mq.errors import ProtocolError, WeightsFetchError
 from areal_mq.messages import Error, WeightsChunk, WeightsFetch, WeightsReady
+from areal_mq.security import Keyring, peer_role, refusal, start_zap
 
 if TYPE_CHECKING:
     import torch
@@ -143,8 +150,11 @@ class WeightServer:
     dies in that thread). `publish` pre-encodes a version's chunks; the last `keep` versions stay
     fetchable so a worker halfway through a fetch is not cut off by the next publish."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, keep: int = 2, chunk_bytes: int = 64 << 20):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, keep: int = 2, chunk_bytes: int = 64 << 20,
+                 keys: Keyring | None = None, log: Any = None):
         self.host, self.port, self.keep, self.chunk_bytes = host, port, keep, chunk_bytes
+        self.keys, self.log = keys or Keyring.insecure("trainer"), log
+        self.refused = 0
         self.endpoint = ""
         self._versions: OrderedDict[int, list[list[Any]]] = OrderedDict()
         self._lock = threading.Lock()
@@ -181,7 +191,8 @@ class WeightServer:
         import zmq
 
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
+        zap = start_zap(ctx, self.keys, self.log)  # before bind: no connection is ever unchecked
+        sock = self.keys.server(ctx.socket(zmq.ROUTER))
         sock.linger = 0
         try:
             if self.port:
@@ -192,6 +203,8 @@ class WeightServer:
         except zmq.ZMQError as exc:
             self._error = exc
             sock.close(0)
+            if zap:
+                zap.close()
             ctx.term()
             self._bound.set()
             return
@@ -202,6 +215,8 @@ class WeightServer:
                     self._handle(sock, sock.recv_multipart(copy=False))
         finally:
             sock.close(0)
+            if zap:
+                zap.close()
             ctx.term()
 
     def _handle(self, sock: Any, frames: list[Any]) -> None:
@@ -218,7 +233,11 @@ class WeightServer:
             return
         msg = env.msg
         reply = None
-        if not isinstance(msg, WeightsFetch):
+        why = refusal(peer_role(frames[0], self.keys.secure), "weights:fetch")
+        if why:
+            self.refused += 1
+            reply = Error(code="forbidden", message=why, ref_id=env.id)
+        elif not isinstance(msg, WeightsFetch):
             reply = Error(code="bad_request", message=f"the weight server takes weights_fetch, got {msg.kind.value}",
                           ref_id=env.id)
         else:
@@ -239,7 +258,8 @@ class WeightServer:
         self.served_chunks += 1
 
 
-def fetch_weights(ready: WeightsReady, timeout_s: float = 60.0, in_flight: int = 2) -> dict[str, "torch.Tensor"]:
+def fetch_weights(ready: WeightsReady, timeout_s: float = 60.0, in_flight: int = 2,
+                  keys: Keyring | None = None) -> dict[str, "torch.Tensor"]:
     """All tensors of `ready` (mode "zmq") from its weight server, within `timeout_s` overall.
 
     Raises WeightsFetchError naming the endpoint, the version and how far it got when the server is
@@ -254,6 +274,8 @@ def fetch_weights(ready: WeightsReady, timeout_s: float = 60.0, in_flight: int =
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    if keys is not None:
+        keys.client(sock, server="trainer")
     sock.connect(ready.endpoint)
     total = ready.num_chunks or None  # unknown: learn it from the first chunk
     out: dict[str, Any] = {}
@@ -300,13 +322,35 @@ def _check_reply(msg: Any, ready: WeightsReady) -> WeightsChunk:
     return msg
 
 
-def load_published(ready: WeightsReady, timeout_s: float = 60.0) -> dict[str, "torch.Tensor"]:
+def load_published(ready: WeightsReady, timeout_s: float = 60.0,
+                   keys: Keyring | None = None) -> dict[str, "torch.Tensor"]:
     """Tensors of a published version, any mode ("base": {} — the initial model, nothing to load)."""
     if ready.mode == "base":
         return {}
     if ready.mode == "disk":
         return read_disk(ready.path)
-    return fetch_weights(ready, timeout_s)
+    return fetch_weights(ready, timeout_s, keys=keys)
+
+
+_ENDPOINT = re.compile(r"^tcp://(.+):(\d{1,5})$")
+
+
+def check_ready(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig") -> str | None:
+    """None when `ready` points where this run's trainer publishes, else what is wrong with it."""
+    if ready.mode == "base":
+        return None if not ready.path and not ready.endpoint else "a 'base' WeightsReady names no path or endpoint"
+    if ready.mode == "disk":
+        root = os.path.realpath(Path(run_dir) / "weights")
+        path = os.path.realpath(ready.path) if ready.path else ""
+        if not path or os.path.dirname(path) != root or not _VERSION_DIR.match(os.path.basename(path)):
+            return f"weights path {ready.path!r} is not a version directory under the run's weights dir {root}"
+        return None
+    m = _ENDPOINT.match(ready.endpoint)
+    port_ok = m and (cfg.weight_server_port == 0 or int(m.group(2)) == cfg.weight_server_port)
+    if not m or m.group(1) != cfg.weight_server_host or not port_ok:
+        want = f"tcp://{cfg.weight_server_host}:{cfg.weight_server_port or 'PORT'}"
+        return f"weights endpoint {ready.endpoint!r} is not the trainer's weight server ({want})"
+    return None
 
 
 def unique_tensors(tensors: Mapping[str, "torch.Tensor"], dtype: str | None = None) -> dict[str, "torch.Tensor"]:
@@ -332,13 +376,13 @@ class WeightPublisher:
     """Trainer-side publishing in the mode TrainerConfig chooses (disk dirs under run_dir/weights or
     a WeightServer). Call `publish` on the main rank only."""
 
-    def __init__(self, cfg: "TrainerConfig", run_dir: str | Path):
+    def __init__(self, cfg: "TrainerConfig", run_dir: str | Path, keys: Keyring | None = None, log: Any = None):
         self.cfg = cfg
         self.weights_dir = Path(run_dir) / "weights"
         self.server = None
         if cfg.publish_mode == "zmq":
             self.server = WeightServer(cfg.weight_server_host, cfg.weight_server_port, cfg.keep_weight_versions,
-                                       int(cfg.weight_chunk_mb * (1 << 20)))
+                                       int(cfg.weight_chunk_mb * (1 << 20)), keys=keys, log=log)
 
     def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"],
                 hf_config_json: str | None = None) -> WeightsReady:

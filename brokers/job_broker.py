@@ -12,7 +12,10 @@ Invariants:
 - a worker that misses `liveness` heartbeats, or says DISCONNECT, has its in-flight jobs requeued at the
   front of their service queue;
 - a queue holds at most `max_queue` jobs; beyond that the client gets Error(queue_full) at once;
-- undecodable or invalid messages are answered with Error naming the problem; the broker keeps serving.
+- undecodable or invalid messages are answered with Error naming the problem; the broker keeps serving;
+- with CURVE keys, a peer may only say what its role owns (security.refusal): only worker roles register,
+  only for their own services and up to `max_capacity`; only the controller (agent, launcher) submits jobs.
+  Anything else is answered with Error(forbidden) and logged, rate-limited.
 Who waits on whom: nobody waits on the broker except through credits; the broker waits on nothing.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ import zmq
 from areal_mq import protocol
 from areal_mq.errors import ProtocolError
 from areal_mq.messages import Error, Heartbeat, Kind, Stats
+from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
 DEFAULT_SERVICE = {Kind.GENERATE_REQUEST: "generate", Kind.REWARD_JOB: "reward"}
 REPLY_KINDS = {Kind.GENERATE_RESULT, Kind.REWARD_RESULT, Kind.ERROR}
@@ -62,8 +66,13 @@ class JobBroker:
     """Owns one ROUTER socket. Driven by a BrokerHost poll loop: `handle()` on input, `tick()` on time."""
 
     def __init__(self, ctx: zmq.Context, address: str, *, heartbeat_s: float, liveness: int, max_queue: int,
-                 max_frame_bytes: int, log: Any):
+                 max_frame_bytes: int, log: Any, keys: Keyring | None = None, max_capacity: int = 4096):
         self.sock = ctx.socket(zmq.ROUTER)
+        self.secure = keys is not None and keys.secure
+        if keys is not None:
+            keys.server(self.sock)
+        self.max_capacity = max_capacity
+        self.refusals = RateLimited(log)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
@@ -110,11 +119,14 @@ class JobBroker:
         except ProtocolError as exc:
             self._refuse(ident, exc)
             return
-        self._dispatch_kind(ident, env, frames)
+        self._dispatch_kind(ident, env, frames, peer_role(raw[0], self.secure))
 
-    def _dispatch_kind(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
+    def _dispatch_kind(self, ident: bytes, env: protocol.Envelope, frames: list, role: str | None = None) -> None:
         kind = env.kind
-        if kind == Kind.READY:
+        why = self._not_allowed(env, role)
+        if why:
+            self._forbid(ident, env, role, why)
+        elif kind == Kind.READY:
             self._on_ready(ident, env.msg)
         elif kind == Kind.DISCONNECT:
             self._drop_worker(ident, f"disconnect: {env.msg.reason}")
@@ -126,6 +138,22 @@ class JobBroker:
             self.counters["orphan_replies"] += 1  # from an unknown worker (e.g. before a broker restart)
         else:
             self._on_job(ident, env, frames)
+
+    def _not_allowed(self, env: protocol.Envelope, role: str | None) -> str | None:
+        kind = env.kind
+        if kind == Kind.READY:
+            if env.msg.capacity > self.max_capacity:
+                return f"capacity {env.msg.capacity} exceeds brokers.max_worker_capacity ({self.max_capacity})"
+            return refusal(role, f"serve:{env.msg.service}")
+        if kind in (Kind.DISCONNECT, Kind.STATS_REQUEST) or kind in REPLY_KINDS:
+            return None  # a disconnect or reply only concerns the sender's own registration and jobs
+        return refusal(role, "submit")
+
+    def _forbid(self, ident: bytes, env: protocol.Envelope, role: str | None, why: str) -> None:
+        self.counters["forbidden"] += 1
+        self.refusals.warning("broker.forbidden", key=f"{role}:{env.kind.value}", role=role,
+                              kind=env.kind.value, error=why)
+        self._send(ident, protocol.encode(Error(code="forbidden", message=why, ref_id=env.id), reply_to=env.id))
 
     def _refuse(self, ident: bytes, exc: ProtocolError) -> None:
         self.counters["refused"] += 1

@@ -1,8 +1,9 @@
 """`areal-mq broker`: runs the job broker, signal bus and sample store in one poll loop.
 
 Each component can also run alone (`--only job|bus|store`), e.g. the sample store on the trainer's host.
-All bind to `brokers.host` (127.0.0.1 by default). SIGTERM/SIGINT stop the loop cleanly; the sample store's
-log makes a restart lose nothing.
+All bind to `brokers.host` (127.0.0.1 by default) and demand CURVE: the brokers' key is `broker` in the
+key directory, and only clients whose public key is there get in (security.ZapHandler, started before
+any socket binds). SIGTERM/SIGINT stop the loop cleanly; the sample store's log makes a restart lose nothing.
 
     areal-mq broker --config configs/quickstart.yaml [--only store] [--set brokers.job_port=6000]
 """
@@ -15,37 +16,43 @@ from typing import Any
 
 import zmq
 
+from areal_mq.errors import SecurityError
 from areal_mq.events import make_logger
+from areal_mq.security import Keyring, start_zap, warn_if_insecure
 
 
 class BrokerHost:
     """Polls the sockets of the components it hosts and gives each its `tick` every loop."""
 
-    def __init__(self, cfg: Any, only: set[str] | None = None, log: Any = None):
+    def __init__(self, cfg: Any, only: set[str] | None = None, log: Any = None, keys: Keyring | None = None):
         from areal_mq.brokers.job_broker import JobBroker
         from areal_mq.brokers.sample_store import SampleStore
         from areal_mq.brokers.signal_bus import SignalBus
+        from areal_mq.weights import check_ready
 
         b = cfg.brokers
         only = only or {"job", "bus", "store"}
+        keys = keys or Keyring.from_config(cfg, "broker")
         self.ctx = zmq.Context()
+        self.zap = start_zap(self.ctx, keys, log)
         max_frame = int(b.max_frame_mb * 1024 * 1024)
         self.log = log
         self.components: list = []
         self.poller = zmq.Poller()
         self._owner: dict = {}
         if "bus" in only:
-            self.bus = SignalBus(self.ctx, b.bus_in_addr,
-                                 b.bus_out_addr, max_frame_bytes=max_frame, log=log)
+            self.bus = SignalBus(self.ctx, b.bus_in_addr, b.bus_out_addr, max_frame_bytes=max_frame, log=log,
+                                 keys=keys, check_weights=lambda r: check_ready(r, cfg.run.run_dir, cfg.trainer))
             self._add(self.bus, self.bus.sockets, lambda s: self.bus.handle(s))
         if "job" in only:
-            self.job = JobBroker(self.ctx, b.job_addr, heartbeat_s=b.heartbeat_s,
-                                 liveness=b.liveness, max_queue=b.max_queue, max_frame_bytes=max_frame, log=log)
+            self.job = JobBroker(self.ctx, b.job_addr, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
+                                 max_queue=b.max_queue, max_frame_bytes=max_frame, log=log, keys=keys,
+                                 max_capacity=b.max_worker_capacity)
             self._add(self.job, [self.job.sock], lambda s: self.job.handle())
         if "store" in only:
             self.store = SampleStore(self.ctx, b.store_addr,
                                      Path(cfg.run.run_dir) / "store", lease_s=b.lease_s, max_frame_bytes=max_frame,
-                                     log=log)
+                                     log=log, keys=keys)
             self._add(self.store, [self.store.sock], lambda s: self.store.handle())
         self._stop = False
 
@@ -71,14 +78,22 @@ class BrokerHost:
     def close(self) -> None:
         for c in self.components:
             c.close()
+        if self.zap is not None:
+            self.zap.close()
         self.ctx.term()
 
 
 def main(cfg: Any, only: set[str] | None = None) -> int:
-    log, sink = make_logger(cfg, "broker", "-".join(sorted(only)) if only else "all")
+    try:
+        keys = Keyring.from_config(cfg, "broker")
+    except SecurityError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    log, sink = make_logger(cfg, "broker", "-".join(sorted(only)) if only else "all", keys=keys)
+    warn_if_insecure(keys, log)
     host = None
     try:
-        host = BrokerHost(cfg, only, log)
+        host = BrokerHost(cfg, only, log, keys)
         signal.signal(signal.SIGTERM, host.stop)
         signal.signal(signal.SIGINT, host.stop)
         b = cfg.brokers

@@ -10,7 +10,9 @@ Invariants:
   `release_leases` (a restarted trainer), or after a store restart (leases are not persisted);
 - an acked sample is never served again (acks are in the log and replayed);
 - a sample whose oldest generated token is older than `version - max_staleness` is never served: it is
-  dropped, logged with the reason, and counted by length bucket.
+  dropped, logged with the reason, and counted by length bucket;
+- with CURVE keys only the controller puts samples and only the trainer takes and acks them (anyone
+  authenticated may ask for stats); others get Error(forbidden).
 Log format (run_dir/store/samples.log): records of [u32 little-endian length][msgpack map]; a torn tail
 from a crash is cut off at the last complete record on replay.
 """
@@ -30,9 +32,12 @@ import zmq
 from areal_mq import protocol
 from areal_mq.errors import ProtocolError
 from areal_mq.messages import Ack, Error, Heartbeat, Kind, Sample, SampleBatch, Stats, length_bucket
+from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
 _LEN = struct.Struct("<I")
 _BIN32 = struct.Struct(">BI")  # msgpack bin 32: marker 0xc6, big-endian length
+ACTIONS = {Kind.SAMPLE: "store:put", Kind.GET_BATCH: "store:take", Kind.BATCH_ACK: "store:take",
+           Kind.STATS_REQUEST: "stats"}
 
 
 @dataclass
@@ -118,9 +123,13 @@ class SampleLog:
 
 class SampleStore:
     def __init__(self, ctx: zmq.Context, address: str, store_dir: str | Path, *, lease_s: float,
-                 max_frame_bytes: int, log: Any, fsync: bool = False):
+                 max_frame_bytes: int, log: Any, fsync: bool = False, keys: Keyring | None = None):
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.secure = keys is not None and keys.secure
+        if keys is not None:
+            keys.server(self.sock)
+        self.refusals = RateLimited(log)
         self.sock.bind(address)
         self.lease_s, self.max_frame_bytes, self.log = lease_s, max_frame_bytes, log
         self.samples: dict[str, Sample] = {}  # pending or leased, by id
@@ -164,7 +173,12 @@ class SampleStore:
                 self._send(raw[0].bytes, protocol.error_reply(exc))
             return
         kind = env.kind
-        if kind == Kind.SAMPLE:
+        why = refusal(peer_role(raw[0], self.secure), ACTIONS[kind]) if kind in ACTIONS else None
+        if why:
+            self.counters["forbidden"] += 1
+            self.refusals.warning("store.forbidden", key=kind.value, kind=kind.value, error=why)
+            self._send(ident, protocol.encode(Error(code="forbidden", message=why, ref_id=env.id), reply_to=env.id))
+        elif kind == Kind.SAMPLE:
             self._on_put(ident, env, frames)
         elif kind == Kind.GET_BATCH:
             self._on_get(ident, env.id, env.msg)

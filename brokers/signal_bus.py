@@ -7,6 +7,11 @@ Retention: the bus remembers the latest WeightsReady (a resumed trainer may go b
 to a prefix of "weights" (XPUB_VERBOSE shows every subscription), the bus sends the retained message
 again — or WeightsReady(version=0, mode="base") if nothing was published yet — so a late joiner always
 learns the current policy before it takes jobs. Receivers treat a version they already have as a no-op.
+
+Authorization (with CURVE keys): a publisher may only publish the topics its role owns — `weights`
+the trainer, `control` the launcher and controller, `events` anyone with a key — and a WeightsReady
+must name this run's weights directory or the trainer's weight server (weights.check_ready). Anything
+else is dropped (PUB/SUB has no way to answer) and logged, rate-limited; it is never retained.
 """
 from __future__ import annotations
 
@@ -16,17 +21,28 @@ import zmq
 
 from areal_mq import protocol
 from areal_mq.errors import ProtocolError
-from areal_mq.messages import WeightsReady
+from areal_mq.messages import Control, Event, WeightsReady
+from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
 WEIGHTS = b"weights"
+TOPICS = {b"weights": ("publish:weights", WeightsReady), b"control": ("publish:control", Control),
+          b"events": ("publish:events", Event)}
 
 
 class SignalBus:
-    def __init__(self, ctx: zmq.Context, in_address: str, out_address: str, *, max_frame_bytes: int, log: Any):
+    def __init__(self, ctx: zmq.Context, in_address: str, out_address: str, *, max_frame_bytes: int, log: Any,
+                 keys: Keyring | None = None, check_weights: Any = None):
+        """`check_weights(WeightsReady) -> str | None` says what is wrong with an announcement (None: fine)."""
         self.xsub = ctx.socket(zmq.XSUB)
         self.xpub = ctx.socket(zmq.XPUB)
+        self.secure = keys is not None and keys.secure
         for s in (self.xsub, self.xpub):
             s.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                keys.server(s)
+        self.check_weights = check_weights
+        self.refusals = RateLimited(log)
+        self.refused = 0
         self.xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.xpub.setsockopt(zmq.SNDHWM, 100_000)
         self.xsub.bind(in_address)
@@ -53,18 +69,38 @@ class SignalBus:
 
     def _from_publisher(self, frames: list) -> None:
         topic = frames[0].bytes if frames else b""
+        why = self._refusal(topic, frames)
+        if why:
+            self.refused += 1
+            self.refusals.warning("bus.refused", key=topic[:32].decode(errors="replace"),
+                                  topic=topic[:32].decode(errors="replace"), error=why)
+            return
         if topic == WEIGHTS:
-            try:
-                _, env = protocol.decode_topic(frames, self.max_frame_bytes)
-            except ProtocolError as exc:
-                self.log.warning("bus.bad_weights_message", error=str(exc), code=exc.code)
-                return
+            env = protocol.decode_topic(frames, self.max_frame_bytes)[1]
             # the latest announcement wins, even a lower version: a trainer that resumed from a checkpoint
             # republishes its older version, and late joiners must get that policy, not the lost one
             self.retained = [f.bytes for f in frames]
             self.log.info("bus.weights_retained", version=env.msg.version, mode=env.msg.mode)
         self.forwarded += 1
         self.xpub.send_multipart(frames, copy=False)
+
+    def _refusal(self, topic: bytes, frames: list) -> str | None:
+        """Why this publication may not be forwarded, or None."""
+        if topic not in TOPICS:
+            return f"unknown topic {topic[:32]!r}; topics: {', '.join(t.decode() for t in TOPICS)}"
+        action, kind = TOPICS[topic]
+        why = refusal(peer_role(frames[0], self.secure), action)
+        if why or topic == b"events":
+            return why  # events are only relayed; subscribers decode and check them
+        try:
+            _, env = protocol.decode_topic(frames, self.max_frame_bytes)
+        except ProtocolError as exc:
+            return f"[{exc.code}] {exc}"
+        if not isinstance(env.msg, kind):
+            return f"topic {topic.decode()} carries {kind.__name__}, got {env.msg.kind.value}"
+        if kind is WeightsReady and self.check_weights is not None:
+            return self.check_weights(env.msg)
+        return None
 
     def _from_subscriber(self, frames: list) -> None:
         data = frames[0].bytes

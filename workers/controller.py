@@ -245,8 +245,9 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
 
     rt = WorkerRuntime(cfg, role="controller", service=None, capacity=0, worker_id=worker_id)
     b = cfg.brokers
-    jobs = JobClient(b.job_addr, heartbeat_s=b.heartbeat_s, liveness=b.liveness, retry_s=b.job_retry_s, log=rt.log)
-    store = StoreClient(b.store_addr, heartbeat_s=b.heartbeat_s)
+    jobs = JobClient(b.job_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
+                     retry_s=b.job_retry_s, log=rt.log)
+    store = StoreClient(b.store_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s)
     try:
         tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
         ctl = Controller(cfg, build_dataset(cfg.data), ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples), jobs,

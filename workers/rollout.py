@@ -36,7 +36,12 @@ class RolloutWorker:
     def load(self, ready: WeightsReady) -> None:
         if ready.mode == "base" or ready.version == self.engine.version:
             return  # "base" = nothing published yet; a lower version is loaded: the trainer resumed
-        from areal_mq.weights import load_published
+        from areal_mq.weights import check_ready, load_published
+
+        why = check_ready(ready, self.cfg.run.run_dir, self.cfg.trainer)
+        if why:  # the bus checks this too; a worker never reads a path or endpoint outside its run
+            self.log.error("rollout.weights_refused", version=ready.version, error=why)
+            return
 
         t0 = time.perf_counter()
         running = len(self.jobs)
@@ -44,7 +49,7 @@ class RolloutWorker:
             if ready.mode == "disk":
                 timings = self.engine.update_weights(ready.version, path=ready.path)
             else:
-                tensors = load_published(ready, timeout_s=self.cfg.rollout.weights_timeout_s)
+                tensors = load_published(ready, timeout_s=self.cfg.rollout.weights_timeout_s, keys=self.rt.keys)
                 timings = self.engine.update_weights(ready.version, tensors=tensors)
         except ArealError as exc:
             self.log.error("rollout.weights_failed", version=ready.version, error=str(exc))

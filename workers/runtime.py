@@ -32,9 +32,11 @@ from typing import Any
 import zmq
 
 from areal_mq import protocol
+from areal_mq.client import send
 from areal_mq.errors import ProtocolError
 from areal_mq.events import make_logger
 from areal_mq.messages import Control, Disconnect, Error, Heartbeat, Kind, Message, Ready, WeightsReady
+from areal_mq.security import Keyring, warn_if_insecure
 
 
 @dataclass
@@ -50,14 +52,17 @@ def default_worker_id(role: str) -> str:
 
 class WorkerRuntime:
     def __init__(self, cfg: Any, role: str, service: str | None, capacity: int, worker_id: str | None = None,
-                 topics: tuple[str, ...] = ("weights", "control"), log: Any = None, install_signals: bool = True):
+                 topics: tuple[str, ...] = ("weights", "control"), log: Any = None, install_signals: bool = True,
+                 keys: Keyring | None = None):
         self.cfg, self.role, self.service, self.capacity = cfg, role, service, capacity
         self.worker_id = worker_id or default_worker_id(role)
         self.topics = topics
+        self.keys = keys or Keyring.from_config(cfg, role)
         self._sink = None
         if log is None:
-            log, self._sink = make_logger(cfg, role, self.worker_id)
+            log, self._sink = make_logger(cfg, role, self.worker_id, keys=self.keys)
         self.log = log
+        warn_if_insecure(self.keys, log)
         b = cfg.brokers
         self.heartbeat_s, self.liveness, self.backoff_max = b.heartbeat_s, b.liveness, b.reconnect_max_s
         self.max_frame_bytes = int(b.max_frame_mb * 1024 * 1024)
@@ -184,7 +189,7 @@ class WorkerRuntime:
                 pass
 
     def _connect(self) -> zmq.Socket:
-        dealer = self._ctx.socket(zmq.DEALER)
+        dealer = self.keys.client(self._ctx.socket(zmq.DEALER))
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
@@ -195,7 +200,7 @@ class WorkerRuntime:
         dealer = self._connect() if self.service else None
         sub = None
         if self.topics:
-            sub = self._ctx.socket(zmq.SUB)
+            sub = self.keys.client(self._ctx.socket(zmq.SUB))
             sub.setsockopt(zmq.LINGER, 0)
             for t in self.topics:
                 sub.setsockopt(zmq.SUBSCRIBE, t.encode())
@@ -233,12 +238,12 @@ class WorkerRuntime:
                 continue
             if now >= next_beat:
                 next_beat, beats = now + self.heartbeat_s, beats + 1
-                dealer.send_multipart(protocol.encode(Heartbeat(peer_id=self.worker_id)))
+                send(dealer, protocol.encode(Heartbeat(peer_id=self.worker_id)))
                 if self._announced and beats % self.liveness == 0:
                     # Re-announce once per liveness window: a broker restarted faster than that (our socket
                     # reconnected silently) or one that dropped us during a stall answers heartbeats from
                     # anyone, so without this it would never learn about us again. Harmless when registered.
-                    dealer.send_multipart(protocol.encode(self._ready_msg()))
+                    send(dealer, protocol.encode(self._ready_msg()))
             if now - last_heard > self.heartbeat_s * self.liveness:
                 poller.unregister(dealer)
                 dealer.close(0)
@@ -252,7 +257,7 @@ class WorkerRuntime:
                 with self._lock:
                     self._in_flight.clear()  # the old broker's jobs are resubmitted by their clients
                 if self._announced:
-                    dealer.send_multipart(protocol.encode(self._ready_msg()))
+                    send(dealer, protocol.encode(self._ready_msg()))
                 last_heard = time.monotonic()
             elif now - last_heard < self.heartbeat_s * 2:
                 backoff = self.heartbeat_s
@@ -260,10 +265,12 @@ class WorkerRuntime:
     def _flush_outbox(self, dealer: zmq.Socket) -> None:
         while True:
             try:
-                frames = self._outbox.get_nowait()
-            except queue.Empty:
+                frames = self._outbox.queue[0]  # peek: only a sent message leaves the outbox
+            except IndexError:
                 return
-            dealer.send_multipart(frames, copy=False)
+            if not send(dealer, frames):
+                return  # no connection now (broker down or refusing us): keep it for the next round
+            self._outbox.get_nowait()
 
     def _drain_dealer(self, dealer: zmq.Socket, last_heard: float) -> float:
         while True:
@@ -277,7 +284,7 @@ class WorkerRuntime:
             except ProtocolError as exc:
                 self.log.warning(f"{self.role}.bad_job", code=exc.code, error=str(exc))
                 if exc.msg_id:  # answer it so the client is not left waiting
-                    dealer.send_multipart(protocol.error_reply(exc), copy=False)
+                    send(dealer, protocol.error_reply(exc))
                 continue
             if env.kind == Kind.HEARTBEAT:
                 continue

@@ -201,9 +201,9 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     if trainer.is_main:
         rt = WorkerRuntime(cfg, role="trainer", service=None, capacity=0, worker_id=worker_id, topics=("control",))
         rt.start()
-        store = StoreClient(cfg.brokers.store_addr, heartbeat_s=cfg.brokers.heartbeat_s)
-        bus = SignalPublisher(cfg.brokers.bus_in_addr)
-        publisher = WeightPublisher(cfg.trainer, cfg.run.run_dir)
+        store = StoreClient(cfg.brokers.store_addr, keys=rt.keys, heartbeat_s=cfg.brokers.heartbeat_s)
+        bus = SignalPublisher(cfg.brokers.bus_in_addr, keys=rt.keys)
+        publisher = WeightPublisher(cfg.trainer, cfg.run.run_dir, keys=rt.keys, log=rt.log)
         time.sleep(0.3)  # let the PUB socket connect before the first WeightsReady
     worker = TrainerWorker(cfg, trainer, store, bus, publisher, rt)
     try:

@@ -6,7 +6,7 @@ import pytest
 from areal_mq.client import JobClient
 from areal_mq.config import load_config
 
-from .procs import Procs, wait_for, write_config
+from .procs import Procs, keys, wait_for, write_config
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def cfg(config_path):
 
 
 def broker_up(cfg, timeout: float = 20.0) -> None:
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=cfg.brokers.heartbeat_s)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg), heartbeat_s=cfg.brokers.heartbeat_s)
     try:
         client.stats(timeout=timeout)
     finally:
@@ -42,11 +42,11 @@ def broker(procs, config_path, cfg):
 
 
 def worker_count(cfg, service: str) -> int:
-    client = JobClient(cfg.brokers.job_addr)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg))
     try:
         return sum(1 for w in client.stats(5)["workers"].values() if w["service"] == service)
     finally:
         client.close()
 
 
-__all__ = ["wait_for", "worker_count", "broker_up"]
+__all__ = ["wait_for", "worker_count", "broker_up", "keys"]

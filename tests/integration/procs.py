@@ -1,4 +1,4 @@
-"""Helpers for integration tests: free ports, run configs, and processes stopped by PID."""
+"""Helpers for integration tests: free ports, run configs (with the run's CURVE keys), processes stopped by PID."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from areal_mq.security import Keyring, generate_keys
 
 
 def free_ports(n: int) -> list[int]:
@@ -34,9 +36,16 @@ def write_config(tmp_path: Path, extra: dict | None = None, name: str = "config.
     }
     for section, values in (extra or {}).items():
         data.setdefault(section, {}).update(values)
+    if not data.get("security", {}).get("insecure"):
+        generate_keys(Path(data["run"]["run_dir"]) / "keys")  # what the launcher does for a run
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def keys(cfg, role: str = "observer") -> Keyring:
+    """The run's key of `role` (the identity a test client speaks with)."""
+    return Keyring.from_config(cfg, role)
 
 
 class Procs:

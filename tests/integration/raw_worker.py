@@ -6,12 +6,16 @@ protocol document is enough to implement a peer in another language; keep it fre
 Rewards, by `task`: "exact" -> 1.0 if the stripped completion equals str(reference) else 0.0;
 "length" -> len(completion). Any other task is answered with error code "job_failed".
 
+CURVE (docs/protocol.md §2.1): with `--keys DIR` it authenticates with DIR/reward.key_secret against the
+brokers' DIR/broker.key, read as the text files they are (no helper library).
+
 Run: python tests/integration/raw_worker.py tcp://127.0.0.1:5555 [--worker-id raw-0] [--capacity 2]
-     [--heartbeat-s 1.0] [--liveness 5]      (--heartbeat-s 0 sends no heartbeats: a test of liveness)
+     [--heartbeat-s 1.0] [--liveness 5] [--keys RUN_DIR/keys]  (--heartbeat-s 0: no heartbeats, a liveness test)
 """
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import time
 import uuid
@@ -27,6 +31,15 @@ def pack(kind: str, body: dict, reply_to: str = "") -> list[bytes]:
     header = {"v": PROTOCOL_VERSION, "kind": kind, "id": uuid.uuid4().hex, "reply_to": reply_to,
               "service": "", "body": body, "arrays": []}
     return [msgpack.packb(header, use_bin_type=True)]
+
+
+def read_key(path: str, which: str) -> bytes:
+    """The Z85 `public-key` or `secret-key` of a ZeroMQ certificate file (docs/protocol.md §2.1)."""
+    with open(path) as f:
+        found = re.search(which + r'\s*=\s*"([^"]{40})"', f.read())
+    if not found:
+        raise SystemExit(f"{path}: no {which}")
+    return found.group(1).encode()
 
 
 def score(task: str, completion: str, reference) -> float:
@@ -53,8 +66,10 @@ def answer(header: dict, worker_id: str) -> list[bytes]:
 
 
 class RawWorker:
-    def __init__(self, address: str, worker_id: str, capacity: int, heartbeat_s: float, liveness: int):
+    def __init__(self, address: str, worker_id: str, capacity: int, heartbeat_s: float, liveness: int,
+                 keys_dir: str | None = None):
         self.address, self.worker_id, self.capacity = address, worker_id, capacity
+        self.keys_dir = keys_dir
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.ctx = zmq.Context()
         self.sock = None
@@ -64,6 +79,11 @@ class RawWorker:
     def connect(self) -> None:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if self.keys_dir:
+            own = f"{self.keys_dir}/reward.key_secret"
+            self.sock.curve_secretkey = read_key(own, "secret-key")
+            self.sock.curve_publickey = read_key(own, "public-key")
+            self.sock.curve_serverkey = read_key(f"{self.keys_dir}/broker.key", "public-key")
         self.sock.connect(self.address)
         self.ready()
 
@@ -129,8 +149,9 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=2)
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     parser.add_argument("--liveness", type=int, default=5)
+    parser.add_argument("--keys", default=None, help="key directory (CURVE); plaintext without it")
     args = parser.parse_args()
-    worker = RawWorker(args.address, args.worker_id, args.capacity, args.heartbeat_s, args.liveness)
+    worker = RawWorker(args.address, args.worker_id, args.capacity, args.heartbeat_s, args.liveness, args.keys)
 
     def stop(*_):
         worker.stopping = True

@@ -6,6 +6,7 @@ serves un-acked samples again; a late joiner gets the retained WeightsReady; ful
 """
 from __future__ import annotations
 
+import pathlib
 import signal
 
 import msgpack
@@ -20,11 +21,11 @@ from areal_mq.messages import Error, RewardJob, RewardResult, Sample, SeqSample,
 from areal_mq.workers.runtime import WorkerRuntime
 
 from .conftest import broker_up, wait_for, worker_count
-from .procs import write_config
+from .procs import keys, write_config
 
 
-def _raw_dealer(addr):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+def _raw_dealer(addr, cfg):
+    sock = keys(cfg, "controller").client(zmq.Context.instance().socket(zmq.DEALER))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(addr)
@@ -61,7 +62,7 @@ def test_bad_input_gets_an_error_and_the_broker_keeps_serving(procs, small_frame
         "too_large": protocol.encode(RewardJob(task="t", completions=["a"], meta={"x": np.zeros(5000, np.int32)}),
                                      service="echo"),
     }
-    sock = _raw_dealer(cfg.brokers.job_addr)
+    sock = _raw_dealer(cfg.brokers.job_addr, cfg)
     try:
         for code, frames in bad_cases.items():
             sock.send_multipart([bytes(memoryview(f)) for f in frames])
@@ -75,7 +76,6 @@ def test_bad_input_gets_an_error_and_the_broker_keeps_serving(procs, small_frame
     finally:
         sock.close(0)
     events = (cfg.run.run_dir + "/events")
-    import pathlib
     logged = "".join(p.read_text() for p in pathlib.Path(events).glob("broker-*.jsonl"))
     assert logged.count("broker.bad_message") >= len(bad_cases)
 
@@ -84,7 +84,7 @@ def test_full_queue_refuses_with_a_clear_error(procs, small_frames):
     cfg = load_config(small_frames)
     procs.start(["broker", "--config", str(small_frames)], "broker")
     broker_up(cfg)
-    client = JobClient(cfg.brokers.job_addr)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"))
     try:
         ids = [client.submit(RewardJob(task="t", completions=["a"]), service="nobody") for _ in range(3)]
         got = wait_for(lambda: client.poll(0.2), 10, what="queue_full error")
@@ -100,7 +100,7 @@ def test_worker_killed_mid_job_job_completes_once_elsewhere(broker, procs, confi
     workers = {f"echo-{i}": procs.start(["worker", "echo", "--config", str(config_path), "--worker-id", f"echo-{i}"],
                                         f"echo{i}", env) for i in range(2)}
     wait_for(lambda: worker_count(cfg, "echo") == 2, 30, what="two echo workers")
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=0.2)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=0.2)
     try:
         job_id = client.submit(RewardJob(task="t", completions=["abcd"]), service="echo")
 
@@ -134,24 +134,25 @@ def test_broker_restart_workers_rejoin_and_unacked_samples_return(procs, config_
     broker_up(cfg)
     procs.start(["worker", "echo", "--config", str(config_path), "--worker-id", "echo-r"], "echo")
     wait_for(lambda: worker_count(cfg, "echo") == 1, 30, what="echo worker")
-    store = StoreClient(cfg.brokers.store_addr)
+    store = StoreClient(cfg.brokers.store_addr, keys=keys(cfg, "controller"))
+    trainer = StoreClient(cfg.brokers.store_addr, keys=keys(cfg, "trainer"))
     try:
         for i in range(4):
             assert store.put(_sample(i)).info["duplicate"] is False
-        first = store.get_batch(2, version=0)
-        store.ack(first)
-        leased = store.get_batch(2, version=0)  # served, never acked: the trainer "crashes"
+        first = trainer.get_batch(2, version=0)
+        trainer.ack(first)
+        leased = trainer.get_batch(2, version=0)  # served, never acked: the trainer "crashes"
         assert {s.sample_id for s in leased.samples} == {"s2", "s3"}
         procs.stop(broker, signal.SIGKILL)
         procs.start(["broker", "--config", str(config_path)], "broker2")
         broker_up(cfg)
         wait_for(lambda: worker_count(cfg, "echo") == 1, 30, what="worker to re-register by itself")
-        again = store.get_batch(2, version=0, wait_s=2)
+        again = trainer.get_batch(2, version=0, wait_s=2)
         assert {s.sample_id for s in again.samples} == {"s2", "s3"}
         assert store.put(_sample(0)).info["duplicate"] is True  # acked ids stay known after replay
-        store.ack(again)
-        assert store.get_batch(1, version=0, wait_s=0.3).samples == []
-        client = JobClient(cfg.brokers.job_addr)
+        trainer.ack(again)
+        assert trainer.get_batch(1, version=0, wait_s=0.3).samples == []
+        client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"))
         try:
             msg = client.wait(client.submit(RewardJob(task="t", completions=["xy"]), service="echo"), 15)
             assert msg.rewards == [2.0]
@@ -159,33 +160,42 @@ def test_broker_restart_workers_rejoin_and_unacked_samples_return(procs, config_
             client.close()
     finally:
         store.close()
+        trainer.close()
 
 
 def test_store_drops_stale_samples_with_reason(broker, cfg):
-    store = StoreClient(cfg.brokers.store_addr)
+    store = StoreClient(cfg.brokers.store_addr, keys=keys(cfg, "controller"))
+    trainer = StoreClient(cfg.brokers.store_addr, keys=keys(cfg, "trainer"))
     try:
         store.put(_sample(1, version=0))
         store.put(_sample(2, version=3))
-        batch = store.get_batch(1, version=4, max_staleness=2, wait_s=1)
+        batch = trainer.get_batch(1, version=4, max_staleness=2, wait_s=1)
         assert [s.sample_id for s in batch.samples] == ["s2"] and batch.dropped_stale == 1
         stats = store.stats()
         assert stats["counters"]["dropped_stale"] == 1 and stats["drops_by_length"] == {"0-31": 1}
     finally:
         store.close()
+        trainer.close()
+
+
+def _vdir(cfg, name):
+    return str(pathlib.Path(cfg.run.run_dir, "weights", name).resolve())
 
 
 def test_late_joiner_gets_the_retained_weights(broker, cfg):
-    pub = SignalPublisher(cfg.brokers.bus_in_addr)
-    early = WorkerRuntime(cfg, role="early", service=None, capacity=1, install_signals=False)
+    pub = SignalPublisher(cfg.brokers.bus_in_addr, keys=keys(cfg, "trainer"))
+    early = WorkerRuntime(cfg, role="early", service=None, capacity=1, install_signals=False,
+                          keys=keys(cfg, "rollout"))
     late = None
     try:
         assert early.start(wait_weights_s=10).mode == "base"  # nothing published yet: the base model
         for v in (1, 2):
-            wait_for(lambda: pub.publish("weights", WeightsReady(version=v, path=f"/w/{v}")) or
+            wait_for(lambda: pub.publish("weights", WeightsReady(version=v, path=_vdir(cfg, f"v{v}"))) or
                      (early.next_signal(0.1) or None), 10, what=f"weights v{v} delivered")
-        late = WorkerRuntime(cfg, role="late", service=None, capacity=1, install_signals=False)
+        late = WorkerRuntime(cfg, role="late", service=None, capacity=1, install_signals=False,
+                             keys=keys(cfg, "rollout"))
         got = late.start(wait_weights_s=10)
-        assert got is not None and got.version == 2 and got.path == "/w/2"
+        assert got is not None and got.version == 2 and got.path == _vdir(cfg, "v2")
     finally:
         pub.close()
         early.close()
@@ -194,17 +204,19 @@ def test_late_joiner_gets_the_retained_weights(broker, cfg):
 
 
 def test_resumed_trainer_announcing_an_older_version_is_followed(broker, cfg):
-    pub = SignalPublisher(cfg.brokers.bus_in_addr)
-    early = WorkerRuntime(cfg, role="early", service=None, capacity=1, install_signals=False)
+    pub = SignalPublisher(cfg.brokers.bus_in_addr, keys=keys(cfg, "trainer"))
+    early = WorkerRuntime(cfg, role="early", service=None, capacity=1, install_signals=False,
+                          keys=keys(cfg, "rollout"))
     late = None
     try:
         early.start(wait_weights_s=10)
-        for v, path in ((3, "/w/3"), (1, "/w/1-resumed")):
+        for v, path in ((3, _vdir(cfg, "v3")), (1, _vdir(cfg, "v1"))):
             wait_for(lambda: pub.publish("weights", WeightsReady(version=v, path=path)) or
                      (early.next_signal(0.1) or None), 10, what=f"weights v{v} delivered")
-        late = WorkerRuntime(cfg, role="late", service=None, capacity=1, install_signals=False)
+        late = WorkerRuntime(cfg, role="late", service=None, capacity=1, install_signals=False,
+                             keys=keys(cfg, "rollout"))
         got = late.start(wait_weights_s=10)
-        assert got.version == 1 and got.path == "/w/1-resumed"
+        assert got.version == 1 and got.path == _vdir(cfg, "v1")
     finally:
         pub.close()
         early.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from areal_mq.client import JobClient
 from areal_mq.messages import RewardJob, RewardResult
 
-from .conftest import wait_for, worker_count
+from .conftest import keys, wait_for, worker_count
 
 
 def test_jobs_round_trip_through_two_workers(broker, procs, config_path, cfg):
@@ -12,7 +12,7 @@ def test_jobs_round_trip_through_two_workers(broker, procs, config_path, cfg):
     for i in range(2):
         procs.start(["worker", "echo", "--config", str(config_path), "--worker-id", f"echo-{i}"], f"echo{i}", env)
     wait_for(lambda: worker_count(cfg, "echo") == 2, 30, what="two echo workers")
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=0.2)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=0.2)
     try:
         ids = {client.submit(RewardJob(task="t", completions=["x" * i]), service="echo"): i for i in range(1, 21)}
         got = {}

@@ -8,7 +8,7 @@ import sys
 from areal_mq.client import JobClient
 from areal_mq.messages import RewardJob
 
-from .conftest import wait_for, worker_count
+from .conftest import keys, wait_for, worker_count
 
 
 def _tail(*args, timeout=60):
@@ -24,12 +24,12 @@ def test_tail_from_files_and_bus_with_filters(broker, procs, config_path, cfg):
                     {"AREAL_ECHO_CAPACITY": "1", "AREAL_ECHO_DELAY_S": "0.05"})
     wait_for(lambda: worker_count(cfg, "echo") == 2, 30, what="echo workers")
     live = subprocess.Popen([sys.executable, "-m", "areal_mq.cli", "events", "tail", "--bus", cfg.brokers.bus_out_addr,
-                             "--event", "echo.job_done", "--json", "--duration", "12"],
+                             "--event", "echo.job_done", "--json", "--duration", "12", "--keys", cfg.run.run_dir + "/keys"],
                             stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         import time
         time.sleep(2.5)  # let the live subscriber connect before events flow
-        client = JobClient(cfg.brokers.job_addr)
+        client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"))
         ids = [client.submit(RewardJob(task="t", completions=["a"]), service="echo") for _ in range(6)]
         got = []
         wait_for(lambda: got.extend(client.poll(0.2)) or len(got) == 6, 30, what="jobs")

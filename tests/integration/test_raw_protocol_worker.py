@@ -22,7 +22,7 @@ from areal_mq.client import JobClient
 from areal_mq.errors import JobFailed
 from areal_mq.messages import MESSAGE_TYPES, Error, GenerateRequest, RewardJob, RewardResult, SamplingSpec, SeqSample
 
-from .conftest import broker_up, wait_for
+from .conftest import broker_up, keys, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RAW_WORKER = ROOT / "tests" / "integration" / "raw_worker.py"
@@ -38,7 +38,7 @@ def raw_workers(tmp_path, cfg):
         log = open(tmp_path / f"{worker_id}.log", "wb")
         proc = subprocess.Popen([sys.executable, str(RAW_WORKER), cfg.brokers.job_addr, "--worker-id", worker_id,
                                  "--heartbeat-s", str(cfg.brokers.heartbeat_s), "--liveness",
-                                 str(cfg.brokers.liveness), *extra],
+                                 str(cfg.brokers.liveness), "--keys", cfg.run.run_dir + "/keys", *extra],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
         started.append(proc)
         return proc
@@ -55,7 +55,7 @@ def raw_workers(tmp_path, cfg):
 
 
 def broker_stats(cfg) -> dict:
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=cfg.brokers.heartbeat_s)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
     try:
         return client.stats(5)
     finally:
@@ -78,7 +78,7 @@ def test_raw_worker_serves_reward_jobs_from_job_client(broker, cfg, raw_workers)
     raw_workers("raw-0")
     wait_for(lambda: "raw-0" in registered(cfg), 30, what="raw worker registered")
     assert registered(cfg)["raw-0"]["service"] == "reward"
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=cfg.brokers.heartbeat_s)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
     try:
         jobs = {}
         for i in range(12):
@@ -105,7 +105,7 @@ def test_raw_worker_serves_reward_jobs_from_job_client(broker, cfg, raw_workers)
 def test_raw_worker_error_reply_reaches_client_as_error(broker, cfg, raw_workers):
     raw_workers("raw-err")
     wait_for(lambda: "raw-err" in registered(cfg), 30, what="raw worker registered")
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=cfg.brokers.heartbeat_s)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
     try:
         job_id = client.submit(RewardJob(task="exact", completions=["1"], reference=None, meta={"x": 1}))
         got: dict = {}
@@ -134,7 +134,7 @@ def test_heartbeats_keep_raw_worker_registered_and_silence_drops_it(broker, cfg,
         time.sleep(hb)
     stats = broker_stats(cfg)
     assert stats["counters"].get("workers_lost", 0) == 1
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=hb)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=hb)
     try:
         msg = client.wait(client.submit(RewardJob(task="length", completions=["four"])), 20)
         assert msg.rewards == [4.0] and msg.worker_id == "raw-beating"
@@ -159,7 +159,7 @@ def test_raw_worker_rejoins_a_restarted_broker(broker, procs, config_path, cfg, 
     broker_up(cfg)
     # However fast the restart, the worker re-announces itself (READY once per liveness window, §5.4).
     wait_for(lambda: "raw-rejoin" in registered(cfg), 30, what="raw worker re-registered")
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=cfg.brokers.heartbeat_s)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
     try:
         assert client.wait(client.submit(RewardJob(task="length", completions=["ab"])), 20).rewards == [2.0]
     finally:

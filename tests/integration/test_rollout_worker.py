@@ -10,7 +10,7 @@ from areal_mq.client import JobClient
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, SamplingSpec
 
 from .conftest import wait_for, worker_count
-from .procs import write_config
+from .procs import keys, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_bad_requests_get_errors_and_the_worker_keeps_serving(procs, tiny_config
     broker_up(cfg)
     _start(procs, tiny_config, 1)
     wait_for(lambda: worker_count(cfg, "generate") == 1, 120, interval=0.5, what="rollout worker")
-    client = JobClient(cfg.brokers.job_addr)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"))
     try:
         bad = {
             "empty": GenerateRequest(prompt_ids=[], sampling=SamplingSpec(max_new_tokens=4)),
@@ -67,7 +67,7 @@ def test_killed_rollout_worker_requests_finish_elsewhere(procs, tiny_config):
     broker_up(cfg)
     _start(procs, tiny_config, 2)
     wait_for(lambda: worker_count(cfg, "generate") == 2, 120, interval=0.5, what="two rollout workers")
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=0.2)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=0.2)
     try:
         ids = [client.submit(GenerateRequest(prompt_ids=[5, 6, 7], sampling=SamplingSpec(
             max_new_tokens=400, ignore_eos=True, seed=i)), service="generate") for i in range(8)]

@@ -21,7 +21,7 @@ from areal_mq.weights import load_published
 from tests.unit.algorithms.batches import make_samples
 
 from .conftest import broker_up
-from .procs import wait_for, write_config
+from .procs import keys, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 START_S = 240  # a trainer process imports torch and loads the model: generous on a loaded machine
@@ -63,9 +63,9 @@ def test_train_checkpoint_sigterm_resume_and_shutdown(tmp_path, procs):
     run_dir = tmp_path / "run"
     procs.start(["broker", "--config", str(path)], "broker")
     broker_up(cfg)
-    store = StoreClient(cfg.brokers.store_addr)
-    sub = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",))
-    bus = SignalPublisher(cfg.brokers.bus_in_addr)
+    store = StoreClient(cfg.brokers.store_addr, keys=keys(cfg, "controller"))
+    sub = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",), keys=keys(cfg))
+    bus = SignalPublisher(cfg.brokers.bus_in_addr, keys=keys(cfg, "launcher"))
     try:
         trainer = procs.start(["worker", "trainer", "--config", str(path)], "trainer")
         for v in (1, 2, 3):
@@ -109,14 +109,14 @@ def test_zmq_weights_are_fetched_from_the_live_trainer(tmp_path, procs):
     path, cfg = _config(tmp_path, publish_mode="zmq", publish_dtype="float32")
     procs.start(["broker", "--config", str(path)], "broker")
     broker_up(cfg)
-    store = StoreClient(cfg.brokers.store_addr)
-    sub = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",))
+    store = StoreClient(cfg.brokers.store_addr, keys=keys(cfg, "controller"))
+    sub = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",), keys=keys(cfg))
     try:
         trainer = procs.start(["worker", "trainer", "--config", str(path)], "trainer")
         _put(store, 0, "z1")
         ready = _next_ready(sub, 1, START_S)
         assert ready.mode == "zmq" and ready.endpoint.startswith("tcp://127.0.0.1:")
-        tensors = load_published(ready, timeout_s=60)
+        tensors = load_published(ready, timeout_s=60, keys=keys(cfg, "rollout"))
         assert tensors["model.embed_tokens.weight"].shape[0] == 49152
         assert procs.stop(trainer, signal.SIGTERM, timeout=120) == 0, procs.log(trainer)[-3000:]
     finally:
@@ -137,8 +137,8 @@ def test_two_rank_worker_under_accelerate_launch(tmp_path, procs):
     run_dir = tmp_path / "run"
     procs.start(["broker", "--config", str(path)], "broker")
     broker_up(cfg)
-    store = StoreClient(cfg.brokers.store_addr)
-    sub = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",))
+    store = StoreClient(cfg.brokers.store_addr, keys=keys(cfg, "controller"))
+    sub = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",), keys=keys(cfg))
     log = open(tmp_path / "ddp-trainer.log", "wb")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
