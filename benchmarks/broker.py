@@ -15,7 +15,10 @@ What it measures, in one run, on free loopback ports (all peers are real process
 The broker runs as `python -m areal_mq.cli broker --config ...`; the echo worker and the swarm are
 benchmarks/broker_peers.py (raw pyzmq + msgpack, so the peers cost as little as possible).
 
-    python benchmarks/broker.py [--quick] [--json PATH] [--profile] [--workers 1000]
+    python benchmarks/broker.py [--quick] [--json PATH] [--profile] [--workers 1000] [--security curve|off]
+
+Every socket uses CURVE, as a real run does (`--security off`: plaintext; benchmarks/security.py compares
+the two side by side).
 
 `--quick` finishes in under a minute on 2 cores; `--profile` runs the broker under cProfile and prints its
 hot spots. The table at the end has each figure next to its target; benchmarks/RESULTS.md records runs.
@@ -43,6 +46,7 @@ from common import cpu_seconds, free_ports
 from areal_mq import protocol
 from areal_mq.client import JobClient
 from areal_mq.messages import GenerateRequest, SamplingSpec
+from areal_mq.security import Keyring, generate_keys
 
 HERE = Path(__file__).resolve().parent
 TARGETS = {"routed_vs_direct_throughput": 0.4, "store_mb_s": 500.0, "routed_p99_ms_at_half_peak": 5.0,
@@ -77,12 +81,16 @@ def log(text: str) -> None:
 class Cluster:
     """The broker and peer processes of one benchmark run; every one is stopped by PID."""
 
-    def __init__(self, workdir: Path, profile: bool):
+    def __init__(self, workdir: Path, profile: bool, secure: bool = True):
         job, bus_in, bus_out, store, self.direct_port = free_ports(5)
         self.workdir, self.procs, self.profile_path = workdir, {}, None
+        self.keys_dir = workdir / "run" / "keys" if secure else None
+        if secure:
+            generate_keys(self.keys_dir)
         cfg = {"run": {"name": "bench", "run_dir": str(workdir / "run")},
                "brokers": {"job_port": job, "bus_in_port": bus_in, "bus_out_port": bus_out, "store_port": store,
                            "heartbeat_s": 1.0, "liveness": 5},
+               "security": {"insecure": not secure},
                "events": {"console": "off", "to_bus": False}}
         self.config = workdir / "broker.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
@@ -102,7 +110,12 @@ class Cluster:
         return self.procs[name]
 
     def start_peer(self, name: str, args: list[str]) -> subprocess.Popen:
-        return self.start(name, [sys.executable, str(HERE / "broker_peers.py"), *args])
+        keys = ["--keys", str(self.keys_dir)] if self.keys_dir else []
+        return self.start(name, [sys.executable, str(HERE / "broker_peers.py"), *args, *keys])
+
+    def keys(self, role: str) -> Keyring:
+        """The identity a benchmark client speaks with (plaintext when the cluster is insecure)."""
+        return Keyring.load(self.keys_dir, role) if self.keys_dir else Keyring.insecure(role)
 
     def cpu_snapshot(self) -> np.ndarray:
         """CPU seconds so far of the broker, the echo worker and this (client) process."""
@@ -110,7 +123,7 @@ class Cluster:
                          time.process_time()])
 
     def stats(self) -> dict:
-        client = JobClient(self.job_addr)
+        client = JobClient(self.job_addr, keys=self.keys("observer"))
         try:
             return client.stats(timeout=30)
         finally:
@@ -150,8 +163,11 @@ class Cluster:
 class Pipe:
     """A DEALER sending GenerateRequest-shaped jobs (real protocol frames) and timing their answers."""
 
-    def __init__(self, ctx: zmq.Context, address: str, tokens: int):
+    def __init__(self, ctx: zmq.Context, address: str, tokens: int, keys: Keyring | None = None,
+                 server: str = "broker"):
         self.sock = ctx.socket(zmq.DEALER)
+        if keys is not None:
+            keys.client(self.sock, server)
         for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
             self.sock.setsockopt(opt, val)
         self.sock.connect(address)
@@ -222,7 +238,9 @@ def pct(lats: np.ndarray, q: float) -> float:
 def alternate(cluster: Cluster, tokens: int, rounds: int, jobs: int, window: int, what: str) -> dict:
     """Alternating routed/direct pipeline rounds: median rates, and the routed/direct ratio of each pair."""
     ctx = zmq.Context.instance()
-    pipes = {"routed": Pipe(ctx, cluster.job_addr, tokens), "direct": Pipe(ctx, cluster.direct_addr, tokens)}
+    me = cluster.keys("controller")
+    pipes = {"routed": Pipe(ctx, cluster.job_addr, tokens, me),
+             "direct": Pipe(ctx, cluster.direct_addr, tokens, me, "echo")}
     rates: dict[str, list[float]] = {"routed": [], "direct": []}
     lats: dict[str, list] = {"routed": [], "direct": []}
     cpu = {m: np.zeros(3) for m in rates}  # broker, echo worker, client CPU seconds
@@ -260,7 +278,8 @@ def latency_at_half_peak(cluster: Cluster, segments: int, jobs: int) -> dict:
     the routed peak afresh (a short pipeline burst), then runs both modes (alternating order) at half of it.
     """
     ctx = zmq.Context.instance()
-    pipes = {"routed": Pipe(ctx, cluster.job_addr, 512), "direct": Pipe(ctx, cluster.direct_addr, 512)}
+    me = cluster.keys("controller")
+    pipes = {"routed": Pipe(ctx, cluster.job_addr, 512, me), "direct": Pipe(ctx, cluster.direct_addr, 512, me, "echo")}
     lats: dict[str, list] = {"routed": [], "direct": []}
     rates = []
     try:
@@ -296,7 +315,7 @@ def store_throughput(cluster: Cluster, samples: int) -> dict:
     put_s, errors = [], []
 
     def produce() -> None:
-        client = StoreClient(cluster.store_addr, heartbeat_s=1.0)
+        client = StoreClient(cluster.store_addr, keys=cluster.keys("controller"), heartbeat_s=1.0)
         try:
             for _ in range(samples):
                 t = time.perf_counter()
@@ -307,7 +326,7 @@ def store_throughput(cluster: Cluster, samples: int) -> dict:
         finally:
             client.close()
 
-    consumer, get_s = StoreClient(cluster.store_addr, heartbeat_s=1.0), []
+    consumer, get_s = StoreClient(cluster.store_addr, keys=cluster.keys("trainer"), heartbeat_s=1.0), []
     producer = threading.Thread(target=produce, name="store-producer")
     t0 = time.perf_counter()
     producer.start()
@@ -347,7 +366,7 @@ def swarm_cpu(cluster: Cluster, workers: int, window_s: float, jobs: int) -> dic
     time.sleep(window_s)
     loaded = (cpu_seconds(broker_pid) - c0) / (time.monotonic() - t0)
     still = sum(1 for x in cluster.stats()["workers"].values() if x["service"] == "idle")
-    pipe = Pipe(zmq.Context.instance(), cluster.job_addr, 512)
+    pipe = Pipe(zmq.Context.instance(), cluster.job_addr, 512, cluster.keys("controller"))
     try:
         rate, _ = pipe.pipeline(jobs, WINDOW)
     finally:
@@ -369,7 +388,8 @@ def check(value: float, target: float, larger_is_better: bool = True) -> str:
     return "yes" if ok else "NO"
 
 
-def build_report(quick: bool, small: dict, lat: dict, large: dict, store: dict, swarm: dict) -> dict:
+def build_report(quick: bool, small: dict, lat: dict, large: dict, store: dict, swarm: dict,
+                 security: str = "curve") -> dict:
     ratio = float(np.median(small["pair_ratios"]))
     large_mb = {m: large[m]["round_trips_s"] * large["payload_bytes"] / 1e6 for m in ("routed", "direct")}
     results = [
@@ -379,7 +399,7 @@ def build_report(quick: bool, small: dict, lat: dict, large: dict, store: dict, 
         {"name": "sample_store_64mib_arrays", **store, "target_mb_s": TARGETS["store_mb_s"]},
         {"name": "heartbeat_swarm", **swarm, "target_cpu_share": TARGETS["broker_cpu_share_1000_workers"]},
     ]
-    return {"benchmark": "broker", "quick": quick, "machine": machine(), "results": results,
+    return {"benchmark": "broker", "quick": quick, "machine": machine(), "results": results, "security": security,
             "ratios": {"routed_vs_direct_throughput": ratio},
             "targets": {"routed_vs_direct_throughput": TARGETS["routed_vs_direct_throughput"]}}
 
@@ -423,7 +443,7 @@ def print_profile(path: Path, top: int = 25) -> None:
 def run(args: argparse.Namespace, workdir: Path) -> dict:
     q = 0 if args.quick else 1
     size = {k: v[q] for k, v in SIZES.items()}
-    cluster = Cluster(workdir, args.profile)
+    cluster = Cluster(workdir, args.profile, secure=args.security == "curve")
     try:
         cluster.start_peer("echo", ["echo", cluster.job_addr, cluster.direct_addr, "--heartbeat-s", "1.0"])
         cluster.wait_workers(lambda w: "bench-echo" in w, "echo worker registered")
@@ -436,7 +456,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         cluster.close()
     if cluster.profile_path and cluster.profile_path.exists():
         print_profile(cluster.profile_path)
-    return build_report(args.quick, small, lat, large, store, swarm)
+    return build_report(args.quick, small, lat, large, store, swarm, args.security)
 
 
 def main() -> None:
@@ -445,6 +465,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="Write the results here.")
     parser.add_argument("--profile", action="store_true", help="Run the broker under cProfile; print hot spots.")
     parser.add_argument("--workers", type=int, default=1000, help="Heartbeating workers in the CPU phase.")
+    parser.add_argument("--security", choices=("curve", "off"), default="curve",
+                        help="CURVE on every socket (as in a run), or plaintext.")
     args = parser.parse_args()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="areal-broker-bench-") as tmp:

@@ -25,6 +25,7 @@ import time
 import msgpack
 import numpy as np
 import zmq
+import zmq.auth
 
 REPLY_TOKENS = 512
 _LOGPROBS = np.zeros(REPLY_TOKENS, np.float32).tobytes()
@@ -60,17 +61,26 @@ def echo_reply(frames: list, ids: itertools.count) -> list | None:
             _LOGPROBS[:n * 4], _VERSIONS[:n * 4]]
 
 
-def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+def _socket(ctx: zmq.Context, kind: int, keys_dir: str | None = None, server: bool = False) -> zmq.Socket:
+    """A socket with the benchmark's options; with `keys_dir`, CURVE as the run's `echo` key (a client of the
+    brokers, or with `server` the CURVE server of the direct path)."""
     sock = ctx.socket(kind)
+    if keys_dir:
+        public, secret = zmq.auth.load_certificate(f"{keys_dir}/echo.key_secret")
+        sock.curve_secretkey, sock.curve_publickey = secret, public
+        if server:
+            sock.curve_server = True
+        else:
+            sock.curve_serverkey = zmq.auth.load_certificate(f"{keys_dir}/broker.key")[0]
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     return sock
 
 
-def run_echo(job_addr: str, direct_addr: str, heartbeat_s: float, capacity: int) -> None:
+def run_echo(job_addr: str, direct_addr: str, heartbeat_s: float, capacity: int, keys_dir: str | None) -> None:
     ctx, stopper, ids = zmq.Context(), Stopper(), itertools.count()
-    router, dealer = _socket(ctx, zmq.ROUTER), _socket(ctx, zmq.DEALER)
+    router, dealer = _socket(ctx, zmq.ROUTER, keys_dir, server=True), _socket(ctx, zmq.DEALER, keys_dir)
     router.bind(direct_addr)
     dealer.connect(job_addr)
     ready = header("ready", "ready-0", {"service": "bench", "capacity": capacity, "worker_id": "bench-echo",
@@ -112,12 +122,12 @@ def run_echo(job_addr: str, direct_addr: str, heartbeat_s: float, capacity: int)
     ctx.term()
 
 
-def run_swarm(job_addr: str, workers: int, heartbeat_s: float) -> None:
+def run_swarm(job_addr: str, workers: int, heartbeat_s: float, keys_dir: str | None) -> None:
     ctx, stopper = zmq.Context(), Stopper()
     ctx.set(zmq.MAX_SOCKETS, workers + 64)
     socks, poller = [], zmq.Poller()
     for i in range(workers):
-        sock = _socket(ctx, zmq.DEALER)
+        sock = _socket(ctx, zmq.DEALER, keys_dir)
         sock.connect(job_addr)
         sock.send(header("ready", f"ready-{i}", {"service": "idle", "capacity": 1, "worker_id": f"swarm-{i}",
                                                  "role": "idle"}))
@@ -155,16 +165,18 @@ def main() -> None:
     e.add_argument("job_addr")
     e.add_argument("direct_addr")
     e.add_argument("--heartbeat-s", type=float, default=1.0)
-    e.add_argument("--capacity", type=int, default=10_000)
+    e.add_argument("--capacity", type=int, default=4096)  # brokers.max_worker_capacity
     s = sub.add_parser("swarm")
     s.add_argument("job_addr")
     s.add_argument("--workers", type=int, default=1000)
     s.add_argument("--heartbeat-s", type=float, default=1.0)
+    for p in (e, s):
+        p.add_argument("--keys", default=None, help="run key directory: CURVE as its echo key (plaintext without)")
     args = parser.parse_args()
     if args.cmd == "echo":
-        run_echo(args.job_addr, args.direct_addr, args.heartbeat_s, args.capacity)
+        run_echo(args.job_addr, args.direct_addr, args.heartbeat_s, args.capacity, args.keys)
     else:
-        run_swarm(args.job_addr, args.workers, args.heartbeat_s)
+        run_swarm(args.job_addr, args.workers, args.heartbeat_s, args.keys)
 
 
 if __name__ == "__main__":
