@@ -16,9 +16,9 @@ import zmq
 
 from areal_mq import protocol
 from areal_mq.errors import BrokerUnavailable, JobFailed, ProtocolError
-from areal_mq.security import Keyring
 from areal_mq.messages import (Ack, BatchAck, Error, GetBatch, Heartbeat, Kind, Message, Sample, SampleBatch,
                                Stats, StatsRequest)
+from areal_mq.security import Keyring
 
 
 def _dealer(ctx: zmq.Context, address: str, keys: Keyring | None) -> zmq.Socket:

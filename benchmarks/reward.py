@@ -38,6 +38,7 @@ from areal_mq.client import JobClient
 from areal_mq.messages import RewardJob, RewardResult
 from areal_mq.rewards import RewardConfig, RewardExecutor
 from areal_mq.rewards.math_rewards import math_reward
+from areal_mq.security import Keyring, generate_keys
 
 TARGETS = {"two_vs_one_worker": 1.6, "routed_vs_direct": 0.5}
 SIZES = {"rounds": (5, 9), "jobs": (40, 80)}  # quick, full; 4 completions per job
@@ -121,13 +122,14 @@ class Routed:
                "reward": {"cache_size": 0, "timeout_s": 60}}
         self.config = workdir / "bench.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
+        generate_keys(workdir / "run" / "keys")  # CURVE on every socket, as in a run
         self.addr = f"tcp://127.0.0.1:{ports[0]}"
         self.workdir, self.procs = workdir, []
         self._start("broker", ["broker", "--config", str(self.config)])
         for n in (1, 2):
             self._start(f"reward-{n}", ["reward", "serve", "math", "--config", str(self.config),
                                         "--service", f"reward-{n}", "--processes", str(n)])
-        self.client = JobClient(self.addr)
+        self.client = JobClient(self.addr, keys=Keyring.load(workdir / "run" / "keys", "controller"))
         self._wait_workers()
 
     def _start(self, name: str, args: list[str]) -> None:
