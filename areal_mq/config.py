@@ -290,6 +290,11 @@ def documented_yaml(cfg: BaseModel, indent: int = 0) -> str:
 
 
 def _plain(value: Any) -> Any:
+    """YAML-safe value: models (also inside dicts and lists, e.g. reward.tasks) become plain dicts."""
     if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
+        return value.model_dump(mode="json", exclude_defaults=True)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
     return value
