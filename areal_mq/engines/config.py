@@ -49,6 +49,10 @@ class EngineConfig(BaseModel):
         description="Default seed for requests without one (mixed with the request id, so each request gets "
                     "its own stream and runs are reproducible). None: fresh randomness.",
     )
+    step_delay_s: float = Field(
+        0.0, ge=0, le=10,
+        description="Diagnostics and tests only: sleep this long after every decoding step of the torch engine, so "
+                    "generation is slower than a training step by construction (0 = off).")
     weights_timeout_s: float = Field(60.0, gt=0, description="Deadline for fetching published weights (zmq mode).")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: time to finish running sequences before handing them back.")
     vllm: VllmEngineConfig = Field(

@@ -154,6 +154,8 @@ class TorchEngine(Engine):
         self._prefill()
         finished = self._decode()
         self.counters["steps"] += 1
+        if self.cfg.step_delay_s:
+            time.sleep(self.cfg.step_delay_s)  # test knob: generation slower than training, deterministically
         return finished
 
     def _admit(self) -> None:

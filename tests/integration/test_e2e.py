@@ -52,9 +52,11 @@ def _events(run_dir: Path, name: str) -> list[dict]:
 
 def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
     run_dir = tmp_path / "async"
-    # generation slower than a training step (long sequences, two slots), so updates land mid-generation
+    # generation slower than a training step by construction: every decoding step of the 160-token sequences
+    # takes >= 25 ms (rollout.step_delay_s, a test knob), so a group takes >= 4 s on its two slots while a tiny
+    # model's training step takes well under a second; the next group is already decoding when v+1 lands
     done = _run(run_dir, "controller.total_steps=6", "controller.max_new_tokens=160", "controller.max_staleness=3",
-                "controller.max_concurrent_groups=8", "rollout.max_concurrent=2")
+                "controller.max_concurrent_groups=8", "rollout.max_concurrent=2", "rollout.step_delay_s=0.025")
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
