@@ -107,7 +107,8 @@ class TrainerWorker:
         if self.main:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-        self.log_info("trainer.step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()})
+        self.log_info("trainer.step", sample_ids=[s.sample_id for s in samples],  # what the chaos audit reads
+                      **{k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()})
         every = self.cfg.trainer.checkpoint_every
         if every == 0:
             self.ack_all()
