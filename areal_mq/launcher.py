@@ -4,7 +4,8 @@ What: writes the resolved config into the run directory (picking free loopback p
 ones are taken), starts each process with its log in run_dir/logs/, divides CPU threads between them
 (`launcher.threads`), shows live progress, and stops everything cleanly.
 Why a supervisor: a child that dies is reported by name with its exit status, the reason from its log and
-the log's path; it is restarted (`launcher.on_child_death: restart`, up to `max_restarts`) or the run stops.
+the log's path; it is restarted (`launcher.on_child_death: restart`, up to `max_restarts`; the broker
+included) or the run stops.
 Ctrl-C (SIGINT) asks the trainer to checkpoint (Control "checkpoint" then "shutdown") and waits for it.
 The run ends when the trainer exits after `controller.total_steps` versions.
 Security: `prepare` creates the run's CURVE key set in run_dir/keys (0700) unless it exists or
@@ -137,15 +138,30 @@ class Launcher:
                 continue  # the controller stops by itself once the last version is reached
             reason = describe_exit(code, child.log_path)
             lc = self.cfg.launcher
-            if lc.on_child_death == "restart" and child.restarts < lc.max_restarts and child.role != "broker":
+            # the broker too: its sample store replays its log, workers re-register and clients resubmit
+            if lc.on_child_death == "restart" and child.restarts < lc.max_restarts:
                 child.restarts += 1
                 self.say(f"[yellow]{child.name} died ({reason}); restarting ({child.restarts}/{lc.max_restarts}). "
                          f"Log: {child.log_path}[/]")
+                self.event("launcher.child_restarted", child=child.name, role=child.role, pid=child.proc.pid,
+                           reason=reason, restarts=child.restarts)
                 self.start(child)
                 continue
             self.failure = f"{child.name} died ({reason}). Log: {child.log_path}"
+            self.event("launcher.child_died", child=child.name, role=child.role, reason=reason)
             return "failed"
         return None
+
+    def event(self, name: str, **fields: Any) -> None:
+        """One line in run_dir/events/launcher.jsonl (read by `areal-mq events tail RUN_DIR` like any other)."""
+        import json
+
+        folder = self.run_dir / "events"
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"ts": time.time(), "level": "warning", "event": name, "role": "launcher", "worker_id": "launcher",
+                  "pid": os.getpid(), **fields}
+        with open(folder / "launcher.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def say(self, text: str) -> None:
         if self.console is not None:
