@@ -8,7 +8,6 @@ import os
 import stat
 
 import pytest
-import torch
 import zmq
 
 from areal_mq.algorithms.config import TrainerConfig
@@ -125,6 +124,7 @@ def run_keys(tmp_path):
 
 
 def test_weight_server_serves_only_known_keys_of_allowed_roles(run_keys, tmp_path):
+    torch = pytest.importorskip("torch")
     server = WeightServer(keys=Keyring.load(run_keys, "trainer"))
     try:
         ready = server.publish(1, {"w": torch.arange(6, dtype=torch.float32)})
@@ -145,6 +145,7 @@ def test_weight_server_serves_only_known_keys_of_allowed_roles(run_keys, tmp_pat
 
 def test_fetch_from_an_impostor_server_fails(run_keys, tmp_path):
     """An endpoint that is not the trainer's key cannot complete the handshake: nothing is loaded."""
+    torch = pytest.importorskip("torch")
     impostor_dir = tmp_path / "impostor"
     generate_keys(impostor_dir, ["trainer"])
     server = WeightServer(keys=Keyring.load(impostor_dir, "trainer"))
