@@ -160,7 +160,33 @@ class RunConfig(_Section):
                 f"({self.controller.temperature}): behaviour logprobs are log_softmax(logits / T) at the sampling "
                 "temperature, and the trainer recomputes them the same way")
         self._check_exposure()
+        self._configure_reward_task()
         return self
+
+    def _configure_reward_task(self) -> None:
+        """The controller's reward task becomes a configured task of the reward workers when no entry (nor '*')
+        covers it. Decided here, from the trusted config: a reward worker never resolves a task name that
+        arrives in a job (that would let any peer name code to run)."""
+        from areal_mq.rewards.config import TaskConfig
+
+        task, tasks = self.controller.reward_task, self.reward.tasks
+        if task not in tasks and "*" not in tasks:
+            tasks[task] = TaskConfig(fn=task)
+
+    def _check_exposure(self) -> None:
+        from areal_mq.security import is_loopback
+
+        if not self.security.insecure:
+            return
+        hosts = {"brokers.host": self.brokers.host, "trainer.weight_server_host": self.trainer.weight_server_host}
+        exposed = {k: v for k, v in hosts.items() if not is_loopback(v)}
+        if exposed:
+            raise ConfigError(
+                f"security.insecure with non-loopback addresses ({', '.join(f'{k}={v}' for k, v in exposed.items())}): "
+                "unauthenticated sockets off this host would let anyone stop workers or publish weights. Use keys "
+                "(`areal-mq keys generate DIR`, security.keys_dir) or bind 127.0.0.1")
+
+
 
     def _check_exposure(self) -> None:
         from areal_mq.security import is_loopback

@@ -47,6 +47,7 @@ class TaskPlan:
     kwargs: dict
     default: float
     bridge: HttpRewardBridge | None = None
+    protected: frozenset = frozenset()  # parameters a job's meta may not set (the functions' declared ones)
 
 
 @dataclass
@@ -162,13 +163,12 @@ class RewardExecutor:
             hit = self._plans.get(task)
         if hit is not None:
             return hit
+        # A task name comes off the wire: it may only select a task this worker's configuration defines. It is
+        # never resolved as a registry name or import path itself (a job naming "os:execl" must not run code).
         tcfg = self.cfg.tasks.get(task) or self.cfg.tasks.get("*")
         if tcfg is None:
-            if task not in self.registry.names() and ":" not in task:
-                raise RewardError(f"unknown reward task {task!r}: not in reward.tasks "
-                                  f"({sorted(self.cfg.tasks) or 'none'}) and no registered function of that name "
-                                  f"({', '.join(self.registry.names())}), nor an import path 'pkg.module:function'")
-            tcfg = TaskConfig(fn=task)
+            raise RewardError(f"unknown reward task {str(task)[:80]!r}: this worker serves "
+                              f"{sorted(self.cfg.tasks) or 'no tasks'}; define it under reward.tasks")
         plan = self._build_plan(task, tcfg)
         with self._lock:
             self._plans[task] = plan
@@ -188,7 +188,10 @@ class RewardExecutor:
         if tcfg.combine and any(fn.group for fn in resolved):
             raise RewardError(f"reward task {task!r}: combine takes per-sample functions only, "
                               f"{[f.name for f in resolved if f.group]} are group functions")
-        return TaskPlan(task, refs, resolved[0].group and not tcfg.combine, dict(tcfg.kwargs), default)
+        protected = frozenset().union(*(fn.params for fn in resolved)) - {"prompt", "completion", "completions",
+                                                                           "reference"}
+        return TaskPlan(task, refs, resolved[0].group and not tcfg.combine, dict(tcfg.kwargs), default,
+                        protected=protected | frozenset(tcfg.kwargs))
 
     # ------------------------------------------------------------------ submit
     def submit(self, job: RewardJob, job_id: str | None = None) -> Future:
@@ -228,7 +231,10 @@ class RewardExecutor:
         return self.submit(job, job_id).result(timeout)
 
     def _meta(self, st: JobState, truncated) -> dict:
-        return {**st.job.meta, "prompt_id": st.job.prompt_id, "truncated": truncated, **st.plan.kwargs}
+        """Keyword arguments of a call. A job's `meta` comes off the wire: it may not set a parameter the
+        function declares (e.g. the code reward's `sandbox` limits) nor a configured kwarg; such keys are dropped."""
+        job_meta = {k: v for k, v in st.job.meta.items() if k not in st.plan.protected}
+        return {**job_meta, "prompt_id": st.job.prompt_id, "truncated": truncated, **st.plan.kwargs}
 
     def _cache_key(self, st: JobState, payload) -> tuple:
         prompt_key = st.job.prompt_id or hashlib.sha1(

@@ -20,7 +20,9 @@ from areal_mq.errors import BrokerUnavailable, JobFailed
 from areal_mq.messages import Control, Error, Ready, RewardJob, Sample, SeqSample, WeightsReady
 from areal_mq.security import Keyring, generate_keys
 
-from .conftest import keys, wait_for, worker_count
+from areal_mq.config import load_config
+
+from .conftest import broker_up, keys, wait_for, worker_count
 
 
 def _sample(i: int) -> Sample:
@@ -166,3 +168,37 @@ def test_roles_may_only_say_what_they_own(cfg, broker):
         assert isinstance(got, Error) and got.code == "forbidden", (role, msg.kind, got)
         assert got.message
     assert worker_count(cfg, "generate") == 0
+
+
+def test_reward_job_naming_code_runs_nothing(procs, tmp_path):
+    """The audit's RCE: a RewardJob with task "os:execl" made `areal-mq worker reward` exec a program. A task
+    name from the wire selects only a configured task; this one gets bad_request and nothing runs."""
+    from .procs import write_config
+
+    path = write_config(tmp_path, {"reward": {"processes": 1, "retries": 0, "tasks": {"arith": {"fn": "arith"}}}})
+    cfg = load_config(path)
+    procs.start(["broker", "--config", str(path)], "broker")
+    broker_up(cfg)
+    procs.start(["worker", "reward", "--config", str(path), "--worker-id", "rw-sec"], "reward")
+    wait_for(lambda: worker_count(cfg, "reward") == 1, 60, what="reward worker")
+    marker = tmp_path / "pwned"
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
+    try:
+        hostile = {  # os.execl(prompt, completion, reference) = exec touch MARKER in the pool process
+            "os:execl": RewardJob(task="os:execl", prompt="/usr/bin/touch", completions=["touch"],
+                                  reference=str(marker)),
+            "a .py path": RewardJob(task=f"{Path(__file__).with_name('reward_fns.py')}:slow", completions=["x"]),
+            "a module path": RewardJob(task="areal_mq.rewards.arith:arith_reward", completions=["x"]),
+            "a registry name not configured": RewardJob(task="math", completions=["x"]),
+        }
+        for what, job in hostile.items():
+            with pytest.raises(JobFailed, match=r"\[bad_request\] unknown reward task") as err:
+                client.wait(client.submit(job, service="reward"), 30)
+            assert job.task[:60] in str(err.value), what
+        good = client.wait(client.submit(RewardJob(task="arith", completions=["\\boxed{4}"], reference=4),
+                                         service="reward"), 30)
+        assert good.rewards == [1.0]  # the worker still serves
+    finally:
+        client.close()
+    time.sleep(0.5)
+    assert not marker.exists(), "a task name from the wire ran code"

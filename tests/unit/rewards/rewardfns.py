@@ -65,3 +65,8 @@ def rank(prompt, completions, reference, **meta):
 @group_reward
 def short_group(prompt, completions, reference, **meta):
     return [1.0]
+
+
+def echo_limits(prompt, completion, reference, *, limit=1.0, **meta):
+    """Reports the `limit` it was called with and what else reached **meta (tests of what a job may set)."""
+    return {"reward": float(limit), "meta_keys": sorted(meta)}
