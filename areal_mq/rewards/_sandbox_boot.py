@@ -10,10 +10,12 @@ Two processes:
       writes an "exit" line (exit code, signal, CPU seconds) on the status pipe. When boot exits the
       kernel kills whatever the program left behind in the namespace.
   runner: sets rlimits (CPU, address space, processes, file size, open files), switches to a fresh
-      unprivileged uid, installs an audit hook that refuses sockets and writes outside the directory,
-      runs the program then each top-level test statement, and writes a "result" line.
-Both lines carry the nonce given on stdin, so a program that exits early or prints lookalike lines
-does not pass. (It is not proof against a program that reads the runner's own memory for the nonce.)
+      unprivileged uid, sets PR_SET_NO_NEW_PRIVS, loads a seccomp filter (libseccomp) that refuses new
+      namespaces, mounts, ptrace and other kernel-level escapes, installs an audit hook that refuses sockets
+      and writes outside the directory, runs the program, then the test steps: statements to execute and
+      probes (expressions) whose values it writes back as plain data ("probe" lines).
+The runner never decides whether a test passed: areal_mq/rewards/sandbox_tests.py judges the values in the
+reward worker, and the expected values of the asserts never enter this process.
 """
 import ast
 import ctypes
@@ -78,6 +80,10 @@ def isolate_filesystem(cfg):
         extra = sum(flag for name, flag in (("nosuid", MS_NOSUID), ("nodev", MS_NODEV), ("noexec", MS_NOEXEC))
                     if name in opts)
         _mount(libc, None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | extra, None)
+    for point in cfg["mask"]:  # host temp and run directories: empty, root-owned, read-only for the program
+        if os.path.isdir(point):
+            _mount(libc, "tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,mode=0755")
+    os.makedirs(cfg["dir"], mode=0o700, exist_ok=True)
     uid = cfg["uid"] if cfg["uid"] is not None else 0
     _mount(libc, "tmpfs", cfg["dir"], "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={cfg['disk_mb']}m,mode=0700,uid={uid},gid={uid}")
@@ -95,6 +101,83 @@ def apply_limits(cfg):
         os.setgroups([])
         os.setgid(cfg["uid"])
         os.setuid(cfg["uid"])
+
+
+SECCOMP_DENY = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "ptrace", "process_vm_readv",
+                "process_vm_writev", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+                "bpf", "perf_event_open", "keyctl", "add_key", "request_key", "userfaultfd", "open_by_handle_at",
+                "name_to_handle_at", "fsopen", "fsmount", "fsconfig", "move_mount", "open_tree", "fspick",
+                "mount_setattr", "swapon", "swapoff", "reboot", "settimeofday", "clock_settime", "acct",
+                "quotactl", "syslog", "iopl", "ioperm", "personality", "shmget", "shmat", "semget", "msgget")
+# CLONE_NEWUSER, NEWNS, NEWNET, NEWPID, NEWIPC, NEWUTS, NEWCGROUP
+CLONE_NS_FLAGS = (0x10000000, 0x00020000, 0x40000000, 0x20000000, 0x08000000, 0x04000000, 0x02000000)
+
+
+class _ArgCmp(ctypes.Structure):  # struct scmp_arg_cmp
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
+
+
+def install_seccomp():
+    """Refuse (EPERM) the syscalls of SECCOMP_DENY and clone() with any CLONE_NEW* flag; clone3 gets ENOSYS
+    (its flags live in memory a filter cannot read; libc then falls back to clone). Raises when libseccomp is
+    missing or the filter does not load: the caller fails closed."""
+    lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    lib.seccomp_init.restype, lib.seccomp_init.argtypes = ctypes.c_void_p, [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(_ArgCmp)]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    allow, errno_of = 0x7FFF0000, (lambda e: 0x00050000 | e)
+    ctx = lib.seccomp_init(allow)
+    if not ctx:
+        raise OSError("seccomp_init failed")
+
+    def rule(name, action, cmp=None):
+        nr = lib.seccomp_syscall_resolve_name(name.encode())
+        if nr < 0:
+            return  # not a syscall on this architecture
+        n = 0 if cmp is None else 1
+        arr = (_ArgCmp * 1)(cmp) if cmp is not None else None
+        if lib.seccomp_rule_add_array(ctx, action, nr, n, arr) != 0:
+            raise OSError(f"seccomp rule for {name} failed")
+
+    for name in SECCOMP_DENY:
+        rule(name, errno_of(1))
+    for flag in CLONE_NS_FLAGS:  # SCMP_CMP_MASKED_EQ (7): (flags & flag) == flag; rules of one syscall OR together
+        rule("clone", errno_of(1), _ArgCmp(0, 7, flag, flag))
+    rule("clone3", errno_of(38))
+    if lib.seccomp_load(ctx) != 0:
+        raise OSError("seccomp_load failed")
+
+
+def encode_value(v, depth=0, budget=None):
+    """A plain value as tagged JSON for the judge (exact builtin types only: a subclass with a custom
+    __eq__ must not pass for an int). Raises TypeError for anything else."""
+    budget = budget if budget is not None else [100_000]
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 20:
+        raise TypeError("value too large or too deep to send")
+    t = type(v)
+    if v is None:
+        return {"n": None}
+    if t is bool:
+        return {"b": v}
+    if t is int:
+        return {"i": v} if abs(v) < 1 << 63 else {"s": str(v)}
+    if t is float:
+        return {"f": v if v == v and v not in (float("inf"), float("-inf")) else repr(v)}
+    if t is str:
+        return {"s": v[:100_000]}
+    if t is bytes:
+        return {"y": v[:50_000].hex()}
+    if t in (list, tuple, set, frozenset):
+        tag = {list: "l", tuple: "t"}.get(t, "set")
+        return {tag: [encode_value(x, depth + 1, budget) for x in v]}
+    if t is dict:
+        return {"d": [[encode_value(k, depth + 1, budget), encode_value(x, depth + 1, budget)] for k, x in v.items()]}
+    raise TypeError(f"a {t.__name__} is not a plain value (int, float, bool, str, bytes, None, list, tuple, "
+                    "dict, set)")
 
 
 def make_guard(root, violations, deny_processes):
@@ -138,6 +221,11 @@ def classify(exc, violations):
         return "network_blocked"
     if isinstance(exc, OSError) and exc.errno in (30, 13):  # EROFS, EACCES
         return "write_blocked"
+    if isinstance(exc, OSError) and exc.errno in (1, 3, 38):  # EPERM (seccomp, another user's process), ESRCH
+        # (a process outside the pid namespace is invisible), ENOSYS (clone3)
+        return "syscall_blocked"
+    if isinstance(exc, TypeError) and "is not a plain value" in str(exc):
+        return "bad_result_type"
     if isinstance(exc, SyntaxError):
         return "syntax_error"
     if isinstance(exc, AssertionError):
@@ -145,30 +233,32 @@ def classify(exc, violations):
     return "error"
 
 
-def run_tests(cfg, report):
+def run_steps(cfg, send):
+    """The program, then the test steps; each probe's values (or its error) go back as one line."""
     violations = []
     sys.addaudithook(make_guard(os.path.realpath(cfg["dir"]), violations, cfg["deny_processes"]))
     ns = {"__name__": "solution", "__builtins__": __builtins__}
-    passed, total, failures = 0, 0, []
     try:
         exec(compile(cfg["program"], os.path.join(cfg["dir"], "solution.py"), "exec"), ns)
-        tests = ast.parse(cfg["tests"], "tests.py").body
     except BaseException as exc:  # noqa: BLE001 - any failure of the candidate is reported, not raised
-        return report(stage="program", reason=classify(exc, violations), exc=_fmt(exc),
-                      tb=traceback.format_exc(limit=-3), violations=violations)
-    for node in tests:
-        is_test = isinstance(node, ast.Assert)
-        total += is_test
+        return send(kind="stopped", stage="program", line=0, reason=classify(exc, violations), exc=_fmt(exc))
+    for step in cfg["steps"]:
         try:
-            exec(compile(ast.Module([node], []), "tests.py", "exec"), ns)
-            passed += is_test
+            if step["kind"] == "exec":
+                exec(compile(step["src"], "tests.py", "exec"), ns)
+                continue
+            values = [encode_value(eval(compile(e, "tests.py", "eval"), ns)) for e in step["exprs"]]
         except BaseException as exc:  # noqa: BLE001
-            failures.append({"line": node.lineno, "reason": classify(exc, violations), "exc": _fmt(exc)})
-            if not isinstance(exc, AssertionError):
-                break
-    reason = failures[0]["reason"] if failures else ("passed" if total else "no_tests")
-    return report(stage="tests", reason=reason, passed=passed, total=total, failures=failures[:5],
-                  violations=violations)
+            if step["kind"] == "exec":
+                return send(kind="stopped", stage="tests", line=step["line"], reason=classify(exc, violations),
+                            exc=_fmt(exc))
+            send(kind="probe", id=step["id"], error=_fmt(exc), reason=classify(exc, violations))
+            if not isinstance(exc, (AssertionError, TypeError, ValueError, ArithmeticError, LookupError,
+                                    AttributeError, NameError)):
+                return None
+            continue
+        send(kind="probe", id=step["id"], values=values)
+    return send(kind="done")
 
 
 def _fmt(exc):
@@ -178,23 +268,30 @@ def _fmt(exc):
 def runner(cfg, status_fd):
     me = os.getpid()
 
-    def report(**fields):
+    def send(**fields):
         if os.getpid() == me:  # forked copies of the program never report
             for stream in (sys.stdout, sys.stderr):  # os._exit below would drop buffered output
                 try:
                     stream.flush()
                 except Exception:  # noqa: BLE001 - the program may have closed or replaced them
                     pass
-            line = json.dumps({"kind": "result", "nonce": cfg["nonce"], **fields})[:20000]
-            os.write(status_fd, line.encode() + b"\n")
+            line = json.dumps({"nonce": cfg["nonce"], **fields})
+            os.write(status_fd, (line if len(line) < 400_000 else json.dumps(
+                {"nonce": cfg["nonce"], "kind": "probe", "id": fields.get("id"), "error": "value too large to send",
+                 "reason": "bad_result_type"})).encode() + b"\n")
 
     try:
         apply_limits(cfg)
+        if cfg["seccomp"]:
+            ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary gives privileges back
+            install_seccomp()
         os.chdir(cfg["dir"])
         os.umask(0o077)
-        run_tests(cfg, report)
-    except BaseException as exc:  # noqa: BLE001
-        report(stage="setup", reason="sandbox_error", exc=_fmt(exc))
+    except BaseException as exc:  # noqa: BLE001 - fail closed: nothing of the program runs
+        send(kind="stopped", stage="setup", line=0, reason="sandbox_error", exc=_fmt(exc))
+        os._exit(0)
+    try:
+        run_steps(cfg, send)
     finally:
         os._exit(0)
 

@@ -32,10 +32,12 @@ class SandboxConfig(BaseModel):
     max_processes: int = Field(16, ge=1, description="Process limit (RLIMIT_NPROC) of the sandbox user; stops fork bombs.")
     max_output_bytes: int = Field(65536, ge=1024, description="stdout+stderr beyond this kills the run (reason output_limit).")
     disk_mb: int = Field(32, ge=1, description="Size of the private tmpfs working directory (namespace isolation only).")
-    isolation: Literal["auto", "namespaces", "rlimits"] = Field(
+    isolation: Literal["auto", "namespaces", "rlimits", "unsafe"] = Field(
         "auto",
-        description="namespaces: fresh network+mount+pid namespaces via `unshare` (needs root); rlimits: limits and "
-        "in-process guards only; auto: namespaces when the OS allows, else rlimits.",
+        description="namespaces: fresh network+IPC+mount+pid namespaces via `unshare`, seccomp, no_new_privs (needs "
+        "root); rlimits: limits and in-process guards only, for a non-root worker (refused as root); auto: "
+        "namespaces when the OS allows, else rlimits when not root, else refuse (fail closed); unsafe: rlimits "
+        "mode even as root (debugging only: the program runs with the worker's privileges).",
     )
     site_packages: bool = Field(False, description="Let the program import installed packages (python -I -S otherwise).")
 

@@ -5,23 +5,31 @@ Python source; every top-level `assert` is one test, other statements are setup 
 Why: code rewards execute model-written programs; a reward worker must survive infinite loops, memory
 and fork bombs, network access and writes anywhere on the host, and report which one happened.
 How (isolation "namespaces", root + `unshare` available): fresh network namespace (no interfaces up, not
-even loopback), mount namespace with every mount read-only and a private size-limited tmpfs as the
-working directory, pid namespace (everything dies with its init), a fresh unprivileged uid per run
-(so RLIMIT_NPROC counts only this run's processes), rlimits on CPU, address space, file size, open files.
-Isolation "rlimits" (no root or no unshare): the same rlimits, a private temp dir, the uid switch when
-root and Python is readable by other users, and an audit hook refusing sockets and outside writes.
-Either way the wall deadline and the output cap are enforced here, and every process of the run is killed
-at the end (process group, then every process of the sandbox uid).
+even loopback), IPC namespace (SysV shared memory dies with the run), mount namespace with every mount
+read-only, the host's temporary directories and the worker's working directory hidden under empty
+root-owned tmpfs, and a private size-limited tmpfs as the only writable directory, pid namespace (nothing
+outside is visible or killable; everything dies with its init), a fresh unprivileged uid per run (so
+RLIMIT_NPROC counts only this run's processes), PR_SET_NO_NEW_PRIVS, a seccomp filter refusing new
+namespaces, mounts, ptrace and kernel-level calls, and rlimits on CPU, address space, file size, open
+files. Memory of the whole tree is bounded by memory_mb x max_processes (RLIMIT_AS per process times
+RLIMIT_NPROC), not by a cgroup.
+Fails closed: as root without namespaces (no `unshare`), isolation "auto" and "rlimits" refuse to run
+anything (`SandboxRefused`; the code reward then gives the task's default reward with the reason).
+Isolation "rlimits" is for non-root workers: rlimits, a private temp dir and an audit hook refusing
+sockets and outside writes (a ctypes call bypasses the hook; the uid's own processes are reachable).
+"unsafe" runs that mode even as root and says so: for debugging only.
+The verdict is never computed next to the program: sandbox_tests.judge compares the plain values the
+runner sends back, in this process. The wall deadline and the output cap are enforced here, and every
+process of the run is killed at the end (process group, then every process of the sandbox uid).
 
     reason: passed | tests_failed | no_tests | error | syntax_error | exited_early | timeout | cpu_limit |
-            memory_limit | process_limit | network_blocked | write_blocked | output_limit | crashed |
-            sandbox_error
+            memory_limit | process_limit | network_blocked | write_blocked | syscall_blocked |
+            bad_result_type | output_limit | crashed | sandbox_error
 
 Run: python -c "from areal_mq.rewards.sandbox import CodeSandbox; print(CodeSandbox().run('x=1', 'assert x==1'))"
 """
 from __future__ import annotations
 
-import ast
 import ctypes
 import json
 import os
@@ -36,11 +44,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from ..errors import RewardError
 from .config import SandboxConfig
+from .sandbox_tests import Plan, judge, plan_tests
 
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_boot.py")
-UNSHARE = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+UNSHARE = ["unshare", "--net", "--ipc", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
            "--propagation", "private"]
+HOST_TEMP = ("/tmp", "/var/tmp", "/dev/shm")
 MESSAGES = {
     "passed": "all tests passed", "tests_failed": "a test assertion failed", "no_tests": "no assert in the tests",
     "error": "the program raised", "syntax_error": "the program does not compile",
@@ -50,8 +61,16 @@ MESSAGES = {
     "write_blocked": "write outside the sandbox directory refused",
     "output_limit": "output limit exceeded; the run was killed",
     "exited_early": "the program exited before the tests finished", "crashed": "the program was killed by a signal",
+    "syscall_blocked": "a system call the sandbox forbids was refused (namespaces, mount, ptrace, another "
+                       "user's process, ...)",
+    "bad_result_type": "a test expression gave a value that is not plain data (int, float, bool, str, bytes, "
+                       "None, list, tuple, dict, set); it cannot be compared safely",
     "sandbox_error": "the sandbox itself failed",
 }
+
+
+class SandboxRefused(RewardError):
+    """The sandbox would not isolate the program on this machine, so it runs nothing (fails closed)."""
 
 
 @dataclass
@@ -116,24 +135,34 @@ def _uid_pids(uid: int) -> list[int]:
 class CodeSandbox:
     """Runs programs under `cfg` limits. Safe to reuse and to share between threads."""
 
-    def __init__(self, cfg: SandboxConfig | None = None):
+    def __init__(self, cfg: SandboxConfig | None = None, namespaces: bool | None = None):
+        """`namespaces`: whether namespaces work here (default: probe with `unshare`); passed in by tests."""
         self.cfg = cfg or SandboxConfig()
-        if self.cfg.isolation == "rlimits":
+        have_ns = namespaces_available() if namespaces is None else namespaces
+        root = os.geteuid() == 0
+        want = self.cfg.isolation
+        self.refusal = ""
+        if want == "unsafe":
             self.isolation = "rlimits"
-        elif namespaces_available():
+        elif want in ("auto", "namespaces") and have_ns:
             self.isolation = "namespaces"
-        elif self.cfg.isolation == "namespaces":
-            raise RuntimeError("sandbox isolation 'namespaces' needs root and a working `unshare` "
-                               "(util-linux); use isolation 'auto' or 'rlimits' here")
+        elif want == "namespaces" or root:
+            self.isolation = "refused"
+            why = {"namespaces": "namespaces need root and a working `unshare` (util-linux)",
+                   "rlimits": "this worker runs as root, so the program would run as root with every capability",
+                   "auto": "this worker runs as root and namespaces are not available (no working `unshare`), so "
+                           "the program would run as root with every capability"}[want]
+            self.refusal = (f"sandbox isolation {want!r} refused: {why}; fix the host, run the reward worker as a "
+                            "normal user, or set isolation: unsafe (debugging only)")
         else:
             self.isolation = "rlimits"
 
     def run(self, program: str, tests: str) -> SandboxResult:
-        """Run `program`, then `tests`, under the limits. Raises ValueError only for unparsable tests."""
-        try:
-            ast.parse(tests)
-        except SyntaxError as exc:
-            raise ValueError(f"the unit tests do not parse (line {exc.lineno}: {exc.msg}); fix the reference") from None
+        """Run `program`, then `tests`, under the limits. Raises ValueError for unparsable tests and
+        SandboxRefused when this machine cannot isolate the program (fail closed)."""
+        if self.refusal:
+            raise SandboxRefused(self.refusal)
+        plan = plan_tests(tests)
         ns = self.isolation == "namespaces"
         uid = None
         if os.geteuid() == 0 and (ns or _others_can_run_python()):
@@ -142,24 +171,36 @@ class CodeSandbox:
         try:
             if uid is not None:
                 os.chown(workdir, uid, uid)
-            return self._run_in(workdir, uid, program, tests)
+            return self._run_in(workdir, uid, program, plan)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def _boot_config(self, workdir, uid, program, tests, status_fd, nonce) -> dict:
+    def _boot_config(self, workdir, uid, program, plan: Plan, status_fd, nonce) -> dict:
         c = self.cfg
         ns = self.isolation == "namespaces"
         return {
-            "dir": workdir, "uid": uid, "mounts": ns,
+            "dir": workdir, "uid": uid, "mounts": ns, "seccomp": ns, "mask": self._masks() if ns else [],
             "deny_processes": uid is None and os.geteuid() == 0,  # root ignores RLIMIT_NPROC: no forks at all
             "disk_mb": c.disk_mb, "status_fd": status_fd,
-            "nonce": nonce, "program": program, "tests": tests,
+            "nonce": nonce, "program": program, "steps": plan.steps,
             "expose": [sys.base_prefix, sys.prefix] if ns else [],
             "limits": {"cpu_s": c.cpu_s, "memory_mb": c.memory_mb, "max_processes": c.max_processes,
                        "fsize_mb": c.disk_mb},
         }
 
-    def _run_in(self, workdir, uid, program, tests) -> SandboxResult:
+    @staticmethod
+    def _masks() -> list[str]:
+        """Directories the program must not read: host temp dirs and this worker's working directory (where
+        run directories live), unless one holds the Python the sandbox runs on."""
+        keep = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}
+        out = []
+        for d in (*HOST_TEMP, os.getcwd()):
+            real = os.path.realpath(d)
+            if real != "/" and not any(k == real or k.startswith(real + os.sep) for k in keep) and real not in out:
+                out.append(real)
+        return out
+
+    def _run_in(self, workdir, uid, program, plan: Plan) -> SandboxResult:
         nonce = secrets.token_hex(16)
         status_r, status_w = os.pipe()
         cmd = [sys.executable, "-I", "-B"] + ([] if self.cfg.site_packages else ["-S"]) + [BOOT]
@@ -175,7 +216,7 @@ class CodeSandbox:
         finally:
             os.close(status_w)
         try:
-            cfg = self._boot_config(workdir, uid, program, tests, status_w, nonce)
+            cfg = self._boot_config(workdir, uid, program, plan, status_w, nonce)
             try:
                 proc.stdin.write(json.dumps(cfg).encode())
                 proc.stdin.close()
@@ -187,7 +228,7 @@ class CodeSandbox:
             os.close(status_r)
             for pipe in (proc.stdout, proc.stderr):
                 pipe.close()
-        return self._result(bufs, killed, nonce, time.monotonic() - start)
+        return self._result(bufs, killed, nonce, time.monotonic() - start, plan)
 
     def _collect(self, proc, status_r, start) -> tuple[dict, str | None]:
         """Read stdout, stderr and the status pipe until all close, the deadline or the output cap."""
@@ -239,31 +280,33 @@ class CodeSandbox:
                     pass
             time.sleep(0.01)
 
-    def _result(self, bufs, killed, nonce, duration) -> SandboxResult:
+    def _result(self, bufs, killed, nonce, duration, plan: Plan) -> SandboxResult:
         out = bytes(bufs["stdout"][-4096:]).decode("utf-8", "replace")
         err = bytes(bufs["stderr"][-4096:]).decode("utf-8", "replace")
-        result, exit_line = None, None
+        lines, exit_line = [], None
         for raw in bytes(bufs["status"]).splitlines():
             try:
                 line = json.loads(raw)
             except ValueError:
                 continue
             if isinstance(line, dict) and line.get("nonce") == nonce:
-                if line.get("kind") == "result" and result is None:
-                    result = line
-                elif line.get("kind") == "exit":
+                if line.get("kind") == "exit":
                     exit_line = line
+                else:
+                    lines.append(line)
         common = {"stdout": out, "stderr": err, "duration_s": round(duration, 3), "isolation": self.isolation,
                   "cpu_s": exit_line.get("cpu_s") if exit_line else None}
         if killed:
             return SandboxResult(False, killed, f"{MESSAGES[killed]} ({self._limit_text(killed)})", **common)
-        if result is not None:
-            reason = result["reason"]
-            detail = result.get("exc") or (result["failures"][0]["exc"] if result.get("failures") else "")
+        verdict = judge(plan, lines)  # computed here, never by the program's process
+        reason = verdict["reason"]
+        if reason:
+            detail = verdict["exc"]
             msg = MESSAGES.get(reason, reason) + (f": {detail}" if detail and reason != "passed" else "")
-            return SandboxResult(reason == "passed", reason, msg, result.get("passed", 0), result.get("total", 0),
-                                 failures=result.get("failures", []), **common)
-        return SandboxResult(False, *self._exit_reason(exit_line), **common)
+            return SandboxResult(reason == "passed", reason, msg, verdict["passed"], verdict["total"],
+                                 failures=verdict["failures"], **common)
+        reason, msg = self._exit_reason(exit_line)
+        return SandboxResult(False, reason, msg, verdict["passed"], verdict["total"], **common)
 
     def _exit_reason(self, exit_line) -> tuple[str, str]:
         if exit_line is None:

@@ -18,7 +18,8 @@ LIMITS = dict(timeout_s=8.0, cpu_s=2, memory_mb=256, max_processes=12, max_outpu
 HAS_NS = namespaces_available()
 
 
-@pytest.fixture(scope="module", params=["auto", "rlimits"])
+# "rlimits" is refused as root (tests/unit/rewards/test_sandbox_hostile.py); "unsafe" is that mode on purpose
+@pytest.fixture(scope="module", params=["auto", "unsafe" if os.geteuid() == 0 else "rlimits"])
 def sandbox(request):
     return CodeSandbox(SandboxConfig(isolation=request.param, **LIMITS))
 
