@@ -21,7 +21,7 @@ from areal_mq.errors import JobFailed
 from areal_mq.messages import Error, RewardJob, RewardResult
 
 from .conftest import broker_up, wait_for, worker_count
-from .procs import write_config
+from .procs import keys, write_config
 
 ROOT = str(Path(__file__).resolve().parents[2])
 ENV = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -38,8 +38,8 @@ def _config(tmp_path, log_path, processes=1):
                                               "tasks": tasks}})
 
 
-def _dealer(addr):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+def _dealer(addr, cfg):
+    sock = keys(cfg, "controller").client(zmq.Context.instance().socket(zmq.DEALER))
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     return sock
@@ -77,7 +77,7 @@ def test_reward_worker_scores_and_reports_errors(procs, tmp_path):
     broker_up(cfg)
     procs.start(["worker", "reward", "--config", str(path), "--worker-id", "rw-1"], "reward", env=ENV)
     wait_for(lambda: worker_count(cfg, "reward") == 1, 60, what="reward worker")
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=cfg.brokers.heartbeat_s)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
     try:
         ok = client.submit(RewardJob(task="arith", prompt_id="p", completions=[r"\boxed{4}", r"\boxed{4}\boxed{4}"],
                                      reference=4, truncated=[False, False]), service="reward")
@@ -106,7 +106,7 @@ def test_kill9_mid_job_every_job_is_rewarded_exactly_once(procs, tmp_path):
     broker_up(cfg)
     victim = procs.start(["worker", "reward", "--config", str(path), "--worker-id", "victim"], "victim", env=ENV)
     wait_for(lambda: worker_count(cfg, "reward") == 1, 60, what="first reward worker")
-    sock = _dealer(cfg.brokers.job_addr)
+    sock = _dealer(cfg.brokers.job_addr, cfg)
     try:
         ids = [f"job-{i}" for i in range(10)]
         for i, job_id in enumerate(ids):
@@ -142,7 +142,7 @@ def test_reward_serve_attaches_to_a_running_broker(procs, tmp_path):
     server = procs.start(["reward", "serve", f"{FNS}:length", "--broker", cfg.brokers.job_addr,
                           "--config", str(path), "--processes", "2", "--worker-id", "ext-1"], "serve", env=ENV)
     wait_for(lambda: worker_count(cfg, "reward") == 1, 60, what="reward serve")
-    client = JobClient(cfg.brokers.job_addr, heartbeat_s=cfg.brokers.heartbeat_s)
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
     try:
         ids = [client.submit(RewardJob(task=f"any-{i}", completions=["ab", "abcd"]), service="reward")
                for i in range(4)]
