@@ -19,6 +19,9 @@ Invariants:
 - with `drop_uniform_groups`, a group whose rewards are all equal (zero advantage: no gradient) is logged
   as `controller.group_dropped` and not stored; it stops counting as submitted, so admission replaces it
   (DAPO's dynamic sampling: the trainer's steps are spent on groups that teach something);
+- every admitted group leaves the admission ledger (areal_mq/ledger.py) exactly once: stored, dropped_uniform,
+  failed, or (after it was stored) stale when the sample store drops it — the store's stats name the groups
+  it dropped, polled every few seconds — so losses never eat the staleness bound;
 - the strict per-sample staleness filter lives in the sample store (it knows the trainer's version).
 Who waits on whom: the controller waits on nobody's speed — it only stops admitting when the bound says so.
 Sync mode (`run.mode: sync`) is the classic loop: one whole batch is admitted, generated, rewarded and stored,
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_mq.ledger import AdmissionLedger
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, SamplingSpec
 from areal_mq.messages import Sample, SeqSample, length_bucket
 
@@ -66,7 +70,8 @@ class Controller:
         self.cfg, self.c = cfg, cfg.controller
         self.dataset, self.formatter, self.jobs, self.store, self.log = dataset, formatter, jobs, store, log
         self.version = 0
-        self.submitted = 0  # groups that count against the staleness bound (admitted, not dropped)
+        self.ledger = AdmissionLedger()
+        self._next_store_poll = 0.0
         self.next_group = 0  # group ids are never reused, even when a dropped group frees its place
         self.dropped = 0
         self.dropped_by_length: dict[str, int] = {}
@@ -97,7 +102,7 @@ class Controller:
     def _start_group(self, problem: Any) -> None:
         group_id = f"g{self.next_group:07d}-{problem.id}"
         self.next_group += 1
-        self.submitted += 1
+        self.ledger.admit(group_id)
         group = Group(group_id, problem, self.formatter.ids(problem))
         self.groups[group_id] = group
         for i in range(self.c.group_size):
@@ -132,6 +137,7 @@ class Controller:
         group.retries += 1
         if group.retries > self.c.max_retries:
             self.groups.pop(group.group_id, None)
+            self.ledger.settle(group.group_id, "failed")
             self.failed += 1
             self.log.error("controller.group_failed", group=group.group_id, stage=kind, reason=reason,
                            retries=group.retries - 1)
@@ -176,6 +182,7 @@ class Controller:
                         meta={"level": group.problem.level})
         self.store.put(sample)
         self.groups.pop(group.group_id, None)
+        self.ledger.settle(group.group_id, "stored")
         self.stored += 1
         self.log.info("controller.group_stored", group=group.group_id, reward_mean=reward_mean, versions=versions,
                       latency_s=round(time.monotonic() - group.submitted_at, 2))
@@ -184,13 +191,35 @@ class Controller:
     def _drop(self, group: Group, ordered: list[GenerateResult], reward_mean: float, versions: list[int]) -> None:
         """A uniform-reward group: not stored, and no longer counted against the bound (admission replaces it)."""
         self.groups.pop(group.group_id, None)
-        self.submitted -= 1
+        self.ledger.settle(group.group_id, "dropped_uniform")
         self.dropped += 1
         bucket = length_bucket(max(len(r.output_ids) for r in ordered))
         self.dropped_by_length[bucket] = self.dropped_by_length.get(bucket, 0) + 1
         self.log.info("controller.group_dropped", group=group.group_id, reason="uniform_reward",
                       reward_mean=reward_mean, versions=versions, length_bucket=bucket)
         self.save_state()
+
+    @property
+    def submitted(self) -> int:
+        """Groups that count against the staleness bound: in flight or stored (to be trained)."""
+        return self.ledger.counted
+
+    def poll_store_drops(self, every_s: float = 2.0) -> None:
+        """Settle the groups the sample store dropped as stale (they will never be trained)."""
+        now = time.monotonic()
+        if now < self._next_store_poll:
+            return
+        self._next_store_poll = now + every_s
+        try:
+            dropped = self.store.stats(timeout=5.0).get("dropped_recent", [])
+        except Exception as exc:  # a store restarting: ask again next time
+            self.log.warning("controller.store_stats_failed", error=str(exc)[:200])
+            return
+        settled = [sid for sid, _reason in dropped if self.ledger.settle(sid, "stale")]
+        if settled:
+            self.log.info("controller.groups_stale", groups=settled[:20], count=len(settled),
+                          submitted=self.submitted)
+            self.save_state()
 
     # ------------------------------------------------------------ state
     def on_weights(self, version: int) -> None:
@@ -200,7 +229,7 @@ class Controller:
 
     def save_state(self) -> None:
         state = {"dataset": self.dataset.state_dict(), "submitted": self.submitted, "next_group": self.next_group,
-                 "in_flight_problems": [g.problem.id for g in self.groups.values()]}
+                 "in_flight_problems": [g.problem.id for g in self.groups.values()], "ledger": self.ledger.state()}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(self.state_path)
@@ -211,7 +240,7 @@ class Controller:
             return []
         state = json.loads(self.state_path.read_text())
         self.dataset.load_state_dict(state["dataset"])
-        self.submitted = state["submitted"] - len(state["in_flight_problems"])
+        self.ledger.restore(state.get("ledger") or {"counted": state["submitted"] - len(state["in_flight_problems"])})
         self.next_group = state.get("next_group", state["submitted"])
         return state["in_flight_problems"]
 
@@ -220,6 +249,7 @@ class Controller:
         recent = self.rewards[-200:]
         return {"version": self.version, "submitted": self.submitted, "stored": self.stored, "failed": self.failed,
                 "dropped": self.dropped, "dropped_by_length": dict(self.dropped_by_length),
+                "ledger": self.ledger.balance(),
                 "in_flight": len(self.groups), "gen_tokens": self.gen_tokens, "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
                 "reward_mean": round(sum(recent) / len(recent), 4) if recent else None}
 
@@ -230,6 +260,7 @@ class Controller:
         for job_id, msg in self.jobs.poll(timeout):
             self.on_answer(job_id, msg)
         self._run_retries()
+        self.poll_store_drops()
 
     def done(self) -> bool:
         return self.version >= self.c.total_steps
