@@ -50,6 +50,25 @@ class BrokerConfig(_Section):
     max_worker_capacity: int = Field(4096, ge=1, description="Largest capacity a worker may announce in READY.")
     max_frame_mb: float = Field(512.0, gt=0, description="Largest accepted array frame, MiB.")
     lease_s: float = Field(900.0, gt=0, description="A served, un-acked sample batch returns to the store after this.")
+    fsync: bool = Field(
+        False, description="Sample store: fsync every log record before acknowledging it. Off: an acknowledged "
+        "sample or ack survives a crash or kill -9 of the store (the OS holds it). On: it also survives power loss "
+        "or a kernel crash, at the cost of one disk flush per put/ack (benchmarks/store.py).")
+    store_max_samples: int = Field(
+        10_000, ge=1, description="Samples the store holds (pending or leased) before it refuses a put with "
+        "Error store_full.")
+    store_max_waiters: int = Field(
+        256, ge=1, description="GetBatch requests the store keeps waiting; one more answers the oldest with an "
+        "empty batch.")
+    store_max_wait_ms: int = Field(
+        60_000, ge=0, description="Longest GetBatch timeout_ms the store honours; a longer wait ends (empty "
+        "batch) after this and the client asks again.")
+    store_max_done_ids: int = Field(
+        1_000_000, ge=1000, description="Acked or dropped sample ids the store remembers (newest first) to refuse "
+        "re-serving and to spot duplicate puts; older ones are forgotten.")
+    store_compact_mb: float = Field(
+        256.0, gt=0, description="Sample store log size, MiB, past which it is compacted (rewritten with only held "
+        "samples and remembered ids) once at least half of it is acked or dropped samples.")
     job_retry_s: float = Field(600.0, gt=0, description="Client resubmits a job unanswered this long.")
 
     def addr(self, port: int, host: str | None = None) -> str:
@@ -172,21 +191,6 @@ class RunConfig(_Section):
         task, tasks = self.controller.reward_task, self.reward.tasks
         if task not in tasks and "*" not in tasks:
             tasks[task] = TaskConfig(fn=task)
-
-    def _check_exposure(self) -> None:
-        from areal_mq.security import is_loopback
-
-        if not self.security.insecure:
-            return
-        hosts = {"brokers.host": self.brokers.host, "trainer.weight_server_host": self.trainer.weight_server_host}
-        exposed = {k: v for k, v in hosts.items() if not is_loopback(v)}
-        if exposed:
-            raise ConfigError(
-                f"security.insecure with non-loopback addresses ({', '.join(f'{k}={v}' for k, v in exposed.items())}): "
-                "unauthenticated sockets off this host would let anyone stop workers or publish weights. Use keys "
-                "(`areal-mq keys generate DIR`, security.keys_dir) or bind 127.0.0.1")
-
-
 
     def _check_exposure(self) -> None:
         from areal_mq.security import is_loopback

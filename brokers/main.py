@@ -50,9 +50,7 @@ class BrokerHost:
                                  max_capacity=b.max_worker_capacity)
             self._add(self.job, [self.job.sock], lambda s: self.job.handle())
         if "store" in only:
-            self.store = SampleStore(self.ctx, b.store_addr,
-                                     Path(cfg.run.run_dir) / "store", lease_s=b.lease_s, max_frame_bytes=max_frame,
-                                     log=log, keys=keys)
+            self.store = SampleStore.from_config(self.ctx, b, Path(cfg.run.run_dir) / "store", log=log, keys=keys)
             self._add(self.store, [self.store.sock], lambda s: self.store.handle())
         self._stop = False
 

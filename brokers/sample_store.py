@@ -12,30 +12,31 @@ Invariants:
 - a sample whose oldest generated token is older than `version - max_staleness` is never served: it is
   dropped, logged with the reason, and counted by length bucket;
 - with CURVE keys only the controller puts samples and only the trainer takes and acks them (anyone
-  authenticated may ask for stats); others get Error(forbidden).
-Log format (run_dir/store/samples.log): records of [u32 little-endian length][msgpack map]; a torn tail
-from a crash is cut off at the last complete record on replay.
+  authenticated may ask for stats); others get Error(forbidden);
+- memory is bounded: at most `max_samples` held (a put beyond: Error store_full), `max_waiters` parked
+  GetBatch requests (the oldest is answered empty), waits cut to `max_wait_ms`, the newest `max_done_ids`
+  acked/dropped ids remembered; the log is replayed record by record and compacted (live samples and the
+  remembered ids only, rewritten atomically) once it passes `compact_bytes` and is mostly dead records.
+Log format, checksums and what replay does with a damaged record: brokers/sample_log.py.
 """
 from __future__ import annotations
 
 import collections
-import os
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 
 from areal_mq import protocol
+from areal_mq.brokers.sample_log import SampleLog
 from areal_mq.errors import ProtocolError
 from areal_mq.messages import Ack, Error, Heartbeat, Kind, Sample, SampleBatch, Stats, length_bucket
 from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
-_LEN = struct.Struct("<I")
-_BIN32 = struct.Struct(">BI")  # msgpack bin 32: marker 0xc6, big-endian length
+DROPPED_RECENT = 1000  # stats()["dropped_recent"]: the controller settles the groups the store dropped
+_ID_CHUNK = 10_000  # ids per record when the log is compacted (keeps every record small)
 ACTIONS = {Kind.SAMPLE: "store:put", Kind.GET_BATCH: "store:take", Kind.BATCH_ACK: "store:take",
            Kind.STATS_REQUEST: "stats"}
 
@@ -56,103 +57,110 @@ class Waiter:
     deadline: float
 
 
-class SampleLog:
-    """Append-only record log with replay."""
-
-    def __init__(self, path: Path, fsync: bool = False):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fsync = fsync
-        self._file = None
-
-    def replay(self) -> list[dict]:
-        records: list[dict] = []
-        if not self.path.exists():
-            return records
-        data = self.path.read_bytes()
-        pos = good = 0
-        while pos + 4 <= len(data):
-            (n,) = _LEN.unpack_from(data, pos)
-            if pos + 4 + n > len(data):
-                break
-            try:
-                records.append(msgpack.unpackb(data[pos + 4:pos + 4 + n], raw=False))
-            except Exception:
-                break
-            pos += 4 + n
-            good = pos
-        if good < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-        return records
-
-    def append(self, record: dict) -> None:
-        if self._file is None:
-            self._file = open(self.path, "ab")
-        blob = msgpack.packb(record, use_bin_type=True)
-        self._file.write(_LEN.pack(len(blob)))
-        self._file.write(blob)
-        self._file.flush()
-        if self.fsync:
-            os.fsync(self._file.fileno())
-
-    def append_put(self, frames: list) -> None:
-        """The record {"op": "put", "frames": [bin, ...]}, written without copying the frames.
-
-        Same bytes as append() would write (bin32 for every frame, still valid msgpack for replay), but
-        each received buffer goes straight to the file: a 192 MB sample costs one write, not three copies.
-        """
-        buffers = [memoryview(getattr(f, "buffer", f)).cast("B") for f in frames]
-        head = (b"\x82" + msgpack.packb("op") + msgpack.packb("put") + msgpack.packb("frames")
-                + msgpack.Packer().pack_array_header(len(buffers)))
-        if self._file is None:
-            self._file = open(self.path, "ab")
-        self._file.write(_LEN.pack(len(head) + sum(5 + b.nbytes for b in buffers)))
-        self._file.write(head)
-        for buf in buffers:
-            self._file.write(_BIN32.pack(0xC6, buf.nbytes))
-            self._file.write(buf)
-        self._file.flush()
-        if self.fsync:
-            os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        if self._file:
-            self._file.close()
-
-
 class SampleStore:
     def __init__(self, ctx: zmq.Context, address: str, store_dir: str | Path, *, lease_s: float,
-                 max_frame_bytes: int, log: Any, fsync: bool = False, keys: Keyring | None = None):
+                 max_frame_bytes: int, log: Any, fsync: bool = False, keys: Keyring | None = None,
+                 max_samples: int = 10_000, max_waiters: int = 256, max_wait_ms: int = 60_000,
+                 max_done_ids: int = 1_000_000, compact_bytes: int = 256 << 20):
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a frame over the limits is dropped by libzmq, which disconnects its sender (no Error answer)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + protocol.MAX_HEADER_BYTES)
         self.secure = keys is not None and keys.secure
         if keys is not None:
             keys.server(self.sock)
         self.refusals = RateLimited(log)
         self.sock.bind(address)
         self.lease_s, self.max_frame_bytes, self.log = lease_s, max_frame_bytes, log
+        self.max_samples, self.max_waiters, self.max_wait_ms = max_samples, max_waiters, max_wait_ms
+        self.max_done_ids, self.compact_bytes = max_done_ids, compact_bytes
         self.samples: dict[str, Sample] = {}  # pending or leased, by id
+        self.record_bytes: dict[str, int] = {}  # size of each held sample's put record (live bytes of the log)
         self.pending: collections.deque[str] = collections.deque()
         self.leases: dict[str, Lease] = {}
-        self.done: set[str] = set()  # acked or dropped: never served again
+        self.done: collections.OrderedDict[str, None] = collections.OrderedDict()  # acked or dropped: never served again (the newest max_done_ids)
+        self.dropped_recent: collections.deque[tuple[str, str]] = collections.deque(maxlen=DROPPED_RECENT)
         self.waiters: list[Waiter] = []
         self.counters: collections.Counter = collections.Counter()
         self.drops_by_bucket: collections.Counter = collections.Counter()
-        self.log_file = SampleLog(Path(store_dir) / "samples.log", fsync)
+        self.log_file = SampleLog(Path(store_dir) / "samples.log", fsync, log=log)
         self._replay()
 
+    @classmethod
+    def from_config(cls, ctx: zmq.Context, b: Any, store_dir: str | Path, log: Any,
+                    keys: Keyring | None = None) -> "SampleStore":
+        """The store as `b` (a BrokerConfig) describes it."""
+        return cls(ctx, b.store_addr, store_dir, lease_s=b.lease_s, max_frame_bytes=int(b.max_frame_mb * (1 << 20)),
+                   log=log, fsync=b.fsync, keys=keys, max_samples=b.store_max_samples,
+                   max_waiters=b.store_max_waiters, max_wait_ms=b.store_max_wait_ms,
+                   max_done_ids=b.store_max_done_ids, compact_bytes=int(b.store_compact_mb * (1 << 20)))
+
+    # ------------------------------------------------------------ the log
     def _replay(self) -> None:
-        for rec in self.log_file.replay():
-            if rec["op"] == "put":
-                env = protocol.decode(rec["frames"], self.max_frame_bytes)
-                self.samples[env.msg.sample_id] = env.msg
-            else:
-                for sid in rec["ids"]:
-                    self.samples.pop(sid, None)
-                    self.done.add(sid)
+        t0 = time.monotonic()
+        for offset, nbytes, rec in self.log_file.replay():
+            try:
+                self._apply(rec, nbytes)
+            except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                self.log_file.quarantine(offset, nbytes, f"{type(exc).__name__}: {exc}")
         self.pending.extend(s for s in self.samples if s not in self.done)
-        self.log.info("store.replayed", pending=len(self.pending), done=len(self.done))
+        self.log.info("store.replayed", pending=len(self.pending), done=len(self.done), bytes=self.log_file.size,
+                      bad_records=self.log_file.bad_records, seconds=round(time.monotonic() - t0, 3))
+        if self.log_file.legacy or self.log_file.bad_records or self._compact_due():
+            self.compact()
+
+    def _apply(self, rec: Any, nbytes: int) -> None:
+        """One replayed record; raises on a record this store cannot read (the caller skips it)."""
+        op = rec["op"]
+        if op == "put":
+            sample = protocol.decode(rec["frames"], self.max_frame_bytes).msg
+            if not isinstance(sample, Sample):
+                raise TypeError(f"a put record holds a {sample.kind.value}, not a sample")
+            if sample.sample_id not in self.done:
+                self.samples[sample.sample_id] = sample
+                self.record_bytes[sample.sample_id] = nbytes
+        elif op in ("ack", "drop", "done"):
+            ids = [str(s) for s in rec["ids"]]
+            for sid in ids:
+                self._forget(sid)
+            if op == "drop":
+                self.dropped_recent.extend((sid, str(rec.get("reason", ""))) for sid in ids)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    def _forget(self, sid: str) -> None:
+        """`sid` is acked or dropped: never served again; remember only the newest max_done_ids."""
+        self.samples.pop(sid, None)
+        self.record_bytes.pop(sid, None)
+        self.done[sid] = None
+        while len(self.done) > self.max_done_ids:
+            self.done.popitem(last=False)
+
+    def _compact_due(self) -> bool:
+        size = self.log_file.size
+        return size >= self.compact_bytes and size - sum(self.record_bytes.values()) >= size // 2
+
+    def compact(self) -> None:
+        """Rewrite the log as: the held samples (put order), the remembered done ids, the recent drops."""
+        t0, before = time.monotonic(), self.log_file.size
+        recent = {sid for sid, _ in self.dropped_recent}
+        done = [sid for sid in self.done if sid not in recent]
+
+        def fill(new: SampleLog) -> None:
+            for sid, sample in self.samples.items():
+                self.record_bytes[sid] = new.append_put(protocol.encode(sample))
+            for i in range(0, len(done), _ID_CHUNK):
+                new.append({"op": "done", "ids": done[i:i + _ID_CHUNK]})
+            drops = list(self.dropped_recent)
+            for i in range(0, len(drops), _ID_CHUNK):
+                for reason in dict.fromkeys(r for _, r in drops[i:i + _ID_CHUNK]):
+                    ids = [sid for sid, r in drops[i:i + _ID_CHUNK] if r == reason]
+                    new.append({"op": "drop", "ids": ids, "reason": reason})
+
+        self.log_file.rewrite(fill)
+        self.counters["compactions"] += 1
+        self.log.info("store.log_compacted", bytes_before=before, bytes_after=self.log_file.size,
+                      samples=len(self.samples), done=len(self.done), seconds=round(time.monotonic() - t0, 3))
 
     # ------------------------------------------------------------ input
     def handle(self) -> None:
@@ -196,8 +204,15 @@ class SampleStore:
         sample: Sample = env.msg
         sid = sample.sample_id
         duplicate = sid in self.samples or sid in self.done
+        if not duplicate and len(self.samples) >= self.max_samples:
+            self.counters["store_full"] += 1
+            self.refusals.warning("store.full", key="store_full", samples=len(self.samples))
+            self._send(ident, protocol.encode(Error(code="store_full", message=(
+                f"the sample store holds {len(self.samples)} samples (brokers.store_max_samples); put this one "
+                "again once the trainer has taken some"), ref_id=env.id), reply_to=env.id))
+            return
         if not duplicate:
-            self.log_file.append_put(frames)
+            self.record_bytes[sid] = self.log_file.append_put(frames)
             self.samples[sid] = sample
             self.pending.append(sid)
             self.counters["put"] += 1
@@ -216,9 +231,10 @@ class SampleStore:
             gone = set(ids)
             self.pending = collections.deque(s for s in self.pending if s not in gone)
         for sid in ids:
-            self.done.add(sid)
-            self.samples.pop(sid, None)
+            self._forget(sid)
         self.counters["acked"] += len(ids)
+        if ids and self._compact_due():
+            self.compact()
         return len(ids)
 
     def _on_get(self, ident: bytes, req_id: str, msg: Any) -> None:
@@ -227,10 +243,14 @@ class SampleStore:
                 self._release(lease, "trainer restarted")
         if msg.skip_ids:  # ids a resumed trainer already trained on (from its checkpoint)
             self._mark_done(msg.skip_ids)
-        waiter = Waiter(ident, req_id, msg, time.monotonic() + msg.timeout_ms / 1000.0)
+        wait_ms = min(msg.timeout_ms, self.max_wait_ms)  # longer waits are cut: the client asks again
+        waiter = Waiter(ident, req_id, msg, time.monotonic() + wait_ms / 1000.0)
         if self._try_serve(waiter):
             return
-        if msg.timeout_ms > 0:
+        if wait_ms > 0:
+            if len(self.waiters) >= self.max_waiters:  # the oldest is most likely a client that went away
+                self.counters["waiters_evicted"] += 1
+                self._reply_empty(self.waiters.pop(0))
             self.waiters.append(waiter)
         else:
             self._reply_empty(waiter)
@@ -255,9 +275,11 @@ class SampleStore:
             drop = set(dropped)
             self.pending = collections.deque(s for s in self.pending if s not in drop)
             for sid in dropped:
-                self.done.add(sid)
-                self.samples.pop(sid, None)
+                self._forget(sid)
+                self.dropped_recent.append((sid, "stale"))
             self.counters["dropped_stale"] += len(dropped)
+            if self._compact_due():
+                self.compact()
         return len(dropped)
 
     def _try_serve(self, waiter: Waiter) -> bool:
@@ -312,7 +334,8 @@ class SampleStore:
     def stats(self) -> dict:
         return {"pending": len(self.pending), "leased": sum(len(l.sample_ids) for l in self.leases.values()),
                 "done": len(self.done), "waiters": len(self.waiters), "counters": dict(self.counters),
-                "drops_by_length": dict(self.drops_by_bucket)}
+                "drops_by_length": dict(self.drops_by_bucket), "log_bytes": self.log_file.size,
+                "dropped_recent": [[sid, reason] for sid, reason in self.dropped_recent]}
 
     def close(self) -> None:
         self.sock.close(0)

@@ -21,8 +21,9 @@ class _Log:
 class Running:
     """A SampleStore served by a thread; stop() joins it."""
 
-    def __init__(self, ctx, addr, store_dir, lease_s=60.0):
-        self.store = SampleStore(ctx, addr, store_dir, lease_s=lease_s, max_frame_bytes=1 << 26, log=_Log())
+    def __init__(self, ctx, addr, store_dir, lease_s=60.0, log=None, **kw):
+        kw.setdefault("max_frame_bytes", 1 << 26)
+        self.store = SampleStore(ctx, addr, store_dir, lease_s=lease_s, log=log or _Log(), **kw)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
