@@ -42,7 +42,8 @@ class BrokerHost:
         self._owner: dict = {}
         if "bus" in only:
             self.bus = SignalBus(self.ctx, b.bus_in_addr, b.bus_out_addr, max_frame_bytes=max_frame, log=log,
-                                 keys=keys, check_weights=lambda r: check_ready(r, cfg.run.run_dir, cfg.trainer))
+                                 keys=keys, check_weights=lambda r: check_ready(r, cfg.run.run_dir, cfg.trainer),
+                                 retain_path=Path(cfg.run.run_dir) / "bus" / "retained_weights.msgpack")
             self._add(self.bus, self.bus.sockets, lambda s: self.bus.handle(s))
         if "job" in only:
             self.job = JobBroker(self.ctx, b.job_addr, heartbeat_s=b.heartbeat_s, liveness=b.liveness,

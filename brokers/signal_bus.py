@@ -15,8 +15,10 @@ else is dropped (PUB/SUB has no way to answer) and logged, rate-limited; it is n
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
 from areal_mq import protocol
@@ -31,8 +33,11 @@ TOPICS = {b"weights": ("publish:weights", WeightsReady), b"control": ("publish:c
 
 class SignalBus:
     def __init__(self, ctx: zmq.Context, in_address: str, out_address: str, *, max_frame_bytes: int, log: Any,
-                 keys: Keyring | None = None, check_weights: Any = None):
-        """`check_weights(WeightsReady) -> str | None` says what is wrong with an announcement (None: fine)."""
+                 keys: Keyring | None = None, check_weights: Any = None, retain_path: Path | None = None):
+        """`check_weights(WeightsReady) -> str | None` says what is wrong with an announcement (None: fine).
+        `retain_path`: where the retained WeightsReady is kept, so a restarted bus replays the current policy
+        rather than "base" (a worker joining after a broker restart would otherwise wait for a version that
+        only the next training step brings)."""
         self.xsub = ctx.socket(zmq.XSUB)
         self.xpub = ctx.socket(zmq.XPUB)
         self.secure = keys is not None and keys.secure
@@ -49,7 +54,8 @@ class SignalBus:
         self.xpub.bind(out_address)
         self.max_frame_bytes = max_frame_bytes
         self.log = log
-        self.retained: list | None = None
+        self.retain_path = retain_path
+        self.retained: list | None = self._load_retained()
         self.forwarded = 0
 
     @property
@@ -80,6 +86,7 @@ class SignalBus:
             # the latest announcement wins, even a lower version: a trainer that resumed from a checkpoint
             # republishes its older version, and late joiners must get that policy, not the lost one
             self.retained = [f.bytes for f in frames]
+            self._save_retained()
             self.log.info("bus.weights_retained", version=env.msg.version, mode=env.msg.mode)
         self.forwarded += 1
         self.xpub.send_multipart(frames, copy=False)
@@ -108,6 +115,30 @@ class SignalBus:
         if data[:1] == b"\x01" and WEIGHTS.startswith(data[1:]):
             replay = self.retained or protocol.topic_frames("weights", WeightsReady(version=0, mode="base"))
             self.xpub.send_multipart(replay)
+
+    def _save_retained(self) -> None:
+        if self.retain_path is None:
+            return
+        self.retain_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.retain_path.with_suffix(".tmp")
+        tmp.write_bytes(msgpack.packb(self.retained, use_bin_type=True))
+        tmp.replace(self.retain_path)
+
+    def _load_retained(self) -> list | None:
+        """The last retained WeightsReady of this run, checked like a new publication; None if absent or bad."""
+        if self.retain_path is None or not self.retain_path.exists():
+            return None
+        try:
+            frames = msgpack.unpackb(self.retain_path.read_bytes(), raw=False)
+            _, env = protocol.decode_topic(frames, self.max_frame_bytes)
+            why = self.check_weights(env.msg) if self.check_weights and isinstance(env.msg, WeightsReady) else None
+            if not isinstance(env.msg, WeightsReady) or why:
+                raise ValueError(why or "not a WeightsReady")
+        except Exception as exc:  # noqa: BLE001 - a damaged file only loses the replay, never the bus
+            self.log.warning("bus.retained_unreadable", path=str(self.retain_path), error=str(exc)[:200])
+            return None
+        self.log.info("bus.weights_restored", version=env.msg.version, mode=env.msg.mode)
+        return frames
 
     def close(self) -> None:
         self.xsub.close(0)

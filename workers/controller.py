@@ -296,7 +296,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         last_report = time.monotonic()
         while not rt.stopping and not ctl.done():
             while (env := rt.next_signal()) is not None:
-                if isinstance(env.msg, WeightsReady):
+                # a restarted bus that lost its retained version replays "base": not a real version going back
+                if isinstance(env.msg, WeightsReady) and not (env.msg.mode == "base" and ctl.version > 0):
                     ctl.on_weights(env.msg.version)
             ctl.step()
             if time.monotonic() - last_report > 2.0:

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from areal_mq import protocol
-from areal_mq.client import JobClient, SignalPublisher, StoreClient
+from areal_mq.client import JobClient, SignalPublisher, SignalSubscriber, StoreClient
 from areal_mq.config import load_config
 from areal_mq.messages import Error, RewardJob, RewardResult, Sample, SeqSample, WeightsReady
 from areal_mq.workers.runtime import WorkerRuntime
@@ -222,3 +222,27 @@ def test_resumed_trainer_announcing_an_older_version_is_followed(broker, cfg):
         early.close()
         if late:
             late.close()
+
+
+def test_a_restarted_broker_replays_the_current_weights_not_base(procs, config_path, cfg):
+    """After kill -9 of the broker the bus used to replay WeightsReady(v0, "base"): the controller went back to
+    v0 and throttled admission, and a worker joining then waited for a version only the next step brings."""
+    broker = procs.start(["broker", "--config", str(config_path)], "broker")
+    broker_up(cfg)
+    pub = SignalPublisher(cfg.brokers.bus_in_addr, keys=keys(cfg, "trainer"))
+    sub = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",), keys=keys(cfg))
+    try:
+        wait_for(lambda: sub.recv(0.2), 10, what="retained base")
+        wait_for(lambda: pub.publish("weights", WeightsReady(version=7, path=_vdir(cfg, "v7"))) or
+                 ((got := sub.recv(0.2)) and got[1].msg.version == 7), 10, what="v7 delivered")
+    finally:
+        pub.close(), sub.close()
+    procs.stop(broker, signal.SIGKILL)
+    procs.start(["broker", "--config", str(config_path)], "broker2")
+    broker_up(cfg)
+    late = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",), keys=keys(cfg))
+    try:
+        got = wait_for(lambda: late.recv(0.2), 10, what="retained weights after the restart")
+        assert got[1].msg.version == 7 and got[1].msg.mode == "disk"
+    finally:
+        late.close()
