@@ -7,7 +7,8 @@ Invariants:
 - a Sample is acknowledged only after it is appended to the log, so an acknowledged sample survives a
   store crash; a duplicate put (same sample_id) is acknowledged and ignored;
 - a served batch is leased, not removed: it is served again if the lease expires, if a trainer asks with
-  `release_leases` (a restarted trainer), or after a store restart (leases are not persisted);
+  `release_leases` (a restarted trainer); leases are in the log, so a store restart keeps them (a live
+  trainer that trained a batch acks it later; it is neither served again nor dropped as stale meanwhile);
 - an acked sample is never served again (acks are in the log and replayed);
 - a sample whose oldest generated token is older than `version - max_staleness` is never served: it is
   dropped, logged with the reason, and counted by length bucket;
@@ -103,8 +104,10 @@ class SampleStore:
                 self._apply(rec, nbytes)
             except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as exc:
                 self.log_file.quarantine(offset, nbytes, f"{type(exc).__name__}: {exc}")
-        self.pending.extend(s for s in self.samples if s not in self.done)
-        self.log.info("store.replayed", pending=len(self.pending), done=len(self.done), bytes=self.log_file.size,
+        leased = {x for lease in self.leases.values() for x in lease.sample_ids}
+        self.leases = {b: lease for b, lease in self.leases.items() if lease.sample_ids}
+        self.pending.extend(s for s in self.samples if s not in self.done and s not in leased)
+        self.log.info("store.replayed", leased=len(leased), pending=len(self.pending), done=len(self.done), bytes=self.log_file.size,
                       bad_records=self.log_file.bad_records, seconds=round(time.monotonic() - t0, 3))
         if self.log_file.legacy or self.log_file.bad_records or self._compact_due():
             self.compact()
@@ -119,6 +122,13 @@ class SampleStore:
             if sample.sample_id not in self.done:
                 self.samples[sample.sample_id] = sample
                 self.record_bytes[sample.sample_id] = nbytes
+        elif op == "lease":  # a served batch survives a store restart: it is not served or dropped again
+            ids = [str(x) for x in rec["ids"] if x in self.samples]
+            for lease in self.leases.values():
+                lease.sample_ids = [x for x in lease.sample_ids if x not in ids]
+            self.leases[str(rec["batch"])] = Lease(str(rec["batch"]), ids, b"", time.monotonic() + self.lease_s)
+        elif op == "release":
+            self.leases.pop(str(rec["batch"]), None)
         elif op in ("ack", "drop", "done"):
             ids = [str(s) for s in rec["ids"]]
             for sid in ids:
@@ -149,6 +159,8 @@ class SampleStore:
         def fill(new: SampleLog) -> None:
             for sid, sample in self.samples.items():
                 self.record_bytes[sid] = new.append_put(protocol.encode(sample))
+            for lease in self.leases.values():
+                new.append({"op": "lease", "batch": lease.batch_id, "ids": lease.sample_ids})
             for i in range(0, len(done), _ID_CHUNK):
                 new.append({"op": "done", "ids": done[i:i + _ID_CHUNK]})
             drops = list(self.dropped_recent)
@@ -290,6 +302,7 @@ class SampleStore:
         ids = [self.pending.popleft() for _ in range(msg.n_samples)]
         batch_id = protocol.new_id()
         self.leases[batch_id] = Lease(batch_id, ids, waiter.client, time.monotonic() + self.lease_s)
+        self.log_file.append({"op": "lease", "batch": batch_id, "ids": ids})  # durable: see _apply
         batch = SampleBatch(batch_id=batch_id, samples=[self.samples[s] for s in ids], dropped_stale=dropped)
         self._send(waiter.client, protocol.encode(batch, reply_to=waiter.req_id))
         self.counters["served"] += len(ids)
@@ -307,6 +320,7 @@ class SampleStore:
 
     def _release(self, lease: Lease, reason: str) -> None:
         self.leases.pop(lease.batch_id, None)
+        self.log_file.append({"op": "release", "batch": lease.batch_id})
         back = [s for s in lease.sample_ids if s in self.samples and s not in self.done]
         self.pending.extendleft(reversed(back))
         self.counters["released"] += len(back)

@@ -147,7 +147,8 @@ def test_broker_restart_workers_rejoin_and_unacked_samples_return(procs, config_
         procs.start(["broker", "--config", str(config_path)], "broker2")
         broker_up(cfg)
         wait_for(lambda: worker_count(cfg, "echo") == 1, 30, what="worker to re-register by itself")
-        again = trainer.get_batch(2, version=0, wait_s=2)
+        assert trainer.get_batch(2, version=0, wait_s=1).samples == []  # leases survive the store's restart
+        again = trainer.get_batch(2, version=0, wait_s=2, release_leases=True)  # what a restarted trainer asks
         assert {s.sample_id for s in again.samples} == {"s2", "s3"}
         assert store.put(_sample(0)).info["duplicate"] is True  # acked ids stay known after replay
         trainer.ack(again)
