@@ -22,6 +22,11 @@ Invariants:
 - every admitted group leaves the admission ledger (areal_mq/ledger.py) exactly once: stored, dropped_uniform,
   failed, or (after it was stored) stale when the sample store drops it — the store's stats name the groups
   it dropped, polled every few seconds — so losses never eat the staleness bound;
+- nothing non-finite reaches the store: a generation with NaN/inf logprobs or a reward result with NaN/inf
+  rewards fails its group at once (`controller.group_failed` names the positions); a reward result whose
+  every completion failed to score counts as a failed reward job (retried, then the group fails);
+- the policy version never goes back on a bus replay of "base" (a restarted bus); a real older version
+  (a trainer resumed from a checkpoint) is followed;
 - the strict per-sample staleness filter lives in the sample store (it knows the trainer's version).
 Who waits on whom: the controller waits on nobody's speed — it only stops admitting when the bound says so.
 Sync mode (`run.mode: sync`) is the classic loop: one whole batch is admitted, generated, rewarded and stored,
@@ -38,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from areal_mq.ledger import AdmissionLedger
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, SamplingSpec
 from areal_mq.messages import Sample, SeqSample, length_bucket
@@ -47,6 +54,15 @@ def can_admit(submitted_groups: int, version: int, max_staleness: int, batch_gro
               max_concurrent: int) -> bool:
     """The staleness throttle of the AReaL paper plus a concurrency cap (pure; property-tested)."""
     return submitted_groups < (max_staleness + version + 1) * batch_groups and in_flight < max_concurrent
+
+
+def nonfinite_reason(values: Any, what: str) -> str | None:
+    """Why `values` must not reach the store (NaN or inf among them), or None when all are finite."""
+    arr = np.asarray(values, dtype=np.float64)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size == 0:
+        return None
+    return f"non-finite {what} at positions {bad[:5].tolist()} (e.g. {arr[bad[0]]}) of {arr.size}"
 
 
 def request_seed(run_seed: int, group_id: str, index: int) -> int:
@@ -126,24 +142,36 @@ class Controller:
         if isinstance(msg, Error):
             self._retry(group, kind, index, f"[{msg.code}] {msg.message}")
         elif kind == "generate" and isinstance(msg, GenerateResult):
+            if (why := nonfinite_reason(msg.logprobs, "logprobs")) is not None:
+                self._fail(group, kind, f"sample {index}: {why}")
+                return
             group.results[index] = msg
             self.gen_tokens += len(msg.output_ids)
             if len(group.results) == self.c.group_size:
                 self._submit_reward(group)
         elif kind == "reward" and isinstance(msg, RewardResult):
-            self._store(group, msg)
+            if msg.errors and all(msg.errors):  # every completion's scoring failed: the reward job failed
+                self._retry(group, kind, index, f"no completion could be scored: {msg.errors[0]}")
+            elif (why := nonfinite_reason(msg.rewards, "rewards")) is not None:
+                self._fail(group, kind, why)
+            else:
+                self._store(group, msg)
 
     def _retry(self, group: Group, kind: str, index: int, reason: str) -> None:
         group.retries += 1
         if group.retries > self.c.max_retries:
-            self.groups.pop(group.group_id, None)
-            self.ledger.settle(group.group_id, "failed")
-            self.failed += 1
-            self.log.error("controller.group_failed", group=group.group_id, stage=kind, reason=reason,
-                           retries=group.retries - 1)
+            self._fail(group, kind, reason)
             return
         self.log.warning("controller.retry", group=group.group_id, stage=kind, reason=reason, attempt=group.retries)
         self.retry_at.append((time.monotonic() + min(5.0, 0.5 * 2 ** group.retries), kind, group.group_id, index))
+
+    def _fail(self, group: Group, kind: str, reason: str) -> None:
+        """The group leaves for good (ledger: failed); admission may replace it."""
+        self.groups.pop(group.group_id, None)
+        self.ledger.settle(group.group_id, "failed")
+        self.failed += 1
+        self.log.error("controller.group_failed", group=group.group_id, stage=kind, reason=reason,
+                       retries=max(0, group.retries - 1))
 
     def _run_retries(self) -> None:
         now = time.monotonic()
@@ -222,6 +250,15 @@ class Controller:
             self.save_state()
 
     # ------------------------------------------------------------ state
+    def on_ready(self, ready: Any) -> None:
+        """A WeightsReady from the bus. A restarted bus that lost its retained version replays (0, "base"):
+        that is no real version going back, so once a real version was seen it is ignored. A real older
+        version (mode disk/zmq: a trainer resumed from a checkpoint) is followed."""
+        if ready.mode == "base" and self.version > 0:
+            self.log.info("controller.base_replay_ignored", version=self.version)
+            return
+        self.on_weights(ready.version)
+
     def on_weights(self, version: int) -> None:
         if version != self.version:  # lower after a trainer resumed from a checkpoint
             self.version = version
@@ -286,7 +323,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         replay = ctl.load_state()
         initial = rt.start()
         if initial is not None:
-            ctl.on_weights(initial.version)
+            ctl.on_ready(initial)
         for problem_id in replay:  # groups that were in flight when the previous run stopped
             problem = next((p for p in ctl.dataset.problems if p.id == problem_id), None)
             if problem is not None:
@@ -296,9 +333,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         last_report = time.monotonic()
         while not rt.stopping and not ctl.done():
             while (env := rt.next_signal()) is not None:
-                # a restarted bus that lost its retained version replays "base": not a real version going back
-                if isinstance(env.msg, WeightsReady) and not (env.msg.mode == "base" and ctl.version > 0):
-                    ctl.on_weights(env.msg.version)
+                if isinstance(env.msg, WeightsReady):
+                    ctl.on_ready(env.msg)
             ctl.step()
             if time.monotonic() - last_report > 2.0:
                 rt.log.info("controller.stats", **ctl.stats())

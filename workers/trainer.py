@@ -12,6 +12,8 @@ Invariants:
   trained on is skipped anyway (logged as trainer.duplicates_skipped);
 - Control(pause) stops taking batches until Control(resume); Control(checkpoint) checkpoints now;
   Control(shutdown) / SIGTERM finish the current step, checkpoint, and exit;
+- a sample with a non-finite reward or behaviour logprob is never trained: it is dropped and named
+  (trainer.nonfinite_dropped) instead of turning the loss into NaN;
 - samples of a batch are trained in sample_id order, so the same samples give the same step whatever order
   they reached the store in (this is what makes η = 0 reproduce sync mode exactly).
 Under `accelerate launch`, rank 0 talks to the store and the bus; the batch is broadcast to every rank.
@@ -25,6 +27,19 @@ import signal
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+
+def nonfinite_part(sample: Any) -> str | None:
+    """What in `sample` is NaN or inf (None when nothing is)."""
+    for i, seq in enumerate(sample.seqs):
+        if not np.isfinite(seq.reward):
+            return f"seq {i}: reward {seq.reward}"
+        bad = np.flatnonzero(~np.isfinite(seq.logprobs))
+        if bad.size:
+            return f"seq {i}: logprobs at positions {bad[:5].tolist()}"
+    return None
 
 
 class TrainerWorker:
@@ -93,8 +108,26 @@ class TrainerWorker:
         broadcast_object_list(box, from_process=0)
         return box[0]
 
+    def _finite(self, samples: list[Any]) -> list[Any]:
+        """The samples without non-finite rewards or behaviour logprobs (they would make the loss NaN); the
+        controller never stores such a sample, but a store may still hold one (older log, another writer)."""
+        keep, bad = [], {}
+        for sample in samples:
+            why = nonfinite_part(sample)
+            if why is None:
+                keep.append(sample)
+            else:
+                bad[sample.sample_id] = why
+        if bad:
+            self.log_info("trainer.nonfinite_dropped", samples=bad, count=len(bad), version=self.trainer.version)
+        return keep
+
     def step(self, batch: Any, waited_s: float) -> dict:
-        samples = sorted(batch.samples, key=lambda s: s.sample_id)
+        samples = self._finite(sorted(batch.samples, key=lambda s: s.sample_id))
+        if not samples:  # nothing trainable: acked at once (no parameter depends on it), no new version
+            if self.main:
+                self.store.ack(batch)
+            return {}
         metrics = self.trainer.train_step(samples)
         self.consumed.update(s.sample_id for s in samples)
         if not self.unacked:
