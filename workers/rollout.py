@@ -10,6 +10,13 @@ Invariants: capacity = the engine's concurrent-sequence budget, so the broker ne
 engine can run; every job is answered (result, or Error for a bad request); on SIGTERM the worker stops
 taking jobs, finishes what it runs within the drain timeout, and hands the rest back to the broker.
 A worker that joins late loads the retained weights before it announces READY.
+- a sequence the engine could not finish properly (a broken vLLM stream: an error, versions < 0, NaN
+  logprobs) is answered Error(job_failed), never as a result the store would take;
+- a failed weight load is retried WEIGHTS_LOAD_ATTEMPTS times with doubling pauses (generation goes on
+  meanwhile); when it still fails, the requests held for that version are answered
+  Error(weights_unavailable) (retryable: the controller resubmits) instead of waiting for ever;
+- a bus replay of (0, "base") after a broker restart is ignored (versions never go back on it); a real
+  older version (a trainer resumed from a checkpoint) is loaded.
 
     areal-mq worker rollout --config configs/quickstart.yaml
 """
@@ -18,29 +25,57 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 from areal_mq.errors import ArealError, EngineRequestError
 from areal_mq.messages import Control, GenerateRequest, GenerateResult, WeightsReady
 
+# A failed weight load is tried again after 0.5, 1, 2 s (doubling, at most WEIGHTS_RETRY_MAX_S) up to
+# WEIGHTS_LOAD_ATTEMPTS tries in all; then the requests held for that version get Error(weights_unavailable).
+WEIGHTS_LOAD_ATTEMPTS = 4
+WEIGHTS_RETRY_BASE_S = 0.5
+WEIGHTS_RETRY_MAX_S = 8.0
+
+
+def broken_output(out: Any) -> str | None:
+    """Why an engine output must not be replied as a result (None when it is sound)."""
+    if out.stats.get("error"):
+        return str(out.stats["error"])
+    n = len(out.output_ids)
+    if len(out.logprobs) != n or len(out.versions) != n:
+        return f"{n} tokens but {len(out.logprobs)} logprobs and {len(out.versions)} versions"
+    if n and (np.asarray(out.versions) < 0).any():
+        return "tokens without a policy version"
+    if not np.isfinite(np.asarray(out.logprobs, dtype=np.float64)).all():
+        return "non-finite logprobs"
+    return None
+
 
 class RolloutWorker:
-    def __init__(self, cfg: Any, engine: Any, runtime: Any):
-        self.cfg, self.engine, self.rt = cfg, engine, runtime
+    def __init__(self, cfg: Any, engine: Any, runtime: Any, clock: Any = time.monotonic):
+        self.cfg, self.engine, self.rt, self.clock = cfg, engine, runtime, clock
         self.log = runtime.log
         self.jobs: dict[str, Any] = {}  # request id -> Job
         self.held: list[Any] = []  # jobs waiting for min_version
         self.paused = False
         self.tokens = 0
+        self.retry_load: tuple[WeightsReady, int, float] | None = None  # (ready, next attempt, due at)
+        self.unloadable: WeightsReady | None = None  # the last announcement whose load finally failed
         self._last_stats = time.monotonic()
 
     # ------------------------------------------------------------ weights
-    def load(self, ready: WeightsReady) -> None:
+    def load(self, ready: WeightsReady, attempt: int = 1) -> None:
+        # "base" = nothing published yet, or a restarted bus's replay: never a version going back.
+        # A lower real version is loaded: the trainer resumed from a checkpoint.
         if ready.mode == "base" or ready.version == self.engine.version:
-            return  # "base" = nothing published yet; a lower version is loaded: the trainer resumed
+            return
         from areal_mq.weights import check_ready, load_published
 
+        self.retry_load = None  # this announcement supersedes a pending retry of an older one
         why = check_ready(ready, self.cfg.run.run_dir, self.cfg.trainer)
         if why:  # the bus checks this too; a worker never reads a path or endpoint outside its run
             self.log.error("rollout.weights_refused", version=ready.version, error=why)
+            self.fail_held(ready.version, why)
             return
 
         t0 = time.perf_counter()
@@ -52,12 +87,39 @@ class RolloutWorker:
                 tensors = load_published(ready, timeout_s=self.cfg.rollout.weights_timeout_s, keys=self.rt.keys)
                 timings = self.engine.update_weights(ready.version, tensors=tensors)
         except ArealError as exc:
-            self.log.error("rollout.weights_failed", version=ready.version, error=str(exc))
+            self._load_failed(ready, attempt, str(exc))
             return
+        self.unloadable = None
         fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in timings.items()}
         fields.update(version=ready.version, mode=ready.mode, running=running,
                       total_s=round(time.perf_counter() - t0, 3))
         self.log.info("rollout.weights_updated", **fields)
+
+    def _load_failed(self, ready: WeightsReady, attempt: int, error: str) -> None:
+        if attempt < WEIGHTS_LOAD_ATTEMPTS:
+            delay = min(WEIGHTS_RETRY_MAX_S, WEIGHTS_RETRY_BASE_S * 2 ** (attempt - 1))
+            self.log.warning("rollout.weights_retry", version=ready.version, attempt=attempt, error=error,
+                             retry_in_s=delay)
+            self.retry_load = (ready, attempt + 1, self.clock() + delay)
+            return
+        self.log.error("rollout.weights_failed", version=ready.version, attempts=attempt, error=error)
+        self.unloadable = ready
+        self.fail_held(ready.version, error)
+
+    def retry_load_if_due(self) -> None:
+        if self.retry_load is not None and self.clock() >= self.retry_load[2]:
+            ready, attempt, _ = self.retry_load
+            self.retry_load = None
+            self.load(ready, attempt)
+
+    def fail_held(self, version: int, error: str) -> None:
+        """Answer the requests held for `version` (or older) with a retryable error: it will not come."""
+        stranded = [j for j in self.held if j.msg.min_version <= version]
+        self.held = [j for j in self.held if j.msg.min_version > version]
+        for job in stranded:
+            self.rt.fail(job, "weights_unavailable",
+                         f"policy version {version} could not be loaded on {self.rt.worker_id} ({error[:300]}); "
+                         "resubmit: another worker, or a later version, can serve it")
 
     def on_signal(self, env: Any) -> None:
         msg = env.msg
@@ -78,6 +140,9 @@ class RolloutWorker:
             return
         if msg.min_version > self.engine.version:
             self.held.append(job)
+            bad = self.unloadable
+            if bad is not None and self.retry_load is None and msg.min_version <= bad.version:
+                self.retry_load = (bad, 1, self.clock())  # a resubmit: try that version afresh
             return
         self._submit(job)
 
@@ -107,6 +172,9 @@ class RolloutWorker:
         for out in self.engine.step():
             job = self.jobs.pop(out.request_id, None)
             if job is None:
+                continue
+            if (why := broken_output(out)) is not None:
+                self.rt.fail(job, "job_failed", f"generation failed on {self.rt.worker_id}: {why[:500]}")
                 continue
             self.tokens += len(out.output_ids)
             self.rt.reply(job, GenerateResult(
@@ -141,6 +209,7 @@ class RolloutWorker:
     def _one_round(self, accept: bool) -> None:
         while (env := self.rt.next_signal()) is not None:
             self.on_signal(env)
+        self.retry_load_if_due()
         self.release_held()
         busy = self.engine.has_work() and not self.paused
         if accept:

@@ -1,0 +1,195 @@
+"""The rollout worker's loop logic with an in-memory engine and runtime (passed in, not patched):
+
+- a failed weight load is retried with backoff; when it keeps failing, the requests held for that version
+  are answered Error(weights_unavailable) instead of waiting for a version that never comes;
+- an engine output the engine could not finish properly (a broken vLLM stream: error, versions -1, NaN
+  logprobs) is answered Error(job_failed), never as a GenerateResult the store would take;
+- a bus replay of (0, "base") never takes the worker's weights back; a real older version is loaded.
+Run: pytest tests/unit/workers/test_rollout_worker_logic.py -q
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from areal_mq.config import load_config
+from areal_mq.engines.base import EngineOutput
+from areal_mq.errors import WeightsFetchError
+from areal_mq.messages import Error, GenerateRequest, GenerateResult, SamplingSpec, WeightsReady
+from areal_mq.workers import rollout
+from areal_mq.workers.rollout import RolloutWorker
+from areal_mq.workers.runtime import Job
+
+
+class FakeEngine:
+    """Loads fail `fail_loads` times; step() returns whatever the test put in `finished`."""
+
+    def __init__(self, fail_loads: int = 0):
+        self.version, self.fail_loads, self.loads = 0, fail_loads, []
+        self.submitted, self.finished = [], []
+
+    def update_weights(self, version, tensors=None, path=None):
+        self.loads.append(version)
+        if self.fail_loads:
+            self.fail_loads -= 1
+            raise WeightsFetchError(f"cannot read {path}")
+        self.version = version
+        return {"load_s": 0.01}
+
+    def submit(self, request):
+        self.submitted.append(request.request_id)
+
+    def step(self):
+        out, self.finished = self.finished, []
+        return out
+
+    def has_work(self):
+        return bool(self.submitted)
+
+    def abort(self, request_id):
+        return None
+
+    def stats(self):
+        return {}
+
+
+class _Log:
+    def __init__(self):
+        self.events = []
+
+    def __getattr__(self, level):
+        return lambda event, **kw: self.events.append((event, kw))
+
+    def named(self, event):
+        return [kw for e, kw in self.events if e == event]
+
+
+class FakeRuntime:
+    worker_id, keys, capacity, stopping = "rollout-test", None, 4, False
+
+    def __init__(self):
+        self.log, self.replies = _Log(), {}
+
+    def reply(self, job, msg):
+        assert job.id not in self.replies, "a job answered twice"
+        self.replies[job.id] = msg
+
+    def fail(self, job, code, message):
+        self.reply(job, Error(code=code, message=message, ref_id=job.id))
+
+    def next_signal(self):
+        return None
+
+    def next_job(self, timeout=0.0):
+        return None
+
+
+@pytest.fixture
+def clock():
+    """The worker's monotonic clock, moved by the test (the backoff would otherwise take seconds)."""
+    return [1000.0]
+
+
+def _worker(tmp_path, engine, clock=None):
+    cfg = load_config(None, [f"run.run_dir={tmp_path}"])
+    return RolloutWorker(cfg, engine, FakeRuntime(), clock=(lambda: clock[0]) if clock else time.monotonic)
+
+
+def _ready(tmp_path, version):
+    return WeightsReady(version=version, mode="disk", path=str(tmp_path / "weights" / f"v{version}"))
+
+
+def _job(job_id, min_version=0):
+    return Job(job_id, GenerateRequest(prompt_ids=[1, 2], sampling=SamplingSpec(max_new_tokens=4),
+                                       min_version=min_version))
+
+
+def test_a_failed_load_is_retried_with_backoff_then_releases_held_requests(tmp_path, clock):
+    engine = FakeEngine(fail_loads=2)
+    w = _worker(tmp_path, engine, clock)
+    w.on_job(_job("a", min_version=1))
+    w.load(_ready(tmp_path, 1))
+    assert engine.version == 0 and w.held
+    waits = []
+    while engine.version == 0:
+        due = w.retry_load[2]
+        waits.append(due - clock[0])
+        clock[0] = due - 0.01
+        w.retry_load_if_due()
+        assert len(engine.loads) == len(waits), "retried before its pause was over"
+        clock[0] = due
+        w.retry_load_if_due()
+    assert waits == [0.5, 1.0] and engine.loads == [1, 1, 1]
+    w.release_held()
+    assert engine.submitted == ["a"] and not w.rt.replies
+    assert [kw["attempt"] for kw in w.rt.log.named("rollout.weights_retry")] == [1, 2]
+
+
+def test_a_load_that_keeps_failing_answers_held_requests_with_a_retryable_error(tmp_path, clock):
+    engine = FakeEngine(fail_loads=100)
+    w = _worker(tmp_path, engine, clock)
+    for job_id, v in (("a", 1), ("b", 1), ("later", 2)):
+        w.on_job(_job(job_id, min_version=v))
+    w.load(_ready(tmp_path, 1))
+    for _ in range(rollout.WEIGHTS_LOAD_ATTEMPTS + 2):
+        if w.retry_load is not None:
+            clock[0] = w.retry_load[2]
+        w.retry_load_if_due()
+    assert len(engine.loads) == rollout.WEIGHTS_LOAD_ATTEMPTS, "bounded attempts"
+    for job_id in ("a", "b"):
+        err = w.rt.replies[job_id]
+        assert isinstance(err, Error) and err.code == "weights_unavailable" and "version 1" in err.message
+    assert "later" not in w.rt.replies and [j.id for j in w.held] == ["later"]  # v2 may still come
+    assert w.rt.log.named("rollout.weights_failed")[0]["attempts"] == rollout.WEIGHTS_LOAD_ATTEMPTS
+    # the controller resubmits for v1: the worker tries that version afresh
+    engine.fail_loads = 0
+    w.on_job(_job("again", min_version=1))
+    w.retry_load_if_due()
+    w.release_held()
+    assert engine.version == 1 and "again" in engine.submitted
+
+
+def test_a_newer_announcement_supersedes_a_pending_retry(tmp_path, clock):
+    engine = FakeEngine(fail_loads=1)
+    w = _worker(tmp_path, engine, clock)
+    w.on_job(_job("a", min_version=1))
+    w.load(_ready(tmp_path, 1))
+    w.load(_ready(tmp_path, 2))
+    assert engine.version == 2 and w.retry_load is None
+    w.release_held()
+    assert engine.submitted == ["a"]
+
+
+def _output(rid, **kw):
+    base = dict(request_id=rid, prompt_ids=[1, 2], output_ids=np.array([5, 6], np.int32),
+                logprobs=np.array([-0.1, -0.2], np.float32), versions=np.array([0, 0], np.int32),
+                finish_reason="stop", text="x")
+    return EngineOutput(**{**base, **kw})
+
+
+@pytest.mark.parametrize("broken", [
+    {"stats": {"error": "RemoteDisconnected: Remote end closed connection"}, "finish_reason": "abort"},
+    {"versions": np.array([-1, -1], np.int32)},
+    {"logprobs": np.array([-0.1, np.nan], np.float32)},
+])
+def test_a_broken_engine_output_is_an_error_not_a_result(tmp_path, broken):
+    engine = FakeEngine()
+    w = _worker(tmp_path, engine)
+    w.on_job(_job("bad"))
+    w.on_job(_job("good"))
+    engine.finished = [_output("bad", **broken), _output("good")]
+    w.step()
+    assert isinstance(w.rt.replies["bad"], Error) and w.rt.replies["bad"].code == "job_failed"
+    assert isinstance(w.rt.replies["good"], GenerateResult)
+
+
+def test_a_base_replay_never_takes_the_weights_back(tmp_path):
+    engine = FakeEngine()
+    w = _worker(tmp_path, engine)
+    w.load(_ready(tmp_path, 3))
+    w.load(WeightsReady(version=0, mode="base"))  # a restarted bus's replay
+    assert engine.version == 3 and engine.loads == [3]
+    w.load(_ready(tmp_path, 2))  # a real older version: the trainer resumed from a checkpoint
+    assert engine.version == 2
