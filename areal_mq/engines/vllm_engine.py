@@ -362,13 +362,16 @@ class VllmEngine(Engine):
 
 def build(engine_cfg: EngineConfig, model_cfg: Any = None, seed: int | None = None, **kwargs: Any) -> Engine:
     """Builder for `engine: vllm` and `engine: vllm-server` (used by areal_mq.engines.build_engine)."""
-    if engine_cfg.engine == "vllm-server":
-        from areal_mq.engines.vllm_server import VllmServerEngine
-
-        return VllmServerEngine(engine_cfg, tokenizer=kwargs.get("tokenizer"))
-    from areal_mq.engines.models import DEFAULT_MODEL, resolve_model
+    from areal_mq.engines.models import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     model_dir = kwargs.get("model_dir") or resolve_model(
         getattr(model_cfg, "name", DEFAULT_MODEL), getattr(model_cfg, "cache_dir", None))
+    if engine_cfg.engine == "vllm-server":
+        from areal_mq.engines.vllm_server import VllmServerEngine
+
+        # the server answers token ids only: without the model's tokenizer every completion's text is "",
+        # so every reward is the same and every group uniform
+        tokenizer = kwargs.get("tokenizer") or load_tokenizer(model_dir)
+        return VllmServerEngine(engine_cfg, tokenizer=tokenizer)
     dtype = engine_cfg.dtype if engine_cfg.dtype != "auto" else getattr(model_cfg, "dtype", "float32")
     return VllmEngine(engine_cfg, model_dir, dtype=dtype, seed=seed or 0)

@@ -20,6 +20,10 @@ Why: one vLLM server can be shared, started once and kept warm across runs (a st
 on CPU). Weight updates travel as a path (a published safetensors dir, or in-memory tensors staged
 in /dev/shm), so the server must share this host's filesystem.
 
+A broken stream (an error chunk, a dropped connection, no finish_reason, missing spans or logprobs) ends
+as an output with finish_reason "abort" and stats["error"]; the rollout worker answers it as an error,
+never as a result (its versions are -1 and its missing logprobs NaN).
+
 Versions come from vLLM's `weight_versions` spans only (the label is set to str(version) on every
 update): unlike the in-process engine there is no race-free local stamp, because tokens already
 sampled before a pause may still be in flight on the HTTP stream.
@@ -144,7 +148,7 @@ class VllmServerEngine(Engine):
     def _stream(self, request: EngineRequest, conn: http.client.HTTPConnection, resp: Any) -> None:
         tokens: list[int] = []
         logprobs: list[float] = []
-        spans, reason = None, "abort"
+        spans, reason, finished = None, "abort", False
         try:
             for raw in resp:
                 line = raw.decode().strip()
@@ -161,11 +165,12 @@ class VllmServerEngine(Engine):
                     self._counters["tokens"] += len(new)
                     if choice.get("finish_reason"):
                         reason, spans = choice["finish_reason"], choice.get("weight_versions")
+                        finished = True
         except Exception as exc:  # noqa: BLE001 - the output records the failure; the request is not lost
             reason = "abort"
             err = f"{type(exc).__name__}: {exc}"
         else:
-            err = None
+            err = None if finished else f"the stream ended after {len(tokens)} tokens without a finish_reason"
         finally:
             conn.close()
         versions = spans_to_versions(spans, len(tokens))
@@ -176,7 +181,7 @@ class VllmServerEngine(Engine):
             request_id=request.request_id, prompt_ids=list(request.prompt_ids),
             output_ids=np.asarray(tokens, dtype=np.int32),
             logprobs=np.asarray(logprobs[: len(tokens)] + [np.nan] * (len(tokens) - len(logprobs)), dtype=np.float32),
-            versions=versions, finish_reason=reason if reason in ("stop", "length", "abort") else "abort",
+            versions=versions, finish_reason="abort" if err else reason if reason in ("stop", "length", "abort") else "abort",
             text=self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer and tokens else "",
             stats={"prompt_tokens": len(request.prompt_ids), "output_tokens": len(tokens),
                    "weight_versions": spans, **({"error": err} if err else {})},
