@@ -181,7 +181,7 @@ class VllmServerEngine(Engine):
             request_id=request.request_id, prompt_ids=list(request.prompt_ids),
             output_ids=np.asarray(tokens, dtype=np.int32),
             logprobs=np.asarray(logprobs[: len(tokens)] + [np.nan] * (len(tokens) - len(logprobs)), dtype=np.float32),
-            versions=versions, finish_reason="abort" if err else reason if reason in ("stop", "length", "abort") else "abort",
+            versions=versions, finish_reason=reason if not err and reason in ("stop", "length") else "abort",
             text=self._tokenizer.decode(tokens, skip_special_tokens=True) if self._tokenizer and tokens else "",
             stats={"prompt_tokens": len(request.prompt_ids), "output_tokens": len(tokens),
                    "weight_versions": spans, **({"error": err} if err else {})},
