@@ -1,6 +1,6 @@
 """Chaos: kill -9 every role of a running system, one at a time, and audit that nothing was lost or trained twice.
 
-A run of configs/tiny.yaml (30 steps, `launcher.on_child_death: restart`) is started with `areal-mq run`. At
+A run of configs/tiny.yaml (60 steps, `launcher.on_child_death: restart`) is started with `areal-mq run`. At
 random moments (seeded) the test kills -9 the rollout worker, the reward worker, the trainer, the controller
 and the broker process, one after another, each only after the run made progress since the previous kill.
 The launcher restarts each one. The run must reach `total_steps`, and an audit over the sample store's log
@@ -35,7 +35,7 @@ from .procs import free_ports, wait_for
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("rollout", "reward", "trainer", "controller", "broker")
-STEPS = 30
+STEPS = 60  # long enough that all five kills land before the run ends, whatever the seed
 
 
 def _events(run_dir: Path, name: str | None = None) -> list[dict]:
@@ -138,6 +138,7 @@ def test_chaos_kill_every_role_once(tmp_path):
         rng.shuffle(order)
         for role in order:
             time.sleep(rng.uniform(0.5, 3.0))
+            assert max(_trained_versions(run_dir)) < STEPS - 2, "the run ended before every role was killed"
             timings.append(_kill_and_time(run_dir, role))
             assert proc.poll() is None, proc.stderr.read()[-3000:]
         _, err = proc.communicate(timeout=600)
