@@ -9,6 +9,7 @@ All sockets are single-thread objects: use each client from one thread.
 """
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -42,12 +43,38 @@ def send(sock: zmq.Socket, frames: list) -> bool:
         return False
 
 
+class Backoff:
+    """Reconnect delays (docs/protocol.md §5.4): start at `start_s`, double after each attempt up to `max_s`.
+
+    Each delay is jittered down to half (`base * uniform(0.5, 1)`) so that peers which lost the same broker do
+    not all come back in the same instant. `reset()` once the broker is heard from again.
+    """
+
+    def __init__(self, start_s: float, max_s: float, rng: random.Random | None = None):
+        self.start_s, self.max_s = start_s, max(max_s, start_s)
+        self.base = start_s  # the un-jittered delay of the next attempt
+        self.rng = rng or random.Random()
+
+    def next(self) -> float:
+        delay = self.base * self.rng.uniform(0.5, 1.0)
+        self.base = min(self.base * 2, self.max_s)
+        return delay
+
+    def reset(self) -> None:
+        self.base = self.start_s
+
+
 class JobClient:
     """Submit jobs to services and collect their answers; survives broker restarts by resubmitting."""
 
     def __init__(self, address: str, *, keys: Keyring | None = None, heartbeat_s: float = 1.0, liveness: int = 5,
-                 retry_s: float = 600.0, ctx: zmq.Context | None = None, log: Any = None):
+                 retry_s: float = 600.0, ctx: zmq.Context | None = None, log: Any = None,
+                 reconnect_max_s: float = 8.0):
         self.address, self.heartbeat_s, self.liveness, self.retry_s = address, heartbeat_s, liveness, retry_s
+        # After `liveness` silent heartbeats the client reconnects, and waits a growing backoff longer each time
+        # the broker stays silent (each reconnect resubmits every pending job).
+        self._backoff = Backoff(heartbeat_s, reconnect_max_s)
+        self._delay, self._reconnecting = self._backoff.next(), False
         self.ctx = ctx or zmq.Context.instance()
         self.log = log
         self.keys = keys
@@ -80,6 +107,9 @@ class JobClient:
                 except zmq.Again:
                     break
                 self._last_heard = time.monotonic()
+                if self._reconnecting:  # heard again: the next outage starts from the shortest backoff
+                    self._backoff.reset()
+                    self._delay, self._reconnecting = self._backoff.next(), False
                 try:
                     env = protocol.decode(frames)
                 except ProtocolError as exc:
@@ -117,7 +147,7 @@ class JobClient:
         if now >= self._next_beat:
             self._next_beat = now + self.heartbeat_s
             send(self.sock, protocol.encode(Heartbeat(peer_id="client")))
-        if now - self._last_heard > self.heartbeat_s * self.liveness:
+        if now - self._last_heard > self.heartbeat_s * self.liveness + self._delay:
             self._reconnect()
         else:
             for job_id, (sent, frames, _svc) in list(self.pending.items()):
@@ -131,8 +161,10 @@ class JobClient:
         self.sock = _dealer(self.ctx, self.address, self.keys)
         self.reconnects += 1
         self._last_heard = time.monotonic()
+        waited, self._delay, self._reconnecting = self._delay, self._backoff.next(), True
         if self.log:
-            self.log.warning("client.reconnect", broker=self.address, resubmitting=len(self.pending))
+            self.log.warning("client.reconnect", broker=self.address, resubmitting=len(self.pending),
+                             waited_s=round(waited, 2), next_retry_in_s=round(self._delay, 2))
         for job_id, (_, frames, svc) in list(self.pending.items()):
             self.pending[job_id] = (time.monotonic(), frames, svc)
             send(self.sock, frames)

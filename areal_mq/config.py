@@ -48,6 +48,8 @@ class BrokerConfig(_Section):
     reconnect_max_s: float = Field(8.0, gt=0, description="Upper bound of the exponential reconnect backoff.")
     max_queue: int = Field(10_000, ge=1, description="Jobs queued per service before new ones are refused.")
     max_worker_capacity: int = Field(4096, ge=1, description="Largest capacity a worker may announce in READY.")
+    max_services: int = Field(64, ge=1, description="Services the job broker routes at once (with queued jobs or "
+                              "registered workers); a job or READY naming one more is refused with no_service.")
     max_frame_mb: float = Field(512.0, gt=0, description="Largest accepted array frame, MiB.")
     lease_s: float = Field(900.0, gt=0, description="A served, un-acked sample batch returns to the store after this.")
     fsync: bool = Field(

@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 PROTOCOL_VERSION = 1
+MAX_READY_TASKS = 256  # Ready.tasks entries; a worker serving more advertises none (= anything)
 
 
 def _array_of(dtype: str):
@@ -84,7 +85,9 @@ class Ready(Message):
     """worker -> job broker: I serve `service` and can hold `capacity` jobs at once.
 
     Sent again with capacity 0 to drain (no new jobs), and after every reconnect.
-    Example: Ready(service="generate", capacity=16, worker_id="rollout-0", role="rollout")
+    tasks: the reward tasks (RewardJob.task) this worker can score; empty = any job of the service. The
+    broker routes a reward_job only to workers whose tasks include its task (or that list none).
+    Example: Ready(service="reward", capacity=4, worker_id="reward-0", role="reward", tasks=["math"])
     """
 
     kind: ClassVar[Kind] = Kind.READY
@@ -93,6 +96,8 @@ class Ready(Message):
     capacity: int = Field(ge=0, le=100_000)
     worker_id: str = Field(min_length=1, max_length=128)
     role: str = ""
+    tasks: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
+        default_factory=list, max_length=MAX_READY_TASKS)
 
 
 class Heartbeat(Message):
@@ -203,6 +208,13 @@ class RewardJob(Message):
     reference: Any = None
     truncated: list[bool] = Field(default_factory=list)
     meta: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_flag_per_completion(self) -> "RewardJob":
+        if self.truncated and len(self.truncated) != len(self.completions):
+            raise ValueError(f"truncated has {len(self.truncated)} flags for {len(self.completions)} "
+                             "completions (one per completion, or none)")
+        return self
 
 
 class RewardResult(Message):
@@ -405,7 +417,7 @@ class Error(Message):
     """anyone -> sender: your message `ref_id` was refused or failed; `code` says why.
 
     codes: bad_frames, bad_header, bad_version, unknown_kind, bad_fields, bad_arrays, too_large,
-    queue_full, no_service, job_failed, bad_request, forbidden, weights_unavailable, internal.
+    queue_full, no_service, job_failed, bad_request, bad_reply, forbidden, weights_unavailable, internal.
     Example: Error(code="bad_version", message="protocol version 9, this broker speaks 1", ref_id="")
     """
 

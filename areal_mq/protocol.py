@@ -119,7 +119,7 @@ def decode_header(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAM
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}", "bad_header")
     msg_id = header.get("id") if isinstance(header.get("id"), str) else None
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # `v: true` equals 1 in Python: refused too
         raise ProtocolError(
             f"protocol version {version!r}; this peer speaks version {PROTOCOL_VERSION}", "bad_version", msg_id
         )
@@ -216,7 +216,8 @@ def decode_body(header: dict, frames: Sequence[Any]) -> Envelope:
         raise ProtocolError("header field 'body' must be a map", "bad_fields", msg_id)
     cls = MESSAGE_TYPES[header["kind"]]
     try:
-        msg = cls.model_validate(_inject(body, arrays))
+        # strict: the wire types are exactly the documented ones (no "4" for an int, no true for a number)
+        msg = cls.model_validate(_inject(body, arrays), strict=True)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in exc.errors()[:5]
@@ -226,6 +227,21 @@ def decode_body(header: dict, frames: Sequence[Any]) -> Envelope:
         exc.msg_id = msg_id
         raise
     return Envelope(msg=msg, id=msg_id, reply_to=header.get("reply_to", ""), service=header.get("service", ""))
+
+
+def peek_reply_to(frames: Sequence[Any]) -> str:
+    """The header's `reply_to` of a message that failed to decode, or "" (best effort, for error paths).
+
+    A broker uses it to find the job a refused reply was meant for. A header over the size limit is not
+    read (that is what the limit is for)."""
+    if not frames or _nbytes(frames[0]) > MAX_HEADER_BYTES:
+        return ""
+    try:
+        header = msgpack.unpackb(_frame_bytes(frames[0]), raw=False, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - garbage has no reply_to
+        return ""
+    reply_to = header.get("reply_to") if isinstance(header, dict) else None
+    return reply_to if isinstance(reply_to, str) else ""
 
 
 def error_reply(exc: ProtocolError) -> list[Any]:

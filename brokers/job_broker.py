@@ -11,8 +11,15 @@ Invariants:
 - a worker never holds more jobs than the capacity it announced in READY (credits are the backpressure);
 - a worker that misses `liveness` heartbeats, or says DISCONNECT, has its in-flight jobs requeued at the
   front of their service queue;
-- a queue holds at most `max_queue` jobs; beyond that the client gets Error(queue_full) at once;
-- undecodable or invalid messages are answered with Error naming the problem; the broker keeps serving;
+- a reply is checked against its job (kind, lengths, finite numbers; reply_problem); a reply that fails
+  to decode or makes no sense frees the worker's slot and reaches the client as Error(bad_reply);
+- a reward_job goes only to a worker whose READY `tasks` include its task (or that lists none); one no
+  registered worker of its service can serve is answered Error(no_service) at once;
+- a queue holds at most `max_queue` jobs, and at most `max_services` services exist at once (queued jobs or
+  registered workers); beyond either the client gets an Error at once (queue_full / no_service);
+- frames over max_frame_bytes + the header limit are dropped by ZeroMQ (ZMQ_MAXMSGSIZE: the connection is
+  closed) before they are read whole; smaller bad ones are answered with Error naming the problem, logged
+  at most once per peer and reason every 10 s (with the count); the broker keeps serving;
 - with CURVE keys, a peer may only say what its role owns (security.refusal): only worker roles register,
   only for their own services and up to `max_capacity`; only the controller (agent, launcher) submits jobs.
   Anything else is answered with Error(forbidden) and logged, rate-limited.
@@ -21,19 +28,24 @@ Who waits on whom: nobody waits on the broker except through credits; the broker
 from __future__ import annotations
 
 import collections
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from areal_mq import protocol
 from areal_mq.errors import ProtocolError
-from areal_mq.messages import Error, Heartbeat, Kind, Stats
+from areal_mq.messages import Error, Heartbeat, Kind, Message, Stats
 from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
 DEFAULT_SERVICE = {Kind.GENERATE_REQUEST: "generate", Kind.REWARD_JOB: "reward"}
 REPLY_KINDS = {Kind.GENERATE_RESULT, Kind.REWARD_RESULT, Kind.ERROR}
+EXPECTED_REPLY = {Kind.GENERATE_REQUEST: Kind.GENERATE_RESULT, Kind.REWARD_JOB: Kind.REWARD_RESULT}
+TASK_SCAN = 1024  # queued jobs one dispatch looks through for a task a free worker serves (then they wait)
+RCVHWM = 1000  # messages buffered per peer before ZeroMQ stops reading its connection (the peer queues)
 # Plain-int socket flags: pyzmq's flag enums cost an Enum operation per frame on the hot path.
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
@@ -45,11 +57,15 @@ class WorkerState:
     service: str
     capacity: int
     last_seen: float
+    tasks: frozenset[str] = frozenset()  # empty: any job of the service
     in_flight: set[str] = field(default_factory=set)
 
     @property
     def free(self) -> int:
         return self.capacity - len(self.in_flight)
+
+    def serves(self, task: str | None) -> bool:
+        return task is None or not self.tasks or task in self.tasks
 
 
 @dataclass
@@ -58,32 +74,57 @@ class JobState:
     client: bytes
     service: str
     frames: list[Any]
+    kind: Kind
+    task: str | None = None  # reward_job: routes only to workers serving it
+    n_items: int = 0  # reward_job: completions, the rewards a reward_result must carry
     worker: bytes | None = None
     attempts: int = 0
+
+
+def reply_problem(job: JobState, msg: Message) -> str | None:
+    """What makes `msg` no answer to `job` (kind, lengths, non-finite numbers), or None. Cheap: no re-decode."""
+    kind = msg.kind
+    if kind == Kind.ERROR:
+        return None
+    expected = EXPECTED_REPLY.get(job.kind)
+    if expected is not None and kind != expected:
+        return f"a {kind.value} does not answer a {job.kind.value} (expected {expected.value} or error)"
+    if kind == Kind.REWARD_RESULT:
+        if expected is not None and len(msg.rewards) != job.n_items:
+            return f"{len(msg.rewards)} rewards for {job.n_items} completion(s) (one per completion)"
+        if not all(map(math.isfinite, msg.rewards)):
+            return f"rewards must be finite numbers, got {[r for r in msg.rewards if not math.isfinite(r)][:3]}"
+    elif kind == Kind.GENERATE_RESULT and not np.isfinite(msg.logprobs).all():
+        return "logprobs must be finite numbers"
+    return None
 
 
 class JobBroker:
     """Owns one ROUTER socket. Driven by a BrokerHost poll loop: `handle()` on input, `tick()` on time."""
 
     def __init__(self, ctx: zmq.Context, address: str, *, heartbeat_s: float, liveness: int, max_queue: int,
-                 max_frame_bytes: int, log: Any, keys: Keyring | None = None, max_capacity: int = 4096):
+                 max_frame_bytes: int, log: Any, keys: Keyring | None = None, max_capacity: int = 4096,
+                 max_services: int = 64):
         self.sock = ctx.socket(zmq.ROUTER)
         self.secure = keys is not None and keys.secure
         if keys is not None:
             keys.server(self.sock)
-        self.max_capacity = max_capacity
-        self.refusals = RateLimited(log)
+        self.max_capacity, self.max_services = max_capacity, max_services
+        self.refusals = RateLimited(log)  # forbidden and bad-input warnings: one line per peer+reason per 10 s
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER at its HWM drops what it sends: answers would be lost
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        # Larger frames are dropped by ZeroMQ as they arrive (connection closed), never buffered whole.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + protocol.MAX_HEADER_BYTES)
         self.sock.bind(address)
         self.heartbeat_s, self.liveness, self.max_queue = heartbeat_s, liveness, max_queue
         self.max_frame_bytes = max_frame_bytes
         self.log = log
         self.workers: dict[bytes, WorkerState] = {}
-        self.by_service: dict[str, dict[bytes, WorkerState]] = collections.defaultdict(dict)  # dispatch index
-        self.queues: dict[str, collections.deque[str]] = collections.defaultdict(collections.deque)
+        self.by_service: dict[str, dict[bytes, WorkerState]] = {}  # dispatch index
+        self.restricted: collections.Counter = collections.Counter()  # service -> workers that list tasks
+        self.queues: dict[str, collections.deque[str]] = {}
         self.jobs: dict[str, JobState] = {}
         self.counters: collections.Counter = collections.Counter()
         self._next_check = 0.0
@@ -117,6 +158,8 @@ class JobBroker:
                 return
             env = protocol.decode_body(header, frames)
         except ProtocolError as exc:
+            if ident in self.workers:  # a worker's refused reply must still reach its client
+                self._on_refused_reply(ident, frames, exc)
             self._refuse(ident, exc)
             return
         self._dispatch_kind(ident, env, frames, peer_role(raw[0], self.secure))
@@ -127,7 +170,7 @@ class JobBroker:
         if why:
             self._forbid(ident, env, role, why)
         elif kind == Kind.READY:
-            self._on_ready(ident, env.msg)
+            self._on_ready(ident, env)
         elif kind == Kind.DISCONNECT:
             self._drop_worker(ident, f"disconnect: {env.msg.reason}")
         elif kind in REPLY_KINDS and env.reply_to and ident in self.workers:
@@ -157,8 +200,17 @@ class JobBroker:
 
     def _refuse(self, ident: bytes, exc: ProtocolError) -> None:
         self.counters["refused"] += 1
-        self.log.warning("broker.bad_message", code=exc.code, error=str(exc), peer=ident.hex())
+        self.refusals.warning("broker.bad_message", key=f"{ident.hex()}:{exc.code}", code=exc.code,
+                              error=str(exc)[:500], peer=ident.hex())
         self._send(ident, protocol.error_reply(exc))
+
+    def _on_refused_reply(self, ident: bytes, frames: list, exc: ProtocolError) -> None:
+        """A registered worker's message failed to decode; if it answers one of its jobs, fail that job."""
+        job = self.jobs.get(protocol.peek_reply_to(frames))
+        if job is not None and job.worker == ident:
+            worker = self.workers[ident]
+            worker.last_seen = time.monotonic()
+            self._fail_job(worker, job, f"the reply of worker {worker.worker_id!r} was refused: [{exc.code}] {exc}")
 
     def _on_heartbeat(self, ident: bytes) -> None:
         worker = self.workers.get(ident)
@@ -166,42 +218,88 @@ class JobBroker:
             worker.last_seen = time.monotonic()
         self._send(ident, protocol.encode(Heartbeat(peer_id="broker")))
 
-    def _on_ready(self, ident: bytes, msg: Any) -> None:
+    def _error(self, ident: bytes, ref_id: str, code: str, message: str) -> None:
+        self._send(ident, protocol.encode(Error(code=code, message=message, ref_id=ref_id), reply_to=ref_id))
+
+    def _service_refusal(self, service: str) -> str | None:
+        """Why a new service may not be created (None: it exists, or there is room)."""
+        if service in self.queues or service in self.by_service:
+            return None
+        if len(self.queues.keys() | self.by_service.keys()) < self.max_services:
+            return None
+        self.counters["too_many_services"] += 1
+        return (f"the broker already routes brokers.max_services ({self.max_services}) services; "
+                f"service {service[:64]!r} is not one of them")
+
+    def _on_ready(self, ident: bytes, env: protocol.Envelope) -> None:
+        msg = env.msg
+        tasks = frozenset(msg.tasks)
         worker = self.workers.get(ident)
         if worker is None:
-            worker = WorkerState(ident, msg.worker_id, msg.service, msg.capacity, time.monotonic())
+            why = self._service_refusal(msg.service)
+            if why:
+                self._error(ident, env.id, "no_service", why)
+                return
+            worker = WorkerState(ident, msg.worker_id, msg.service, msg.capacity, time.monotonic(), tasks)
             self.workers[ident] = worker
-            self.by_service[msg.service][ident] = worker
-            self.log.info("broker.worker_ready", worker=msg.worker_id, service=msg.service, capacity=msg.capacity)
+            self.by_service.setdefault(msg.service, {})[ident] = worker
+            self.restricted[msg.service] += bool(tasks)
+            self.log.info("broker.worker_ready", worker=msg.worker_id, service=msg.service, capacity=msg.capacity,
+                          tasks=sorted(tasks)[:20])
+        elif msg.service != worker.service:
+            self._error(ident, env.id, "bad_request", (
+                f"this connection serves {worker.service!r}; a READY cannot change it to {msg.service[:64]!r}: "
+                "open a new socket for another service"))
+            return
         else:
             if msg.capacity != worker.capacity:  # workers re-announce periodically: log changes only
                 self.log.info("broker.worker_capacity", worker=msg.worker_id, capacity=msg.capacity)
-            worker.capacity, worker.last_seen = msg.capacity, time.monotonic()
+            self.restricted[worker.service] += bool(tasks) - bool(worker.tasks)
+            worker.capacity, worker.last_seen, worker.tasks = msg.capacity, time.monotonic(), tasks
         self._dispatch(worker.service)
 
     def _on_job(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
         service = env.service or DEFAULT_SERVICE.get(env.kind, "")
         if not service:
-            self._send(ident, protocol.encode(
-                Error(code="no_service", message=f"{env.kind.value} names no service; set the header field "
-                      "'service'", ref_id=env.id), reply_to=env.id))
+            self._error(ident, env.id, "no_service",
+                        f"{env.kind.value} names no service; set the header field 'service'")
             return
         existing = self.jobs.get(env.id)
         if existing is not None:  # a client resubmitted (e.g. after reconnecting): keep one copy, new route
             existing.client = ident
             self.counters["resubmitted"] += 1
             return
-        queue = self.queues[service]
+        is_reward = env.kind == Kind.REWARD_JOB
+        task = env.msg.task if is_reward else None
+        why = self._service_refusal(service) or (self._task_refusal(service, task) if task is not None else None)
+        if why:
+            self._error(ident, env.id, "no_service", why)
+            return
+        queue = self.queues.get(service)
+        if queue is None:
+            queue = self.queues[service] = collections.deque()
         if len(queue) >= self.max_queue:
             self.counters["queue_full"] += 1
-            self._send(ident, protocol.encode(Error(code="queue_full", message=(
-                f"service {service!r} has {len(queue)} queued jobs (max_queue {self.max_queue}); retry later "
-                "or add workers"), ref_id=env.id), reply_to=env.id))
+            self._error(ident, env.id, "queue_full", f"service {service!r} has {len(queue)} queued jobs (max_queue "
+                        f"{self.max_queue}); retry later or add workers")
             return
-        self.jobs[env.id] = JobState(env.id, ident, service, frames)
+        self.jobs[env.id] = JobState(env.id, ident, service, frames, env.kind, task,
+                                     len(env.msg.completions) if is_reward else 0)
         queue.append(env.id)
         self.counters["accepted"] += 1
         self._dispatch(service)
+
+    def _task_refusal(self, service: str, task: str) -> str | None:
+        """A reward_job no registered worker of its service serves (None while none is registered at all)."""
+        if not self.restricted.get(service):
+            return None
+        workers = self.by_service.get(service, {}).values()
+        if any(w.serves(task) for w in workers):
+            return None
+        self.counters["no_worker_for_task"] += 1
+        served = sorted({t for w in workers for t in w.tasks})
+        return (f"no worker of service {service!r} serves task {task[:128]!r}; its workers serve "
+                f"{served[:20]}{' ...' if len(served) > 20 else ''}")
 
     def _on_reply(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
         worker = self.workers[ident]
@@ -211,17 +309,38 @@ class JobBroker:
             self.counters["duplicate_replies"] += 1
             self.log.info("broker.duplicate_reply", job=env.reply_to, worker=worker.worker_id)
             return
+        why = reply_problem(job, env.msg)
+        if why:
+            why = f"worker {worker.worker_id!r} answered job {job.id} with a bad reply: {why}"
+            self._error(ident, env.id, "bad_reply", why)  # tell the worker too: it is its bug
+            self._fail_job(worker, job, why)
+            return
         worker.in_flight.discard(job.id)
         del self.jobs[job.id]
         self.counters["answered"] += 1
         self._send(job.client, frames)
         self._dispatch(worker.service)
 
+    def _fail_job(self, worker: WorkerState, job: JobState, why: str) -> None:
+        """Answer `job` to its client with Error(bad_reply) instead of the worker's reply; free the slot."""
+        worker.in_flight.discard(job.id)
+        del self.jobs[job.id]
+        self.counters["bad_replies"] += 1
+        self.refusals.warning("broker.bad_reply", key=f"{worker.ident.hex()}:bad_reply", worker=worker.worker_id,
+                              job=job.id, error=why[:500])
+        self._error(job.client, job.id, "bad_reply", why)
+        self._dispatch(worker.service)
+
     # ------------------------------------------------------------ dispatch and liveness
     def _dispatch(self, service: str) -> None:
         queue = self.queues.get(service)
         candidates = self.by_service.get(service)
-        while queue and candidates:
+        if not queue or not candidates:
+            return
+        if self.restricted.get(service):
+            self._dispatch_by_task(queue, candidates)
+            return
+        while queue:
             best = None
             for w in candidates.values():
                 if w.free > 0 and (best is None or w.free > best.free):
@@ -229,27 +348,58 @@ class JobBroker:
             if best is None:
                 return
             job = self.jobs.get(queue.popleft())
+            if job is not None:
+                self._assign(job, best)
+
+    def _dispatch_by_task(self, queue: collections.deque, candidates: dict[bytes, WorkerState]) -> None:
+        """Some workers serve only some tasks: give each job, in queue order, the freest worker serving it.
+
+        A job no free worker serves keeps its place; at most TASK_SCAN jobs are looked at per call."""
+        kept: list[str] = []
+        for _ in range(min(len(queue), TASK_SCAN)):
+            free = [w for w in candidates.values() if w.free > 0]
+            if not free:
+                break
+            job = self.jobs.get(queue.popleft())
             if job is None:
                 continue
-            job.worker, job.attempts = best.ident, job.attempts + 1
-            best.in_flight.add(job.id)
-            self._send(best.ident, job.frames)
+            best = None
+            for w in free:
+                if w.serves(job.task) and (best is None or w.free > best.free):
+                    best = w
+            if best is None:
+                kept.append(job.id)
+            else:
+                self._assign(job, best)
+        queue.extendleft(reversed(kept))
+
+    def _assign(self, job: JobState, worker: WorkerState) -> None:
+        job.worker, job.attempts = worker.ident, job.attempts + 1
+        worker.in_flight.add(job.id)
+        self._send(worker.ident, job.frames)
 
     def _drop_worker(self, ident: bytes, reason: str) -> None:
         worker = self.workers.pop(ident, None)
         if worker is None:
             return
-        self.by_service[worker.service].pop(ident, None)
+        service = worker.service
+        self.by_service[service].pop(ident, None)
+        self.restricted[service] -= bool(worker.tasks)
         requeued = 0
         for job_id in sorted(worker.in_flight, reverse=True):
             job = self.jobs.get(job_id)
             if job is not None:
                 job.worker = None
-                self.queues[job.service].appendleft(job_id)
+                self.queues.setdefault(job.service, collections.deque()).appendleft(job_id)
                 requeued += 1
         self.counters["workers_lost"] += 1 if not reason.startswith("disconnect") else 0
         self.log.warning("broker.worker_removed", worker=worker.worker_id, reason=reason, requeued=requeued)
-        self._dispatch(worker.service)
+        if not self.by_service[service]:  # forget a service nobody serves and nothing waits for (max_services)
+            del self.by_service[service]
+            self.restricted.pop(service, None)
+            if not self.queues.get(service, True):
+                del self.queues[service]
+        self._dispatch(service)
 
     def tick(self, now: float) -> None:
         if now < self._next_check:
@@ -271,8 +421,8 @@ class JobBroker:
 
     def stats(self) -> dict:
         return {
-            "workers": {w.worker_id: {"service": w.service, "capacity": w.capacity, "in_flight": len(w.in_flight)}
-                        for w in self.workers.values()},
+            "workers": {w.worker_id: {"service": w.service, "capacity": w.capacity, "in_flight": len(w.in_flight),
+                                      "tasks": sorted(w.tasks)} for w in self.workers.values()},
             "queued": {s: len(q) for s, q in self.queues.items()},
             "in_flight": sum(1 for j in self.jobs.values() if j.worker is not None),
             "counters": dict(self.counters),

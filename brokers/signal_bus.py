@@ -8,6 +8,7 @@ to a prefix of "weights" (XPUB_VERBOSE shows every subscription), the bus sends 
 again — or WeightsReady(version=0, mode="base") if nothing was published yet — so a late joiner always
 learns the current policy before it takes jobs. Receivers treat a version they already have as a no-op.
 
+Limits: ZMQ_MAXMSGSIZE on the XSUB side drops any frame over max_frame_bytes + the header limit at the socket.
 Authorization (with CURVE keys): a publisher may only publish the topics its role owns — `weights`
 the trainer, `control` the launcher and controller, `events` anyone with a key — and a WeightsReady
 must name this run's weights directory or the trainer's weight server (weights.check_ready). Anything
@@ -50,6 +51,9 @@ class SignalBus:
         self.refused = 0
         self.xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.xpub.setsockopt(zmq.SNDHWM, 100_000)
+        # A larger publication is dropped by ZeroMQ as it arrives (the publisher's connection is closed and
+        # reconnects), never buffered whole; smaller bad ones are refused below.
+        self.xsub.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + protocol.MAX_HEADER_BYTES)
         self.xsub.bind(in_address)
         self.xpub.bind(out_address)
         self.max_frame_bytes = max_frame_bytes

@@ -6,7 +6,7 @@ to the signal bus). The role's own thread sees only typed objects:
     rt = WorkerRuntime(cfg, role="reward", service="reward", capacity=4)
     initial = rt.start()            # connect + subscribe; returns the retained WeightsReady (late joiners)
     ... load `initial` if the role cares about weights ...
-    rt.ready()                      # READY(service, capacity): jobs start flowing
+    rt.ready()                      # READY(service, capacity, tasks): jobs start flowing
     while not rt.stopping:
         job = rt.next_job(timeout=0.1)          # Job(id, msg) | None
         sig = rt.next_signal()                  # Envelope(WeightsReady | Control) | None
@@ -16,7 +16,9 @@ to the signal bus). The role's own thread sees only typed objects:
 Why an I/O thread: heartbeats keep flowing while the role computes (a decoding step, a weight load), so
 liveness measures the process, not the length of its work items. Liveness (Paranoid Pirate): the broker
 answers every heartbeat; silence for `liveness` intervals means the broker is gone, and the runtime
-reconnects with exponential backoff (capped at `reconnect_max_s`) and sends READY again.
+reconnects with exponential backoff (doubling from `heartbeat_s`, capped at `reconnect_max_s`, jittered;
+client.Backoff) and sends READY again. `tasks` (READY) tells the broker which reward tasks this worker
+scores, so it is sent only jobs it can serve; none (or a '*') means any job of its service.
 """
 from __future__ import annotations
 
@@ -27,16 +29,25 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import zmq
 
 from areal_mq import protocol
-from areal_mq.client import send
+from areal_mq.client import Backoff, send
 from areal_mq.errors import ProtocolError
 from areal_mq.events import make_logger
-from areal_mq.messages import Control, Disconnect, Error, Heartbeat, Kind, Message, Ready, WeightsReady
+from areal_mq.messages import (MAX_READY_TASKS, Control, Disconnect, Error, Heartbeat, Kind, Message, Ready,
+                               WeightsReady)
 from areal_mq.security import Keyring, warn_if_insecure
+
+
+def advertised_tasks(tasks: Iterable[str]) -> list[str]:
+    """The READY `tasks` for what a worker serves: sorted names; [] (anything) for a '*', or for names READY
+    cannot carry (too many, or one over 128 characters): such a worker gets every job of its service."""
+    names = sorted({str(t) for t in tasks if t})
+    too_big = len(names) > MAX_READY_TASKS or any(len(n) > 128 for n in names)
+    return [] if "*" in names or too_big else names
 
 
 @dataclass
@@ -53,8 +64,9 @@ def default_worker_id(role: str) -> str:
 class WorkerRuntime:
     def __init__(self, cfg: Any, role: str, service: str | None, capacity: int, worker_id: str | None = None,
                  topics: tuple[str, ...] = ("weights", "control"), log: Any = None, install_signals: bool = True,
-                 keys: Keyring | None = None):
+                 keys: Keyring | None = None, tasks: Iterable[str] = ()):
         self.cfg, self.role, self.service, self.capacity = cfg, role, service, capacity
+        self.tasks = advertised_tasks(tasks)
         self.worker_id = worker_id or default_worker_id(role)
         self.topics = topics
         self.keys = keys or Keyring.from_config(cfg, role)
@@ -116,10 +128,13 @@ class WorkerRuntime:
                          hint="signal bus unreachable? starting from the base model")
         return None
 
-    def ready(self, capacity: int | None = None) -> None:
-        """Announce (again) to the job broker; capacity 0 means 'send me nothing new'."""
+    def ready(self, capacity: int | None = None, tasks: Iterable[str] | None = None) -> None:
+        """Announce (again) to the job broker; capacity 0 means 'send me nothing new'. `tasks`: the reward
+        tasks served from now on (None: unchanged; empty or containing '*': any)."""
         if capacity is not None:
             self.capacity = capacity
+        if tasks is not None:
+            self.tasks = advertised_tasks(tasks)
         self._announced = self.service is not None
         if self._announced:
             self._send(protocol.encode(self._ready_msg()))
@@ -175,7 +190,8 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------ I/O thread
     def _ready_msg(self) -> Ready:
-        return Ready(service=self.service or "-", capacity=self.capacity, worker_id=self.worker_id, role=self.role)
+        return Ready(service=self.service or "-", capacity=self.capacity, worker_id=self.worker_id, role=self.role,
+                     tasks=self.tasks)
 
     def _send(self, frames: list) -> None:
         self._outbox.put(frames)
@@ -218,7 +234,7 @@ class WorkerRuntime:
             if s is not None:
                 poller.register(s, zmq.POLLIN)
         last_heard = next_beat = time.monotonic()
-        backoff = self.heartbeat_s
+        backoff = Backoff(self.heartbeat_s, self.backoff_max)
         beats = 0
         while not self._stop_io.is_set():
             events = dict(poller.poll(int(self.heartbeat_s * 250)))
@@ -228,7 +244,10 @@ class WorkerRuntime:
             if dealer is not None:
                 self._flush_outbox(dealer)
                 if dealer in events:
-                    last_heard = self._drain_dealer(dealer, last_heard)
+                    heard = self._drain_dealer(dealer, last_heard)
+                    if heard != last_heard:  # the broker answers again: the next outage starts from the start
+                        last_heard = heard
+                        backoff.reset()
             elif not self._outbox.empty():
                 self._outbox = queue.Queue()
             if sub is not None and sub in events:
@@ -247,10 +266,10 @@ class WorkerRuntime:
             if now - last_heard > self.heartbeat_s * self.liveness:
                 poller.unregister(dealer)
                 dealer.close(0)
+                base, delay = backoff.base, backoff.next()
                 self.log.warning(f"{self.role}.broker_lost", silent_s=round(now - last_heard, 1),
-                                 retry_in_s=round(backoff, 1))
-                self._stop_io.wait(backoff)
-                backoff = min(backoff * 2, self.backoff_max)
+                                 retry_in_s=round(delay, 2), backoff_s=round(base, 2))
+                self._stop_io.wait(delay)
                 dealer = self._connect()
                 poller.register(dealer, zmq.POLLIN)
                 self.reconnects += 1
@@ -259,8 +278,6 @@ class WorkerRuntime:
                 if self._announced:
                     send(dealer, protocol.encode(self._ready_msg()))
                 last_heard = time.monotonic()
-            elif now - last_heard < self.heartbeat_s * 2:
-                backoff = self.heartbeat_s
 
     def _flush_outbox(self, dealer: zmq.Socket) -> None:
         while True:

@@ -35,7 +35,7 @@ class RewardServer:
         self.answered = 0
 
     def run(self) -> None:
-        self.rt.ready(self.ex.capacity)
+        self.rt.ready(self.ex.capacity, tasks=sorted(self.ex.cfg.tasks))  # '*' = any task: advertises none
         self.rt.log.info("reward.started", service=self.rt.service, capacity=self.ex.capacity,
                          tasks=sorted(self.ex.cfg.tasks) or "registry names", processes=self.ex.cfg.processes)
         while not self.rt.stopping:

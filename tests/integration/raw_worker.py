@@ -9,8 +9,11 @@ Rewards, by `task`: "exact" -> 1.0 if the stripped completion equals str(referen
 CURVE (docs/protocol.md §2.1): with `--keys DIR` it authenticates with DIR/reward.key_secret against the
 brokers' DIR/broker.key, read as the text files they are (no helper library).
 
+With `--tasks exact,length` its READY lists the tasks it serves (§5.2), so the broker sends it only those.
+
 Run: python tests/integration/raw_worker.py tcp://127.0.0.1:5555 [--worker-id raw-0] [--capacity 2]
-     [--heartbeat-s 1.0] [--liveness 5] [--keys RUN_DIR/keys]  (--heartbeat-s 0: no heartbeats, a liveness test)
+     [--heartbeat-s 1.0] [--liveness 5] [--keys RUN_DIR/keys] [--tasks exact,length]
+     (--heartbeat-s 0: no heartbeats, a liveness test)
 """
 from __future__ import annotations
 
@@ -67,8 +70,9 @@ def answer(header: dict, worker_id: str) -> list[bytes]:
 
 class RawWorker:
     def __init__(self, address: str, worker_id: str, capacity: int, heartbeat_s: float, liveness: int,
-                 keys_dir: str | None = None):
+                 keys_dir: str | None = None, tasks: list[str] | None = None):
         self.address, self.worker_id, self.capacity = address, worker_id, capacity
+        self.tasks = tasks or []
         self.keys_dir = keys_dir
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.ctx = zmq.Context()
@@ -89,7 +93,7 @@ class RawWorker:
 
     def ready(self) -> None:
         self.send(pack("ready", {"service": "reward", "capacity": self.capacity, "worker_id": self.worker_id,
-                                 "role": "reward"}))
+                                 "role": "reward", "tasks": self.tasks}))
 
     def send(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)
@@ -150,8 +154,10 @@ def main() -> None:
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     parser.add_argument("--liveness", type=int, default=5)
     parser.add_argument("--keys", default=None, help="key directory (CURVE); plaintext without it")
+    parser.add_argument("--tasks", default="", help="comma-separated tasks to advertise (default: any)")
     args = parser.parse_args()
-    worker = RawWorker(args.address, args.worker_id, args.capacity, args.heartbeat_s, args.liveness, args.keys)
+    worker = RawWorker(args.address, args.worker_id, args.capacity, args.heartbeat_s, args.liveness, args.keys,
+                       [t for t in args.tasks.split(",") if t])
 
     def stop(*_):
         worker.stopping = True

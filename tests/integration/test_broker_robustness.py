@@ -247,3 +247,25 @@ def test_a_restarted_broker_replays_the_current_weights_not_base(procs, config_p
         assert got[1].msg.version == 7 and got[1].msg.mode == "disk"
     finally:
         late.close()
+
+
+def test_reward_worker_advertises_its_configured_tasks(procs, tmp_path):
+    """`areal-mq worker reward` took reward jobs of any task and failed those it has no function for, although
+    another worker could have served them; it now lists its tasks in READY and the broker routes by them."""
+    path = write_config(tmp_path, {"reward": {"processes": 1, "retries": 0,
+                                              "tasks": {"arith": {"fn": "arith"}, "gsm": {"fn": "math"}}}})
+    cfg = load_config(path)
+    procs.start(["broker", "--config", str(path)], "broker")
+    broker_up(cfg)
+    procs.start(["worker", "reward", "--config", str(path), "--worker-id", "rw-tasks"], "reward")
+    wait_for(lambda: worker_count(cfg, "reward") == 1, 60, what="reward worker")
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
+    try:
+        assert client.stats(5)["workers"]["rw-tasks"]["tasks"] == ["arith", "gsm"]
+        refused = client.submit(RewardJob(task="code", completions=["x"]), service="reward")
+        (rid, msg), = wait_for(lambda: client.poll(0.1), 5, what="the broker's answer")
+        assert rid == refused and isinstance(msg, Error) and msg.code == "no_service" and "'code'" in msg.message
+        good = client.wait(client.submit(RewardJob(task="arith", completions=["\\boxed{4}"], reference=4)), 30)
+        assert good.rewards == [1.0]
+    finally:
+        client.close()

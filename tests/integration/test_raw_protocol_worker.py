@@ -120,6 +120,27 @@ def test_raw_worker_error_reply_reaches_client_as_error(broker, cfg, raw_workers
         client.close()
 
 
+def test_raw_workers_advertising_tasks_get_only_their_tasks(broker, cfg, raw_workers):
+    """Routing was by service only: a worker that cannot score a task still got its jobs, and failed them."""
+    raw_workers("raw-exact", "--tasks", "exact")
+    raw_workers("raw-length", "--tasks", "length")
+    wait_for(lambda: {"raw-exact", "raw-length"} <= set(registered(cfg)), 30, what="two raw workers registered")
+    assert registered(cfg)["raw-exact"]["tasks"] == ["exact"]
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
+    try:
+        jobs = {client.submit(RewardJob(task=task, completions=["ab"], reference="ab")): task
+                for task in ["exact", "length"] * 8}
+        got: dict = {}
+        wait_for(lambda: got.update(client.poll(0.1)) or len(got) == len(jobs), 30, what="16 answers")
+        for job_id, task in jobs.items():
+            assert isinstance(got[job_id], RewardResult), got[job_id]
+            assert got[job_id].rewards == ([1.0] if task == "exact" else [2.0])
+        with pytest.raises(JobFailed, match=r"no_service.*'nope'"):  # nobody serves it: refused at once
+            client.wait(client.submit(RewardJob(task="nope", completions=["x"])), 2)
+    finally:
+        client.close()
+
+
 def test_heartbeats_keep_raw_worker_registered_and_silence_drops_it(broker, cfg, raw_workers):
     hb, live = cfg.brokers.heartbeat_s, cfg.brokers.liveness
     raw_workers("raw-beating")

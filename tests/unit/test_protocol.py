@@ -125,3 +125,57 @@ def test_length_buckets_of_drop_reports():
     from areal_mq.messages import length_bucket
 
     assert [length_bucket(n) for n in (0, 31, 32, 40, 64)] == ["0-31", "0-31", "32-63", "32-63", "64-95"]
+
+
+def _wire_header(msg, **changes) -> dict:
+    header = msgpack.unpackb(protocol.encode(msg)[0], raw=False)
+    body = {**header["body"], **changes.pop("body", {})}
+    return {**header, **changes, "body": body}
+
+
+@pytest.mark.parametrize("changes, code, words", [
+    ({"v": True}, "bad_version", "True"),  # true == 1 in Python; the doc says int
+    ({"v": 1.0}, "bad_version", "1.0"),
+    ({"body": {"capacity": "4"}}, "bad_fields", "capacity"),
+    ({"body": {"capacity": 4.0}}, "bad_fields", "capacity"),
+    ({"body": {"capacity": True}}, "bad_fields", "capacity"),
+    ({"body": {"worker_id": b"w"}}, "bad_fields", "worker_id"),  # bin where the doc says str
+    ({"body": {"tasks": ["math"] * 257}}, "bad_fields", "tasks"),
+    ({"body": {"tasks": ["x" * 129]}}, "bad_fields", "tasks"),
+])
+def test_wire_types_are_as_strict_as_documented(changes, code, words):
+    """Lax pydantic coercion let `v: true`, `capacity: "4"` and bin strings through, unlike docs/protocol.md."""
+    from areal_mq.messages import Ready
+
+    frames = [msgpack.packb(_wire_header(Ready(service="s", capacity=1, worker_id="w"), **changes), use_bin_type=True)]
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode(frames)
+    assert info.value.code == code and words in str(info.value)
+
+
+def test_strict_types_still_take_what_the_doc_allows():
+    job = _wire_header(RewardJob(task="t", completions=["a"]), body={"truncated": [True]})
+    assert protocol.decode([msgpack.packb(job)]).msg.truncated == [True]
+    result = msgpack.packb(_wire_header(Error(code="c", message="m")))
+    assert protocol.decode([result]).msg.code == "c"
+    from areal_mq.messages import RewardResult
+    assert protocol.decode([msgpack.packb(_wire_header(RewardResult(rewards=[1.5]), body={"rewards": [1, 0.5]}))]
+                           ).msg.rewards == [1.0, 0.5]  # a msgpack int is a float too
+    with pytest.raises(ProtocolError, match="rewards"):
+        protocol.decode([msgpack.packb(_wire_header(RewardResult(rewards=[1.5]), body={"rewards": [True]}))])
+
+
+def test_truncated_needs_one_flag_per_completion():
+    header = _wire_header(RewardJob(task="t", completions=["a"]), body={"truncated": [True, False, True]})
+    with pytest.raises(ProtocolError, match="truncated has 3 flags for 1") as info:
+        protocol.decode([msgpack.packb(header)])
+    assert info.value.code == "bad_fields"
+
+
+def test_peek_reply_to_reads_what_it_can():
+    good = protocol.encode(Error(code="c", message="m"), reply_to="job-1")
+    assert protocol.peek_reply_to(good) == "job-1"
+    assert protocol.peek_reply_to([b"\x00garbage"]) == ""
+    assert protocol.peek_reply_to([msgpack.packb({"reply_to": 5})]) == ""
+    assert protocol.peek_reply_to([]) == ""
+    assert protocol.peek_reply_to([b"\x00" * (protocol.MAX_HEADER_BYTES + 1)]) == ""
