@@ -94,8 +94,8 @@ def reply_problem(job: JobState, msg: Message) -> str | None:
             return f"{len(msg.rewards)} rewards for {job.n_items} completion(s) (one per completion)"
         if not all(map(math.isfinite, msg.rewards)):
             return f"rewards must be finite numbers, got {[r for r in msg.rewards if not math.isfinite(r)][:3]}"
-    elif kind == Kind.GENERATE_RESULT and not np.isfinite(msg.logprobs).all():
-        return "logprobs must be finite numbers"
+    elif kind == Kind.GENERATE_RESULT and not math.isfinite(msg.logprobs.sum(dtype=np.float64)):
+        return "logprobs must be finite numbers"  # a float64 sum of float32 values is finite iff they all are
     return None
 
 

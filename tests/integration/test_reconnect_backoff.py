@@ -68,7 +68,7 @@ def test_job_client_reconnects_less_and_less_often_while_the_broker_stays_away(t
         while time.monotonic() - start < 2.5:
             client.poll(0.02)
         # a fixed 0.1 s silence window alone made ~25 reconnects (each resubmitting every pending job)
-        assert 3 <= client.reconnects <= 9, client.reconnects
+        assert 2 <= client.reconnects <= 12, client.reconnects
         assert client._backoff.base == 0.4
     finally:
         client.close()
