@@ -1,21 +1,24 @@
-"""Inside the code sandbox: isolate, drop privileges, run a candidate program and its tests, report.
+"""Inside the code sandbox: isolate, drop privileges, run a candidate program and its tests' parts, report.
 
-Stdlib only: started by areal_mq.rewards.sandbox as `python -I -S -B _sandbox_boot.py` (optionally under
-`unshare --net --mount --pid --fork --kill-child --mount-proc`), with a JSON config on stdin. Not meant
-to be run by hand.
+Stdlib only: started by areal_mq.rewards.sandbox as `python -I -S -B _sandbox_boot.py` (in namespace mode
+under `unshare --net --ipc --mount --pid --fork --kill-child --mount-proc`), with a JSON config on stdin.
+Not meant to be run by hand.
 
 Two processes:
-  boot (root, pid 1 of the pid namespace): makes every writable mount read-only, mounts a small private
-      tmpfs on the sandbox directory, writes the program there, forks the runner, waits for it and
-      writes an "exit" line (exit code, signal, CPU seconds) on the status pipe. When boot exits the
-      kernel kills whatever the program left behind in the namespace.
+  boot (root, pid 1 of the pid namespace): joins the run's memory cgroup when there is one, hides the host
+      temp and run directories under empty tmpfs (mode 0000; where Python or the sandbox dir lies below,
+      0711 with those put back), makes every mount read-only, mounts a small private tmpfs on the sandbox
+      directory, writes the program there, forks the runner, waits for it and writes an "exit" line (exit
+      code, signal, CPU seconds) on the status pipe. When boot exits the kernel kills whatever the program
+      left behind in the namespace.
   runner: sets rlimits (CPU, address space, processes, file size, open files), switches to a fresh
-      unprivileged uid, sets PR_SET_NO_NEW_PRIVS, loads a seccomp filter (libseccomp) that refuses new
-      namespaces, mounts, ptrace and other kernel-level escapes, installs an audit hook that refuses sockets
-      and writes outside the directory, runs the program, then the test steps: statements to execute and
-      probes (expressions) whose values it writes back as plain data ("probe" lines).
-The runner never decides whether a test passed: areal_mq/rewards/sandbox_tests.py judges the values in the
-reward worker, and the expected values of the asserts never enter this process.
+      unprivileged uid, sets PR_SET_NO_NEW_PRIVS, loads a seccomp filter (libseccomp: native arch only,
+      other ABIs killed) that refuses new namespaces, mounts, ptrace, SysV IPC and other kernel-level calls,
+      installs an audit hook that refuses sockets and writes outside the directory (and names the reason
+      of what the kernel refused), runs the program, then the test steps: setup statements, and probes
+      whose parts (program-facing expressions) it evaluates and writes back as plain data ("probe" lines).
+The runner never decides whether a test passed: areal_mq/rewards/sandbox_tests.py rebuilds each assert from
+the values in the reward worker; the expected values of the asserts never enter this process.
 """
 import ast
 import ctypes
@@ -54,36 +57,49 @@ def _mounts():
             yield point, fields[5].split(","), right.split()[0]
 
 
-def _expose(libc, path):
-    """Make `path` reachable for other users when an ancestor (e.g. /root, 0700) is not: cover that
-    ancestor with a tmpfs and bind the original `path` back at the same place."""
-    path = os.path.realpath(path)
-    cur = "/"
-    for part in path.strip("/").split("/")[:-1]:
-        cur = os.path.join(cur, part)
-        if not os.stat(cur).st_mode & stat.S_IXOTH:
-            fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
-            _mount(libc, "tmpfs", cur, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(libc, f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
-            os.close(fd)
-            return
+def _under(path, top):
+    return path.startswith(top.rstrip("/") + "/")
+
+
+def _covers(cfg, keep):
+    """Directories to hide: the masks, plus each ancestor of a kept path that other users cannot enter
+    (e.g. /root, 0700, above a pyenv Python). Shallow first: a cover inside an earlier one is already gone."""
+    out = list(cfg["mask"])
+    for path in keep:
+        cur = "/"
+        for part in path.strip("/").split("/")[:-1]:
+            cur = os.path.join(cur, part)
+            if not os.stat(cur).st_mode & stat.S_IXOTH:
+                out.append(cur)
+                break
+    return sorted(set(out), key=lambda p: p.count("/"))
 
 
 def isolate_filesystem(cfg):
+    """Hide the covers under empty root-owned tmpfs (mode 0000: nothing below can even be looked up, so every
+    access is EACCES; 0711 where a kept path or the sandbox dir lies below, with those put back), make every
+    mount read-only, and mount the sandbox dir: a private size-limited tmpfs, the only writable place."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for path in cfg["expose"]:
-        _expose(libc, path)
+    keep = sorted({os.path.realpath(p) for p in cfg["expose"]})
+    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep}
+    for point in _covers(cfg, keep):
+        if not os.path.isdir(point) or any(p == point or _under(point, p) for p in keep):
+            continue  # hidden by an earlier cover already, or Python itself lives there
+        inner = [p for p in [*keep, cfg["dir"]] if _under(p, point)]
+        _mount(libc, "tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               f"size=1m,mode={'0711' if inner else '0000'}")
+        for path in inner:
+            os.makedirs(path, mode=0o711, exist_ok=True)
+            if path in fds:
+                _mount(libc, f"/proc/self/fd/{fds[path]}", path, None, MS_BIND | MS_REC, None)
+    for fd in fds.values():
+        os.close(fd)
     for point, opts, fstype in list(_mounts()):
         if fstype in SKIP_FS or "ro" in opts or point.startswith(("/proc", "/sys")):
             continue
         extra = sum(flag for name, flag in (("nosuid", MS_NOSUID), ("nodev", MS_NODEV), ("noexec", MS_NOEXEC))
                     if name in opts)
         _mount(libc, None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | extra, None)
-    for point in cfg["mask"]:  # host temp and run directories: empty, root-owned, read-only for the program
-        if os.path.isdir(point):
-            _mount(libc, "tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,mode=0755")
-    os.makedirs(cfg["dir"], mode=0o700, exist_ok=True)
     uid = cfg["uid"] if cfg["uid"] is not None else 0
     _mount(libc, "tmpfs", cfg["dir"], "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={cfg['disk_mb']}m,mode=0700,uid={uid},gid={uid}")
@@ -164,7 +180,7 @@ def encode_value(v, depth=0, budget=None):
     if t is bool:
         return {"b": v}
     if t is int:
-        return {"i": v} if abs(v) < 1 << 63 else {"s": str(v)}
+        return {"i": v} if abs(v) < 1 << 63 else {"x": hex(v)}  # hex: no decimal digit limit
     if t is float:
         return {"f": v if v == v and v not in (float("inf"), float("-inf")) else repr(v)}
     if t is str:
@@ -172,7 +188,7 @@ def encode_value(v, depth=0, budget=None):
     if t is bytes:
         return {"y": v[:50_000].hex()}
     if t in (list, tuple, set, frozenset):
-        tag = {list: "l", tuple: "t"}.get(t, "set")
+        tag = {list: "l", tuple: "t", set: "set", frozenset: "fset"}[t]
         return {tag: [encode_value(x, depth + 1, budget) for x in v]}
     if t is dict:
         return {"d": [[encode_value(k, depth + 1, budget), encode_value(x, depth + 1, budget)] for k, x in v.items()]}
@@ -180,7 +196,9 @@ def encode_value(v, depth=0, budget=None):
                     "dict, set)")
 
 
-def make_guard(root, violations, deny_processes):
+def make_guard(root, violations, deny_processes, seen):
+    """Audit hook: refuses sockets, writes outside `root` and (deny_processes) new processes, recording each in
+    `violations`; remembers in seen["read"] the last path opened or listed for reading (to name an EACCES)."""
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
     def inside(path):
@@ -194,10 +212,15 @@ def make_guard(root, violations, deny_processes):
     def hook(event, args):
         if event == "open":
             path, mode, flags = args
-            if isinstance(path, (str, bytes, os.PathLike)) and (
-                    (mode and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & write_flags)):
+            if not isinstance(path, (str, bytes, os.PathLike)):
+                return
+            if (mode and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & write_flags):
                 if not inside(path):
                     deny("write", f"writing {os.fsdecode(path)!r} outside the sandbox directory")
+            else:
+                seen["read"] = os.fsdecode(path)
+        elif event in ("os.listdir", "os.scandir") and isinstance(args[0], (str, bytes)):
+            seen["read"] = os.fsdecode(args[0])
         elif event in WRITE_EVENTS:
             for path in args[:2]:
                 if isinstance(path, (str, bytes, os.PathLike)) and not inside(path):
@@ -210,7 +233,8 @@ def make_guard(root, violations, deny_processes):
     return hook
 
 
-def classify(exc, violations):
+def classify(exc, violations, seen=None):
+    """The reason code of an exception the program or a test part raised."""
     if violations:
         return {"write": "write_blocked", "network": "network_blocked", "process": "process_limit"}[violations[0][0]]
     if isinstance(exc, MemoryError):
@@ -219,7 +243,10 @@ def classify(exc, violations):
         return "process_limit"
     if isinstance(exc, OSError) and exc.errno in (101, 111, 113, -2, -3):  # unreachable/refused/no DNS
         return "network_blocked"
-    if isinstance(exc, OSError) and exc.errno in (30, 13):  # EROFS, EACCES
+    if isinstance(exc, OSError) and exc.errno == 13 and exc.filename is not None and seen and \
+            os.fsdecode(exc.filename) == seen.get("read"):  # EACCES reading: a hidden host directory
+        return "read_blocked"
+    if isinstance(exc, OSError) and exc.errno in (30, 13):  # EROFS, EACCES (for a ctypes call: no filename)
         return "write_blocked"
     if isinstance(exc, OSError) and exc.errno in (1, 3, 38):  # EPERM (seccomp, another user's process), ESRCH
         # (a process outside the pid namespace is invisible), ENOSYS (clone3)
@@ -235,29 +262,36 @@ def classify(exc, violations):
 
 def run_steps(cfg, send):
     """The program, then the test steps; each probe's values (or its error) go back as one line."""
-    violations = []
-    sys.addaudithook(make_guard(os.path.realpath(cfg["dir"]), violations, cfg["deny_processes"]))
+    violations, seen = [], {}
+    sys.addaudithook(make_guard(os.path.realpath(cfg["dir"]), violations, cfg["deny_processes"], seen))
     ns = {"__name__": "solution", "__builtins__": __builtins__}
     try:
         exec(compile(cfg["program"], os.path.join(cfg["dir"], "solution.py"), "exec"), ns)
     except BaseException as exc:  # noqa: BLE001 - any failure of the candidate is reported, not raised
-        return send(kind="stopped", stage="program", line=0, reason=classify(exc, violations), exc=_fmt(exc))
+        return send(kind="stopped", stage="program", line=0, reason=classify(exc, violations, seen), exc=_fmt(exc))
     for step in cfg["steps"]:
-        try:
-            if step["kind"] == "exec":
+        if step["kind"] == "exec":
+            try:
                 exec(compile(step["src"], "tests.py", "exec"), ns)
-                continue
-            values = [encode_value(eval(compile(e, "tests.py", "eval"), ns)) for e in step["exprs"]]
-        except BaseException as exc:  # noqa: BLE001
-            if step["kind"] == "exec":
-                return send(kind="stopped", stage="tests", line=step["line"], reason=classify(exc, violations),
+            except BaseException as exc:  # noqa: BLE001
+                return send(kind="stopped", stage="tests", line=step["line"], reason=classify(exc, violations, seen),
                             exc=_fmt(exc))
-            send(kind="probe", id=step["id"], error=_fmt(exc), reason=classify(exc, violations))
-            if not isinstance(exc, (AssertionError, TypeError, ValueError, ArithmeticError, LookupError,
-                                    AttributeError, NameError)):
-                return None
             continue
-        send(kind="probe", id=step["id"], values=values)
+        entries, fatal = [], None
+        for expr in step["exprs"]:  # every part, in order; the judge decides which ones it needs
+            if fatal:
+                entries.append(fatal)
+                continue
+            try:
+                entries.append(encode_value(eval(compile(expr, "tests.py", "eval"), ns)))
+            except BaseException as exc:  # noqa: BLE001
+                entries.append({"err": _fmt(exc), "why": classify(exc, violations, seen)})
+                if not isinstance(exc, (AssertionError, TypeError, ValueError, ArithmeticError, LookupError,
+                                        AttributeError, NameError)):
+                    fatal = entries[-1]  # e.g. MemoryError or a blocked action: nothing after it runs
+        send(kind="probe", id=step["id"], values=entries)
+        if fatal:
+            return send(kind="stopped", stage="tests", line=step["line"], reason=fatal["why"], exc=fatal["err"])
     return send(kind="done")
 
 
@@ -276,9 +310,11 @@ def runner(cfg, status_fd):
                 except Exception:  # noqa: BLE001 - the program may have closed or replaced them
                     pass
             line = json.dumps({"nonce": cfg["nonce"], **fields})
-            os.write(status_fd, (line if len(line) < 400_000 else json.dumps(
-                {"nonce": cfg["nonce"], "kind": "probe", "id": fields.get("id"), "error": "value too large to send",
-                 "reason": "bad_result_type"})).encode() + b"\n")
+            if len(line) >= 400_000:
+                too_large = {"err": "value too large to send", "why": "bad_result_type"}
+                line = json.dumps({"nonce": cfg["nonce"], "kind": "probe", "id": fields.get("id"),
+                                   "values": [too_large] * len(fields.get("values", ()))})
+            os.write(status_fd, line.encode() + b"\n")
 
     try:
         apply_limits(cfg)
@@ -301,6 +337,9 @@ def main():
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     status_fd = cfg["status_fd"]
+    if cfg["cgroup_procs"]:  # the cap then holds for everything the program starts; raises (fail closed)
+        with open(cfg["cgroup_procs"], "w") as f:
+            f.write("0")
     if cfg["mounts"]:
         isolate_filesystem(cfg)
     path = os.path.join(cfg["dir"], "solution.py")

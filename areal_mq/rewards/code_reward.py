@@ -6,6 +6,9 @@ list of assert strings, or {"tests": ...}). Reward 1.0 when every test passes, e
 fraction passed with `partial_credit: true`. `details` carries the sandbox's reason and message.
 Limits come from the task kwargs: `kwargs: {sandbox: {timeout_s: 5, memory_mb: 256}}` (SandboxConfig).
 Keep the reward config's `timeout_s` above the sandbox's so the sandbox, not the executor, stops a run.
+Where the sandbox cannot isolate the program (root without namespaces) it raises SandboxRefused: the
+executor then gives the task's default reward, and RewardResult.errors says why. Which tests count and how
+they are judged (outside the program) is in sandbox_tests.py and docs/rewards.md.
 """
 from __future__ import annotations
 
@@ -58,5 +61,6 @@ def code_reward(prompt: str, completion: str, reference, *, sandbox: dict | None
         "tests_passed": result.tests_passed,
         "tests_total": result.tests_total,
         "isolation": result.isolation,
+        "memory_bound": result.memory_bound,
         "duration_s": result.duration_s,
     }

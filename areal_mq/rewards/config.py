@@ -28,7 +28,8 @@ class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one run; the whole process tree is killed after it.")
     cpu_s: int = Field(5, ge=1, description="CPU seconds (RLIMIT_CPU) of the program.")
-    memory_mb: int = Field(512, ge=32, description="Address-space limit (RLIMIT_AS) of each process of the program, MiB.")
+    memory_mb: int = Field(512, ge=32, description="Memory limit, MiB: the address space (RLIMIT_AS) of each process, "
+                           "and the whole process tree's memory where a cgroup can be made (see `cgroup`).")
     max_processes: int = Field(16, ge=1, description="Process limit (RLIMIT_NPROC) of the sandbox user; stops fork bombs.")
     max_output_bytes: int = Field(65536, ge=1024, description="stdout+stderr beyond this kills the run (reason output_limit).")
     disk_mb: int = Field(32, ge=1, description="Size of the private tmpfs working directory (namespace isolation only).")
@@ -40,6 +41,13 @@ class SandboxConfig(BaseModel):
         "mode even as root (debugging only: the program runs with the worker's privileges).",
     )
     site_packages: bool = Field(False, description="Let the program import installed packages (python -I -S otherwise).")
+    cgroup: bool = Field(True, description="Cap the memory of the whole process tree at memory_mb with a fresh cgroup "
+                         "per run where the worker may create one (cgroup v2 with memory delegated, or v1); else the "
+                         "tree is bounded by memory_mb x max_processes (rlimits).")
+    hide: list[str] = Field(default_factory=list, description="More directories the program must not read (e.g. "
+                            "the run directory when it is not under the worker's working directory); with "
+                            "namespaces each is covered by an empty tmpfs. /tmp, /var/tmp, /dev/shm and the "
+                            "worker's working directory always are.")
 
 
 class HttpBridgeConfig(BaseModel):

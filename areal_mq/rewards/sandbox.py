@@ -1,30 +1,33 @@
 """Run an untrusted Python program against unit tests in a sandboxed subprocess.
 
 What: `CodeSandbox(cfg).run(program, tests) -> SandboxResult(passed, reason, message, ...)`. `tests` is
-Python source; every top-level `assert` is one test, other statements are setup run in order.
-Why: code rewards execute model-written programs; a reward worker must survive infinite loops, memory
-and fork bombs, network access and writes anywhere on the host, and report which one happened.
-How (isolation "namespaces", root + `unshare` available): fresh network namespace (no interfaces up, not
-even loopback), IPC namespace (SysV shared memory dies with the run), mount namespace with every mount
-read-only, the host's temporary directories and the worker's working directory hidden under empty
-root-owned tmpfs, and a private size-limited tmpfs as the only writable directory, pid namespace (nothing
-outside is visible or killable; everything dies with its init), a fresh unprivileged uid per run (so
-RLIMIT_NPROC counts only this run's processes), PR_SET_NO_NEW_PRIVS, a seccomp filter refusing new
-namespaces, mounts, ptrace and kernel-level calls, and rlimits on CPU, address space, file size, open
-files. Memory of the whole tree is bounded by memory_mb x max_processes (RLIMIT_AS per process times
-RLIMIT_NPROC), not by a cgroup.
-Fails closed: as root without namespaces (no `unshare`), isolation "auto" and "rlimits" refuse to run
-anything (`SandboxRefused`; the code reward then gives the task's default reward with the reason).
-Isolation "rlimits" is for non-root workers: rlimits, a private temp dir and an audit hook refusing
-sockets and outside writes (a ctypes call bypasses the hook; the uid's own processes are reachable).
-"unsafe" runs that mode even as root and says so: for debugging only.
-The verdict is never computed next to the program: sandbox_tests.judge compares the plain values the
-runner sends back, in this process. The wall deadline and the output cap are enforced here, and every
-process of the run is killed at the end (process group, then every process of the sandbox uid).
+Python source; every top-level `assert` is one test, other statements are setup (sandbox_tests.py has the
+exact contract). Why: code rewards execute model-written programs; a reward worker must survive infinite
+loops, memory and fork bombs, network access, writes and reads on the host and reward hacking, and report
+which one happened.
+How (isolation "namespaces", root + `unshare`): fresh network namespace (no interfaces up, not even
+loopback), IPC namespace (SysV IPC and POSIX queues die with the run), pid namespace (nothing outside is
+visible or killable; everything dies with its init), mount namespace with every mount read-only, the host's
+temp dirs, the worker's working directory (where run directories live) and cfg.hide covered by empty
+root-owned tmpfs (mode 0000: every path below is EACCES), and a private size-limited tmpfs under
+NS_WORK_BASE as the only writable directory (also HOME and TMPDIR); a fresh unprivileged uid per run (so
+RLIMIT_NPROC counts only this run's processes), PR_SET_NO_NEW_PRIVS, a seccomp filter (libseccomp) refusing
+new namespaces, mount, ptrace, SysV IPC and kernel-level calls, rlimits on CPU, address space, processes,
+file size, open files. Memory of the whole tree: a per-run cgroup capped at memory_mb where the worker may
+create one (sandbox_cgroup.py; SandboxResult.memory_bound says which), else memory_mb x max_processes.
+Fails closed: as root without namespaces (no working `unshare`), isolation "auto" and "rlimits" refuse to
+run anything (`SandboxRefused`; the code reward then gives the task's default reward with the reason).
+Isolation "rlimits" is for non-root workers: rlimits, a private temp dir and an audit hook refusing sockets
+and outside writes (a ctypes call bypasses the hook; the uid's own files and processes are reachable).
+"unsafe" runs that mode even as root, by name only: for debugging.
+The verdict is never computed next to the program: sandbox_tests.judge rebuilds each assert from the plain
+values the runner sends back and evaluates it in this process. The wall deadline and the output cap are
+enforced here, and every process of the run is killed at the end (process group, the run's cgroup, then
+every process of the sandbox uid).
 
     reason: passed | tests_failed | no_tests | error | syntax_error | exited_early | timeout | cpu_limit |
-            memory_limit | process_limit | network_blocked | write_blocked | syscall_blocked |
-            bad_result_type | output_limit | crashed | sandbox_error
+            memory_limit | process_limit | network_blocked | write_blocked | read_blocked | syscall_blocked |
+            bad_result_type | tampered | output_limit | crashed | sandbox_error
 
 Run: python -c "from areal_mq.rewards.sandbox import CodeSandbox; print(CodeSandbox().run('x=1', 'assert x==1'))"
 """
@@ -46,25 +49,30 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import RewardError
 from .config import SandboxConfig
+from .sandbox_cgroup import RunCgroup
 from .sandbox_tests import Plan, judge, plan_tests
 
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_boot.py")
 UNSHARE = ["unshare", "--net", "--ipc", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
            "--propagation", "private"]
 HOST_TEMP = ("/tmp", "/var/tmp", "/dev/shm")
+NS_WORK_BASE = "/run/areal-mq-sandbox"  # mount points of the private dirs: outside the host temp dirs we hide
 MESSAGES = {
     "passed": "all tests passed", "tests_failed": "a test assertion failed", "no_tests": "no assert in the tests",
     "error": "the program raised", "syntax_error": "the program does not compile",
     "timeout": "wall-clock limit exceeded; every process of the run was killed",
-    "cpu_limit": "CPU time limit exceeded", "memory_limit": "memory limit exceeded (MemoryError)",
+    "cpu_limit": "CPU time limit exceeded", "memory_limit": "memory limit exceeded",
     "process_limit": "process limit reached (fork refused)", "network_blocked": "network access refused",
     "write_blocked": "write outside the sandbox directory refused",
+    "read_blocked": "read refused (host temp and run directories are hidden; other files may be unreadable "
+                    "for the run's user)",
     "output_limit": "output limit exceeded; the run was killed",
     "exited_early": "the program exited before the tests finished", "crashed": "the program was killed by a signal",
     "syscall_blocked": "a system call the sandbox forbids was refused (namespaces, mount, ptrace, another "
                        "user's process, ...)",
-    "bad_result_type": "a test expression gave a value that is not plain data (int, float, bool, str, bytes, "
-                       "None, list, tuple, dict, set); it cannot be compared safely",
+    "bad_result_type": "a program value a test needs is not plain data (int, float, bool, str, bytes, None, "
+                       "list, tuple, dict, set, frozenset); it cannot be compared safely",
+    "tampered": "the program wrote on the sandbox's status pipe (a test result arrived twice)",
     "sandbox_error": "the sandbox itself failed",
 }
 
@@ -87,6 +95,7 @@ class SandboxResult:
     duration_s: float = 0.0
     cpu_s: float | None = None
     isolation: str = ""
+    memory_bound: str = ""  # what bounded the memory of the whole process tree (a cgroup, or rlimits)
     failures: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -162,45 +171,58 @@ class CodeSandbox:
         SandboxRefused when this machine cannot isolate the program (fail closed)."""
         if self.refusal:
             raise SandboxRefused(self.refusal)
-        plan = plan_tests(tests)
+        plan = plan_tests(tests, program)
         ns = self.isolation == "namespaces"
         uid = None
         if os.geteuid() == 0 and (ns or _others_can_run_python()):
             uid = 200_000 + secrets.randbelow(800_000)  # fresh per run: RLIMIT_NPROC and the kill sweep see only us
-        workdir = tempfile.mkdtemp(prefix="areal-sbx-")
+        workdir = tempfile.mkdtemp(prefix="areal-sbx-", dir=self._work_base())
+        group = RunCgroup.create(self.cfg.memory_mb) if self.cfg.cgroup else None
         try:
             if uid is not None:
                 os.chown(workdir, uid, uid)
-            return self._run_in(workdir, uid, program, plan)
+            return self._run_in(workdir, uid, program, plan, group)
         finally:
+            if group is not None:
+                group.remove()
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def _boot_config(self, workdir, uid, program, plan: Plan, status_fd, nonce) -> dict:
+    def _boot_config(self, workdir, uid, program, plan: Plan, status_fd, nonce, group) -> dict:
         c = self.cfg
         ns = self.isolation == "namespaces"
         return {
             "dir": workdir, "uid": uid, "mounts": ns, "seccomp": ns, "mask": self._masks() if ns else [],
             "deny_processes": uid is None and os.geteuid() == 0,  # root ignores RLIMIT_NPROC: no forks at all
-            "disk_mb": c.disk_mb, "status_fd": status_fd,
+            "disk_mb": c.disk_mb, "status_fd": status_fd, "cgroup_procs": group.procs if group else None,
             "nonce": nonce, "program": program, "steps": plan.steps,
             "expose": [sys.base_prefix, sys.prefix] if ns else [],
             "limits": {"cpu_s": c.cpu_s, "memory_mb": c.memory_mb, "max_processes": c.max_processes,
                        "fsize_mb": c.disk_mb},
         }
 
-    @staticmethod
-    def _masks() -> list[str]:
-        """Directories the program must not read: host temp dirs and this worker's working directory (where
-        run directories live), unless one holds the Python the sandbox runs on."""
-        keep = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}
+    def _masks(self) -> list[str]:
+        """Directories the program must not read: host temp dirs, this worker's working directory (where
+        run directories live) and cfg.hide. The boot script puts the Python it runs on back where a mask
+        covers it."""
         out = []
-        for d in (*HOST_TEMP, os.getcwd()):
+        for d in (*HOST_TEMP, os.getcwd(), *self.cfg.hide):
             real = os.path.realpath(d)
-            if real != "/" and not any(k == real or k.startswith(real + os.sep) for k in keep) and real not in out:
+            if real != "/" and real not in out:
                 out.append(real)
         return out
 
-    def _run_in(self, workdir, uid, program, plan: Plan) -> SandboxResult:
+    def _work_base(self) -> str | None:
+        """Where the run's directory is made: with namespaces, NS_WORK_BASE (so /tmp can be hidden whole:
+        every path under it is then EACCES, not ENOENT); else the usual temp dir."""
+        if self.isolation != "namespaces":
+            return None
+        try:
+            os.makedirs(NS_WORK_BASE, mode=0o711, exist_ok=True)
+            return NS_WORK_BASE
+        except OSError:
+            return None
+
+    def _run_in(self, workdir, uid, program, plan: Plan, group: RunCgroup | None) -> SandboxResult:
         nonce = secrets.token_hex(16)
         status_r, status_w = os.pipe()
         cmd = [sys.executable, "-I", "-B"] + ([] if self.cfg.site_packages else ["-S"]) + [BOOT]
@@ -216,7 +238,7 @@ class CodeSandbox:
         finally:
             os.close(status_w)
         try:
-            cfg = self._boot_config(workdir, uid, program, plan, status_w, nonce)
+            cfg = self._boot_config(workdir, uid, program, plan, status_w, nonce, group)
             try:
                 proc.stdin.write(json.dumps(cfg).encode())
                 proc.stdin.close()
@@ -228,7 +250,19 @@ class CodeSandbox:
             os.close(status_r)
             for pipe in (proc.stdout, proc.stderr):
                 pipe.close()
-        return self._result(bufs, killed, nonce, time.monotonic() - start, plan)
+        oom = group is not None and group.oom_killed()
+        result = self._result(bufs, killed, nonce, time.monotonic() - start, plan)
+        result.memory_bound = self._memory_bound(group)
+        if oom and not result.passed and result.reason not in ("timeout", "output_limit"):
+            result.reason = "memory_limit"
+            result.message = f"{MESSAGES['memory_limit']}: {result.memory_bound}; the kernel killed a process"
+        return result
+
+    def _memory_bound(self, group: RunCgroup | None) -> str:
+        c = self.cfg
+        if group is not None:
+            return f"cgroup v{group.version}: {c.memory_mb} MiB for the whole process tree"
+        return f"rlimits: {c.memory_mb} MiB per process x {c.max_processes} processes"
 
     def _collect(self, proc, status_r, start) -> tuple[dict, str | None]:
         """Read stdout, stderr and the status pipe until all close, the deadline or the output cap."""
@@ -287,7 +321,7 @@ class CodeSandbox:
         for raw in bytes(bufs["status"]).splitlines():
             try:
                 line = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # a line the program forged: only its own claims count
                 continue
             if isinstance(line, dict) and line.get("nonce") == nonce:
                 if line.get("kind") == "exit":

@@ -4,8 +4,6 @@ Run: pytest tests/unit/rewards/test_sandbox.py -q   (~15 s; namespace tests skip
 """
 import os
 import random
-import socket
-import threading
 import time
 
 import pytest
@@ -29,32 +27,6 @@ def ns_sandbox():
     if not HAS_NS:
         pytest.skip("needs root and unshare (network/mount/pid namespaces)")
     return CodeSandbox(SandboxConfig(isolation="namespaces", **LIMITS))
-
-
-@pytest.fixture
-def listener():
-    """A TCP server on 127.0.0.1 that records every connection it gets."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    srv.settimeout(0.2)
-    got, stop = [], threading.Event()
-
-    def accept():
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-                got.append(1)
-                conn.close()
-            except OSError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    yield srv.getsockname()[1], got
-    stop.set()
-    t.join(timeout=2)
-    srv.close()
 
 
 def test_passing_and_failing_tests(sandbox):

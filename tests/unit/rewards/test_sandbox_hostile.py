@@ -2,17 +2,18 @@
 
 Every case runs in each isolation mode this machine supports as a protection (namespaces with root and
 `unshare`; rlimits only for a non-root worker, where ctypes cases are out of its reach and skipped). As root
-without namespaces the sandbox refuses to run at all (fail closed), and the code reward then gives the task's
-default reward with the reason. The audit's ctypes cases used to succeed in rlimits mode as root.
-Run: pytest tests/unit/rewards/test_sandbox_hostile.py -q   (~30 s)
+without namespaces the sandbox refuses to run at all (fail closed: the audit's ctypes attacks all succeeded
+there), and the code reward then gives the task's default reward with the reason. Host-side checks: the
+outside file does not exist, the listener got no connection, the victim process lives, no SysV segment.
+Run: pytest tests/unit/rewards/test_sandbox_hostile.py -q   (~20 s)
 """
 from __future__ import annotations
 
 import os
 import random
-import socket
+import shutil
 import subprocess
-import threading
+import tempfile
 
 import pytest
 
@@ -40,31 +41,6 @@ def _ctypes_only_in_namespaces(box):
         pytest.skip("rlimits mode cannot stop ctypes calls (documented); namespaces do")
 
 
-@pytest.fixture
-def listener():
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    srv.settimeout(0.2)
-    got, stop = [], threading.Event()
-
-    def accept():
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-                got.append(1)
-                conn.close()
-            except OSError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    yield srv.getsockname()[1], got
-    stop.set()
-    t.join(timeout=2)
-    srv.close()
-
-
 def test_infinite_loop(box):
     r = box.run("while True:\n    pass\n", "assert True")
     assert not r.passed and r.reason in ("cpu_limit", "timeout"), r
@@ -86,7 +62,7 @@ def test_socket_via_ctypes(box, listener):
     _ctypes_only_in_namespaces(box)
     port, got = listener
     prog = (LIBC + "import struct\nfd = libc.socket(2, 1, 0)\n"
-            f"addr = struct.pack('<HH4s8x', 2, socket_port := {port} >> 8 | ({port} & 255) << 8, bytes([127, 0, 0, 1]))\n"
+            f"addr = struct.pack('=H', 2) + struct.pack('!H', {port}) + bytes([127, 0, 0, 1]) + bytes(8)\n"
             "if libc.connect(fd, addr, len(addr)) != 0:\n" + RAISE)
     r = box.run(prog, "assert True")
     assert not r.passed and r.reason == "network_blocked", r
@@ -94,24 +70,50 @@ def test_socket_via_ctypes(box, listener):
 
 
 @pytest.mark.parametrize("how", ["python", "ctypes"])
-def test_write_outside(box, how):
+@pytest.mark.parametrize("where", ["test_tmp", "etc"])
+def test_write_outside(box, how, where, tmp_path):
     if how == "ctypes":
         _ctypes_only_in_namespaces(box)
-    target = f"/etc/areal-sbx-escape-{random.randrange(10**9)}"
+    target = str(tmp_path / "escaped.txt") if where == "test_tmp" else f"/etc/areal-sbx-{random.randrange(10**9)}"
     prog = (f"open({target!r}, 'w').write('escaped')\n" if how == "python" else
             LIBC + f"if libc.open({target.encode()!r}, 0o101, 0o644) < 0:\n" + RAISE)
     r = box.run(prog, "assert True")
     assert not r.passed and r.reason == "write_blocked", r
-    assert not os.path.exists(target)
+    assert not os.path.exists(target)  # checked on the host
 
 
 def test_host_temp_and_run_dirs_are_not_readable(box, tmp_path):
     _ctypes_only_in_namespaces(box)
     secret = tmp_path / "secret.txt"
     secret.write_text("host data")
-    r = box.run(f"import os\nseen = os.path.exists({str(secret)!r}) or os.path.exists({os.getcwd()!r} + '/pyproject.toml')\n",
+    project = os.path.join(os.getcwd(), "pyproject.toml")
+    r = box.run(f"import os\nseen = os.path.exists({str(secret)!r}) or os.path.exists({project!r})\n",
                 "assert seen == False")
     assert r.passed, r
+    r = box.run(f"data = open({str(secret)!r}).read()\n", "assert True")
+    assert not r.passed and r.reason == "read_blocked", r
+
+
+@pytest.fixture
+def run_dir():
+    """A world-readable directory outside the host temp dirs and our working directory, like a run_dir."""
+    if not ROOT:
+        pytest.skip("hiding directories needs namespaces (root)")
+    path = tempfile.mkdtemp(prefix="areal-mq-hide-test-", dir="/run")
+    os.chmod(path, 0o755)
+    with open(os.path.join(path, "config.yaml"), "w") as f:
+        f.write("secret: 1\n")
+    os.chmod(os.path.join(path, "config.yaml"), 0o644)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_hide_covers_more_directories(box, run_dir):
+    _ctypes_only_in_namespaces(box)
+    prog = f"import os\nseen = os.path.exists({run_dir!r} + '/config.yaml')\n"
+    assert box.run(prog, "assert seen == True").passed  # readable unless hidden
+    hidden = CodeSandbox(box.cfg.model_copy(update={"hide": [run_dir]}))
+    assert hidden.run(prog, "assert seen == False").passed
 
 
 def test_fork_bomb_via_ctypes(box):
@@ -134,17 +136,17 @@ def test_kill_parent_and_host_process(box):
         victim.wait()
 
 
-def _host_shm() -> str:
+def _host_shm_keys() -> set[int]:
     with open("/proc/sysvipc/shm") as f:
-        return f.read()
+        return {int(line.split()[0]) for line in f.readlines()[1:]}
 
 
 def test_sysv_shared_memory(box):
     _ctypes_only_in_namespaces(box)
-    before = _host_shm()
-    r = box.run(LIBC + "if libc.shmget(0, 1 << 20, 0o1600) < 0:\n" + RAISE, "assert True")
+    key = random.randrange(1 << 20, 1 << 30)
+    r = box.run(LIBC + f"if libc.shmget({key}, 1 << 20, 0o1600) < 0:\n" + RAISE, "assert True")
     assert not r.passed and r.reason == "syscall_blocked", r
-    assert _host_shm() == before
+    assert key not in _host_shm_keys()  # not made, and the IPC namespace would have kept it off the host
 
 
 def test_new_user_namespace_and_mount(box):
@@ -153,6 +155,10 @@ def test_new_user_namespace_and_mount(box):
     assert not r.passed and r.reason == "syscall_blocked", r
     r = box.run(LIBC + "if libc.mount(b'none', b'/mnt', b'tmpfs', 0, None) != 0:\n" + RAISE, "assert True")
     assert not r.passed and r.reason == "syscall_blocked", r
+    if os.uname().machine == "x86_64":  # raw clone(CLONE_NEWUSER | SIGCHLD) and clone3, past libc's wrappers
+        for call in ("libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)", "libc.syscall(435, bytes(88), 88)"):
+            r = box.run(LIBC + f"pid = {call}\nif pid == 0:\n    os._exit(0)\nif pid < 0:\n" + RAISE, "assert True")
+            assert not r.passed and r.reason == "syscall_blocked", (call, r)
 
 
 def test_always_equal_object(box):
@@ -180,6 +186,38 @@ def test_nonce_forging_through_gc(box):
     assert not r.passed and r.reason == "tests_failed", r
 
 
+def test_forged_results_claim_only_return_values(box):
+    """The program reads the runner's steps and nonce through gc and reports True for every part before the
+    runner does: `not`, arithmetic and expected values are evaluated in the reward worker, so the claim is
+    only what is_prime returned; when the runner goes on to report too, the duplicate is tampering."""
+    forge = ("def is_prime(n):\n    return True\n"
+             "import gc, json, os\n"
+             "cfg = next(o for o in gc.get_objects() if isinstance(o, dict) and 'nonce' in o and 'status_fd' in o)\n"
+             "for s in cfg['steps']:\n"
+             "    if s['kind'] == 'probe':\n"
+             "        claim = [{'b': True}] * len(s['exprs'])\n"
+             "        line = {'nonce': cfg['nonce'], 'kind': 'probe', 'id': s['id'], 'values': claim}\n"
+             "        os.write(cfg['status_fd'], (json.dumps(line) + '\\n').encode())\n")
+    tests = "assert is_prime(7)\nassert not is_prime(8)\nassert abs(is_prime(0.5) - 0.3) < 1e-9"
+    r = box.run(forge + "os._exit(0)\n", tests)
+    assert not r.passed and r.reason == "tests_failed" and r.tests_passed == 1, r
+    r = box.run(forge, tests)
+    assert not r.passed and r.reason == "tampered", r
+
+
+def test_memory_of_the_whole_process_tree(box):
+    """Six processes of 60 MiB each under a 128 MiB limit: a cgroup stops the tree; without one (rlimits
+    bound: memory_mb x max_processes) each process stays under its own limit, which is all it promises."""
+    prog = ("import os, time\nkids = []\nfor i in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        x = bytearray(60 << 20)\n        x[::4096] = b'1' * len(x[::4096])\n        time.sleep(2)\n"
+            "        os._exit(0)\n    kids.append(pid)\nok = all(os.waitpid(k, 0)[1] == 0 for k in kids)\n")
+    small = CodeSandbox(box.cfg.model_copy(update={"memory_mb": 128}))
+    r = small.run(prog, "assert ok")
+    if not r.memory_bound.startswith("cgroup"):
+        pytest.skip(f"no cgroup can be made here ({r.memory_bound}); reason was {r.reason}")
+    assert not r.passed and r.reason == "memory_limit", r
+
+
 def test_plain_values_still_compare_as_python_does(box):
     prog = ADD + "def items():\n    return {'a': (1, 2.5), 'b': [None, b'x', {3}]}\n"
     r = box.run(prog, "assert add(2, 2) == 4\nassert add(2, 2) == 4.0\nassert 3 < add(2, 2) <= 4\n"
@@ -189,13 +227,24 @@ def test_plain_values_still_compare_as_python_does(box):
 
 
 # ---------------------------------------------------------------- fail closed
+# what the audit ran in rlimits mode as root (no `unshare`): each one succeeded then; now none runs at all
+AUDIT_AS_ROOT = {
+    "socket_ctypes": LIBC + "addr = bytes([2, 0, 0, 22, 127, 0, 0, 1]) + bytes(8)\n"
+                            "libc.connect(libc.socket(2, 1, 0), addr, 16)\n",
+    "write_ctypes": LIBC + "libc.open(b'/etc/areal-sbx-audit', 0o101, 0o644)\n",
+    "kill_parent_ctypes": LIBC + "libc.kill(os.getppid(), 9)\n",
+    "shmget_ctypes": LIBC + "libc.shmget(0, 1 << 20, 0o1600)\n",
+}
+
+
 @pytest.mark.skipif(not ROOT, reason="the refusal is about running as root")
 @pytest.mark.parametrize("isolation,have_ns", [("auto", False), ("rlimits", False), ("rlimits", True),
                                                ("namespaces", False)])
 def test_root_without_isolation_refuses(isolation, have_ns):
     box = CodeSandbox(SandboxConfig(isolation=isolation, **LIMITS), namespaces=have_ns)
-    with pytest.raises(SandboxRefused, match="refused"):
-        box.run(ADD, "assert add(1, 1) == 2")
+    for program in (ADD, *AUDIT_AS_ROOT.values()):
+        with pytest.raises(SandboxRefused, match="refused: .*root"):
+            box.run(program, "assert True")
     unsafe = CodeSandbox(SandboxConfig(isolation="unsafe", **LIMITS), namespaces=have_ns)
     assert unsafe.run(ADD, "assert add(1, 1) == 2").passed  # only when asked for by name
 
