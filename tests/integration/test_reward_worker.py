@@ -26,6 +26,9 @@ from .procs import keys, write_config
 ROOT = str(Path(__file__).resolve().parents[2])
 ENV = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 FNS = "tests.integration.reward_fns"
+# A job naming a task no worker serves: refused by the broker (workers advertise their configured tasks in
+# READY), else by the worker itself; either way with the task's name and nothing run.
+REFUSED = r"(\[no_service\] no worker of service 'reward' serves task |\[bad_request\] unknown reward task )"
 
 
 def _config(tmp_path, log_path, processes=1):
@@ -87,7 +90,7 @@ def test_reward_worker_scores_and_reports_errors(procs, tmp_path):
         res = client.wait(bad, 60)
         assert res.rewards == [-1.0] and "RuntimeError: reward service bug" in res.errors[0] and bad in res.errors[0]
         unknown = client.submit(RewardJob(task="nope", completions=["x"]), service="reward")
-        with pytest.raises(JobFailed, match="bad_request.*unknown reward task 'nope'"):
+        with pytest.raises(JobFailed, match=REFUSED + "'nope'") as refused:
             client.wait(unknown, 60)
     finally:
         client.close()
@@ -95,7 +98,8 @@ def test_reward_worker_scores_and_reports_errors(procs, tmp_path):
               for line in f.read_text().splitlines()]
     errors = [e for e in events if e.get("event") == "reward.error"]
     assert any(e.get("job") == bad and "RuntimeError" in e.get("error", "") for e in errors), errors
-    assert any(e.get("kind") == "bad_request" and e.get("job") == unknown for e in errors)
+    if "bad_request" in str(refused.value):  # the worker refused it (not the broker): it says so in an event
+        assert any(e.get("kind") == "bad_request" and e.get("job") == unknown for e in errors)
 
 
 def test_kill9_mid_job_every_job_is_rewarded_exactly_once(procs, tmp_path):
@@ -162,3 +166,35 @@ def test_reward_serve_refuses_a_bad_function_clearly(procs, tmp_path):
     proc = procs.start(["reward", "serve", "x", "--broker", "localhost:5555", "--config", str(path)], "bad2", env=ENV)
     assert proc.wait(60) == 2
     assert "tcp://HOST:PORT" in procs.log(proc)
+
+
+def test_reward_serve_with_a_task_scores_that_task_only_and_runs_no_code_a_job_names(procs, tmp_path):
+    """The audit's RCE against `areal-mq reward serve FN --task NAME`: a job naming "os:execl" (or an import
+    path, a .py file, a built-in) must not make the server load and call it; the job is refused."""
+    path = write_config(tmp_path)
+    cfg = load_config(path)
+    procs.start(["broker", "--config", str(path)], "broker")
+    broker_up(cfg)
+    procs.start(["reward", "serve", f"{FNS}:length", "--task", "length", "--broker", cfg.brokers.job_addr,
+                 "--config", str(path), "--worker-id", "ext-2"], "serve", env=ENV)
+    wait_for(lambda: worker_count(cfg, "reward") == 1, 60, what="reward serve")
+    marker, payload = tmp_path / "pwned", tmp_path / "payload.sh"
+    payload.write_text(f"touch {marker}\n")
+    hostile = [  # os.execl(prompt, completion, reference) = /bin/sh payload.sh, in the pool process
+        RewardJob(task="os:execl", prompt="/bin/sh", completions=["sh"], reference=str(payload)),
+        RewardJob(task=f"{Path(__file__).with_name('reward_fns.py')}:length", completions=["x"]),
+        RewardJob(task="areal_mq.rewards.arith:arith_reward", completions=["x"]),
+        RewardJob(task="arith", completions=["x"]),
+    ]
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
+    try:
+        for job in hostile:
+            with pytest.raises(JobFailed, match=REFUSED) as err:
+                client.wait(client.submit(job, service="reward"), 30)
+            assert job.task[:60] in str(err.value)
+        good = client.wait(client.submit(RewardJob(task="length", completions=["abc"]), service="reward"), 30)
+        assert good.rewards == [3.0] and good.worker_id == "ext-2"  # still serving
+    finally:
+        client.close()
+    time.sleep(0.5)
+    assert not marker.exists(), "a task name from the wire ran code"
