@@ -138,7 +138,8 @@ class ControllerConfig(_Section):
         False, description="Do not train on groups whose rewards are all equal (zero advantage, no gradient); "
         "generate a replacement instead (DAPO dynamic sampling). Dropped groups are logged and still plotted.")
     max_retries: int = Field(3, ge=0, description="Retries of a failed generation/reward job before the group is dropped.")
-    reward_task: str = Field("arith", description="Reward function name or import path (module:function).")
+    reward_task: str = Field("arith", description="Task of the reward jobs: a key of reward.tasks, or a built-in "
+                             "name / import path (module:function) that then becomes one.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N versions (0 = only at the end).")
     eval_size: int = Field(200, ge=1, description="Held-out problems per evaluation.")
 
@@ -186,13 +187,20 @@ class RunConfig(_Section):
 
     def _configure_reward_task(self) -> None:
         """The controller's reward task becomes a configured task of the reward workers when no entry (nor '*')
-        covers it. Decided here, from the trusted config: a reward worker never resolves a task name that
-        arrives in a job (that would let any peer name code to run)."""
+        covers it and it names a built-in or an import path. Decided here, from the trusted config: a reward
+        worker never resolves a task name that arrives in a job (that would let any peer name code to run)."""
         from areal_mq.rewards.config import TaskConfig
+        from areal_mq.rewards.registry import BUILTINS
 
         task, tasks = self.controller.reward_task, self.reward.tasks
-        if task not in tasks and "*" not in tasks:
-            tasks[task] = TaskConfig(fn=task)
+        if task in tasks or "*" in tasks:
+            return
+        if task not in BUILTINS and ":" not in task:
+            raise ConfigError(
+                f"controller.reward_task {task!r} is not a task of reward.tasks ({sorted(tasks) or 'none'}), a "
+                f"built-in reward function ({', '.join(BUILTINS)}) nor an import path 'pkg.module:function'; "
+                f"define it under reward.tasks, e.g. reward: {{tasks: {{{task}: {{fn: my_pkg.rewards:score}}}}}}")
+        tasks[task] = TaskConfig(fn=task)
 
     def _check_exposure(self) -> None:
         from areal_mq.security import is_loopback

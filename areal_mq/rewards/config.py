@@ -72,7 +72,9 @@ class TaskConfig(BaseModel):
         default_factory=dict, description="Weighted sum of per-sample functions: {name or path: weight}."
     )
     http: HttpBridgeConfig | None = Field(None, description="Score on a remote HTTP endpoint instead.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments passed to the function(s).")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments passed to the function(s); a job's meta never "
+        "overrides them, nor any parameter the function declares.")
     default_reward: float | None = Field(
         None, description="Reward of a completion whose scoring failed; None = RewardConfig.default_reward."
     )
@@ -101,6 +103,6 @@ class RewardConfig(BaseModel):
     )
     tasks: dict[str, TaskConfig] = Field(
         default_factory=dict,
-        description="Task name -> how to score it. A task not listed is scored by the registry function of the "
-        "same name; the key '*' catches every other task.",
+        description="Task name -> how to score it; the key '*' catches every other task. A job naming a task "
+        "that is not listed (and no '*') is refused: a job's task never names code to load.",
     )

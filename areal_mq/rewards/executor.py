@@ -37,6 +37,10 @@ from .registry import RewardRegistry
 from .slots import SlotPool
 
 
+# What every call passes itself: a job's meta never sets these (a clash would fail the call with a TypeError).
+_CALL_NAMES = frozenset({"prompt", "completion", "completions", "reference", "prompt_id", "truncated"})
+
+
 @dataclass
 class TaskPlan:
     """How one task is scored, resolved once per executor."""
@@ -47,7 +51,7 @@ class TaskPlan:
     kwargs: dict
     default: float
     bridge: HttpRewardBridge | None = None
-    protected: frozenset = frozenset()  # parameters a job's meta may not set (the functions' declared ones)
+    protected: frozenset = frozenset()  # keys a job's meta may not set: declared parameters, kwargs, _CALL_NAMES
 
 
 @dataclass
@@ -158,20 +162,23 @@ class RewardExecutor:
 
     # ------------------------------------------------------------------ tasks
     def plan(self, task: str) -> TaskPlan:
-        """How `task` is scored; RewardError when it is unknown or misconfigured."""
+        """How `task` is scored; RewardError when it is unknown or misconfigured.
+
+        A task name comes off the wire: it only selects an entry of this worker's configuration (its own name,
+        else '*'). It is never resolved as a registry name or import path (a job naming "os:execl" must not
+        run code), and plans are kept per entry, so names a '*' catches share one plan (and one HTTP bridge)."""
+        key = task if task in self.cfg.tasks else "*"
         with self._lock:
-            hit = self._plans.get(task)
+            hit = self._plans.get(key)
         if hit is not None:
             return hit
-        # A task name comes off the wire: it may only select a task this worker's configuration defines. It is
-        # never resolved as a registry name or import path itself (a job naming "os:execl" must not run code).
-        tcfg = self.cfg.tasks.get(task) or self.cfg.tasks.get("*")
+        tcfg = self.cfg.tasks.get(key)
         if tcfg is None:
             raise RewardError(f"unknown reward task {str(task)[:80]!r}: this worker serves "
                               f"{sorted(self.cfg.tasks) or 'no tasks'}; define it under reward.tasks")
-        plan = self._build_plan(task, tcfg)
+        plan = self._build_plan(key, tcfg)
         with self._lock:
-            self._plans[task] = plan
+            plan = self._plans.setdefault(key, plan)
         return plan
 
     def _build_plan(self, task: str, tcfg: TaskConfig) -> TaskPlan:
@@ -188,10 +195,9 @@ class RewardExecutor:
         if tcfg.combine and any(fn.group for fn in resolved):
             raise RewardError(f"reward task {task!r}: combine takes per-sample functions only, "
                               f"{[f.name for f in resolved if f.group]} are group functions")
-        protected = frozenset().union(*(fn.params for fn in resolved)) - {"prompt", "completion", "completions",
-                                                                           "reference"}
+        protected = frozenset().union(_CALL_NAMES, tcfg.kwargs, *(fn.params for fn in resolved))
         return TaskPlan(task, refs, resolved[0].group and not tcfg.combine, dict(tcfg.kwargs), default,
-                        protected=protected | frozenset(tcfg.kwargs))
+                        protected=protected)
 
     # ------------------------------------------------------------------ submit
     def submit(self, job: RewardJob, job_id: str | None = None) -> Future:
@@ -231,8 +237,9 @@ class RewardExecutor:
         return self.submit(job, job_id).result(timeout)
 
     def _meta(self, st: JobState, truncated) -> dict:
-        """Keyword arguments of a call. A job's `meta` comes off the wire: it may not set a parameter the
-        function declares (e.g. the code reward's `sandbox` limits) nor a configured kwarg; such keys are dropped."""
+        """Keyword arguments of a call. A job's `meta` comes off the wire: it reaches only a function's `**meta`.
+        It may not set a parameter the function declares (e.g. the code reward's `sandbox` limits, arith's reward
+        values), a configured kwarg or a name the call passes itself; such keys are dropped, not errors."""
         job_meta = {k: v for k, v in st.job.meta.items() if k not in st.plan.protected}
         return {**job_meta, "prompt_id": st.job.prompt_id, "truncated": truncated, **st.plan.kwargs}
 

@@ -3,7 +3,8 @@
 What: `RewardServer(cfg, executor, runtime).run()` takes RewardJobs from the broker's service "reward",
 scores them on a RewardExecutor and replies RewardResult. Capacity = reward.processes. Failures inside
 reward functions become default rewards plus a `reward.error` event naming the job and the exception; a
-job that cannot be scored at all (unknown task, bad flags) is answered with Error(bad_request).
+job that cannot be scored at all (a task this worker's config does not define, bad flags) is answered with
+Error(bad_request): a task name in a job only selects a configured task, it never names code to load.
 `serve(fn, broker="tcp://HOST:PORT")` attaches a reward server for one function to a running broker from
 any host (the Python API behind `areal-mq reward serve`).
 
@@ -37,7 +38,7 @@ class RewardServer:
     def run(self) -> None:
         self.rt.ready(self.ex.capacity, tasks=sorted(self.ex.cfg.tasks))  # '*' = any task: advertises none
         self.rt.log.info("reward.started", service=self.rt.service, capacity=self.ex.capacity,
-                         tasks=sorted(self.ex.cfg.tasks) or "registry names", processes=self.ex.cfg.processes)
+                         tasks=sorted(self.ex.cfg.tasks) or "none", processes=self.ex.cfg.processes)
         while not self.rt.stopping:
             job = self.rt.next_job(timeout=0.1)
             if job is not None:
@@ -52,7 +53,7 @@ class RewardServer:
         try:
             fut = self.ex.submit(job.msg, job_id=job.id)
         except RewardError as exc:
-            self.rt.log.error("reward.error", job=job.id, task=job.msg.task, kind="bad_request", error=str(exc))
+            self.rt.log.error("reward.error", job=job.id, task=job.msg.task[:200], kind="bad_request", error=str(exc))
             self.rt.fail(job, "bad_request", str(exc))
             return
         fut.add_done_callback(lambda f: self._done(job, f, started))

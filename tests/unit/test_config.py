@@ -59,3 +59,17 @@ def test_every_field_is_documented():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path):
     load_config(path)
+
+
+def test_the_controllers_reward_task_is_configured_at_load_time(tmp_path):
+    """A reward worker only scores configured tasks, so the controller's task is made one here (trusted config)."""
+    for path in CONFIGS:  # tiny.yaml has no reward.tasks: it relies on this
+        cfg = load_config(path)
+        assert cfg.controller.reward_task in cfg.reward.tasks
+    path_task = "tests/integration/varied_reward.py:varied"
+    assert load_config(None, [f"controller.reward_task={path_task}"]).reward.tasks[path_task].fn == path_task
+    with pytest.raises(ConfigError, match=r"controller.reward_task 'gsm8k' .* define it under reward.tasks"):
+        load_config(None, ["controller.reward_task=gsm8k"])
+    named = tmp_path / "named.yaml"
+    named.write_text("controller: {reward_task: gsm8k}\nreward: {tasks: {gsm8k: {fn: math}}}\n")
+    assert set(load_config(named).reward.tasks) == {"gsm8k"}

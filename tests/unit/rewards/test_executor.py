@@ -154,8 +154,8 @@ def test_concurrent_submitters(ex):
 def test_bad_jobs_and_configs_are_refused_clearly(ex, tmp):
     with pytest.raises(RewardError, match="unknown reward task 'nope'"):
         ex.submit(job("nope", "x"))
-    with pytest.raises(RewardError, match="truncated flags"):
-        ex.submit(job("length", "x", "y", truncated=[True]))
+    with pytest.raises((RewardError, ValueError), match="truncated flags|flags for 2 completions"):
+        ex.submit(job("length", "x", "y", truncated=[True]))  # RewardJob itself may refuse it first
     bad_kwargs = RewardConfig(tasks={"t": TaskConfig(fn=f"{FNS}:narrow", kwargs={"extra": 1})})
     with pytest.raises(RewardError, match="takes no argument"):
         RewardExecutor(bad_kwargs).start()
@@ -190,3 +190,10 @@ def test_a_call_queued_behind_a_hung_one_is_not_charged_for_it():
         r = ex.score(job("hangs", "slow", "fast"), job_id="job-queued", timeout=60)
     assert r.rewards == [0.0, 0.5] and "timeout" in r.errors[0] and r.errors[1] is None
     assert [e["indices"] for e in errors] == [[0]]
+
+
+def test_job_meta_reaches_only_undeclared_names(ex):
+    """A job's meta comes off the wire: it cannot change arith's reward values nor collide with call arguments."""
+    meta = {"correct_reward": 100.0, "prompt": "x", "reference": 5, "completion": "y", "truncated": True, "ok": 1}
+    r = ex.score(job("arith", r"\boxed{4}", reference=4, meta=meta), timeout=60)
+    assert r.rewards == [1.0] and r.errors == [None]

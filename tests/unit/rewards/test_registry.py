@@ -75,3 +75,31 @@ def test_group_function_must_return_one_per_completion():
 def test_import_path_requires_a_colon():
     with pytest.raises(ConfigError, match="package.module:function"):
         import_path("just_a_module")
+
+
+class RecordingRegistry(RewardRegistry):
+    """Remembers every reference it is asked to resolve."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[str] = []
+
+    def resolve(self, ref):
+        self.asked.append(ref)
+        return super().resolve(ref)
+
+
+@pytest.mark.parametrize("task", ["os:execl", "areal_mq.rewards.arith:arith_reward", "/tmp/evil.py:run", "math"])
+def test_a_task_name_from_a_job_never_reaches_the_registry(task, tmp_path):
+    """The executor resolves only what its config names; a job's task is looked up in the config, nothing else."""
+    from areal_mq.errors import RewardError
+    from areal_mq.rewards import RewardConfig, RewardExecutor, TaskConfig
+
+    marker = tmp_path / "imported"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef run(*a, **k): return 1.0\n")
+    reg = RecordingRegistry()
+    ex = RewardExecutor(RewardConfig(tasks={"arith": TaskConfig(fn="arith")}), reg)
+    assert ex.plan("arith").fns == [("arith", None)]
+    with pytest.raises(RewardError, match="unknown reward task"):
+        ex.plan(task.replace("/tmp", str(tmp_path)))
+    assert reg.asked == ["arith"] and not marker.exists()
