@@ -1,11 +1,12 @@
 """Forward reward jobs to a user's HTTP endpoint (stdlib http.client; JSON in, JSON out).
 
 What: `HttpRewardBridge(cfg).score(job_id, job) -> [(reward, details), ...]` POSTs one RewardJob as JSON
-and reads one reward per completion back. Each attempt has one deadline for the whole exchange (name
-resolution, connect, request, headers and body: a watchdog cuts a connection that is still open at it), a
-timeout, connection error, 408, 429 or 5xx is retried with exponential backoff, and at most
-`max_concurrency` requests are in flight. Other answers (4xx, malformed JSON, wrong number of rewards)
-fail at once with a RewardError saying what the server sent. Wire format: docs/rewards.md.
+and reads one reward per completion back. Each attempt has one deadline for the whole exchange: name
+resolution (on a helper thread), connect, TLS handshake, request, headers and body; at the deadline a
+watchdog shuts the socket down, waking any blocked read or write. A timeout, connection error, 408, 429 or
+5xx is retried with exponential backoff, and at most `max_concurrency` requests are in flight. Other answers
+(4xx, malformed JSON, wrong number of rewards) fail at once with a RewardError saying what the server sent.
+Wire format: docs/rewards.md.
 
     request:  {"job_id", "task", "prompt_id", "prompt", "completions": [str], "reference",
                "truncated": [bool], "meta": {}}
@@ -14,14 +15,13 @@ fail at once with a RewardError saying what the server sent. Wire format: docs/r
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import socket
 import ssl
 import threading
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..errors import RewardError
 from ..messages import RewardJob
@@ -38,8 +38,47 @@ class HttpRewardError(RewardError):
         self.retryable = retryable
 
 
+class _Deadline:
+    """One attempt's deadline over every socket it opens. At the deadline a watchdog shuts the current socket
+    down, which wakes whatever connect, TLS handshake, send or read is blocked on it: a server that trickles
+    bytes (each read alone would meet a per-read timeout) cannot hold the attempt longer."""
+
+    def __init__(self, seconds: float):
+        self.at = time.monotonic() + seconds
+        self.expired = False
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()  # _fire never touches a socket that close() already let go
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def left(self) -> float:
+        """Seconds left; TimeoutError when none are."""
+        left = self.at - time.monotonic()
+        if self.expired or left <= 0:
+            raise TimeoutError
+        return left
+
+    def watch(self, sock: socket.socket) -> socket.socket:
+        with self._lock:
+            self._sock = sock
+            if self.expired:
+                _cut(sock)
+        return sock
+
+    def _fire(self) -> None:
+        with self._lock:
+            self.expired = True
+            if self._sock is not None:
+                _cut(self._sock)
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            self._sock = None
+
+
 def _cut(sock: socket.socket) -> None:
-    """The deadline passed: wake whatever read or write is blocked on `sock`."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
@@ -83,68 +122,96 @@ class HttpRewardBridge:
         raise AssertionError("unreachable")
 
     def _post(self, body: bytes) -> tuple[int, bytes]:
-        """One attempt, all of it (DNS, connect, TLS, request, headers, body) within `timeout_s`.
-
-        A watchdog shuts the socket down at the deadline, so a server that trickles header lines or body bytes
-        cannot hold the call longer than the deadline (per-read timeouts alone would let it)."""
-        deadline = time.monotonic() + self.cfg.timeout_s
+        """One attempt, all of it (DNS, connect, TLS, request, headers, body) within `timeout_s` (_Deadline)."""
         where = f"reward endpoint {self.cfg.url}"
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = cls(self._host, self._port, timeout=self.cfg.timeout_s)
-        watchdog = None
+        deadline = _Deadline(self.cfg.timeout_s)
         try:
             conn.sock = self._connect(deadline)
-            watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, [conn.sock])
-            watchdog.daemon = True
-            watchdog.start()
             headers = {"Content-Type": "application/json", **self.cfg.headers}
             conn.request("POST", self._path, body=body, headers=headers)
             resp = conn.getresponse()
             chunks, size = [], 0
             while chunk := (resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)):
+                deadline.left()  # between reads too: a body trickled in pieces ends at the deadline
                 size += len(chunk)
                 if size > self.cfg.max_response_bytes:
                     raise HttpRewardError(f"{where}: response larger than {self.cfg.max_response_bytes} bytes",
                                           False)
                 chunks.append(chunk)
-            if time.monotonic() >= deadline:
-                raise TimeoutError  # the watchdog cut the connection: what arrived is incomplete
+            deadline.left()  # the watchdog may have cut the connection: then what arrived is incomplete
             return resp.status, b"".join(chunks)
         except (TimeoutError, OSError, http.client.HTTPException) as exc:
-            if time.monotonic() >= deadline or isinstance(exc, TimeoutError) or "timed out" in str(exc):
+            if deadline.expired or isinstance(exc, TimeoutError) or "timed out" in str(exc):
                 raise HttpRewardError(f"{where}: no complete response within {self.cfg.timeout_s}s", True) from None
             if isinstance(exc, http.client.HTTPException):
                 raise HttpRewardError(f"{where}: bad HTTP response: {type(exc).__name__}: {exc}", True) from None
             raise HttpRewardError(f"{where}: {type(exc).__name__}: {exc}", True) from None
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
+            deadline.close()
             conn.close()
 
-    def _connect(self, deadline: float) -> socket.socket:
-        """A connected (TLS-wrapped for https) socket; name resolution is bounded by the deadline too."""
+    def _connect(self, deadline: _Deadline) -> socket.socket:
+        """A connected (TLS-wrapped for https) socket. Every address of the name is tried in turn (as
+        socket.create_connection does), each connect and the handshake with the time left, under the watchdog."""
         port = self._port or (443 if self._https else 80)
-        pool = ThreadPoolExecutor(max_workers=1)  # getaddrinfo has no timeout: give it the time that is left
+        error: OSError | None = None
+        for family, kind, proto, _, addr in self._lookup(port, deadline):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(deadline.left())
+                deadline.watch(sock)
+                sock.connect(addr)
+                if self._https:  # handshake after wrapping, so the watchdog holds the socket that reads it
+                    sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self._host,
+                                                                    do_handshake_on_connect=False)
+                    deadline.watch(sock).do_handshake()
+                sock.settimeout(deadline.left())
+                return sock
+            except TimeoutError:
+                sock.close()
+                raise
+            except OSError as exc:
+                sock.close()
+                if deadline.expired:
+                    raise TimeoutError from None
+                error = exc
+            except BaseException:
+                sock.close()
+                raise
+        raise error or OSError(f"{self._host!r} resolved to no address")
+
+    def _lookup(self, port: int, deadline: _Deadline) -> list:
+        """getaddrinfo within the time left. It has no timeout of its own, so it runs on a daemon thread that
+        is abandoned at the deadline (it ends when the system resolver gives up). IP literals need no lookup."""
         try:
-            infos = pool.submit(self._resolve, self._host, port, 0, socket.SOCK_STREAM).result(
-                max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            raise TimeoutError from None
-        except socket.gaierror as exc:
-            raise OSError(f"cannot resolve {self._host!r}: {exc}") from None
-        finally:
-            pool.shutdown(wait=False)
-        family, kind, proto, _, addr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
-        try:
-            sock.connect(addr)
-            if self._https:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self._host)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+            ipaddress.ip_address(self._host)
+            numeric = True
+        except ValueError:
+            numeric = False
+        box: dict = {}
+        done = threading.Event()
+
+        def run():
+            try:
+                box["infos"] = self._resolve(self._host, port, 0, socket.SOCK_STREAM)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        if numeric:
+            run()
+        else:
+            threading.Thread(target=run, name="reward-http-dns", daemon=True).start()
+        if not done.wait(deadline.left()):
+            raise TimeoutError
+        if isinstance(box.get("error"), socket.gaierror):
+            raise OSError(f"cannot resolve {self._host!r}: {box['error']}")
+        if "error" in box:
+            raise box["error"]
+        return box["infos"]
 
     def _parse(self, status: int, data: bytes, n: int) -> list[tuple[float, dict]]:
         where = f"reward endpoint {self.cfg.url}"

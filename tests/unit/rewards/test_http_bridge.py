@@ -3,6 +3,7 @@
 Run: pytest tests/unit/rewards/test_http_bridge.py -q   (~10 s)
 """
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,28 +38,28 @@ class RewardServer:
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:
-                    self.behave(body, server.hits[self.path])
-                finally:
+                    answer = self.behave(body, server.hits[self.path])
+                finally:  # before replying: the client's next request may start as soon as the reply arrives
                     with server.lock:
                         server.in_flight -= 1
+                self.reply(*answer)
 
             def behave(self, body, hit):
                 path = self.path
                 if path == "/slow":
                     time.sleep(3)
                 if path == "/flaky" and hit == 1:
-                    return self.reply(503, b"busy")
+                    return 503, b"busy"
                 if path == "/bad400":
-                    return self.reply(400, b"missing field")
+                    return 400, b"missing field"
                 if path == "/garbage":
-                    return self.reply(200, b"not json")
+                    return 200, b"not json"
                 if path == "/wrongcount":
-                    return self.reply(200, json.dumps({"rewards": [1.0]}).encode())
+                    return 200, json.dumps({"rewards": [1.0]}).encode()
                 if path == "/concurrent":
                     time.sleep(0.3)
                 rewards = [float(len(c)) for c in body["completions"]]
-                self.reply(200, json.dumps({"rewards": rewards,
-                                            "details": [{"len": int(r)} for r in rewards]}).encode())
+                return 200, json.dumps({"rewards": rewards, "details": [{"len": int(r)} for r in rewards]}).encode()
 
             def reply(self, code, data):
                 self.send_response(code)
@@ -154,3 +155,55 @@ def test_http_tasks_through_the_executor(server):
         stuck = ex.score(JOB.model_copy(update={"task": "stuck"}), job_id="h2", timeout=30)
         assert stuck.rewards == [-2.0, -2.0] and "h2" in stuck.errors[0] and "no complete response" in stuck.errors[0]
         assert errors[0]["job"] == "h2" and errors[0]["kind"] == "http"
+
+
+def test_one_endpoint_limit_holds_for_every_task_name_a_star_entry_catches(server):
+    """'*' is one configured task: jobs naming different tasks share its bridge (and its max_concurrency)
+    instead of each wire name building its own."""
+    cfg = RewardConfig(processes=1, tasks={"*": TaskConfig(http=HttpBridgeConfig(
+        url=server.url + "/concurrent", timeout_s=5.0, max_concurrency=1))})
+    with RewardExecutor(cfg) as ex:
+        futs = [ex.submit(JOB.model_copy(update={"task": f"name-{i}"}), job_id=f"s{i}") for i in range(4)]
+        assert [f.result(30).rewards for f in futs] == [[1.0, 3.0]] * 4
+    assert server.max_in_flight == 1
+
+
+def test_every_address_of_a_name_is_tried_within_the_deadline(server):
+    port = int(server.url.rsplit(":", 1)[1])
+
+    def two_addresses(host, *args):  # the first refuses (as ::1 does for a server bound to 127.0.0.1 only)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 9)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    b = HttpRewardBridge(HttpBridgeConfig(url=f"http://reward.test:{port}/ok", retries=0), resolve=two_addresses)
+    assert b.score("j", JOB)[0][0] == 1.0
+
+
+def test_a_tls_handshake_trickled_byte_by_byte_is_cut_at_the_deadline():
+    """The server answers the ClientHello with a record header promising 16 KiB, then one byte every 0.2 s:
+    every read meets a per-read timeout, only the attempt's deadline ends it."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def feed():
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"\x16\x03\x03\x40\x00")
+            while not stop.wait(0.2):
+                try:
+                    conn.sendall(b"\x02")
+                except OSError:
+                    return
+
+    threading.Thread(target=feed, daemon=True).start()
+    b = HttpRewardBridge(HttpBridgeConfig(url=f"https://127.0.0.1:{srv.getsockname()[1]}/r", timeout_s=1.0,
+                                          retries=0))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(HttpRewardError, match="no complete response within 1.0s"):
+            b.score("j", JOB)
+        assert time.monotonic() - t0 < 2.5, f"held {time.monotonic() - t0:.1f}s"
+    finally:
+        stop.set()
+        srv.close()
