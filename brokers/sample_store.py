@@ -104,11 +104,14 @@ class SampleStore:
                 self._apply(rec, nbytes)
             except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as exc:
                 self.log_file.quarantine(offset, nbytes, f"{type(exc).__name__}: {exc}")
+        for lease in self.leases.values():  # an acked batch's lease has no release record: its ids are gone
+            lease.sample_ids = [x for x in lease.sample_ids if x in self.samples]
         leased = {x for lease in self.leases.values() for x in lease.sample_ids}
         self.leases = {b: lease for b, lease in self.leases.items() if lease.sample_ids}
         self.pending.extend(s for s in self.samples if s not in self.done and s not in leased)
-        self.log.info("store.replayed", leased=len(leased), pending=len(self.pending), done=len(self.done), bytes=self.log_file.size,
-                      bad_records=self.log_file.bad_records, seconds=round(time.monotonic() - t0, 3))
+        self.log.info("store.replayed", leased=len(leased), pending=len(self.pending), done=len(self.done),
+                      bytes=self.log_file.size, bad_records=self.log_file.bad_records,
+                      seconds=round(time.monotonic() - t0, 3))
         if self.log_file.legacy or self.log_file.bad_records or self._compact_due():
             self.compact()
 
