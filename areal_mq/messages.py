@@ -289,6 +289,8 @@ class GetBatch(Message):
     """trainer -> sample store: give me `n_samples` groups no older than version - max_staleness.
 
     `release_leases` hands back every batch served earlier and not acked (a restarted trainer).
+    `skip_ids` are acked before serving; the header limit (4 MiB) bounds them, so long lists go as BatchAcks.
+    `timeout_ms` is cut to the store's brokers.store_max_wait_ms.
     Example: GetBatch(n_samples=8, version=3, max_staleness=2, timeout_ms=30000)
     """
 

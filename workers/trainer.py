@@ -6,7 +6,10 @@ Invariants:
 - the version starts at 0 (or the checkpoint's) and increases by exactly 1 per finished step;
 - a batch is acknowledged to the store only once a checkpoint containing its effect is written (or at
   once when checkpoints are off), so a crash replays exactly the batches trained after the last checkpoint:
-  none is lost and none is trained twice into the resumed parameters;
+  none is lost and none is trained twice into the resumed parameters. The checkpoint names the batches whose
+  acks follow it (`store_unacked`); a resumed trainer acks those (a crash may have come between save and
+  ack), then asks with `release_leases` so the batches trained after the checkpoint come back. The whole
+  history is never sent: it outgrew the 4 MiB header past ~155k samples;
 - the store re-serves a batch whose lease expires, so the worker checkpoints (and acks) early when its
   oldest un-acked batch reaches half of `brokers.lease_s`; a re-served sample that this policy already
   trained on is skipped anyway (logged as trainer.duplicates_skipped);
@@ -29,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+STORE_UNACKED = "store_unacked"  # checkpoint extra: ids trained into it whose ack follows the save
+ACK_CHUNK = 10_000  # ids per BatchAck when a resumed trainer acks them (far below the 4 MiB header limit)
 
 
 def nonfinite_part(sample: Any) -> str | None:
@@ -64,9 +70,15 @@ class TrainerWorker:
 
         path = latest_checkpoint(self.ckpt_root)
         if path is not None:
-            load_checkpoint(self.trainer, path)
+            extra = load_checkpoint(self.trainer, path)
+            # the acks of the batches inside this checkpoint may not have reached the store (a crash right
+            # after saving): send them now. Older checkpoints do not name them: ack every consumed id.
+            unacked = extra.get(STORE_UNACKED, self.trainer.consumed_ids)
             self.log_info("trainer.resumed", checkpoint=str(path), version=self.trainer.version,
-                          consumed=len(self.trainer.consumed_ids))
+                          consumed=len(self.trainer.consumed_ids), acking=len(unacked))
+            if self.main:
+                for i in range(0, len(unacked), ACK_CHUNK):  # bounded requests, whatever the history
+                    self.store.ack("", list(unacked[i:i + ACK_CHUNK]))
         self.consumed = set(self.trainer.consumed_ids)
         if self.trainer.version > 0:
             self.publish()  # rollout workers must move to the resumed policy
@@ -82,8 +94,7 @@ class TrainerWorker:
             c = self.cfg.controller
             eta = 0 if self.cfg.run.mode == "sync" else c.max_staleness
             got = self.store.get_batch(c.batch_groups, self.trainer.version, eta, wait_s=1.0,
-                                       release_leases=self.first_get,
-                                       skip_ids=self.trainer.consumed_ids if self.first_get else None)
+                                       release_leases=self.first_get)  # resume() acked what we trained
             self.first_get = False
             if got.dropped_stale:
                 self.log_info("trainer.stale_dropped", count=got.dropped_stale, version=self.trainer.version)
@@ -162,6 +173,7 @@ class TrainerWorker:
         self.ckpt_requested = False
         state_file = self.run_dir / "controller_state.json"
         extra = {"controller": json.loads(state_file.read_text())} if state_file.exists() else {}
+        extra[STORE_UNACKED] = [s.sample_id for batch in self.unacked for s in batch.samples]  # see resume()
         path = save_checkpoint(self.trainer, self.ckpt_root, extra)
         self.ack_all()
         self.log_info("trainer.checkpoint", path=str(path), version=self.trainer.version)
