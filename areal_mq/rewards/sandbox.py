@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import RewardError
 from .config import SandboxConfig
-from .sandbox_cgroup import RunCgroup
+from .sandbox_cgroup import RunCgroup, sigkill_all
 from .sandbox_tests import Plan, judge, plan_tests
 
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_boot.py")
@@ -307,12 +307,7 @@ class CodeSandbox:
             pids = _uid_pids(uid)
             if not pids:
                 return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.01)
+            sigkill_all(pids)
 
     def _result(self, bufs, killed, nonce, duration, plan: Plan) -> SandboxResult:
         out = bytes(bufs["stdout"][-4096:]).decode("utf-8", "replace")

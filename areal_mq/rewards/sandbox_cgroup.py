@@ -126,9 +126,14 @@ class RunCgroup:
                     _write(kill, "1")
                 except OSError:
                     pass
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            time.sleep(0.01)
+            sigkill_all(pids)
+
+
+def sigkill_all(pids) -> None:
+    """SIGKILL each pid (gone or not ours: ignored), then give the kernel 10 ms to reap them."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.01)
