@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_mq.config import RunConfig, dump_config
+from areal_mq.errors import ConfigError
 
 
 @dataclass
@@ -52,13 +53,23 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+PORT_NAMES = ("job_port", "bus_in_port", "bus_out_port", "store_port")
+
+
 def settle_ports(cfg: RunConfig) -> RunConfig:
-    """Keep configured ports that are free; replace taken ones with free ones (a second run on one host)."""
+    """Keep the configured ports when all four are free; otherwise move all four to a free block of four
+    consecutive ports, so the layout stays job, job+1 (bus in), job+2 (bus out), job+3 (store) and a peer given
+    only the job address (`areal-mq reward serve --broker`) finds the rest (a second run on one host)."""
     b = cfg.brokers
-    for name in ("job_port", "bus_in_port", "bus_out_port", "store_port"):
-        if not port_free(b.host, getattr(b, name)):
-            setattr(b, name, free_port(b.host))
-    return cfg
+    if all(port_free(b.host, getattr(b, name)) for name in PORT_NAMES):
+        return cfg
+    for _ in range(200):
+        base = free_port(b.host)
+        if base + 3 < 65536 and all(port_free(b.host, base + i) for i in range(4)):
+            for i, name in enumerate(PORT_NAMES):
+                setattr(b, name, base + i)
+            return cfg
+    raise ConfigError(f"no block of four free consecutive ports on {b.host}; set brokers.job_port and the others")
 
 
 class Launcher:

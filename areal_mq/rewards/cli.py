@@ -20,8 +20,9 @@ app = typer.Typer(no_args_is_help=True, help="Reward servers and reward function
 def serve_cmd(
     fn: str = typer.Argument(..., help="Import path 'pkg.module:function', 'file.py:function' or a built-in name "
                                        "(arith, math, format, code, math_concise)."),
-    broker: Optional[str] = typer.Option(None, "--broker", "-b", help="Job broker, tcp://HOST:PORT "
-                                                                      "(default: brokers.* of the config)."),
+    broker: Optional[str] = typer.Option(None, "--broker", "-b", help="Job broker, tcp://HOST:PORT; the signal bus "
+                                         "is then HOST:PORT+1 / PORT+2 unless the config or --set names its ports "
+                                         "(default: brokers.* of the config)."),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML run config for the other settings."),
     set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override a config field: section.key=value."),
     task: str = typer.Option("*", help="Task name this function scores ('*' = every task)."),
@@ -33,11 +34,13 @@ def serve_cmd(
     """Serve FN for reward jobs from a running broker until SIGTERM or a shutdown signal."""
     from areal_mq.errors import ConfigError
 
-    from .server import serve
+    from .server import build_config, describe_addresses, serve
 
     try:
-        code = serve(fn, broker=broker, config=config, overrides=set_, task=task, service=service,
-                     processes=processes, timeout_s=timeout, worker_id=worker_id)
+        cfg = build_config(config, broker, set_)
+        typer.echo(f"reward serve: {describe_addresses(cfg)}", err=True)
+        code = serve(fn, config=cfg, task=task, service=service, processes=processes, timeout_s=timeout,
+                     worker_id=worker_id)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

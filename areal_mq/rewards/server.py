@@ -135,7 +135,10 @@ def serve(fn: Callable | str, *, broker: str | None = None, config: Any = None, 
 
 
 def build_config(config: Any, broker: str | None, overrides: list[str] | None = None) -> Any:
-    """A RunConfig from a RunConfig / YAML path / defaults, with the job broker address replaced."""
+    """A RunConfig from a RunConfig / YAML path / defaults. With `broker` ('tcp://HOST:PORT', the job broker),
+    every broker address follows from it: the same host, and the signal bus at PORT+1 (in) and PORT+2 (out),
+    the layout `areal-mq broker` and `areal-mq run` bind. A port the config file or --set names explicitly is
+    kept, so a bus on other ports is given with --set brokers.bus_in_port=... (never a silent default)."""
     from areal_mq.config import RunConfig, load_config
 
     if isinstance(config, RunConfig):
@@ -144,8 +147,22 @@ def build_config(config: Any, broker: str | None, overrides: list[str] | None = 
         cfg = load_config(config, overrides or [])
     if broker:
         host, port = parse_address(broker)
-        cfg = cfg.model_copy(update={"brokers": cfg.brokers.model_copy(update={"host": host, "job_port": port})})
+        given = cfg.brokers.model_fields_set
+        derived = {"host": host, "job_port": port, "bus_in_port": port + 1, "bus_out_port": port + 2,
+                   "store_port": port + 3}
+        update = {k: v for k, v in derived.items() if k in ("host", "job_port") or k not in given}
+        bad = [k for k, v in update.items() if isinstance(v, int) and v > 65535]
+        if bad:
+            raise ConfigError(f"broker port {port} leaves no room for {', '.join(bad)} (job port + 1..3); "
+                              "set them with --set brokers.<name>=PORT")
+        cfg = cfg.model_copy(update={"brokers": cfg.brokers.model_copy(update=update)})
     return cfg
+
+
+def describe_addresses(cfg: Any) -> str:
+    """One line naming where a reward server connects (printed at start so a wrong bus is seen, not guessed)."""
+    b = cfg.brokers
+    return f"job broker {b.job_addr}, signal bus {b.bus_in_addr} (in) / {b.bus_out_addr} (out)"
 
 
 def parse_address(address: str) -> tuple[str, int]:

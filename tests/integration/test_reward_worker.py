@@ -198,3 +198,48 @@ def test_reward_serve_with_a_task_scores_that_task_only_and_runs_no_code_a_job_n
         client.close()
     time.sleep(0.5)
     assert not marker.exists(), "a task name from the wire ran code"
+
+
+def _consecutive_free_ports() -> int:
+    from areal_mq.launcher import free_port, port_free
+
+    for _ in range(200):
+        base = free_port("127.0.0.1")
+        if base + 3 < 65536 and all(port_free("127.0.0.1", base + i) for i in range(4)):
+            return base
+    raise AssertionError("no four consecutive free ports")
+
+
+def test_reward_serve_finds_the_bus_from_the_broker_address_alone(procs, tmp_path):
+    """Issue 13 item 8: `reward serve --broker tcp://H:P` with a config that names no ports (a remote host)
+    joins the bus at P+1/P+2 (the layout the brokers bind), not the default ports, and says where it went:
+    a Control(shutdown) published on that bus stops it."""
+    import yaml
+
+    from areal_mq.client import SignalPublisher
+    from areal_mq.messages import Control
+
+    job = _consecutive_free_ports()
+    path = write_config(tmp_path, {"brokers": {"job_port": job, "bus_in_port": job + 1, "bus_out_port": job + 2,
+                                               "store_port": job + 3}})
+    cfg = load_config(path)
+    remote = tmp_path / "remote.yaml"  # what a reward host has: the run's keys, no broker ports
+    remote.write_text(yaml.safe_dump({"run": {"run_dir": str(tmp_path / "elsewhere")},
+                                      "security": {"keys_dir": str(tmp_path / "run" / "keys")},
+                                      "brokers": {"heartbeat_s": 0.2, "reconnect_max_s": 1.0},
+                                      "events": {"console": "json"}}))
+    procs.start(["broker", "--config", str(path)], "broker")
+    broker_up(cfg)
+    server = procs.start(["reward", "serve", f"{FNS}:length", "--broker", f"tcp://127.0.0.1:{job}",
+                          "--config", str(remote), "--worker-id", "remote-1"], "serve", env=ENV)
+    wait_for(lambda: worker_count(cfg, "reward") == 1, 60, what="reward serve")
+    assert f"signal bus tcp://127.0.0.1:{job + 1} (in) / tcp://127.0.0.1:{job + 2} (out)" in procs.log(server)
+    pub = SignalPublisher(cfg.brokers.bus_in_addr, keys=keys(cfg, "controller"))
+    try:
+        deadline = time.monotonic() + 60
+        while server.poll() is None and time.monotonic() < deadline:  # PUB drops until the bus link is up
+            pub.publish("control", Control(action="shutdown", reason="test done"))
+            time.sleep(0.5)
+    finally:
+        pub.close()
+    assert server.poll() == 0, procs.log(server)[-3000:]
