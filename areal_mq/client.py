@@ -64,26 +64,65 @@ class Backoff:
         self.base = self.start_s
 
 
+class Liveness:
+    """Paranoid Pirate (zguide ch. 4), written once for every DEALER that talks to a broker (JobClient, the
+    worker runtime): a heartbeat every `heartbeat_s`; the broker is lost after `liveness` silent intervals
+    plus the current backoff delay, and the caller then reconnects (new socket, resend). Each loss without an
+    answer in between doubles the extra delay (Backoff, jittered, capped at `reconnect_max_s`); hearing the
+    broker again resets it, so the next outage starts from the shortest wait."""
+
+    def __init__(self, heartbeat_s: float, liveness: int, reconnect_max_s: float, rng: random.Random | None = None):
+        self.heartbeat_s, self.liveness = heartbeat_s, liveness
+        self.backoff = Backoff(heartbeat_s, reconnect_max_s, rng)
+        self.delay = 0.0  # extra silence allowed before the next loss: the backoff after a reconnect
+        self.last_heard = time.monotonic()
+        self.next_beat = 0.0
+        self.reconnects = 0
+
+    def heard(self) -> bool:
+        """The broker answered. True when this ends an outage (the backoff is reset)."""
+        self.last_heard = time.monotonic()
+        if not self.delay:
+            return False
+        self.backoff.reset()
+        self.delay = 0.0
+        return True
+
+    def beat_due(self, now: float) -> bool:
+        if now < self.next_beat:
+            return False
+        self.next_beat = now + self.heartbeat_s
+        return True
+
+    def silent_s(self, now: float) -> float:
+        return now - self.last_heard
+
+    def lost(self, now: float) -> bool:
+        return self.silent_s(now) > self.heartbeat_s * self.liveness + self.delay
+
+    def reconnected(self) -> tuple[float, float]:
+        """Count a reconnect and start the next, longer wait: (its un-jittered base, the jittered delay)."""
+        base, self.delay = self.backoff.base, self.backoff.next()
+        self.last_heard = time.monotonic()
+        self.reconnects += 1
+        return base, self.delay
+
+
 class JobClient:
     """Submit jobs to services and collect their answers; survives broker restarts by resubmitting."""
 
     def __init__(self, address: str, *, keys: Keyring | None = None, heartbeat_s: float = 1.0, liveness: int = 5,
                  retry_s: float = 600.0, ctx: zmq.Context | None = None, log: Any = None,
                  reconnect_max_s: float = 8.0):
-        self.address, self.heartbeat_s, self.liveness, self.retry_s = address, heartbeat_s, liveness, retry_s
-        # After `liveness` silent heartbeats the client reconnects, and waits a growing backoff longer each time
-        # the broker stays silent (each reconnect resubmits every pending job).
-        self._backoff = Backoff(heartbeat_s, reconnect_max_s)
-        self._delay, self._reconnecting = self._backoff.next(), False
+        self.address, self.retry_s = address, retry_s
+        # each reconnect resubmits every pending job, so a broker that stays away is retried less and less often
+        self.link = Liveness(heartbeat_s, liveness, reconnect_max_s)
         self.ctx = ctx or zmq.Context.instance()
         self.log = log
         self.keys = keys
         self.sock = _dealer(self.ctx, address, keys)
         self.pending: dict[str, tuple[float, list, str]] = {}  # id -> (sent_at, frames, service)
         self._set_aside: list[tuple[str, Message]] = []  # answers wait() received for other jobs
-        self._last_heard = time.monotonic()
-        self._next_beat = 0.0
-        self.reconnects = 0
 
     def submit(self, msg: Message, service: str = "", job_id: str | None = None) -> str:
         job_id = job_id or protocol.new_id()
@@ -106,10 +145,7 @@ class JobClient:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._last_heard = time.monotonic()
-                if self._reconnecting:  # heard again: the next outage starts from the shortest backoff
-                    self._backoff.reset()
-                    self._delay, self._reconnecting = self._backoff.next(), False
+                self.link.heard()
                 try:
                     env = protocol.decode(frames)
                 except ProtocolError as exc:
@@ -144,10 +180,9 @@ class JobClient:
 
     def _liveness(self) -> None:
         now = time.monotonic()
-        if now >= self._next_beat:
-            self._next_beat = now + self.heartbeat_s
+        if self.link.beat_due(now):
             send(self.sock, protocol.encode(Heartbeat(peer_id="client")))
-        if now - self._last_heard > self.heartbeat_s * self.liveness + self._delay:
+        if self.link.lost(now):
             self._reconnect()
         else:
             for job_id, (sent, frames, _svc) in list(self.pending.items()):
@@ -159,20 +194,20 @@ class JobClient:
         """The broker went silent: new socket (new identity), resubmit everything still unanswered."""
         self.sock.close(0)
         self.sock = _dealer(self.ctx, self.address, self.keys)
-        self.reconnects += 1
-        self._last_heard = time.monotonic()
-        waited, self._delay, self._reconnecting = self._delay, self._backoff.next(), True
+        waited = self.link.delay
+        _, delay = self.link.reconnected()
         if self.log:
             self.log.warning("client.reconnect", broker=self.address, resubmitting=len(self.pending),
-                             waited_s=round(waited, 2), next_retry_in_s=round(self._delay, 2))
+                             waited_s=round(waited, 2), next_retry_in_s=round(delay, 2))
         for job_id, (_, frames, svc) in list(self.pending.items()):
             self.pending[job_id] = (time.monotonic(), frames, svc)
             send(self.sock, frames)
 
-    def stats(self, timeout: float = 5.0) -> dict:
-        return self._request_stats(timeout)
+    @property
+    def reconnects(self) -> int:
+        return self.link.reconnects
 
-    def _request_stats(self, timeout: float) -> dict:
+    def stats(self, timeout: float = 5.0) -> dict:
         rid = self.submit(StatsRequest())
         msg = self.wait(rid, timeout)
         return msg.data if isinstance(msg, Stats) else {}

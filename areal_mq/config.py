@@ -185,6 +185,12 @@ class RunConfig(_Section):
         self._configure_reward_task()
         return self
 
+    @property
+    def staleness_bound(self) -> int:
+        """η in effect, for the controller's admission and the trainer's GetBatch alike: controller.max_staleness,
+        or 0 in sync mode (sync is the asynchronous loop with η = 0)."""
+        return 0 if self.run.mode == "sync" else self.controller.max_staleness
+
     def _configure_reward_task(self) -> None:
         """The controller's reward task becomes a configured task of the reward workers when no entry (nor '*')
         covers it and it names a built-in or an import path. Decided here, from the trusted config: a reward

@@ -19,20 +19,12 @@ class ProtocolError(ArealError):
         self.msg_id = msg_id
 
 
-class WorkerLost(ArealError):
-    """A worker stopped heartbeating; its jobs were requeued."""
-
-
 class BrokerUnavailable(ArealError):
     """A broker could not be reached within the deadline."""
 
 
 class JobFailed(ArealError):
     """A job was answered with an Error message."""
-
-
-class QueueFull(ArealError):
-    """A bounded queue rejected a job; retry later or add workers."""
 
 
 class EngineRequestError(ArealError):
@@ -43,8 +35,16 @@ class ModelNotFound(ArealError):
     """A model name or path could not be resolved to weights + tokenizer."""
 
 
-class WeightsFetchError(ArealError):
+class WeightsLoadError(ArealError):
+    """Published weights could not be loaded (unreadable, or the engine refused them); retrying may help."""
+
+
+class WeightsFetchError(WeightsLoadError):
     """Fetching published weights failed or exceeded its deadline."""
+
+
+class WeightsRefused(ArealError):
+    """A WeightsReady names a path or endpoint outside this run (never loaded, never retried)."""
 
 
 class RewardError(ArealError):

@@ -12,6 +12,8 @@ What:
   raises WeightsFetchError — never hangs — when the server does not answer within the deadline
   (e.g. the trainer died), refuses the version, or sends something malformed.
 - `load_published(ready, timeout_s)` -> {name: tensor} for any mode ("base": {} — nothing to load).
+- `resolve(ready, run_dir, cfg, timeout_s, keys)` -> what an engine's update_weights takes: {"path": dir}
+  for disk (each engine reads it its own way), {"tensors": {...}} for zmq; checked with check_ready first.
 - `WeightPublisher(cfg, run_dir, keys)` is the trainer-side facade choosing the mode from TrainerConfig.
 - `check_ready(ready, run_dir, cfg)`: a WeightsReady may only name a version directory under the run's
   weights directory, or the trainer's configured weight-server address; the bus refuses any other
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from areal_mq.errors import ProtocolError, WeightsFetchError
+from areal_mq.errors import ProtocolError, WeightsFetchError, WeightsRefused
 from areal_mq.messages import Error, WeightsChunk, WeightsFetch, WeightsReady
 from areal_mq.security import Keyring, peer_role, refusal, start_zap
 
@@ -332,6 +334,18 @@ def load_published(ready: WeightsReady, timeout_s: float = 60.0,
     return fetch_weights(ready, timeout_s, keys=keys)
 
 
+def resolve(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig", timeout_s: float = 60.0,
+            keys: Keyring | None = None) -> dict[str, Any]:
+    """The keyword argument of Engine.update_weights for `ready`: {"path": ...} or {"tensors": ...}.
+    Raises WeightsRefused when it points outside this run, WeightsFetchError when the zmq fetch fails."""
+    why = check_ready(ready, run_dir, cfg)
+    if why:
+        raise WeightsRefused(why)
+    if ready.mode == "disk":
+        return {"path": ready.path}
+    return {"tensors": load_published(ready, timeout_s, keys)}
+
+
 _ENDPOINT = re.compile(r"^tcp://(.+):(\d{1,5})$")
 
 
@@ -384,9 +398,12 @@ class WeightPublisher:
             self.server = WeightServer(cfg.weight_server_host, cfg.weight_server_port, cfg.keep_weight_versions,
                                        int(cfg.weight_chunk_mb * (1 << 20)), keys=keys, log=log)
 
-    def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"],
-                hf_config_json: str | None = None) -> WeightsReady:
-        tensors = unique_tensors(tensors, self.cfg.publish_dtype)
+    def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"], hf_config_json: str | None = None,
+                snapshot: bool = False) -> WeightsReady:
+        """Publish `tensors` as `version`. They are copied first (unique_tensors in cfg.publish_dtype) unless
+        `snapshot` says they already are such a copy (Trainer.publish_tensors)."""
+        if not snapshot:
+            tensors = unique_tensors(tensors, self.cfg.publish_dtype)
         if self.server is not None:
             return self.server.publish(version, tensors)
         return publish_disk(self.weights_dir, version, tensors, self.cfg.keep_weight_versions, hf_config_json)

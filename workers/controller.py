@@ -46,8 +46,9 @@ from typing import Any
 import numpy as np
 
 from areal_mq.ledger import AdmissionLedger
-from areal_mq.messages import Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, SamplingSpec
-from areal_mq.messages import Sample, SeqSample, length_bucket
+from areal_mq.messages import (Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample, SamplingSpec,
+                               SeqSample, WeightsReady, length_bucket)
+from areal_mq.roles import PauseControl, Role, RoleLoop, StatsReport
 
 
 def can_admit(submitted_groups: int, version: int, max_staleness: int, batch_groups: int, in_flight: int,
@@ -81,9 +82,15 @@ class Group:
     submitted_at: float = field(default_factory=time.monotonic)
 
 
-class Controller:
-    def __init__(self, cfg: Any, dataset: Any, formatter: Any, jobs: Any, store: Any, log: Any):
-        self.cfg, self.c = cfg, cfg.controller
+class Controller(Role):
+    """A Role without a broker service: its work is admission and answers (JobClient), ticked by the loop.
+    Paused (Control pause): admits nothing new; answers, retries and stores go on."""
+
+    name = "controller"
+
+    def __init__(self, cfg: Any, dataset: Any, formatter: Any, jobs: Any, store: Any, log: Any, rt: Any = None):
+        super().__init__(rt)
+        self.cfg, self.ctl_cfg = cfg, cfg.controller
         self.dataset, self.formatter, self.jobs, self.store, self.log = dataset, formatter, jobs, store, log
         self.version = 0
         self.ledger = AdmissionLedger()
@@ -104,9 +111,9 @@ class Controller:
     # ------------------------------------------------------------ admission
     def admit(self) -> int:
         admitted = 0
-        eta = 0 if self.cfg.run.mode == "sync" else self.c.max_staleness
-        while can_admit(self.submitted, self.version, eta, self.c.batch_groups, len(self.groups),
-                        self.c.max_concurrent_groups):
+        while can_admit(self.submitted, self.version, self.cfg.staleness_bound, self.ctl_cfg.batch_groups,
+                        len(self.groups),
+                        self.ctl_cfg.max_concurrent_groups):
             try:
                 problem = next(self.dataset)
             except StopIteration:
@@ -121,12 +128,12 @@ class Controller:
         self.ledger.admit(group_id)
         group = Group(group_id, problem, self.formatter.ids(problem))
         self.groups[group_id] = group
-        for i in range(self.c.group_size):
+        for i in range(self.ctl_cfg.group_size):
             self._submit_generation(group, i)
 
     def _submit_generation(self, group: Group, index: int) -> None:
-        sampling = SamplingSpec(temperature=self.c.temperature, top_p=self.c.top_p,
-                                max_new_tokens=self.c.max_new_tokens,
+        sampling = SamplingSpec(temperature=self.ctl_cfg.temperature, top_p=self.ctl_cfg.top_p,
+                                max_new_tokens=self.ctl_cfg.max_new_tokens,
                                 seed=request_seed(self.cfg.run.seed, group.group_id, index))
         job = self.jobs.submit(GenerateRequest(prompt_ids=group.prompt_ids, sampling=sampling,
                                                group_id=group.group_id, sample_index=index,
@@ -147,7 +154,7 @@ class Controller:
                 return
             group.results[index] = msg
             self.gen_tokens += len(msg.output_ids)
-            if len(group.results) == self.c.group_size:
+            if len(group.results) == self.ctl_cfg.group_size:
                 self._submit_reward(group)
         elif kind == "reward" and isinstance(msg, RewardResult):
             if msg.errors and all(msg.errors):  # every completion's scoring failed: the reward job failed
@@ -159,7 +166,7 @@ class Controller:
 
     def _retry(self, group: Group, kind: str, index: int, reason: str) -> None:
         group.retries += 1
-        if group.retries > self.c.max_retries:
+        if group.retries > self.ctl_cfg.max_retries:
             self._fail(group, kind, reason)
             return
         self.log.warning("controller.retry", group=group.group_id, stage=kind, reason=reason, attempt=group.retries)
@@ -187,19 +194,19 @@ class Controller:
                 self._submit_reward(group)
 
     def _submit_reward(self, group: Group) -> None:
-        ordered = [group.results[i] for i in range(self.c.group_size)]
+        ordered = [group.results[i] for i in range(self.ctl_cfg.group_size)]
         job = self.jobs.submit(RewardJob(
-            task=self.c.reward_task, prompt_id=group.problem.id, prompt=group.problem.prompt,
+            task=self.ctl_cfg.reward_task, prompt_id=group.problem.id, prompt=group.problem.prompt,
             completions=[r.text for r in ordered], reference=group.problem.answer,
             truncated=[r.finish_reason == "length" for r in ordered]), service="reward")
         self.by_job[job] = ("reward", group.group_id, 0)
 
     def _store(self, group: Group, result: RewardResult) -> None:
-        ordered = [group.results[i] for i in range(self.c.group_size)]
+        ordered = [group.results[i] for i in range(self.ctl_cfg.group_size)]
         self.rewards.extend(result.rewards)
         versions = sorted({int(v) for r in ordered for v in r.versions})
         reward_mean = round(sum(result.rewards) / len(result.rewards), 4)
-        if self.c.drop_uniform_groups and max(result.rewards) - min(result.rewards) <= 1e-9:
+        if self.ctl_cfg.drop_uniform_groups and max(result.rewards) - min(result.rewards) <= 1e-9:
             self._drop(group, ordered, reward_mean, versions)
             return
         seqs = [SeqSample(prompt_ids=group.prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs,
@@ -292,15 +299,31 @@ class Controller:
 
     # ------------------------------------------------------------ loop
     def step(self, timeout: float = 0.05) -> None:
-        """One round: admit, collect answers, run due retries."""
-        self.admit()
+        """One round: admit (unless paused), collect answers, run due retries."""
+        if not self.paused:
+            self.admit()
         for job_id, msg in self.jobs.poll(timeout):
             self.on_answer(job_id, msg)
         self._run_retries()
         self.poll_store_drops()
 
     def done(self) -> bool:
-        return self.version >= self.c.total_steps
+        return self.version >= self.ctl_cfg.total_steps
+
+    # ------------------------------------------------------------ loop hooks
+    def on_signal(self, msg: Any) -> None:
+        if isinstance(msg, WeightsReady):
+            self.on_ready(msg)
+
+    def on_tick(self) -> bool:
+        self.step()  # waits up to 0.05 s for answers
+        return True
+
+    def should_stop(self, stopping: bool) -> bool:
+        return stopping or self.done()
+
+    def on_stop(self) -> None:
+        self.log.info("controller.finished", **self.stats())
 
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
@@ -308,8 +331,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.data import build_dataset
     from areal_mq.data.prompts import ChatFormatter
     from areal_mq.engines.models import load_tokenizer, resolve_model
-    from areal_mq.messages import WeightsReady
-    from areal_mq.workers.runtime import WorkerRuntime
+    from areal_mq.runtime import WorkerRuntime
 
     rt = WorkerRuntime(cfg, role="controller", service=None, capacity=0, worker_id=worker_id)
     b = cfg.brokers
@@ -318,8 +340,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     store = StoreClient(b.store_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s)
     try:
         tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
-        ctl = Controller(cfg, build_dataset(cfg.data), ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples), jobs,
-                         store, rt.log)
+        formatter = ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
+        ctl = Controller(cfg, build_dataset(cfg.data), formatter, jobs, store, rt.log, rt)
         replay = ctl.load_state()
         initial = rt.start()
         if initial is not None:
@@ -330,16 +352,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
                 ctl._start_group(problem)
         rt.log.info("controller.started", mode=cfg.run.mode, version=ctl.version, resumed_groups=len(replay),
                     dataset_size=len(ctl.dataset))
-        last_report = time.monotonic()
-        while not rt.stopping and not ctl.done():
-            while (env := rt.next_signal()) is not None:
-                if isinstance(env.msg, WeightsReady):
-                    ctl.on_ready(env.msg)
-            ctl.step()
-            if time.monotonic() - last_report > 2.0:
-                rt.log.info("controller.stats", **ctl.stats())
-                last_report = time.monotonic()
-        rt.log.info("controller.finished", **ctl.stats())
+        RoleLoop(rt, ctl, [PauseControl(), StatsReport(2.0)]).run()
         return 0
     finally:
         jobs.close()

@@ -12,10 +12,30 @@ import time
 from typing import Any
 
 from areal_mq.messages import RewardJob, RewardResult
+from areal_mq.roles import Role, RoleLoop
+
+
+class Echo(Role):
+    name = "echo"
+    drain_timeout_s = 0.0
+
+    def __init__(self, rt: Any, delay_s: float):
+        super().__init__(rt)
+        self.delay_s = delay_s
+
+    def on_job(self, job: Any) -> None:
+        if not isinstance(job.msg, RewardJob):
+            self.rt.fail(job, "bad_request", f"echo worker takes reward_job, got {job.msg.kind.value}")
+            return
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.rt.reply(job, RewardResult(rewards=[float(len(c)) for c in job.msg.completions],
+                                        worker_id=self.rt.worker_id))
+        self.log.info("echo.job_done", job=job.id)
 
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
-    from areal_mq.workers.runtime import WorkerRuntime
+    from areal_mq.runtime import WorkerRuntime
 
     delay = float(os.environ.get("AREAL_ECHO_DELAY_S", "0"))
     capacity = int(os.environ.get("AREAL_ECHO_CAPACITY", "1"))
@@ -25,18 +45,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     rt.ready()
     rt.log.info("echo.started", service=service, capacity=capacity, delay_s=delay)
     try:
-        while not rt.stopping:
-            job = rt.next_job(timeout=0.1)
-            if job is None:
-                continue
-            if not isinstance(job.msg, RewardJob):
-                rt.fail(job, "bad_request", f"echo worker takes reward_job, got {job.msg.kind.value}")
-                continue
-            if delay:
-                time.sleep(delay)
-            rt.reply(job, RewardResult(rewards=[float(len(c)) for c in job.msg.completions],
-                                       worker_id=rt.worker_id))
-            rt.log.info("echo.job_done", job=job.id)
+        RoleLoop(rt, Echo(rt, delay)).run()
     finally:
         rt.close()
     return 0

@@ -1,10 +1,12 @@
 """`areal-mq worker rollout`: take GenerateRequests, generate with the engine, reply GenerateResults.
 
-Loop (one thread drives the engine; the runtime's I/O thread keeps heartbeats going):
+A Role on the shared loop (areal_mq/roles.py; one thread drives the engine, the runtime's I/O thread keeps
+heartbeats going):
 
-    signals (WeightsReady, Control) ──► at a step boundary: load weights in place, continue in-flight
-    jobs (GenerateRequest) ──────────► engine.submit  (held until the engine reaches `min_version`)
-    engine.step() ──────────────────► finished sequences ──► GenerateResult to the controller
+    on_signal(WeightsReady) ──► at a step boundary: load weights in place, continue in-flight
+    on_job(GenerateRequest) ──► engine.submit  (held until the engine reaches `min_version`)
+    on_tick ──► engine.step() ──► finished sequences ──► GenerateResult to the controller
+    paused (Control pause) ──► no engine step: in-flight sequences wait; the broker sends nothing new
 
 Invariants: capacity = the engine's concurrent-sequence budget, so the broker never sends more than the
 engine can run; every job is answered (result, or Error for a bad request); on SIGTERM the worker stops
@@ -27,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from areal_mq.errors import ArealError, EngineRequestError
-from areal_mq.messages import Control, GenerateRequest, GenerateResult, WeightsReady
+from areal_mq.errors import ArealError, EngineRequestError, WeightsRefused
+from areal_mq.messages import GenerateRequest, GenerateResult, WeightsReady
+from areal_mq.roles import Role, RoleLoop
 
 # A failed weight load is tried again after 0.5, 1, 2 s (doubling, at most WEIGHTS_RETRY_MAX_S) up to
 # WEIGHTS_LOAD_ATTEMPTS tries in all; then the requests held for that version get Error(weights_unavailable).
@@ -51,17 +54,18 @@ def broken_output(out: Any) -> str | None:
     return None
 
 
-class RolloutWorker:
+class RolloutWorker(Role):
+    name = "rollout"
+
     def __init__(self, cfg: Any, engine: Any, runtime: Any, clock: Any = time.monotonic):
-        self.cfg, self.engine, self.rt, self.clock = cfg, engine, runtime, clock
-        self.log = runtime.log
+        super().__init__(runtime)
+        self.cfg, self.engine, self.clock = cfg, engine, clock
+        self.drain_timeout_s = cfg.rollout.drain_timeout_s
         self.jobs: dict[str, Any] = {}  # request id -> Job
         self.held: list[Any] = []  # jobs waiting for min_version
-        self.paused = False
         self.tokens = 0
         self.retry_load: tuple[WeightsReady, int, float] | None = None  # (ready, next attempt, due at)
         self.unloadable: WeightsReady | None = None  # the last announcement whose load finally failed
-        self._last_stats = time.monotonic()
 
     # ------------------------------------------------------------ weights
     def load(self, ready: WeightsReady, attempt: int = 1) -> None:
@@ -69,23 +73,19 @@ class RolloutWorker:
         # A lower real version is loaded: the trainer resumed from a checkpoint.
         if ready.mode == "base" or ready.version == self.engine.version:
             return
-        from areal_mq.weights import check_ready, load_published
+        from areal_mq.weights import resolve
 
         self.retry_load = None  # this announcement supersedes a pending retry of an older one
-        why = check_ready(ready, self.cfg.run.run_dir, self.cfg.trainer)
-        if why:  # the bus checks this too; a worker never reads a path or endpoint outside its run
-            self.log.error("rollout.weights_refused", version=ready.version, error=why)
-            self.fail_held(ready.version, why)
-            return
-
         t0 = time.perf_counter()
         running = len(self.jobs)
         try:
-            if ready.mode == "disk":
-                timings = self.engine.update_weights(ready.version, path=ready.path)
-            else:
-                tensors = load_published(ready, timeout_s=self.cfg.rollout.weights_timeout_s, keys=self.rt.keys)
-                timings = self.engine.update_weights(ready.version, tensors=tensors)
+            weights = resolve(ready, self.cfg.run.run_dir, self.cfg.trainer, self.cfg.rollout.weights_timeout_s,
+                              self.rt.keys)
+            timings = self.engine.update_weights(ready.version, **weights)
+        except WeightsRefused as exc:  # the bus checks this too; a worker never reads outside its run
+            self.log.error("rollout.weights_refused", version=ready.version, error=str(exc))
+            self.fail_held(ready.version, str(exc))
+            return
         except ArealError as exc:
             self._load_failed(ready, attempt, str(exc))
             return
@@ -121,16 +121,9 @@ class RolloutWorker:
                          f"policy version {version} could not be loaded on {self.rt.worker_id} ({error[:300]}); "
                          "resubmit: another worker, or a later version, can serve it")
 
-    def on_signal(self, env: Any) -> None:
-        msg = env.msg
+    def on_signal(self, msg: Any) -> None:
         if isinstance(msg, WeightsReady):
             self.load(msg)
-        elif isinstance(msg, Control) and msg.target_role in ("", "rollout"):
-            if msg.action == "pause":
-                self.paused = True
-            elif msg.action == "resume":
-                self.paused = False
-            self.log.info("rollout.control", action=msg.action)
 
     # ------------------------------------------------------------ jobs
     def on_job(self, job: Any) -> None:
@@ -184,50 +177,34 @@ class RolloutWorker:
             self.log.debug("rollout.request_finished", job=job.id, tokens=len(out.output_ids),
                            reason=out.finish_reason, versions=sorted({int(v) for v in out.versions}))
 
-    def maybe_report(self, every_s: float = 5.0) -> None:
-        now = time.monotonic()
-        if now - self._last_stats >= every_s:
-            stats = self.engine.stats()
-            fields = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
-            fields.update(running=len(self.jobs), held=len(self.held), tokens=self.tokens,
-                          occupancy=round(len(self.jobs) / max(1, self.rt.capacity), 3))
-            self.log.info("rollout.stats", **fields)
-            self._last_stats = now
+    def stats(self) -> dict:
+        fields = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
+        fields.update(running=len(self.jobs), held=len(self.held), tokens=self.tokens,
+                      occupancy=round(len(self.jobs) / max(1, self.capacity), 3))
+        return fields
 
-    # ------------------------------------------------------------ loop
-    def run(self) -> None:
-        while not self.rt.stopping:
-            self._one_round(accept=True)
-        self.rt.ready(0)  # drain: nothing new, finish what runs
-        deadline = time.monotonic() + self.cfg.rollout.drain_timeout_s
-        while self.jobs and time.monotonic() < deadline:
-            self._one_round(accept=False)
+    # ------------------------------------------------------------ loop hooks
+    def on_tick(self) -> bool:
+        self.retry_load_if_due()
+        self.release_held()
+        if self.paused or not self.engine.has_work():
+            return False
+        self.step()
+        return True
+
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    def on_stop(self) -> None:
         for rid in list(self.jobs):  # left over: abort here, the broker requeues them on DISCONNECT
             self.engine.abort(rid)
         self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held))
 
-    def _one_round(self, accept: bool) -> None:
-        while (env := self.rt.next_signal()) is not None:
-            self.on_signal(env)
-        self.retry_load_if_due()
-        self.release_held()
-        busy = self.engine.has_work() and not self.paused
-        if accept:
-            job = self.rt.next_job(timeout=0.0 if busy else 0.05)
-            while job is not None:
-                self.on_job(job)
-                job = self.rt.next_job()
-        if busy:
-            self.step()
-        elif not accept:
-            time.sleep(0.01)
-        self.maybe_report()
-
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.engines import build_engine
+    from areal_mq.runtime import WorkerRuntime
     from areal_mq.threads import apply_thread_budget
-    from areal_mq.workers.runtime import WorkerRuntime
 
     apply_thread_budget(cfg, "rollout")
     rt = WorkerRuntime(cfg, role="rollout", service="generate", capacity=cfg.rollout.max_concurrent,
@@ -243,7 +220,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         if initial is not None:
             worker.load(initial)
         rt.ready()
-        worker.run()
+        RoleLoop(rt, worker).run()
         return 0
     except ArealError as exc:
         rt.log.error("rollout.failed", error=str(exc))

@@ -1,6 +1,7 @@
 """`areal-mq worker trainer`: sample batches in, decoupled-PPO steps, new policy versions out.
 
-Loop:  store.get_batch(batch_groups, version, η) ──► Trainer.train_step ──► publish weights v+1
+A Role on the shared loop (areal_mq/roles.py); each tick:
+       store.get_batch(batch_groups, version, η) ──► Trainer.train_step ──► publish weights v+1
        (disk dir or zmq server) ──► WeightsReady(v+1) on the signal bus ──► metrics.jsonl line
 Invariants:
 - the version starts at 0 (or the checkpoint's) and increases by exactly 1 per finished step;
@@ -33,6 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from areal_mq.messages import Control
+from areal_mq.roles import Role, RoleLoop
+
 STORE_UNACKED = "store_unacked"  # checkpoint extra: ids trained into it whose ack follows the save
 ACK_CHUNK = 10_000  # ids per BatchAck when a resumed trainer acks them (far below the 4 MiB header limit)
 
@@ -48,21 +52,23 @@ def nonfinite_part(sample: Any) -> str | None:
     return None
 
 
-class TrainerWorker:
+class TrainerWorker(Role):
+    name = "trainer"
+
     def __init__(self, cfg: Any, trainer: Any, store: Any, bus: Any, publisher: Any, rt: Any):
-        self.cfg, self.trainer, self.store, self.bus, self.publisher, self.rt = cfg, trainer, store, bus, publisher, rt
-        self.log = rt.log if rt else None
+        super().__init__(rt)
+        self.cfg, self.trainer, self.store, self.bus, self.publisher = cfg, trainer, store, bus, publisher
         self.run_dir = Path(cfg.run.run_dir)
         self.unacked: list[Any] = []
         self.unacked_since: float | None = None  # monotonic time the oldest un-acked batch was served
         self.consumed: set[str] = set()
-        self.paused = False
         self.first_get = True
         self.ckpt_root = self.run_dir / "checkpoints"
         self.ckpt_requested = False
+        self.waited_since = time.perf_counter()
 
     @property
-    def main(self) -> bool:
+    def is_main(self) -> bool:
         return self.trainer.is_main
 
     def resume(self) -> None:
@@ -76,7 +82,7 @@ class TrainerWorker:
             unacked = extra.get(STORE_UNACKED, self.trainer.consumed_ids)
             self.log_info("trainer.resumed", checkpoint=str(path), version=self.trainer.version,
                           consumed=len(self.trainer.consumed_ids), acking=len(unacked))
-            if self.main:
+            if self.is_main:
                 for i in range(0, len(unacked), ACK_CHUNK):  # bounded requests, whatever the history
                     self.store.ack("", list(unacked[i:i + ACK_CHUNK]))
         self.consumed = set(self.trainer.consumed_ids)
@@ -84,16 +90,15 @@ class TrainerWorker:
             self.publish()  # rollout workers must move to the resumed policy
 
     def log_info(self, event: str, **kw: Any) -> None:
-        if self.main and self.log:
+        if self.is_main and self.log:
             self.log.info(event, **kw)
 
     def next_batch(self) -> Any:
         """Rank 0 asks the store; every rank receives the same batch (or None)."""
         batch = None
-        if self.main:
-            c = self.cfg.controller
-            eta = 0 if self.cfg.run.mode == "sync" else c.max_staleness
-            got = self.store.get_batch(c.batch_groups, self.trainer.version, eta, wait_s=1.0,
+        if self.is_main:
+            got = self.store.get_batch(self.cfg.controller.batch_groups, self.trainer.version,
+                                       self.cfg.staleness_bound, wait_s=1.0,
                                        release_leases=self.first_get)  # resume() acked what we trained
             self.first_get = False
             if got.dropped_stale:
@@ -136,7 +141,7 @@ class TrainerWorker:
     def step(self, batch: Any, waited_s: float) -> dict:
         samples = self._finite(sorted(batch.samples, key=lambda s: s.sample_id))
         if not samples:  # nothing trainable: acked at once (no parameter depends on it), no new version
-            if self.main:
+            if self.is_main:
                 self.store.ack(batch)
             return {}
         metrics = self.trainer.train_step(samples)
@@ -148,7 +153,7 @@ class TrainerWorker:
         self.publish()
         metrics.update(publish_s=time.perf_counter() - t0, wait_s=waited_s, time=time.time(),
                        dropped_stale=batch.dropped_stale)
-        if self.main:
+        if self.is_main:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
         self.log_info("trainer.step", sample_ids=[s.sample_id for s in samples],  # what the chaos audit reads
@@ -161,25 +166,23 @@ class TrainerWorker:
         return metrics
 
     def publish(self) -> None:
-        if not self.main:
+        if not self.is_main:
             return
-        model = self.trainer.unwrapped
-        ready = self.publisher.publish(self.trainer.version, model.state_dict(), model.config.to_json_string())
+        ready = self.publisher.publish(self.trainer.version, self.trainer.publish_tensors(), self.trainer.hf_config_json,
+                                       snapshot=True)
         self.bus.publish("weights", ready)
 
     def checkpoint(self) -> None:
         from areal_mq.algorithms.checkpoint import save_checkpoint
 
         self.ckpt_requested = False
-        state_file = self.run_dir / "controller_state.json"
-        extra = {"controller": json.loads(state_file.read_text())} if state_file.exists() else {}
-        extra[STORE_UNACKED] = [s.sample_id for batch in self.unacked for s in batch.samples]  # see resume()
+        extra = {STORE_UNACKED: [s.sample_id for batch in self.unacked for s in batch.samples]}  # see resume()
         path = save_checkpoint(self.trainer, self.ckpt_root, extra)
         self.ack_all()
         self.log_info("trainer.checkpoint", path=str(path), version=self.trainer.version)
 
     def ack_all(self) -> None:
-        if self.main:
+        if self.is_main:
             for batch in self.unacked:
                 self.store.ack(batch)
         self.unacked = []
@@ -190,54 +193,47 @@ class TrainerWorker:
         or the oldest un-acked batch is half-way to its lease expiry."""
         lease_due = self.unacked_since is not None and \
             time.monotonic() - self.unacked_since > 0.5 * self.cfg.brokers.lease_s
-        return bool(self._broadcast(bool(self.main and (self.ckpt_requested or lease_due))))
+        return bool(self._broadcast(bool(self.is_main and (self.ckpt_requested or lease_due))))
 
-    def handle_signals(self) -> None:
-        from areal_mq.messages import Control
+    # ------------------------------------------------------------ loop hooks (rank 0 alone gets signals)
+    def on_signal(self, msg: Any) -> None:
+        if isinstance(msg, Control) and msg.action == "checkpoint" and msg.target_role in ("", "trainer"):
+            self.ckpt_requested = True
 
-        if not (self.main and self.rt):
-            return
-        while (env := self.rt.next_signal()) is not None:
-            msg = env.msg
-            if not isinstance(msg, Control) or msg.target_role not in ("", "trainer"):
-                continue
-            if msg.action == "checkpoint":
-                self.ckpt_requested = True
-            elif msg.action in ("pause", "resume"):
-                self.paused = msg.action == "pause"
-                self.log_info("trainer.control", action=msg.action, reason=msg.reason)
+    def should_stop(self, stopping: bool) -> bool:
+        """Rank 0's stop decision on every rank (a collective), or the last step is done."""
+        return self.trainer.version >= self.cfg.controller.total_steps or bool(self._broadcast(stopping))
 
-    def run(self) -> None:
-        total = self.cfg.controller.total_steps
-        waited = time.perf_counter()
-        while self.trainer.version < total and not self._stopping():
-            self.handle_signals()
-            if self._checkpoint_due() and self.unacked:
-                self.checkpoint()
-            if self._broadcast(self.paused):
-                time.sleep(0.1)
-                continue
-            batch = self.next_batch()
-            if batch is None:
-                continue
-            self.step(batch, time.perf_counter() - waited)
-            waited = time.perf_counter()
-        if self.unacked or self._broadcast(self.ckpt_requested) or self.trainer.version >= total:
+    def on_tick(self) -> bool:
+        if self._checkpoint_due() and self.unacked:
+            self.checkpoint()
+        if self._broadcast(self.paused):
+            time.sleep(0.1)
+            return True
+        batch = self.next_batch()  # waits up to 1 s in the store
+        if batch is not None:
+            self.step(batch, time.perf_counter() - self.waited_since)
+            self.waited_since = time.perf_counter()
+        return True
+
+    def on_stop(self) -> None:
+        if self.unacked or self._broadcast(self.ckpt_requested) or \
+                self.trainer.version >= self.cfg.controller.total_steps:
             self.checkpoint()
         self.log_info("trainer.finished", version=self.trainer.version)
 
-    def _stopping(self) -> bool:
-        stop = bool(self.rt and self.rt.stopping)
-        return bool(self._broadcast(stop))
+    def run(self) -> None:
+        self.waited_since = time.perf_counter()
+        RoleLoop(self.rt, self).run()
 
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.algorithms.trainer import Trainer
     from areal_mq.client import SignalPublisher, StoreClient
     from areal_mq.engines.models import resolve_model
+    from areal_mq.runtime import WorkerRuntime
     from areal_mq.threads import apply_thread_budget
     from areal_mq.weights import WeightPublisher
-    from areal_mq.workers.runtime import WorkerRuntime
 
     apply_thread_budget(cfg, "trainer")
     trainer = Trainer(cfg.trainer, resolve_model(cfg.model.name, cfg.model.cache_dir))

@@ -257,6 +257,11 @@ class Trainer:
 
         return unique_tensors(self.unwrapped.state_dict(), dtype or self.cfg.publish_dtype)
 
+    @property
+    def hf_config_json(self) -> str:
+        """The model's Hugging Face config.json text (published beside disk weights: from_pretrained loads them)."""
+        return self.unwrapped.config.to_json_string()
+
     def save_checkpoint(self, root: str | Path, extra: dict | None = None) -> Path:
         from areal_mq.algorithms.checkpoint import save_checkpoint
 

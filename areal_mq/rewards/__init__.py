@@ -6,8 +6,9 @@
 
 Modules: config (RewardConfig, TaskConfig, SandboxConfig, HttpBridgeConfig), registry (names, import
 paths, @group_reward), formats/math_rewards/arith (verifiers), sandbox/code_reward (code tests),
-executor/slots/_pool (the process pool), http_bridge (remote endpoints), server (the reward worker
-loop and `serve(fn, broker="tcp://HOST:PORT")`), cli (`areal-mq reward ...`). See docs/rewards.md.
+executor/slots/_pool (the process pool), http_bridge (remote endpoints), cli (`areal-mq reward ...`).
+The reward worker role and `serve(fn, broker="tcp://HOST:PORT")` are areal_mq.workers.reward (a role: the
+core never imports it). See docs/rewards.md.
 Names are imported lazily so `import areal_mq.rewards` stays cheap for the CLI.
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ _EXPORTS = {
     "math_equal": "math_rewards", "math_reward": "math_rewards", "format_reward": "math_rewards",
     "arith_reward": "arith", "arith_correct_strict": "arith", "arith_correct_lenient": "arith",
     "parse_gsm8k_answer": "formats", "code_reward": "code_reward",
-    "serve": "server", "run_worker": "server", "RewardServer": "server",
 }
 
 __all__ = sorted(_EXPORTS)

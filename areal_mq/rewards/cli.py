@@ -34,7 +34,7 @@ def serve_cmd(
     """Serve FN for reward jobs from a running broker until SIGTERM or a shutdown signal."""
     from areal_mq.errors import ConfigError
 
-    from .server import build_config, describe_addresses, serve
+    from areal_mq.workers.reward import build_config, describe_addresses, serve
 
     try:
         cfg = build_config(config, broker, set_)
@@ -59,7 +59,7 @@ def score_cmd(
     """Score completions in this process and print one JSON line each (for checking a reward function)."""
     from areal_mq.errors import ConfigError
 
-    from .registry import RewardRegistry
+    from areal_mq.rewards.registry import RewardRegistry
 
     try:
         rfn = RewardRegistry().resolve(fn)

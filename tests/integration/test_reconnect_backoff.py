@@ -9,7 +9,7 @@ import time
 from areal_mq.client import Backoff, JobClient
 from areal_mq.config import load_config
 from areal_mq.messages import RewardJob
-from areal_mq.workers.runtime import WorkerRuntime, advertised_tasks
+from areal_mq.runtime import WorkerRuntime, advertised_tasks
 
 from .procs import keys, wait_for, write_config
 
@@ -69,7 +69,7 @@ def test_job_client_reconnects_less_and_less_often_while_the_broker_stays_away(t
             client.poll(0.02)
         # a fixed 0.1 s silence window alone made ~25 reconnects (each resubmitting every pending job)
         assert 2 <= client.reconnects <= 12, client.reconnects
-        assert client._backoff.base == 0.4
+        assert client.link.backoff.base == 0.4
     finally:
         client.close()
 

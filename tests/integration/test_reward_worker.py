@@ -243,3 +243,36 @@ def test_reward_serve_finds_the_bus_from_the_broker_address_alone(procs, tmp_pat
     finally:
         pub.close()
     assert server.poll() == 0, procs.log(server)[-3000:]
+
+
+def test_control_pause_stops_a_reward_worker_taking_jobs_until_resume(procs, tmp_path):
+    """Pause is the role loop's (areal_mq/roles.py PauseControl): READY(0) until Control(resume)."""
+    from areal_mq.client import SignalPublisher
+    from areal_mq.messages import Control
+
+    path = _config(tmp_path, tmp_path / "calls.log")
+    cfg = load_config(path)
+    procs.start(["broker", "--config", str(path)], "broker")
+    broker_up(cfg)
+    worker = procs.start(["worker", "reward", "--config", str(path), "--worker-id", "pausable"], "reward", env=ENV)
+    wait_for(lambda: worker_count(cfg, "reward") == 1, 60, what="reward worker")
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
+    pub = SignalPublisher(cfg.brokers.bus_in_addr, keys=keys(cfg, "controller"))
+    try:
+        first = client.submit(RewardJob(task="arith", completions=["\\boxed{4}"], reference=4), service="reward")
+        assert client.wait(first, 30).rewards == [1.0]  # the bus link is up once a job went through
+        paused = False
+        for _ in range(20):  # PUB drops until the subscriber's link is up: send until the worker says so
+            pub.publish("control", Control(action="pause", target_role="reward", reason="test"))
+            if "reward.control" in procs.log(worker):
+                paused = True
+                break
+            time.sleep(0.5)
+        assert paused, "the worker never logged reward.control"
+        job = client.submit(RewardJob(task="arith", completions=["\\boxed{5}"], reference=5), service="reward")
+        assert client.poll(2.0) == [], "a paused worker took a job"
+        pub.publish("control", Control(action="resume", target_role="reward", reason="test"))
+        assert client.wait(job, 30).rewards == [1.0]
+    finally:
+        pub.close()
+        client.close()

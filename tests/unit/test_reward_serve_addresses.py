@@ -9,7 +9,7 @@ import pytest
 from areal_mq.config import load_config
 from areal_mq.errors import ConfigError
 from areal_mq.launcher import settle_ports
-from areal_mq.rewards.server import build_config, describe_addresses
+from areal_mq.workers.reward import build_config, describe_addresses
 
 
 def test_the_bus_and_store_follow_the_job_broker_address():

@@ -44,7 +44,7 @@ class _Store:
 
 
 class _Publisher:
-    def publish(self, version, state_dict, config_json):
+    def publish(self, version, state_dict, config_json, **kw):
         return {"version": version}
 
 

@@ -20,7 +20,7 @@ from areal_mq.errors import WeightsFetchError
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, SamplingSpec, WeightsReady
 from areal_mq.workers import rollout
 from areal_mq.workers.rollout import RolloutWorker
-from areal_mq.workers.runtime import Job
+from areal_mq.runtime import Job
 
 
 class FakeEngine:

@@ -1,5 +1,8 @@
 """The worker runtime every role shares: connect, READY, heartbeats, reconnect, signals, graceful drain.
 
+Core, not a role: roles (workers/*) and the reward server build on it; it imports no role. The loop that
+drives a role's hooks on top of it is areal_mq/roles.py.
+
 What: `WorkerRuntime` owns the worker's sockets in a background I/O thread (DEALER to the job broker, SUB
 to the signal bus). The role's own thread sees only typed objects:
 
@@ -16,8 +19,8 @@ to the signal bus). The role's own thread sees only typed objects:
 Why an I/O thread: heartbeats keep flowing while the role computes (a decoding step, a weight load), so
 liveness measures the process, not the length of its work items. Liveness (Paranoid Pirate): the broker
 answers every heartbeat; silence for `liveness` intervals means the broker is gone, and the runtime
-reconnects with exponential backoff (doubling from `heartbeat_s`, capped at `reconnect_max_s`, jittered;
-client.Backoff) and sends READY again. `tasks` (READY) tells the broker which reward tasks this worker
+reconnects with exponential backoff (doubling from `heartbeat_s`, capped at `reconnect_max_s`, jittered) and
+sends READY again. The liveness rule is client.Liveness, the same object JobClient uses. `tasks` (READY) tells the broker which reward tasks this worker
 scores, so it is sent only jobs it can serve; none (or a '*') means any job of its service.
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any, Iterable
 import zmq
 
 from areal_mq import protocol
-from areal_mq.client import Backoff, send
+from areal_mq.client import Liveness, send
 from areal_mq.errors import ProtocolError
 from areal_mq.events import make_logger
 from areal_mq.messages import (MAX_READY_TASKS, Control, Disconnect, Error, Heartbeat, Kind, Message, Ready,
@@ -76,7 +79,8 @@ class WorkerRuntime:
         self.log = log
         warn_if_insecure(self.keys, log)
         b = cfg.brokers
-        self.heartbeat_s, self.liveness, self.backoff_max = b.heartbeat_s, b.liveness, b.reconnect_max_s
+        self.heartbeat_s, self.liveness = b.heartbeat_s, b.liveness
+        self.link = Liveness(b.heartbeat_s, b.liveness, b.reconnect_max_s)
         self.max_frame_bytes = int(b.max_frame_mb * 1024 * 1024)
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.signals: queue.Queue[protocol.Envelope] = queue.Queue()
@@ -95,7 +99,6 @@ class WorkerRuntime:
         self._wake_tx.setsockopt(zmq.LINGER, 0)
         self._wake_tx.connect(self._wake_addr)
         self._thread: threading.Thread | None = None
-        self.reconnects = 0
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self.request_stop("sigterm"))
 
@@ -185,6 +188,10 @@ class WorkerRuntime:
         self._wake_rx.close(0)
         self._ctx.term()
         self.log.info(f"{self.role}.closed", reconnects=self.reconnects)
+
+    @property
+    def reconnects(self) -> int:
+        return self.link.reconnects
         if self._sink is not None:
             self._sink.close()
 
@@ -233,9 +240,8 @@ class WorkerRuntime:
         for s in (dealer, sub, self._wake_rx):
             if s is not None:
                 poller.register(s, zmq.POLLIN)
-        last_heard = next_beat = time.monotonic()
-        backoff = Backoff(self.heartbeat_s, self.backoff_max)
         beats = 0
+        link = self.link
         while not self._stop_io.is_set():
             events = dict(poller.poll(int(self.heartbeat_s * 250)))
             if self._wake_rx in events:
@@ -244,10 +250,7 @@ class WorkerRuntime:
             if dealer is not None:
                 self._flush_outbox(dealer)
                 if dealer in events:
-                    heard = self._drain_dealer(dealer, last_heard)
-                    if heard != last_heard:  # the broker answers again: the next outage starts from the start
-                        last_heard = heard
-                        backoff.reset()
+                    self._drain_dealer(dealer)
             elif not self._outbox.empty():
                 self._outbox = queue.Queue()
             if sub is not None and sub in events:
@@ -255,29 +258,27 @@ class WorkerRuntime:
             now = time.monotonic()
             if dealer is None:
                 continue
-            if now >= next_beat:
-                next_beat, beats = now + self.heartbeat_s, beats + 1
+            if link.beat_due(now):
+                beats += 1
                 send(dealer, protocol.encode(Heartbeat(peer_id=self.worker_id)))
                 if self._announced and beats % self.liveness == 0:
                     # Re-announce once per liveness window: a broker restarted faster than that (our socket
                     # reconnected silently) or one that dropped us during a stall answers heartbeats from
                     # anyone, so without this it would never learn about us again. Harmless when registered.
                     send(dealer, protocol.encode(self._ready_msg()))
-            if now - last_heard > self.heartbeat_s * self.liveness:
+            if link.lost(now):
+                silent = link.silent_s(now)
                 poller.unregister(dealer)
                 dealer.close(0)
-                base, delay = backoff.base, backoff.next()
-                self.log.warning(f"{self.role}.broker_lost", silent_s=round(now - last_heard, 1),
-                                 retry_in_s=round(delay, 2), backoff_s=round(base, 2))
-                self._stop_io.wait(delay)
                 dealer = self._connect()
                 poller.register(dealer, zmq.POLLIN)
-                self.reconnects += 1
+                base, delay = link.reconnected()
+                self.log.warning(f"{self.role}.broker_lost", silent_s=round(silent, 1),
+                                 retry_in_s=round(delay, 2), backoff_s=round(base, 2))
                 with self._lock:
                     self._in_flight.clear()  # the old broker's jobs are resubmitted by their clients
                 if self._announced:
                     send(dealer, protocol.encode(self._ready_msg()))
-                last_heard = time.monotonic()
 
     def _flush_outbox(self, dealer: zmq.Socket) -> None:
         while True:
@@ -289,13 +290,13 @@ class WorkerRuntime:
                 return  # no connection now (broker down or refusing us): keep it for the next round
             self._outbox.get_nowait()
 
-    def _drain_dealer(self, dealer: zmq.Socket, last_heard: float) -> float:
+    def _drain_dealer(self, dealer: zmq.Socket) -> None:
         while True:
             try:
                 frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return last_heard
-            last_heard = time.monotonic()
+                return
+            self.link.heard()
             try:
                 env = protocol.decode(frames, self.max_frame_bytes)
             except ProtocolError as exc:
