@@ -205,25 +205,12 @@ def _peek(it):
 
 
 def main() -> None:
-    _mount_optional()
+    from areal_mq import launch_cli
+    from areal_mq.rewards import cli as reward_cli
+
+    app.add_typer(reward_cli.app, name="reward")  # sub-apps that live next to their components
+    launch_cli.register(app)
     app()
-
-
-def _mount_optional() -> None:
-    """Sub-apps and commands that live next to their components (registered only if present)."""
-    import importlib
-
-    for module, name in (("areal_mq.rewards.cli", "reward"), ("areal_mq.launch_cli", None)):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and module.startswith(exc.name):
-                continue
-            raise
-        if name:
-            app.add_typer(mod.app, name=name)
-        else:
-            mod.register(app)
 
 
 if __name__ == "__main__":

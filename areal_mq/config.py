@@ -171,11 +171,9 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
-        from areal_mq.algorithms import config as trainer_config
+        from areal_mq.algorithms.config import validate_off_policy
 
-        check = getattr(trainer_config, "validate_off_policy", None)
-        if check is not None:
-            check(self.controller.max_staleness, self.trainer)
+        validate_off_policy(self.controller.max_staleness, self.trainer)
         if abs(self.trainer.temperature - self.controller.temperature) > 1e-9:
             raise ConfigError(
                 f"trainer.temperature ({self.trainer.temperature}) must equal controller.temperature "

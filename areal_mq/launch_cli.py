@@ -83,9 +83,12 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
         console.print(f"[red]run stopped: {launcher.failure}[/]")
         raise typer.Exit(1)
     if outcome == "done" and not skip_eval:
-        final = _latest_weights(Path(cfg.run.run_dir))
-        if final is not None:
-            _eval_into_run(cfg, str(final), int(final.name[1:]), console, f"policy {final.name}")
+        from areal_mq.weights import disk_versions
+
+        versions = disk_versions(Path(cfg.run.run_dir) / "weights")
+        if versions:
+            final = Path(cfg.run.run_dir) / "weights" / f"v{versions[-1]}"
+            _eval_into_run(cfg, str(final), versions[-1], console, f"policy {final.name}")
     _plot_and_summary(cfg, console)
     if outcome == "interrupted":
         raise typer.Exit(130)
@@ -102,11 +105,6 @@ def _stop_signals_interrupt() -> None:
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-
-
-def _latest_weights(run_dir: Path) -> Path | None:
-    versions = sorted((run_dir / "weights").glob("v*"), key=lambda p: int(p.name[1:]) if p.name[1:].isdigit() else -1)
-    return versions[-1] if versions else None
 
 
 def _eval_into_run(cfg, weights, version, console, label) -> dict:

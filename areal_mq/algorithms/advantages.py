@@ -41,7 +41,3 @@ def group_advantages(rewards: np.ndarray, cfg: TrainerConfig) -> np.ndarray:
         adv = adv / (r.std() + cfg.adv_eps)
     return adv
 
-
-def batch_advantages(groups: list[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:
-    """group_advantages for every group of a batch."""
-    return [group_advantages(g, cfg) for g in groups]

@@ -57,13 +57,14 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def save_checkpoint(trainer: "Trainer", root: Path, extra: dict, keep: int | None = None) -> Path:
+def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, keep: int | None = None) -> Path:
     """Write a checkpoint of `trainer` (collective under data parallelism: call on every rank)."""
     import torch
 
     acc = trainer.accelerator
     final = root / f"step{trainer.version:08d}"
     tmp = root / f".step{trainer.version:08d}.tmp"
+    extra = extra or {}
     json.dumps(extra)  # fail before writing anything if `extra` cannot be stored
     if trainer.is_main:
         shutil.rmtree(tmp, ignore_errors=True)

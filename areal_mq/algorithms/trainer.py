@@ -261,14 +261,3 @@ class Trainer:
     def hf_config_json(self) -> str:
         """The model's Hugging Face config.json text (published beside disk weights: from_pretrained loads them)."""
         return self.unwrapped.config.to_json_string()
-
-    def save_checkpoint(self, root: str | Path, extra: dict | None = None) -> Path:
-        from areal_mq.algorithms.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, Path(root), extra or {})
-
-    def load_checkpoint(self, path: str | Path) -> dict:
-        """Restore everything saved by save_checkpoint; returns the `extra` dict."""
-        from areal_mq.algorithms.checkpoint import load_checkpoint
-
-        return load_checkpoint(self, Path(path))

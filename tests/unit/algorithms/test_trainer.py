@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from areal_mq.algorithms.checkpoint import load_checkpoint, save_checkpoint
 from areal_mq.algorithms.config import TrainerConfig
 from areal_mq.algorithms.trainer import Trainer
 from areal_mq.messages import Sample, SeqSample
@@ -80,12 +81,12 @@ def test_resume_reaches_the_same_parameters_as_an_uninterrupted_run(tiny_model_d
     for b in batches[:2]:
         first.train_step(b)
     at_two = _params(first)
-    ckpt = first.save_checkpoint(tmp_path / "ckpt", extra={"dataset_pos": 17})
+    ckpt = save_checkpoint(first, tmp_path / "ckpt", {"dataset_pos": 17})
     del first
     torch.manual_seed(999)  # disturb the RNG: resume must restore it
 
     resumed = Trainer(cfg, tiny_model_dir)
-    assert resumed.load_checkpoint(ckpt) == {"dataset_pos": 17}
+    assert load_checkpoint(resumed, ckpt) == {"dataset_pos": 17}
     assert resumed.version == 2 and resumed.optimizer_steps == 4
     assert resumed.consumed_ids == [s.sample_id for b in batches[:2] for s in b]
     for b in batches[2:]:
@@ -109,12 +110,12 @@ def test_checkpoints_are_pruned_and_latest_found(tiny_model_dir, tmp_path):
     batch = make_samples(5, n_groups=1)
     for _ in range(3):
         trainer.train_step(batch)
-        trainer.save_checkpoint(tmp_path)
+        save_checkpoint(trainer, tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step00000002", "step00000003"]
     assert latest_checkpoint(tmp_path).name == "step00000003"
     assert not list(tmp_path.glob(".*tmp"))
     with pytest.raises(TypeError):
-        trainer.save_checkpoint(tmp_path, extra={"bad": object()})
+        save_checkpoint(trainer, tmp_path, {"bad": object()})
 
 
 @pytest.mark.parametrize("mode", ["disk", "zmq"])
