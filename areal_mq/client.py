@@ -69,7 +69,10 @@ class Liveness:
     worker runtime): a heartbeat every `heartbeat_s`; the broker is lost after `liveness` silent intervals
     plus the current backoff delay, and the caller then reconnects (new socket, resend). Each loss without an
     answer in between doubles the extra delay (Backoff, jittered, capped at `reconnect_max_s`); hearing the
-    broker again resets it, so the next outage starts from the shortest wait."""
+    broker again resets it, so the next outage starts from the shortest wait.
+    A broker restarted faster than the liveness window is never silent for long enough: the broker's
+    heartbeat answers carry its boot id, and `restarted(peer_id)` tells the caller when it changed (the new
+    broker knows none of the old one's jobs or workers)."""
 
     def __init__(self, heartbeat_s: float, liveness: int, reconnect_max_s: float, rng: random.Random | None = None):
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
@@ -78,6 +81,7 @@ class Liveness:
         self.last_heard = time.monotonic()
         self.next_beat = 0.0
         self.reconnects = 0
+        self.broker_id = ""
 
     def heard(self) -> bool:
         """The broker answered. True when this ends an outage (the backoff is reset)."""
@@ -87,6 +91,11 @@ class Liveness:
         self.backoff.reset()
         self.delay = 0.0
         return True
+
+    def restarted(self, peer_id: str) -> bool:
+        """A heartbeat answer from broker `peer_id`: True when a broker with another boot id answered before."""
+        before, self.broker_id = self.broker_id, peer_id or self.broker_id
+        return bool(before and peer_id and peer_id != before)
 
     def beat_due(self, now: float) -> bool:
         if now < self.next_beat:
@@ -153,6 +162,8 @@ class JobClient:
                         self.log.warning("client.bad_reply", error=str(exc))
                     continue
                 if env.kind == Kind.HEARTBEAT:
+                    if self.link.restarted(env.msg.peer_id):
+                        self._resubmit_all("broker restarted")
                     continue
                 ref = env.reply_to or getattr(env.msg, "ref_id", "")
                 if ref in self.pending:
@@ -199,6 +210,11 @@ class JobClient:
         if self.log:
             self.log.warning("client.reconnect", broker=self.address, resubmitting=len(self.pending),
                              waited_s=round(waited, 2), next_retry_in_s=round(delay, 2))
+        self._resubmit_all()
+
+    def _resubmit_all(self, why: str = "") -> None:
+        if why and self.log:
+            self.log.warning("client.resubmit", broker=self.address, reason=why, resubmitting=len(self.pending))
         for job_id, (_, frames, svc) in list(self.pending.items()):
             self.pending[job_id] = (time.monotonic(), frames, svc)
             send(self.sock, frames)

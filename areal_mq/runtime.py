@@ -305,6 +305,12 @@ class WorkerRuntime:
                     send(dealer, protocol.error_reply(exc))
                 continue
             if env.kind == Kind.HEARTBEAT:
+                if self.link.restarted(env.msg.peer_id):  # a new broker: it knows neither us nor our jobs
+                    self.log.warning(f"{self.role}.broker_restarted", broker=env.msg.peer_id)
+                    with self._lock:
+                        self._in_flight.clear()  # their clients resubmit them to the new broker
+                    if self._announced:
+                        send(dealer, protocol.encode(self._ready_msg()))
                 continue
             if env.kind == Kind.ERROR:
                 self.log.warning(f"{self.role}.broker_error", code=env.msg.code, error=env.msg.message)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,8 @@ class JobBroker:
         if keys is not None:
             keys.server(self.sock)
         self.max_capacity, self.max_services = max_capacity, max_services
+        # answered in every heartbeat: a peer that sees it change knows this broker restarted and forgot its jobs
+        self.boot_id = f"broker-{os.urandom(4).hex()}"
         self.refusals = RateLimited(log)  # forbidden and bad-input warnings: one line per peer+reason per 10 s
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -216,7 +219,7 @@ class JobBroker:
         worker = self.workers.get(ident)
         if worker is not None:
             worker.last_seen = time.monotonic()
-        self._send(ident, protocol.encode(Heartbeat(peer_id="broker")))
+        self._send(ident, protocol.encode(Heartbeat(peer_id=self.boot_id)))
 
     def _error(self, ident: bytes, ref_id: str, code: str, message: str) -> None:
         self._send(ident, protocol.encode(Error(code=code, message=message, ref_id=ref_id), reply_to=ref_id))
