@@ -123,6 +123,22 @@ class ModelConfig(_Section):
     cache_dir: str | None = Field(None, description="Folder holding converted models (default $AREAL_MQ_CACHE/models or ~/.cache/areal-mq/models).")
 
 
+class RolloutConfig(_Section):
+    """A rollout worker: its engine section and the worker's own settings."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The inference engine and its settings.")
+    weights_timeout_s: float = Field(60.0, gt=0, description="Deadline for fetching published weights (zmq mode).")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM: time to finish running sequences before handing them back.")
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation of the policy during and after a run (problems from data.eval_name)."""
+
+    every: int = Field(0, ge=0, description="Evaluate every N versions in the background (0 = only at the end).")
+    size: int = Field(200, ge=1, description="Held-out problems per evaluation.")
+
+
 class ControllerConfig(_Section):
     """Dataset iteration, grouping, staleness throttle."""
 
@@ -140,8 +156,6 @@ class ControllerConfig(_Section):
     max_retries: int = Field(3, ge=0, description="Retries of a failed generation/reward job before the group is dropped.")
     reward_task: str = Field("arith", description="Task of the reward jobs: a key of reward.tasks, or a built-in "
                              "name / import path (module:function) that then becomes one.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N versions (0 = only at the end).")
-    eval_size: int = Field(200, ge=1, description="Held-out problems per evaluation.")
 
 
 class LauncherConfig(_Section):
@@ -162,11 +176,12 @@ class RunConfig(_Section):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    rollout: EngineConfig = Field(default_factory=EngineConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
 
     @model_validator(mode="after")
@@ -282,7 +297,32 @@ def _explain(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+# Keys that moved to another section: a config still using one is refused with the new name (never guessed).
+MOVED_KEYS = {
+    "controller.eval_every": "eval.every",
+    "controller.eval_size": "eval.size",
+    **{f"rollout.{name}": f"rollout.engine.{name}" for name in EngineConfig.model_fields if name != "kind"},
+}
+
+
+def moved_keys(data: dict) -> list[str]:
+    """'old -> new' for each moved key present in a raw config dict (rollout.engine: NAME is one too)."""
+    found = []
+    for old, new in MOVED_KEYS.items():
+        section, key = old.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            found.append(f"{old} -> {new}")
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict) and isinstance(rollout.get("engine"), str):
+        found.append(f"rollout.engine: {rollout['engine']} -> rollout.engine.kind: {rollout['engine']}")
+    return found
+
+
 def config_from_dict(data: dict, source: str = "<dict>") -> RunConfig:
+    moved = moved_keys(data)
+    if moved:
+        raise ConfigError(f"invalid config ({source}): keys moved to their own sections; rename:\n  "
+                          + "\n  ".join(moved))
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -25,13 +25,13 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
     from areal_mq.engines.base import EngineRequest, SamplingParams
     from areal_mq.engines.models import load_tokenizer, resolve_model
 
-    problems = load_eval_problems(cfg.data)[: n or cfg.controller.eval_size]
+    problems = load_eval_problems(cfg.data)[: n or cfg.eval.size]
     if not problems:
         raise ValueError("no held-out problems: set data.eval_name")
     tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
     fmt = ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
     # greedy outputs do not depend on the batch (per-request streams), so evaluate with wide batches
-    engine_cfg = cfg.rollout.model_copy(update={"max_concurrent": max(cfg.rollout.max_concurrent, 32)})
+    engine_cfg = cfg.rollout.engine.model_copy(update={"max_concurrent": max(cfg.rollout.engine.max_concurrent, 32)})
     engine = build_engine(engine_cfg, cfg.model, seed=cfg.run.seed)
     t0 = time.perf_counter()
     try:
@@ -66,8 +66,8 @@ def base_eval_cached(cfg: Any, progress: bool = True) -> dict:
 
     from areal_mq.engines.models import models_cache_dir
 
-    key = json.dumps([cfg.model.model_dump(), cfg.data.model_dump(), cfg.controller.eval_size,
-                      cfg.controller.max_new_tokens, cfg.rollout.engine] + ([cfg.rollout.dtype] if cfg.rollout.dtype != "auto" else []),
+    key = json.dumps([cfg.model.model_dump(), cfg.data.model_dump(), cfg.eval.size,
+                      cfg.controller.max_new_tokens, cfg.rollout.engine.kind] + ([cfg.rollout.engine.dtype] if cfg.rollout.engine.dtype != "auto" else []),
                      sort_keys=True, default=str)
     path = models_cache_dir(cfg.model.cache_dir).parent / "eval" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():

@@ -60,7 +60,7 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     if not skip_eval and not resume:
         _eval_into_run(cfg, None, 0, console, "base model")
     launcher.plan(path)
-    if cfg.controller.eval_every and not skip_eval:
+    if cfg.eval.every and not skip_eval:
         from areal_mq.periodic_eval import PeriodicEval
 
         launcher.evaluator = PeriodicEval.from_config(cfg, path)
@@ -110,7 +110,7 @@ def _stop_signals_interrupt() -> None:
 def _eval_into_run(cfg, weights, version, console, label) -> dict:
     from areal_mq.evaluate import append_result, base_eval_cached, evaluate
 
-    console.print(f"evaluating {label} on {cfg.controller.eval_size} held-out problems…")
+    console.print(f"evaluating {label} on {cfg.eval.size} held-out problems…")
     result = base_eval_cached(cfg) if weights is None else evaluate(cfg, weights=weights, version=version)
     append_result(cfg.run.run_dir, result)
     console.print(f"  {label}: strict {result['strict']:.1%}  lenient {result['lenient']:.1%}  "

@@ -80,7 +80,7 @@ class Launcher:
         self.children: list[Child] = []
         self.stopping = False
         self.failure: str | None = None
-        self.evaluator: Any = None  # PeriodicEval (areal_mq.periodic_eval) when controller.eval_every > 0
+        self.evaluator: Any = None  # PeriodicEval (areal_mq.periodic_eval) when eval.every > 0
         self.keys: Any = None
 
     def prepare(self) -> Path:

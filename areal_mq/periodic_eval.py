@@ -1,6 +1,6 @@
 """Periodic held-out evaluation during a run, each one pinned to a named published policy version.
 
-What: every `controller.eval_every` versions the launcher starts `areal-mq eval` in a background process on
+What: every `eval.every` versions the launcher starts `areal-mq eval` in a background process on
 `run_dir/weights/vN` and the result (with `version: N`) is appended to `run_dir/eval.jsonl`, where the live
 display and `areal-mq plot` pick it up. The final version is evaluated by `areal-mq run` after training.
 Why pinned: the trainer prunes old versions (`trainer.keep_weight_versions`), so before starting the
@@ -71,7 +71,7 @@ class PeriodicEval:
 
         run_dir = Path(cfg.run.run_dir)
         done = {int(e["version"]) for e in read_jsonl(run_dir / "eval.jsonl") if isinstance(e.get("version"), int)}
-        return cls(Path(config_path), run_dir, cfg.controller.eval_every, cfg.controller.total_steps, done=done)
+        return cls(Path(config_path), run_dir, cfg.eval.every, cfg.controller.total_steps, done=done)
 
     @property
     def pins(self) -> Path:

@@ -162,7 +162,7 @@ def prune(run_dir: Path, keep: set[int]) -> None:
 def eval_config(quick: bool, run_dir: Path):
     from areal_mq.config import load_config
 
-    sets = {**size_overrides(quick), "run.run_dir": str(run_dir), "rollout.threads": 2}
+    sets = {**size_overrides(quick), "run.run_dir": str(run_dir), "rollout.engine.threads": 2}
     return load_config(CONFIG, [f"{k}={v}" for k, v in sets.items()])
 
 
@@ -171,7 +171,7 @@ def evaluate_all(results: list[dict], versions: list[int], n: int, quick: bool, 
     from areal_mq.evaluate import base_eval_cached, evaluate
 
     cfg = eval_config(quick, out)  # the base model never changes: reuse its cached result when n is the config's
-    base = base_eval_cached(cfg) if n == cfg.controller.eval_size else evaluate(cfg, weights=None, n=n, version=0)
+    base = base_eval_cached(cfg) if n == cfg.eval.size else evaluate(cfg, weights=None, n=n, version=0)
     log(f"base model: strict {base['strict']:.1%} lenient {base['lenient']:.1%} (n={base['n']}, {base['seconds']} s)")
     for r in results:
         r["evals"] = []
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
     versions = args.eval_versions or default_versions(steps, args.quick)
     if max(versions) != steps or min(versions) < 1:
         raise SystemExit(f"--eval-versions {versions}: must lie in 1..{steps} and end with the final version {steps}")
-    n = args.eval_n or (QUICK_EVAL_N if args.quick else c.eval_size)
+    n = args.eval_n or (QUICK_EVAL_N if args.quick else cfg.eval.size)
     out = args.out or ROOT / "bench-results" / ("e2e-quick" if args.quick else "e2e")
     log(f"{cfg.model.name}: {steps} steps x {c.batch_groups} groups x {c.group_size} seqs per mode; "
         f"evaluating versions {versions} on n={n}; runs in {out}")

@@ -207,13 +207,13 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.threads import apply_thread_budget
 
     apply_thread_budget(cfg, "rollout")
-    rt = WorkerRuntime(cfg, role="rollout", service="generate", capacity=cfg.rollout.max_concurrent,
+    rt = WorkerRuntime(cfg, role="rollout", service="generate", capacity=cfg.rollout.engine.max_concurrent,
                        worker_id=worker_id)
     engine = None
     try:
         t0 = time.perf_counter()
-        engine = build_engine(cfg.rollout, cfg.model, seed=cfg.run.seed)
-        rt.log.info("rollout.engine_ready", engine=cfg.rollout.engine, model=cfg.model.name,
+        engine = build_engine(cfg.rollout.engine, cfg.model, seed=cfg.run.seed)
+        rt.log.info("rollout.engine_ready", engine=cfg.rollout.engine.kind, model=cfg.model.name,
                     load_s=round(time.perf_counter() - t0, 2))
         worker = RolloutWorker(cfg, engine, rt)
         initial = rt.start()

@@ -1,6 +1,6 @@
 """Inference engines behind one contract (areal_mq.engines.base.Engine).
 
-`build_engine(engine_cfg, model_cfg, **kwargs)` builds the engine named by `engine_cfg.engine`,
+`build_engine(engine_cfg, model_cfg, **kwargs)` builds the engine named by `engine_cfg.kind`,
 importing its module only then (torch, transformers and vLLM are heavy; the CLI imports this package).
 Each engine module exposes `build(engine_cfg, model_cfg, **kwargs) -> Engine`; to add an engine,
 add its module to ENGINE_MODULES.
@@ -22,7 +22,7 @@ ENGINE_MODULES = {
 
 def build_engine(engine_cfg: Any, model_cfg: Any = None, **kwargs: Any) -> Any:
     """Build the configured engine. kwargs: seed=, model_dir=, tokenizer= (engine-specific extras)."""
-    name = engine_cfg.engine
+    name = engine_cfg.kind
     module_name = ENGINE_MODULES.get(name)
     if module_name is None:
         raise ConfigError(f"unknown engine {name!r}; choose one of {sorted(ENGINE_MODULES)}")

@@ -9,10 +9,10 @@ from areal_mq.engines.vllm_config import VllmEngineConfig
 
 
 class EngineConfig(BaseModel):
-    """Which inference engine a rollout worker runs and how."""
+    """Which inference engine a rollout worker runs and how (the `rollout.engine` section)."""
 
     model_config = ConfigDict(extra="forbid")
-    engine: Literal["torch", "vllm", "vllm-server"] = Field("torch", description="Inference engine.")
+    kind: Literal["torch", "vllm", "vllm-server"] = Field("torch", description="Inference engine.")
     max_concurrent: int = Field(16, ge=1, description="Maximum sequences decoded at once (the worker's capacity).")
     kv_on_update: Literal["recompute", "keep"] = Field(
         "recompute", description="On a weight update: recompute in-flight KV caches under the new weights, or keep them."
@@ -53,8 +53,6 @@ class EngineConfig(BaseModel):
         0.0, ge=0, le=10,
         description="Diagnostics and tests only: sleep this long after every decoding step of the torch engine, so "
                     "generation is slower than a training step by construction (0 = off).")
-    weights_timeout_s: float = Field(60.0, gt=0, description="Deadline for fetching published weights (zmq mode).")
-    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: time to finish running sequences before handing them back.")
     vllm: VllmEngineConfig = Field(
         default_factory=VllmEngineConfig, description="engine: vllm / vllm-server settings (CPU backend, server URL)."
     )

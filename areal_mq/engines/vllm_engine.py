@@ -366,7 +366,7 @@ def build(engine_cfg: EngineConfig, model_cfg: Any = None, seed: int | None = No
 
     model_dir = kwargs.get("model_dir") or resolve_model(
         getattr(model_cfg, "name", DEFAULT_MODEL), getattr(model_cfg, "cache_dir", None))
-    if engine_cfg.engine == "vllm-server":
+    if engine_cfg.kind == "vllm-server":
         from areal_mq.engines.vllm_server import VllmServerEngine
 
         # the server answers token ids only: without the model's tokenizer every completion's text is "",

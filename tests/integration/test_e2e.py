@@ -53,10 +53,10 @@ def _events(run_dir: Path, name: str) -> list[dict]:
 def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
     run_dir = tmp_path / "async"
     # generation slower than a training step by construction: every decoding step of the 160-token sequences
-    # takes >= 25 ms (rollout.step_delay_s, a test knob), so a group takes >= 4 s on its two slots while a tiny
+    # takes >= 25 ms (rollout.engine.step_delay_s, a test knob), so a group takes >= 4 s on its two slots while a tiny
     # model's training step takes well under a second; the next group is already decoding when v+1 lands
     done = _run(run_dir, "controller.total_steps=6", "controller.max_new_tokens=160", "controller.max_staleness=3",
-                "controller.max_concurrent_groups=8", "rollout.max_concurrent=2", "rollout.step_delay_s=0.025")
+                "controller.max_concurrent_groups=8", "rollout.engine.max_concurrent=2", "rollout.engine.step_delay_s=0.025")
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
@@ -74,7 +74,7 @@ def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
 def test_periodic_evaluations_are_pinned_to_published_versions(tmp_path):
     # a run of its own: background evaluations take CPU, which would shift the timing the test above needs
     run_dir = tmp_path / "evals"
-    done = _run(run_dir, "controller.total_steps=6", "controller.eval_every=2", "controller.eval_size=8",
+    done = _run(run_dir, "controller.total_steps=6", "eval.every=2", "eval.size=8",
                 evaluate=True)
     assert done.returncode == 0, done.stderr[-3000:]
     # held-out evaluation: the base model first, periodic ones pinned to published versions, the final one last
@@ -96,7 +96,7 @@ def _final_params(run_dir: Path):
 
 
 def test_eta_zero_reproduces_sync_mode_exactly(tmp_path):
-    common = ("controller.total_steps=3", "controller.max_new_tokens=16", "rollout.max_concurrent=1",
+    common = ("controller.total_steps=3", "controller.max_new_tokens=16", "rollout.engine.max_concurrent=1",
               "controller.max_staleness=0")
     sync = _run(tmp_path / "sync", "run.mode=sync", *common)
     assert sync.returncode == 0, sync.stderr[-3000:]

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def tiny_config(tmp_path):
-    return write_config(tmp_path, {"model": {"name": "tiny-random-llama"}, "rollout": {"max_concurrent": 4},
+    return write_config(tmp_path, {"model": {"name": "tiny-random-llama"}, "rollout": {"engine": {"max_concurrent": 4}},
                                    "launcher": {"threads": {"rollout": 1}}}, name="tiny.yaml")
 
 

@@ -58,7 +58,7 @@ def hf(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    cfg = EngineConfig(engine="vllm", max_concurrent=4, seed=0,
+    cfg = EngineConfig(kind="vllm", max_concurrent=4, seed=0,
                        vllm={"kv_cache_space_gib": 1, "start_timeout_s": 1200})
     eng = VllmEngine(cfg, model_dir, dtype="float32")
     print(f"\nvLLM engine started in {eng.start_s:.1f} s")
@@ -168,7 +168,7 @@ def test_abort_returns_partial_tokens(engine):
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path, model_dir):
-    cfg = EngineConfig(engine="vllm", vllm={"start_timeout_s": 600})
+    cfg = EngineConfig(kind="vllm", vllm={"start_timeout_s": 600})
     with pytest.raises(ModelNotFound, match="no config.json"):
         VllmEngine(cfg, tmp_path / "nowhere")
     broken = tmp_path / "broken"

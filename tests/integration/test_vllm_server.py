@@ -49,7 +49,7 @@ def model_dir():
 def server(model_dir, tmp_path_factory):
     """A vLLM server process; yields its engine config; stopped by PID."""
     port = free_port()
-    cfg = EngineConfig(engine="vllm-server", max_concurrent=4, seed=0, vllm={"server_url": f"http://127.0.0.1:{port}"})
+    cfg = EngineConfig(kind="vllm-server", max_concurrent=4, seed=0, vllm={"server_url": f"http://127.0.0.1:{port}"})
     log = open(tmp_path_factory.mktemp("server") / "vllm.log", "wb")
     proc = subprocess.Popen(server_command(str(model_dir), port, cfg, dtype="float32"), env=server_env(cfg),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -145,6 +145,6 @@ def test_abort_and_pause_resume(engine):
 
 
 def test_attach_errors_are_clear(server):
-    bad = EngineConfig(engine="vllm-server", vllm={"server_url": f"http://127.0.0.1:{free_port()}"})
+    bad = EngineConfig(kind="vllm-server", vllm={"server_url": f"http://127.0.0.1:{free_port()}"})
     with pytest.raises(VllmError, match="unreachable.*python -m areal_mq.engines.vllm_server"):
         VllmServerEngine(bad)

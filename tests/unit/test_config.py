@@ -73,3 +73,23 @@ def test_the_controllers_reward_task_is_configured_at_load_time(tmp_path):
     named = tmp_path / "named.yaml"
     named.write_text("controller: {reward_task: gsm8k}\nreward: {tasks: {gsm8k: {fn: math}}}\n")
     assert set(load_config(named).reward.tasks) == {"gsm8k"}
+
+
+def test_moved_keys_are_refused_with_their_new_names(tmp_path):
+    """issue 14 item 4: rollout: holds an engine: section; eval_* left controller: for eval:. An old config
+    gets one error naming each key's new place (nothing is guessed or silently dropped)."""
+    old = tmp_path / "old.yaml"
+    old.write_text("rollout:\n  engine: vllm\n  max_concurrent: 8\ncontroller:\n  eval_every: 5\n  eval_size: 20\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(old)
+    text = str(err.value)
+    for line in ("rollout.engine: vllm -> rollout.engine.kind: vllm",
+                 "rollout.max_concurrent -> rollout.engine.max_concurrent",
+                 "controller.eval_every -> eval.every", "controller.eval_size -> eval.size"):
+        assert line in text, text
+    with pytest.raises(ConfigError, match="rollout.kv_on_update -> rollout.engine.kv_on_update"):
+        load_config(None, ["rollout.kv_on_update=keep"])
+    cfg = load_config(None, ["rollout.engine.kind=vllm", "rollout.engine.max_concurrent=8", "eval.every=5",
+                             "rollout.drain_timeout_s=3"])
+    assert (cfg.rollout.engine.kind, cfg.rollout.engine.max_concurrent, cfg.eval.every) == ("vllm", 8, 5)
+    assert cfg.rollout.drain_timeout_s == 3.0

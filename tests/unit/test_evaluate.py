@@ -5,7 +5,7 @@ from areal_mq.evaluate import evaluate
 
 
 def test_evaluate_more_problems_than_slots():
-    cfg = load_config(None, ["model.name=tiny-random-llama", "rollout.max_concurrent=3",
+    cfg = load_config(None, ["model.name=tiny-random-llama", "rollout.engine.max_concurrent=3",
                              "controller.max_new_tokens=40"])
     result = evaluate(cfg, n=10, progress=False)
     assert result["n"] == 10 and sum(v["n"] for v in result["by_level"].values()) == 10

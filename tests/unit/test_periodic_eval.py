@@ -49,7 +49,7 @@ def test_a_resumed_run_does_not_evaluate_recorded_versions_again(tmp_path):
     from areal_mq.config import load_config
 
     (tmp_path / "eval.jsonl").write_text('{"version": 0}\n{"version": 10}\nnot json\n')
-    cfg = load_config(None, [f"run.run_dir={tmp_path}", "controller.eval_every=10", "controller.total_steps=30"])
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "eval.every=10", "controller.total_steps=30"])
     ev = PeriodicEval.from_config(cfg, tmp_path / "config.yaml")
     assert ev.done == {0, 10}
     assert due_versions([10, 20], ev.every, ev.last_step, ev.done) == [20]

@@ -27,4 +27,4 @@ def test_builds_the_torch_engine_from_model_config(tiny_tokenizer):
 
 def test_unknown_engine_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown engine 'nope'"):
-        build_engine(SimpleNamespace(engine="nope"))
+        build_engine(SimpleNamespace(kind="nope"))

@@ -104,7 +104,7 @@ def test_config_refuses_settings_vllm_cpu_cannot_run():
     with pytest.raises(ValidationError, match="gpu_memory_utilization"):
         VllmEngineConfig(gpu_memory_utilization=0.9)
     with pytest.raises(ValidationError, match="kv_cache_space"):
-        EngineConfig(engine="vllm", vllm={"kv_cache_space_gib": 0})
+        EngineConfig(kind="vllm", vllm={"kv_cache_space_gib": 0})
     with pytest.raises(ValidationError, match="extra"):
         EngineConfig(vllm={"kv_cache": 1})
 

@@ -91,7 +91,7 @@ def server_url():
 @pytest.fixture(scope="module")
 def engine(server_url):
     cfg = load_config(None, ["model.name=tiny-random-llama"])
-    eng = build_engine(EngineConfig(engine="vllm-server", max_concurrent=4, vllm={"server_url": server_url}),
+    eng = build_engine(EngineConfig(kind="vllm-server", max_concurrent=4, vllm={"server_url": server_url}),
                        cfg.model, seed=0)  # as rollout.main builds it: no tokenizer passed
     yield eng
     eng.close()
