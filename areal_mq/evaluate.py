@@ -22,7 +22,8 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
     from areal_mq.data.answers import grade
     from areal_mq.data.prompts import ChatFormatter
     from areal_mq.engines import build_engine
-    from areal_mq.engines.base import EngineRequest, SamplingParams
+    from areal_mq.engines.base import EngineRequest
+    from areal_mq.messages import SamplingSpec
     from areal_mq.engines.models import load_tokenizer, resolve_model
 
     problems = load_eval_problems(cfg.data)[: n or cfg.eval.size]
@@ -37,7 +38,7 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
     try:
         if weights:
             engine.update_weights(version if version is not None else 1, path=str(weights))
-        sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or cfg.controller.max_new_tokens)
+        sampling = SamplingSpec(temperature=0.0, max_new_tokens=max_new_tokens or cfg.controller.max_new_tokens)
         for p in problems:
             engine.submit(EngineRequest(p.id, fmt.ids(p), sampling))
         outputs = _drain(engine, len(problems), progress)

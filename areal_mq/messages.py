@@ -124,17 +124,41 @@ class Disconnect(Message):
 
 # ---------------------------------------------------------------- generation
 class SamplingSpec(BaseModel):
-    """Sampling parameters on the wire (mirrors engines.base.SamplingParams). temperature 0 = greedy."""
+    """Sampling settings of one sequence: on the wire (GenerateRequest.sampling) and inside every engine
+    (EngineRequest.sampling), one type. temperature 0 means greedy.
+
+    Stopping: at the tokenizer's EOS (unless ignore_eos), at any of stop_token_ids (the stopping token
+    is kept in output_ids), when the text contains a stop string (text is cut before it), or after
+    max_new_tokens. seed: a per-request random stream, so the tokens do not depend on batch mates.
+    Example: SamplingSpec(temperature=0.7, max_new_tokens=64, seed=3)
+    """
 
     model_config = ConfigDict(extra="forbid")
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 = disabled
     max_new_tokens: int = 256
     stop_token_ids: list[int] = Field(default_factory=list)
     stop_strings: list[str] = Field(default_factory=list)
     seed: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # keep generating past the tokenizer's EOS (stop_token_ids still stop)
+
+    def check(self) -> None:
+        """Raise EngineRequestError naming the bad field (engines call this on submit)."""
+        from areal_mq.errors import EngineRequestError
+
+        if not (self.temperature >= 0.0):
+            raise EngineRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise EngineRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise EngineRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise EngineRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise EngineRequestError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
+        if any(not s for s in self.stop_strings):
+            raise EngineRequestError(f"stop_strings must be non-empty strings, got {self.stop_strings}")
 
 
 class GenerateRequest(Message):

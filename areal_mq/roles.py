@@ -12,9 +12,10 @@ the hooks it needs; `RoleLoop(runtime, role).run()` drives them from one thread:
 
 Cross-cutting concerns are middleware, written once:
 - `PauseControl`: Control(pause|resume) for this role (or for every role) sets `role.paused` and, for a role
-  with a broker service, announces READY(0) / READY(capacity) so the broker sends nothing new meanwhile. What a
-  paused role stops doing itself is its own: the rollout worker stops stepping its engine (in-flight sequences
-  wait), the trainer takes no batch, the controller admits no prompt (answers are still collected).
+  with a broker service, announces READY(0) / READY(capacity) so the broker sends nothing new meanwhile, and
+  calls role.on_pause(paused). What a paused role stops doing itself is its own: the rollout worker pauses its
+  engine (Engine.pause: in-flight sequences keep their state; vLLM stops generating in the background too), the
+  trainer takes no batch, the controller admits no prompt (answers are still collected).
 - `StatsReport`: every `every_s`, `role.stats()` as one `{role}.stats` event.
 - drain on SIGTERM / Control(shutdown): the runtime sets `stopping`; the loop drains as above, then the
   caller closes the runtime (DISCONNECT: the broker requeues whatever was not answered).
@@ -61,6 +62,9 @@ class Role:
     def on_stop(self) -> None:
         """After the drain (abort what is left, final checkpoint, final stats)."""
 
+    def on_pause(self, paused: bool) -> None:
+        """Control(pause) / Control(resume) changed `self.paused` (already set when this is called)."""
+
     def stats(self) -> dict:
         return {}
 
@@ -84,6 +88,7 @@ class PauseControl:
         if pause == role.paused:
             return
         role.paused = pause
+        role.on_pause(pause)
         if rt is not None and rt.service is not None:
             if pause:
                 self.capacity = rt.capacity

@@ -103,7 +103,8 @@ def make_workloads(tokenizer, q: int) -> list[Workload]:
 
 
 def run_torch_engine(ctx: Context, wl: Workload) -> float:
-    from areal_mq.engines.base import EngineRequest, SamplingParams
+    from areal_mq.engines.base import EngineRequest
+    from areal_mq.messages import SamplingSpec
 
     engine, pending, done = ctx.engine, list(range(len(wl.prompts))), 0
     start = time.perf_counter()
@@ -111,7 +112,7 @@ def run_torch_engine(ctx: Context, wl: Workload) -> float:
         now = time.perf_counter() - start
         while pending and wl.arrivals[pending[0]] <= now:
             i = pending.pop(0)
-            sp = SamplingParams(temperature=1.0, max_new_tokens=wl.lengths[i], ignore_eos=True, seed=i)
+            sp = SamplingSpec(temperature=1.0, max_new_tokens=wl.lengths[i], ignore_eos=True, seed=i)
             engine.submit(EngineRequest(f"{wl.name}-{i}-{start}", wl.prompts[i], sp))
         if engine.has_work():
             done += len(engine.step())
@@ -155,13 +156,14 @@ RUNNERS = {"torch_engine": run_torch_engine, "hf_generate": run_hf_generate}
 
 def measure_update(ctx: Context, mode: str, tokens_before: int) -> dict:
     """Sequences mid-generation, then a weight update from disk; time to the first new-version token."""
-    from areal_mq.engines.base import EngineRequest, SamplingParams
+    from areal_mq.engines.base import EngineRequest
+    from areal_mq.messages import SamplingSpec
 
     engine = ctx.engine
     engine.cfg = engine.cfg.model_copy(update={"kv_on_update": mode})
     ids = [f"upd-{mode}-{i}" for i in range(ctx.slots)]
     for i, rid in enumerate(ids):
-        sp = SamplingParams(temperature=1.0, max_new_tokens=tokens_before * 4, ignore_eos=True, seed=i)
+        sp = SamplingSpec(temperature=1.0, max_new_tokens=tokens_before * 4, ignore_eos=True, seed=i)
         engine.submit(EngineRequest(rid, make_prompt(ctx, i), sp))
     for _ in range(tokens_before):
         engine.step()
@@ -183,13 +185,14 @@ def measure_update_vllm(ctx: Context, mode: str, tokens_before: int) -> dict:
     """As measure_update, for vLLM: it decodes in its own process, so wait on token counts, not steps.
 
     resume_s = pause + prefix reset + resume + time until the first token under the new version."""
-    from areal_mq.engines.base import EngineRequest, SamplingParams
+    from areal_mq.engines.base import EngineRequest
+    from areal_mq.messages import SamplingSpec
 
     engine, n = ctx.vllm, ctx.slots
     base = engine.stats()["tokens_total"]
     prompts = [make_prompt(ctx, i) for i in range(n)]
     for i in range(n):
-        sp = SamplingParams(temperature=1.0, max_new_tokens=tokens_before * 4, ignore_eos=True, seed=i)
+        sp = SamplingSpec(temperature=1.0, max_new_tokens=tokens_before * 4, ignore_eos=True, seed=i)
         engine.submit(EngineRequest(f"vupd-{mode}-{i}", prompts[i], sp))
     while engine.stats()["tokens_total"] - base < n * tokens_before:
         engine.step()

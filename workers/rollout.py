@@ -6,7 +6,7 @@ heartbeats going):
     on_signal(WeightsReady) ──► at a step boundary: load weights in place, continue in-flight
     on_job(GenerateRequest) ──► engine.submit  (held until the engine reaches `min_version`)
     on_tick ──► engine.step() ──► finished sequences ──► GenerateResult to the controller
-    paused (Control pause) ──► no engine step: in-flight sequences wait; the broker sends nothing new
+    paused (Control pause) ──► Engine.pause: in-flight sequences wait; the broker sends nothing new
 
 Invariants: capacity = the engine's concurrent-sequence budget, so the broker never sends more than the
 engine can run; every job is answered (result, or Error for a bad request); on SIGTERM the worker stops
@@ -140,12 +140,11 @@ class RolloutWorker(Role):
         self._submit(job)
 
     def _submit(self, job: Any) -> None:
-        from areal_mq.engines.base import EngineRequest, SamplingParams
+        from areal_mq.engines.base import EngineRequest
 
         msg = job.msg
-        sampling = SamplingParams(**msg.sampling.model_dump())
         try:
-            self.engine.submit(EngineRequest(job.id, [int(t) for t in msg.prompt_ids], sampling))
+            self.engine.submit(EngineRequest(job.id, [int(t) for t in msg.prompt_ids], msg.sampling))
         except EngineRequestError as exc:
             self.rt.fail(job, "bad_request", str(exc))
             return
@@ -194,6 +193,9 @@ class RolloutWorker(Role):
 
     def busy(self) -> bool:
         return bool(self.jobs)
+
+    def on_pause(self, paused: bool) -> None:
+        self.engine.pause() if paused else self.engine.resume()
 
     def on_stop(self) -> None:
         for rid in list(self.jobs):  # left over: abort here, the broker requeues them on DISCONNECT

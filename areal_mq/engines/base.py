@@ -18,43 +18,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from areal_mq.errors import EngineRequestError
+from areal_mq.messages import SamplingSpec
 
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-@dataclass
-class SamplingParams:
-    """Sampling settings of one request. temperature 0 means greedy.
-
-    Stopping: at the tokenizer's EOS (unless ignore_eos), at any of stop_token_ids (the stopping token
-    is kept in output_ids), when the text contains a stop string (text is cut before it), or after
-    max_new_tokens. seed: a per-request random stream, so the tokens do not depend on batch mates.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    max_new_tokens: int = 256
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop_strings: list[str] = field(default_factory=list)
-    seed: int | None = None
-    ignore_eos: bool = False  # keep generating past the tokenizer's EOS (stop_token_ids still stop)
-
-    def validate(self) -> None:
-        """Raise EngineRequestError naming the bad field."""
-        if not (self.temperature >= 0.0):
-            raise EngineRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise EngineRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise EngineRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise EngineRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise EngineRequestError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise EngineRequestError(f"stop_strings must be non-empty strings, got {self.stop_strings}")
 
 
 @dataclass
@@ -63,7 +29,7 @@ class EngineRequest:
 
     request_id: str
     prompt_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
 
 
 @dataclass

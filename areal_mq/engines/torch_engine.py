@@ -88,7 +88,7 @@ class TorchEngine(Engine):
 
     def submit(self, request: EngineRequest) -> None:
         sp = request.sampling
-        sp.validate()
+        sp.check()
         rid = request.request_id
         if rid in self.live:
             raise EngineRequestError(f"request id {rid!r} is already running; use a unique id per request")

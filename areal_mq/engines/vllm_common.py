@@ -76,7 +76,7 @@ def cpu_env(cfg: "VllmEngineConfig") -> dict[str, str]:
 def check_request(request: EngineRequest, max_model_len: int, vocab_size: int | None = None) -> None:
     """Raise EngineRequestError (what is wrong, what to do) for a request vLLM must not run."""
     sp = request.sampling
-    sp.validate()
+    sp.check()
     if not request.request_id:
         raise EngineRequestError("request_id must be a non-empty string")
     if not request.prompt_ids:

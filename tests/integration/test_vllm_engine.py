@@ -21,7 +21,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed: bash docker/install-vllm.sh")
 
-from areal_mq.engines.base import EngineOutput, EngineRequest, SamplingParams  # noqa: E402
+from areal_mq.engines.base import EngineOutput, EngineRequest  # noqa: E402
+from areal_mq.messages import SamplingSpec  # noqa: E402
 from areal_mq.engines.config import EngineConfig  # noqa: E402
 from areal_mq.engines.models import resolve_model  # noqa: E402
 from areal_mq.engines.vllm_common import VllmError  # noqa: E402
@@ -83,7 +84,7 @@ def run(engine, requests, on_tokens=None, timeout=600) -> dict[str, EngineOutput
 
 
 def greedy(rid, n=48):
-    return EngineRequest(rid, list(PROMPT), SamplingParams(temperature=0.0, max_new_tokens=n))
+    return EngineRequest(rid, list(PROMPT), SamplingSpec(temperature=0.0, max_new_tokens=n))
 
 
 def restore_a(engine, weights, version):
@@ -99,7 +100,7 @@ def check_follows(hf, out, temperature, weights_fn):
 
 
 def test_logprobs_match_hf_forward(engine, hf, weights):
-    reqs = [EngineRequest(f"s{i}", list(PROMPT[: 5 + i]), SamplingParams(temperature=t, max_new_tokens=24, seed=i))
+    reqs = [EngineRequest(f"s{i}", list(PROMPT[: 5 + i]), SamplingSpec(temperature=t, max_new_tokens=24, seed=i))
             for i, t in enumerate((0.7, 1.0, 1.3, 0.0))]
     outs = run(engine, reqs)
     for r in reqs:
@@ -155,7 +156,7 @@ def test_update_keep_continues_on_stale_kv(engine, hf, weights):
 
 
 def test_abort_returns_partial_tokens(engine):
-    engine.submit(EngineRequest("long", list(PROMPT), SamplingParams(temperature=1.0, max_new_tokens=400, seed=1)))
+    engine.submit(EngineRequest("long", list(PROMPT), SamplingSpec(temperature=1.0, max_new_tokens=400, seed=1)))
     base, deadline = engine.stats()["tokens_total"], time.monotonic() + 300
     while engine.stats()["tokens_total"] - base < 4:
         assert time.monotonic() < deadline

@@ -21,7 +21,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed: bash docker/install-vllm.sh")
 
-from areal_mq.engines.base import EngineRequest, SamplingParams  # noqa: E402
+from areal_mq.engines.base import EngineRequest  # noqa: E402
+from areal_mq.messages import SamplingSpec  # noqa: E402
 from areal_mq.engines.config import EngineConfig  # noqa: E402
 from areal_mq.engines.models import resolve_model  # noqa: E402
 from areal_mq.engines.vllm_common import VllmError  # noqa: E402
@@ -96,7 +97,7 @@ def weights(model_dir, tmp_path_factory):
 
 
 def test_generate_tokens_logprobs_versions(engine, hf, weights):
-    reqs = [EngineRequest(f"g{i}", list(PROMPT), SamplingParams(temperature=t, max_new_tokens=20, seed=i))
+    reqs = [EngineRequest(f"g{i}", list(PROMPT), SamplingSpec(temperature=t, max_new_tokens=20, seed=i))
             for i, t in enumerate((0.0, 0.8))]
     outs = run(engine, reqs)
     for r in reqs:
@@ -110,7 +111,7 @@ def test_generate_tokens_logprobs_versions(engine, hf, weights):
 def test_update_over_http_mid_generation(engine, hf, weights):
     v0 = engine.version
     timings = {}
-    req = EngineRequest("u1", list(PROMPT), SamplingParams(temperature=0.0, max_new_tokens=64))
+    req = EngineRequest("u1", list(PROMPT), SamplingSpec(temperature=0.0, max_new_tokens=64))
     out = run(engine, [req], on_tokens=(6, lambda e: timings.update(
         e.update_weights(v0 + 1, path=str(weights["B_dir"]), kv_on_update="recompute"))))["u1"]
     k = int((out.versions == v0).sum())
@@ -127,7 +128,7 @@ def test_update_over_http_mid_generation(engine, hf, weights):
 
 
 def test_abort_and_pause_resume(engine):
-    engine.submit(EngineRequest("long", list(PROMPT), SamplingParams(temperature=1.0, max_new_tokens=400, seed=2)))
+    engine.submit(EngineRequest("long", list(PROMPT), SamplingSpec(temperature=1.0, max_new_tokens=400, seed=2)))
     base, deadline = engine.stats()["tokens_total"], time.monotonic() + 300
     while engine.stats()["tokens_total"] - base < 4:
         assert time.monotonic() < deadline

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from areal_mq.engines import build_engine
-from areal_mq.engines.base import Engine, EngineRequest, SamplingParams
+from areal_mq.engines.base import Engine, EngineRequest
+from areal_mq.messages import SamplingSpec
 from areal_mq.engines.config import EngineConfig
 from areal_mq.errors import ConfigError
 
@@ -16,7 +17,7 @@ def test_builds_the_torch_engine_from_model_config(tiny_tokenizer):
     engine = build_engine(EngineConfig(max_concurrent=2, threads=1), model_cfg, seed=3, tokenizer=tiny_tokenizer)
     try:
         assert isinstance(engine, Engine) and engine.seed == 3
-        engine.submit(EngineRequest("a", [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)))
+        engine.submit(EngineRequest("a", [1, 2, 3], SamplingSpec(max_new_tokens=2, ignore_eos=True)))
         outs = []
         while engine.has_work():
             outs += engine.step()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_mq.engines.base import EngineRequest, SamplingParams
+from areal_mq.engines.base import EngineRequest
+from areal_mq.messages import SamplingSpec
 from areal_mq.errors import EngineRequestError
 
 from .engine_refs import full_logprobs
@@ -24,8 +25,8 @@ def run_all(engine, max_steps: int = 10_000) -> dict:
     return outs
 
 
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_new_tokens=n, **kw)
+def greedy(n: int, **kw) -> SamplingSpec:
+    return SamplingSpec(temperature=0, max_new_tokens=n, **kw)
 
 
 @torch.no_grad()
@@ -70,7 +71,7 @@ def test_chunked_prefill_gives_the_same_tokens(make_engine, prompts):
 def test_logprobs_equal_a_fresh_forward(make_engine, hf_tiny, prompts, temperature, top_p, top_k):
     engine = make_engine()
     for i, p in enumerate(prompts):
-        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=16, ignore_eos=True)
+        sp = SamplingSpec(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=16, ignore_eos=True)
         engine.submit(EngineRequest(f"l{i}", p, sp))
     outs = run_all(engine)
     for i, p in enumerate(prompts):
@@ -83,16 +84,16 @@ def test_logprobs_equal_a_fresh_forward(make_engine, hf_tiny, prompts, temperatu
 def test_same_seed_same_tokens_regardless_of_batch(make_engine, prompts):
     sp = dict(temperature=1.0, top_p=0.95, max_new_tokens=20, ignore_eos=True)
     alone = make_engine()
-    alone.submit(EngineRequest("x", prompts[1], SamplingParams(seed=7, **sp)))
+    alone.submit(EngineRequest("x", prompts[1], SamplingSpec(seed=7, **sp)))
     crowded = make_engine()
-    crowded.submit(EngineRequest("other0", prompts[0], SamplingParams(seed=1, **sp)))
-    crowded.submit(EngineRequest("x", prompts[1], SamplingParams(seed=7, **sp)))
-    crowded.submit(EngineRequest("other1", prompts[2], SamplingParams(seed=2, **sp)))
+    crowded.submit(EngineRequest("other0", prompts[0], SamplingSpec(seed=1, **sp)))
+    crowded.submit(EngineRequest("x", prompts[1], SamplingSpec(seed=7, **sp)))
+    crowded.submit(EngineRequest("other1", prompts[2], SamplingSpec(seed=2, **sp)))
     a, b = run_all(alone)["x"], run_all(crowded)
     assert a.output_ids.tolist() == b["x"].output_ids.tolist()
     assert b["other0"].output_ids.tolist() != b["x"].output_ids.tolist()
     other_seed = make_engine()
-    other_seed.submit(EngineRequest("x", prompts[1], SamplingParams(seed=8, **sp)))
+    other_seed.submit(EngineRequest("x", prompts[1], SamplingSpec(seed=8, **sp)))
     assert run_all(other_seed)["x"].output_ids.tolist() != a.output_ids.tolist()
 
 
@@ -101,7 +102,7 @@ def test_engine_seed_makes_unseeded_requests_reproducible(make_engine, prompts):
     for _ in range(2):
         engine = make_engine(seed=123)
         for i in range(2):
-            engine.submit(EngineRequest(f"u{i}", prompts[0], SamplingParams(max_new_tokens=12, ignore_eos=True)))
+            engine.submit(EngineRequest(f"u{i}", prompts[0], SamplingSpec(max_new_tokens=12, ignore_eos=True)))
         runs.append({k: v.output_ids.tolist() for k, v in run_all(engine).items()})
     assert runs[0] == runs[1]
     assert runs[0]["u0"] != runs[0]["u1"]  # same prompt, different request ids -> different streams
@@ -139,16 +140,16 @@ def test_kv_budget_limits_admission(make_engine, prompts):
 @pytest.mark.parametrize(
     "prompt, sampling, match",
     [
-        ([], SamplingParams(), "empty prompt"),
-        ([1, 2, 49152], SamplingParams(), "outside the vocabulary"),
-        ([1, -3], SamplingParams(), "outside the vocabulary"),
-        ([1, 2], SamplingParams(max_new_tokens=5000), "exceeds the context limit"),
-        ([1, 2], SamplingParams(temperature=-0.5), "temperature"),
-        ([1, 2], SamplingParams(temperature=float("nan")), "temperature"),
-        ([1, 2], SamplingParams(top_p=0.0), "top_p"),
-        ([1, 2], SamplingParams(top_k=-1), "top_k"),
-        ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
-        ([1, 2], SamplingParams(stop_strings=[""]), "stop_strings"),
+        ([], SamplingSpec(), "empty prompt"),
+        ([1, 2, 49152], SamplingSpec(), "outside the vocabulary"),
+        ([1, -3], SamplingSpec(), "outside the vocabulary"),
+        ([1, 2], SamplingSpec(max_new_tokens=5000), "exceeds the context limit"),
+        ([1, 2], SamplingSpec(temperature=-0.5), "temperature"),
+        ([1, 2], SamplingSpec(temperature=float("nan")), "temperature"),
+        ([1, 2], SamplingSpec(top_p=0.0), "top_p"),
+        ([1, 2], SamplingSpec(top_k=-1), "top_k"),
+        ([1, 2], SamplingSpec(max_new_tokens=0), "max_new_tokens"),
+        ([1, 2], SamplingSpec(stop_strings=[""]), "stop_strings"),
     ],
 )
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(make_engine, prompts, prompt, sampling, match):
@@ -214,7 +215,7 @@ def test_bfloat16_engine_logprobs_close_to_hf_bfloat16(make_engine, tiny_model_d
     from areal_mq.engines.models import load_causal_lm
 
     engine = make_engine(dtype="bfloat16")
-    engine.submit(EngineRequest("b", prompts[1], SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)))
+    engine.submit(EngineRequest("b", prompts[1], SamplingSpec(temperature=1.0, max_new_tokens=12, ignore_eos=True)))
     out = run_all(engine)["b"]
     ref = full_logprobs(load_causal_lm(tiny_model_dir, "bfloat16"), prompts[1], out.output_ids.tolist())
     torch.testing.assert_close(torch.from_numpy(out.logprobs), ref, atol=0.15, rtol=0.02)
@@ -245,7 +246,7 @@ def _group_run(engine, prompts, n=4):
     """n seeded samples of each prompt, submitted together the way the controller sends a GRPO group."""
     for i, p in enumerate(prompts):
         for k in range(n):
-            sp = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=100 * i + k)
+            sp = SamplingSpec(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=100 * i + k)
             engine.submit(EngineRequest(f"p{i}s{k}", p, sp))
     return run_all(engine)
 

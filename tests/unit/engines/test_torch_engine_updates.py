@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_mq.engines.base import EngineRequest, SamplingParams
+from areal_mq.engines.base import EngineRequest
+from areal_mq.messages import SamplingSpec
 from areal_mq.errors import EngineRequestError
 
 from .engine_refs import full_logprobs, greedy_continue, greedy_keep_kv, model_with, perturbed_state
@@ -67,7 +68,7 @@ def test_recompute_update_mid_generation(make_engine, hf_tiny, hf_new, new_state
 
 def test_sampled_logprobs_after_recompute_update(make_engine, hf_tiny, hf_new, new_state, prompts):
     engine = engine_for(make_engine, kv_on_update="recompute")
-    sp = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=BEFORE + AFTER, ignore_eos=True, seed=5)
+    sp = SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=BEFORE + AFTER, ignore_eos=True, seed=5)
     outs, _ = generate_with_update(engine, prompts[:2], sp, tensors=new_state)
     for i, p in enumerate(prompts[:2]):
         out = outs[f"u{i}"].output_ids.tolist()

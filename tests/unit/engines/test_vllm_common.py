@@ -13,7 +13,8 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
-from areal_mq.engines.base import EngineRequest, SamplingParams
+from areal_mq.engines.base import EngineRequest
+from areal_mq.messages import SamplingSpec
 from areal_mq.engines.config import EngineConfig
 from areal_mq.engines.vllm_common import (
     check_request,
@@ -29,7 +30,7 @@ from areal_mq.errors import EngineRequestError, WeightsFetchError
 
 
 def req(prompt=(1, 2, 3), rid="r1", **sampling) -> EngineRequest:
-    return EngineRequest(request_id=rid, prompt_ids=list(prompt), sampling=SamplingParams(**sampling))
+    return EngineRequest(request_id=rid, prompt_ids=list(prompt), sampling=SamplingSpec(**sampling))
 
 
 @dataclass

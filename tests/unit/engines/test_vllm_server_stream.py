@@ -17,7 +17,8 @@ import pytest
 
 from areal_mq.config import load_config
 from areal_mq.engines import build_engine
-from areal_mq.engines.base import EngineRequest, SamplingParams
+from areal_mq.engines.base import EngineRequest
+from areal_mq.messages import SamplingSpec
 from areal_mq.engines.config import EngineConfig
 from areal_mq.engines.vllm_worker import EXTENSION_CLS
 from areal_mq.workers.rollout import broken_output
@@ -98,7 +99,7 @@ def engine(server_url):
 
 
 def _run(engine, rid):
-    engine.submit(EngineRequest(rid, [1, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=8)))
+    engine.submit(EngineRequest(rid, [1, 2, 3], SamplingSpec(temperature=1.0, max_new_tokens=8)))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         for out in engine.step():

@@ -193,3 +193,37 @@ def test_a_base_replay_never_takes_the_weights_back(tmp_path):
     assert engine.version == 3 and engine.loads == [3]
     w.load(_ready(tmp_path, 2))  # a real older version: the trainer resumed from a checkpoint
     assert engine.version == 2
+
+
+def test_control_pause_pauses_the_engine_and_the_loop_stops_stepping(tmp_path):
+    """A vLLM engine generates in the background: skipping step() alone would not stop it, so the rollout
+    role's pause hook pauses the engine itself (Engine.pause), and resume undoes it."""
+    from areal_mq.messages import Control
+    from areal_mq.roles import PauseControl, RoleLoop
+
+    class PausableEngine(FakeEngine):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def pause(self):
+            self.calls.append("pause")
+
+        def resume(self):
+            self.calls.append("resume")
+
+    engine = PausableEngine()
+    w = _worker(tmp_path, engine)
+    w.rt.service, w.rt.capacity, w.rt.readies = "generate", 4, []
+    w.rt.ready = lambda capacity=None, tasks=None: w.rt.readies.append(capacity)
+    loop = RoleLoop(w.rt, w, [PauseControl()])
+    pause = loop.middleware[0]
+    pause.signal(loop, Control(action="pause", target_role="rollout"))
+    assert w.paused and engine.calls == ["pause"] and w.rt.readies == [0]
+    w.on_job(_job("a"))
+    engine.finished = [_output("a")]
+    assert w.on_tick() is False and "a" not in w.rt.replies  # paused: no step
+    pause.signal(loop, Control(action="pause"))  # already paused: nothing happens
+    pause.signal(loop, Control(action="resume"))
+    assert not w.paused and engine.calls == ["pause", "resume"] and w.rt.readies == [0, 4]
+    assert w.on_tick() is True and isinstance(w.rt.replies["a"], GenerateResult)
