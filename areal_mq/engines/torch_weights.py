@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from areal_mq.errors import EngineRequestError
+from areal_mq.errors import WeightsLoadError
 
 
 def _alias_groups(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
@@ -34,7 +34,7 @@ def _source(tensors: Mapping[str, Any] | None, path: str | None,
             stack: contextlib.ExitStack) -> tuple[dict[str, tuple], Callable[[str], Any]]:
     """(name -> shape, getter) for a tensor mapping or a safetensors file/dir (handles kept in stack)."""
     if (tensors is None) == (path is None):
-        raise EngineRequestError("update_weights needs exactly one of tensors= or path=")
+        raise WeightsLoadError("update_weights needs exactly one of tensors= or path=")
     if tensors is not None:
         shapes = {k: tuple(getattr(v, "shape", ())) for k, v in tensors.items()}
         return shapes, lambda k: tensors[k]
@@ -43,7 +43,7 @@ def _source(tensors: Mapping[str, Any] | None, path: str | None,
     root = Path(path)
     files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
     if not files or not all(f.is_file() for f in files):
-        raise EngineRequestError(f"no safetensors weights at {root} (expected a .safetensors file or a "
+        raise WeightsLoadError(f"no safetensors weights at {root} (expected a .safetensors file or a "
                                  f"directory holding *.safetensors)")
     where: dict[str, Any] = {}
     shapes = {}
@@ -54,30 +54,30 @@ def _source(tensors: Mapping[str, Any] | None, path: str | None,
                 shapes[k] = tuple(fh.get_slice(k).get_shape())
                 where[k] = fh
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise EngineRequestError(f"cannot read weights file {f}: {exc}") from exc
+            raise WeightsLoadError(f"cannot read weights file {f}: {exc}") from exc
     return shapes, lambda name: where[name].get_tensor(name)
 
 
 def _check(by_name: dict[str, torch.Tensor], groups: list[list[str]], shapes: dict[str, tuple]) -> None:
     unknown = sorted(k for k in shapes if k not in by_name)
     if unknown:
-        raise EngineRequestError(f"weight update has {len(unknown)} tensors the model does not have, e.g. "
+        raise WeightsLoadError(f"weight update has {len(unknown)} tensors the model does not have, e.g. "
                                  f"{unknown[:5]}; was it saved from a different model?")
     missing = [g[0] for g in groups if not any(n in shapes for n in g)]
     if missing:
-        raise EngineRequestError(f"weight update misses {len(missing)} parameters, e.g. {missing[:5]}; "
+        raise WeightsLoadError(f"weight update misses {len(missing)} parameters, e.g. {missing[:5]}; "
                                  f"publish the full state dict.")
     wrong = [f"{k}: got {list(s)}, model has {list(by_name[k].shape)}"
              for k, s in shapes.items() if tuple(by_name[k].shape) != s]
     if wrong:
-        raise EngineRequestError(f"weight update has wrong shapes: {'; '.join(wrong[:5])}")
+        raise WeightsLoadError(f"weight update has wrong shapes: {'; '.join(wrong[:5])}")
 
 
 def load_weights_in_place(model: torch.nn.Module, tensors: Mapping[str, Any] | None = None,
                           path: str | None = None) -> int:
     """Copy a full state dict into `model`'s parameters; returns the number of tensors copied.
 
-    Raises EngineRequestError (and changes nothing) for unknown names, wrong shapes or missing
+    Raises WeightsLoadError (and changes nothing) for unknown names, wrong shapes or missing
     parameters.
     """
     by_name, groups = _alias_groups(model)

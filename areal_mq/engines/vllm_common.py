@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from areal_mq.engines.base import EngineRequest
-from areal_mq.errors import ArealError, ConfigError, EngineRequestError, WeightsFetchError
+from areal_mq.errors import ArealError, ConfigError, EngineRequestError, WeightsLoadError
 
 if TYPE_CHECKING:
     from areal_mq.engines.vllm_config import VllmEngineConfig
@@ -149,13 +149,13 @@ def spans_to_versions(spans: Sequence[Any] | None, n_tokens: int) -> np.ndarray 
 
 
 def resolve_weights_path(path: str | os.PathLike) -> str:
-    """Check a weights path (safetensors file or directory) exists; raise WeightsFetchError if not."""
+    """Check a weights path (safetensors file or directory) exists; raise WeightsLoadError if not."""
     from areal_mq.engines.vllm_worker import safetensors_files
 
     try:
         safetensors_files(path)
     except FileNotFoundError as exc:
-        raise WeightsFetchError(f"cannot update weights: {exc}") from exc
+        raise WeightsLoadError(f"cannot update weights: {exc}") from exc
     return str(Path(path).resolve())
 
 
@@ -166,7 +166,7 @@ def staged_tensors(tensors: Mapping[str, Any], shm_dir: str) -> Iterator[str]:
     from safetensors.torch import save_file
 
     if not tensors:
-        raise WeightsFetchError("cannot update weights: the tensor mapping is empty")
+        raise WeightsLoadError("cannot update weights: the tensor mapping is empty")
     plain = {
         name: (t if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t))).detach().to("cpu").contiguous()
         for name, t in tensors.items()

@@ -7,7 +7,7 @@ import torch
 
 from areal_mq.engines.base import EngineRequest
 from areal_mq.messages import SamplingSpec
-from areal_mq.errors import EngineRequestError
+from areal_mq.errors import WeightsLoadError
 
 from .engine_refs import full_logprobs, greedy_continue, greedy_keep_kv, model_with, perturbed_state
 from .test_torch_engine import greedy, run_all
@@ -142,7 +142,7 @@ def test_refused_updates_change_nothing(make_engine, new_state, prompts, tmp_pat
     expected = run_all(baseline)["a"].output_ids.tolist()
     engine = engine_for(make_engine)
     for kwargs, match in _broken_updates(new_state, tmp_path):
-        with pytest.raises(EngineRequestError, match=match):
+        with pytest.raises(WeightsLoadError, match=match):
             engine.update_weights(1, **kwargs)
     assert engine.version == 0
     engine.submit(EngineRequest("a", prompts[0], greedy(8, ignore_eos=True)))

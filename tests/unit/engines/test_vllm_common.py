@@ -26,7 +26,7 @@ from areal_mq.engines.vllm_common import (
 )
 from areal_mq.engines.vllm_config import VllmEngineConfig
 from areal_mq.engines.vllm_worker import iter_safetensors, safetensors_files
-from areal_mq.errors import EngineRequestError, WeightsFetchError
+from areal_mq.errors import EngineRequestError, WeightsLoadError
 
 
 def req(prompt=(1, 2, 3), rid="r1", **sampling) -> EngineRequest:
@@ -119,15 +119,15 @@ def test_staged_tensors_round_trip_and_cleanup(tmp_path):
         assert loaded["b"].dtype == torch.float32 and loaded["b"].sum() == 4
         assert dict(iter_safetensors(safetensors_files(path))).keys() == loaded.keys()
     assert not os.path.exists(path)
-    with pytest.raises(WeightsFetchError, match="empty"):
+    with pytest.raises(WeightsLoadError, match="empty"):
         with staged_tensors({}, str(tmp_path)):
             pass
 
 
 def test_weights_paths(tmp_path):
-    with pytest.raises(WeightsFetchError, match="no safetensors weights"):
+    with pytest.raises(WeightsLoadError, match="no safetensors weights"):
         resolve_weights_path(tmp_path / "missing")
-    with pytest.raises(WeightsFetchError, match="no safetensors weights"):
+    with pytest.raises(WeightsLoadError, match="no safetensors weights"):
         resolve_weights_path(tmp_path)  # a directory without *.safetensors
     for name in ("model-00002.safetensors", "model-00001.safetensors"):
         save_file({name: torch.zeros(1)}, str(tmp_path / name))
