@@ -12,11 +12,12 @@ from typing import Any
 
 from areal_mq.errors import ConfigError
 
-# engine name -> module providing build(engine_cfg, model_cfg, **kwargs)
+# rollout.engine.kind -> module providing build(engine_cfg, model_cfg, **kwargs); vllm_engine.build serves both
+# vLLM kinds: in process (AsyncLLM) and a running OpenAI-compatible server (vllm_server.VllmServerEngine)
 ENGINE_MODULES = {
     "torch": "areal_mq.engines.torch_engine",
-    "vllm": "areal_mq.engines.vllm_engine",  # hook for the vLLM engine (in-process)
-    "vllm-server": "areal_mq.engines.vllm_engine",  # hook for a vLLM server engine
+    "vllm": "areal_mq.engines.vllm_engine",
+    "vllm-server": "areal_mq.engines.vllm_engine",
 }
 
 
