@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import zmq
 
@@ -51,6 +51,15 @@ def advertised_tasks(tasks: Iterable[str]) -> list[str]:
     names = sorted({str(t) for t in tasks if t})
     too_big = len(names) > MAX_READY_TASKS or any(len(n) > 128 for n in names)
     return [] if "*" in names or too_big else names
+
+
+def pending_frames(sock: zmq.Socket) -> Iterator[list]:
+    """Every message waiting on `sock` now, without blocking."""
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
 
 
 @dataclass
@@ -291,11 +300,7 @@ class WorkerRuntime:
             self._outbox.get_nowait()
 
     def _drain_dealer(self, dealer: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in pending_frames(dealer):
             self.link.heard()
             try:
                 env = protocol.decode(frames, self.max_frame_bytes)
@@ -320,11 +325,7 @@ class WorkerRuntime:
             self.jobs.put(Job(env.id, env.msg))
 
     def _drain_sub(self, sub: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sub.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in pending_frames(sub):
             try:
                 topic, env = protocol.decode_topic(frames, self.max_frame_bytes)
             except ProtocolError as exc:
