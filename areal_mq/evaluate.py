@@ -1,7 +1,8 @@
 """Held-out evaluation: greedy answers of a policy version on the test split, graded strict and lenient.
 
-strict  = the final answer in the form the prompt asks for (\\boxed{N}) equals the reference;
-lenient = the last number in the text equals the reference (tells arithmetic from format learning).
+strict  = exactly one \\boxed{N} (the form the prompt asks for) and N equals the reference;
+lenient = the last boxed number, else the last number in the text, equals the reference (tells arithmetic
+from format learning). Both are areal_mq.grading's verdicts, the ones the rewards pay for.
 The policy is the base model, or a published weights directory (run_dir/weights/vN), or a checkpoint —
 always a named version, never weights that change during the evaluation.
 
@@ -19,12 +20,12 @@ from typing import Any
 def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version: int | None = None,
              progress: bool = True, max_new_tokens: int | None = None) -> dict:
     from areal_mq.data import load_eval_problems
-    from areal_mq.data.answers import grade
     from areal_mq.data.prompts import ChatFormatter
     from areal_mq.engines import build_engine
     from areal_mq.engines.base import EngineRequest
     from areal_mq.messages import SamplingSpec
     from areal_mq.engines.models import load_tokenizer, resolve_model
+    from areal_mq.grading import grade
 
     problems = load_eval_problems(cfg.data)[: n or cfg.eval.size]
     if not problems:
@@ -50,8 +51,8 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
         verdict = grade(out.text, by_id[out.request_id].answer)
         for key in ("all", f"L{by_id[out.request_id].level}"):
             totals[key][0] += 1
-            totals[key][1] += int(bool(verdict["strict"]))
-            totals[key][2] += int(bool(verdict["lenient"]))
+            totals[key][1] += int(verdict.strict)
+            totals[key][2] += int(verdict.lenient)
     n_all, strict, lenient = totals["all"]
     return {"n": n_all, "strict": strict / n_all, "lenient": lenient / n_all, "weights": weights or "base",
             "version": version if version is not None else 0, "seconds": round(time.perf_counter() - t0, 1),

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_mq.data.answers import canonical_number, format_number
 from areal_mq.errors import ConfigError
+from areal_mq.grading import canonical_number, format_number
 
 # The prompt the built-in and GSM8K tasks use. Short on purpose: every prompt token costs decode time on CPU.
 # Chosen over "Put your final answer in \boxed{}." (never boxed, 25% lenient on a 16-problem probe) and two

@@ -1,7 +1,8 @@
 """Measure a model's greedy accuracy (strict and lenient) per level on held-out problems.
 
-What: batched greedy HF `generate` over the first N held-out problems, graded with areal_mq.data.answers:
-strict = the last \\boxed{N} is right, lenient = the last number in the text is right. Prints a per-level table.
+What: batched greedy HF `generate` over the first N held-out problems, graded by areal_mq.grading (the rule
+the rewards use): strict = exactly one \\boxed{N} and it is right, lenient = the last boxed number, else the
+last number in the text, is right. Prints a per-level table.
 
 Why: the default arith mix was chosen from these numbers (the base model must be right sometimes, not always),
 and it is the "before" row the RL run is compared against.
@@ -20,6 +21,8 @@ prompt "{question}\\nEnd your answer with \\boxed{N}, where N is the number.", f
     all     200     0.5%    24.0%    2.0%    42.3     17.5%
 
 "boxed" counts a numeric \\boxed{...}; another 4.5% of completions end "The answer is \\boxed{N}" with a literal N.
+(Measured when strict took the last box and lenient the last number; "boxed" now counts completions whose one
+box holds a number.)
 Bare sums/products ("What is 3 + 4?") are mostly right; the same arithmetic in words much less often.
 """
 from __future__ import annotations
@@ -28,14 +31,15 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from areal_mq.data.answers import grade
 from areal_mq.data.config import DataConfig
 from areal_mq.data.dataset import load_eval_problems
 from areal_mq.data.loaders import Problem
 from areal_mq.data.prompts import ChatFormatter
+from areal_mq.grading import grade
 
 
 def generate_greedy(
@@ -71,7 +75,7 @@ def measure(
     examples: Sequence[Any] = (),
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """One row per problem: id, level, answer, completion, tokens, strict, lenient, boxed, last."""
+    """One row per problem: id, level, answer, completion, tokens, truncated and the fields of grading.Grade."""
     from tqdm import tqdm
 
     fmt = ChatFormatter(tokenizer, system_prompt, examples)
@@ -82,7 +86,7 @@ def measure(
         outputs = generate_greedy(model, tokenizer, [fmt.text(p) for p in chunk], max_new_tokens)
         for p, (text, n, truncated) in zip(chunk, outputs):
             rows.append({"id": p.id, "level": p.level, "answer": p.answer, "completion": text, "tokens": n,
-                         "truncated": truncated, **grade(text, p.answer)})
+                         "truncated": truncated, **asdict(grade(text, p.answer))})
         bar.update(len(chunk))
     bar.close()
     return rows
@@ -104,7 +108,7 @@ def _stats(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
         "n": n,
         "strict": sum(r["strict"] for r in rows) / n,
         "lenient": sum(r["lenient"] for r in rows) / n,
-        "boxed_rate": sum(r["boxed"] is not None for r in rows) / n,
+        "boxed_rate": sum(r["strict_answer"] is not None for r in rows) / n,
         "mean_tokens": sum(r["tokens"] for r in rows) / n,
         "truncated": sum(r["truncated"] for r in rows) / n,
     }

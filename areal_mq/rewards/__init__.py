@@ -5,8 +5,9 @@
         result = ex.score(RewardJob(task="arith", completions=["\\boxed{4}"], reference=4))
 
 Modules: config (RewardConfig, TaskConfig, SandboxConfig, HttpBridgeConfig), registry (names, import
-paths, @group_reward), formats/math_rewards/arith (verifiers), sandbox/code_reward (code tests),
-executor/slots/_pool (the process pool), http_bridge (remote endpoints), cli (`areal-mq reward ...`).
+paths, @group_reward), math_rewards/arith (verifiers: they read and judge answers with areal_mq.grading,
+as evaluation does), sandbox/code_reward (code tests), executor/slots/_pool (the process pool),
+http_bridge (remote endpoints), cli (`areal-mq reward ...`).
 The reward worker role and `serve(fn, broker="tcp://HOST:PORT")` are areal_mq.workers.reward (a role: the
 core never imports it). See docs/rewards.md.
 Names are imported lazily so `import areal_mq.rewards` stays cheap for the CLI.
@@ -21,8 +22,7 @@ _EXPORTS = {
     "RewardExecutor": "executor", "HttpRewardBridge": "http_bridge", "HttpRewardError": "http_bridge",
     "CodeSandbox": "sandbox", "SandboxResult": "sandbox",
     "math_equal": "math_rewards", "math_reward": "math_rewards", "format_reward": "math_rewards",
-    "arith_reward": "arith", "arith_correct_strict": "arith", "arith_correct_lenient": "arith",
-    "parse_gsm8k_answer": "formats", "code_reward": "code_reward",
+    "arith_reward": "arith", "code_reward": "code_reward",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -32,4 +32,4 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'areal_mq.rewards' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+    return getattr(importlib.import_module(f"areal_mq.rewards.{module}"), name)

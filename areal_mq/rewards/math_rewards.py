@@ -3,7 +3,8 @@ r"""Math rewards on top of `math-verify`: answer equivalence, a format reward, a
 What: `math_equal("\frac{1}{2}", "0.5")` is True; `math_reward` pays 1.0 when the completion's final
 answer (the last `\boxed{}`, else the last expression in the text) equals the reference, which may be
 LaTeX, a number or a GSM8K solution ending in `#### N`. `format_reward` pays for exactly one non-empty
-well-formed `\boxed{}`; combine both with `TaskConfig.combine` to weight them. `math_concise` is a group
+well-formed `\boxed{}` (the form half of the strict verdict, areal_mq.grading); combine both with
+`TaskConfig.combine` to weight them. `math_concise` is a group
 reward: correct answers shorter than their group's others earn more.
 Why math-verify: it normalizes LaTeX, fractions, percentages, thousands separators and sets far more
 robustly than string matching. Its timeouts use signal.alarm, which only works in a main thread, so
@@ -18,8 +19,8 @@ import threading
 
 from math_verify import parse, verify
 
-from .formats import find_boxes, normalize_reference
-from .registry import group_reward
+from areal_mq.grading import find_boxes, normalize_reference, strict_answer
+from areal_mq.rewards.registry import group_reward
 
 
 def _timeout() -> int | None:
@@ -71,17 +72,7 @@ def math_reward(prompt: str, completion: str, reference, **meta) -> dict:
 
 def format_reward(prompt: str, completion: str, reference=None, **meta) -> dict:
     r"""1.0 when the completion holds exactly one non-empty, well-formed `\boxed{}` and no unclosed one."""
-    boxes = find_boxes(completion)
-    if boxes.unclosed:
-        reason = "unclosed_box"
-    elif not boxes.contents:
-        reason = "no_box"
-    elif len(boxes.contents) > 1:
-        reason = "multiple_boxes"
-    elif not boxes.contents[0]:
-        reason = "empty_box"
-    else:
-        reason = "ok"
+    reason = strict_answer(completion).form  # the form half of the strict verdict (areal_mq.grading)
     return {"reward": 1.0 if reason == "ok" else 0.0, "format": reason}
 
 

@@ -8,7 +8,7 @@ from areal_mq.data.measure_base import format_table, measure, summarize
 
 
 def _row(level, strict, lenient, boxed, tokens=10, truncated=False):
-    return {"level": level, "strict": strict, "lenient": lenient, "boxed": boxed, "tokens": tokens,
+    return {"level": level, "strict": strict, "lenient": lenient, "strict_answer": boxed, "tokens": tokens,
             "truncated": truncated, "completion": "", "answer": "1", "id": "x"}
 
 

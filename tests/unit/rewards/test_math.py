@@ -1,11 +1,11 @@
-r"""Math answer equivalence (math-verify), GSM8K references, the format reward and the arith reward.
+r"""Math answer equivalence (math-verify), the format reward and the arith reward (answer reading itself is
+tested in tests/unit/test_grading.py).
 
 Run: pytest tests/unit/rewards/test_math.py -q
 """
 import pytest
 
-from areal_mq.rewards.arith import arith_correct_lenient, arith_correct_strict, arith_reward, reference_int
-from areal_mq.rewards.formats import find_boxes, last_number, parse_gsm8k_answer, repetition_reason
+from areal_mq.rewards.arith import arith_reward, reference_int, repetition_reason
 from areal_mq.rewards.math_rewards import format_reward, math_concise, math_equal, math_reward
 
 EQUIVALENT = [
@@ -61,18 +61,6 @@ def test_unparsable_reference_is_a_clear_error():
         math_equal("1", "")
 
 
-def test_gsm8k_parser():
-    assert parse_gsm8k_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
-    assert parse_gsm8k_answer("#### 1,234") == "1234"
-    assert parse_gsm8k_answer("#### $5.") == "5"
-    assert parse_gsm8k_answer("no marker 5") is None
-
-
-def test_boxes_with_nested_and_unclosed_braces():
-    b = find_boxes(r"a \boxed{\frac{1}{2}} b \boxed{3} c \boxed{4")
-    assert b.contents == [r"\frac{1}{2}", "3"] and b.unclosed == 1
-
-
 @pytest.mark.parametrize("text,reason", [
     (r"so \boxed{5}", "ok"),
     ("5", "no_box"),
@@ -85,13 +73,6 @@ def test_format_reward(text, reason):
     assert out["format"] == reason and out["reward"] == (1.0 if reason == "ok" else 0.0)
 
 
-def test_last_number():
-    assert last_number("10-3=7") == "7"
-    assert last_number("it costs $1,200.") == "1200"
-    assert last_number("x = -3") == "-3"
-    assert last_number("none") is None
-
-
 REPEATED_BOXES = "7 + 5 = 12\n" + "The answer is \\boxed{12}.\n" * 12
 ARITH = [
     (r"7 + 5 = 12, so the answer is \boxed{12}.", False, 1.0, "correct"),
@@ -101,13 +82,16 @@ ARITH = [
     ("The answer is 12.", False, 0.0, "no_box"),
     (r"\boxed{12} \boxed{12}", False, -0.5, "multiple_boxes"),
     (REPEATED_BOXES, False, -0.5, "multiple_boxes"),
-    (r"\boxed{12} and then \boxed{12", False, -0.5, "malformed_box"),
-    (r"\boxed{12", False, -0.5, "malformed_box"),
+    (r"\boxed{12} and then \boxed{12", False, -0.5, "unclosed_box"),
+    (r"\boxed{12", False, -0.5, "unclosed_box"),
     (r"\boxed{12}", True, -0.5, "truncated"),
     (r"The answer is \boxed{12}. " + "Let me check again. " * 10, False, 0.0, "box_not_final"),
     ("I think\nI think\nI think\nI think\nso \\boxed{12}", False, -0.5, "repetition"),
-    (r"\boxed{12.0}", False, 0.0, "not_integer"),
-    (r"\boxed{x}", False, 0.0, "not_integer"),
+    (r"\boxed{12.0}", False, 1.0, "correct"),  # the same number (grading compares values)
+    (r"\boxed{12.5}", False, 0.0, "wrong"),
+    (r"\boxed{x}", False, 0.0, "not_a_number"),
+    (r"\boxed{N}", False, 0.0, "not_a_number"),
+    (r"\boxed{}", False, 0.0, "empty_box"),
 ]
 
 
@@ -135,20 +119,6 @@ def test_arith_references():
     assert reference_int(7) == 7 and reference_int("-3") == -3
     with pytest.raises(ValueError, match="integer reference"):
         reference_int("1/2")
-
-
-@pytest.mark.parametrize("completion,strict,lenient", [
-    (r"so \boxed{12}", True, True),
-    ("so 12", False, True),
-    (r"\boxed{12} then 13", True, False),
-    (r"\boxed{12}\boxed{12}", False, True),
-    (r"\boxed{13}", False, False),
-    ("nothing", False, False),
-    ("1,000 + 11 = 12", False, True),
-])
-def test_strict_and_lenient_checkers(completion, strict, lenient):
-    assert arith_correct_strict(completion, 12) is strict
-    assert arith_correct_lenient(completion, 12) is lenient
 
 
 def test_repetition_detector_leaves_normal_text_alone():
