@@ -16,7 +16,7 @@ import os
 import signal
 import traceback
 
-from .registry import RewardRegistry
+from areal_mq.rewards.registry import RewardRegistry
 
 
 def _die_with_parent() -> None:

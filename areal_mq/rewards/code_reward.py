@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 
-from .config import SandboxConfig
-from .sandbox import CodeSandbox
+from areal_mq.rewards.config import SandboxConfig
+from areal_mq.rewards.sandbox import CodeSandbox
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
 

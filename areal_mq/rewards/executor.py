@@ -28,13 +28,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import ConfigError, RewardError
-from ..messages import RewardJob, RewardResult
-from .cache import LRU
-from .config import RewardConfig, TaskConfig
-from .http_bridge import HttpRewardBridge
-from .registry import RewardRegistry
-from .slots import SlotPool
+from areal_mq.errors import ConfigError, RewardError
+from areal_mq.messages import RewardJob, RewardResult
+from areal_mq.rewards.cache import LRU
+from areal_mq.rewards.config import RewardConfig, TaskConfig
+from areal_mq.rewards.http_bridge import HttpRewardBridge
+from areal_mq.rewards.registry import RewardRegistry
+from areal_mq.rewards.slots import SlotPool
 
 
 # What every call passes itself: a job's meta never sets these (a clash would fail the call with a TypeError).

@@ -23,10 +23,10 @@ import threading
 import time
 import urllib.parse
 
-from ..errors import RewardError
-from ..messages import RewardJob
-from .config import HttpBridgeConfig
-from .registry import jsonable, normalize_output
+from areal_mq.errors import RewardError
+from areal_mq.messages import RewardJob
+from areal_mq.rewards.config import HttpBridgeConfig
+from areal_mq.rewards.registry import jsonable, normalize_output
 
 
 class HttpRewardError(RewardError):

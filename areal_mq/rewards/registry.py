@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
 
-from ..errors import ConfigError
+from areal_mq.errors import ConfigError
 
 BUILTINS = MappingProxyType({
     "arith": "areal_mq.rewards.arith:arith_reward",

@@ -45,12 +45,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from ..errors import RewardError
-from .config import SandboxConfig
-from .sandbox_cgroup import RunCgroup, sigkill_all
-from .sandbox_tests import Plan, judge, plan_tests
+from areal_mq.errors import RewardError
+from areal_mq.rewards.config import SandboxConfig
+from areal_mq.rewards.sandbox_cgroup import RunCgroup, sigkill_all
+from areal_mq.rewards.sandbox_tests import Plan, judge, plan_tests
 
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_boot.py")
 UNSHARE = ["unshare", "--net", "--ipc", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
@@ -97,9 +97,6 @@ class SandboxResult:
     isolation: str = ""
     memory_bound: str = ""  # what bounded the memory of the whole process tree (a cgroup, or rlimits)
     failures: list = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def namespaces_available() -> bool:

@@ -21,8 +21,8 @@ from collections import deque
 from multiprocessing.connection import wait
 from typing import Callable
 
-from ..errors import RewardError
-from ._pool import pool_main
+from areal_mq.errors import RewardError
+from areal_mq.rewards._pool import pool_main
 
 PREFETCH = 2
 
