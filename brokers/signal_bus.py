@@ -79,14 +79,13 @@ class SignalBus:
 
     def _from_publisher(self, frames: list) -> None:
         topic = frames[0].bytes if frames else b""
-        why = self._refusal(topic, frames)
+        why, env = self._refusal(topic, frames)
         if why:
             self.refused += 1
             self.refusals.warning("bus.refused", key=topic[:32].decode(errors="replace"),
                                   topic=topic[:32].decode(errors="replace"), error=why)
             return
         if topic == WEIGHTS:
-            env = protocol.decode_topic(frames, self.max_frame_bytes)[1]
             # the latest announcement wins, even a lower version: a trainer that resumed from a checkpoint
             # republishes its older version, and late joiners must get that policy, not the lost one
             self.retained = [f.bytes for f in frames]
@@ -95,23 +94,23 @@ class SignalBus:
         self.forwarded += 1
         self.xpub.send_multipart(frames, copy=False)
 
-    def _refusal(self, topic: bytes, frames: list) -> str | None:
-        """Why this publication may not be forwarded, or None."""
+    def _refusal(self, topic: bytes, frames: list) -> tuple[str | None, Any]:
+        """(why this publication may not be forwarded or None, its decoded envelope when it was decoded)."""
         if topic not in TOPICS:
-            return f"unknown topic {topic[:32]!r}; topics: {', '.join(t.decode() for t in TOPICS)}"
+            return f"unknown topic {topic[:32]!r}; topics: {', '.join(t.decode() for t in TOPICS)}", None
         action, kind = TOPICS[topic]
         why = refusal(peer_role(frames[0], self.secure), action)
         if why or topic == b"events":
-            return why  # events are only relayed; subscribers decode and check them
+            return why, None  # events are only relayed; subscribers decode and check them
         try:
             _, env = protocol.decode_topic(frames, self.max_frame_bytes)
         except ProtocolError as exc:
-            return f"[{exc.code}] {exc}"
+            return f"[{exc.code}] {exc}", None
         if not isinstance(env.msg, kind):
-            return f"topic {topic.decode()} carries {kind.__name__}, got {env.msg.kind.value}"
+            return f"topic {topic.decode()} carries {kind.__name__}, got {env.msg.kind.value}", env
         if kind is WeightsReady and self.check_weights is not None:
-            return self.check_weights(env.msg)
-        return None
+            return self.check_weights(env.msg), env
+        return None, env
 
     def _from_subscriber(self, frames: list) -> None:
         data = frames[0].bytes

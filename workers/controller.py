@@ -48,7 +48,7 @@ import numpy as np
 from areal_mq.ledger import AdmissionLedger
 from areal_mq.messages import (Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample, SamplingSpec,
                                SeqSample, WeightsReady, length_bucket)
-from areal_mq.roles import PauseControl, Role, RoleLoop, StatsReport
+from areal_mq.runtime import PauseControl, Role, RoleLoop, StatsReport
 
 
 def can_admit(submitted_groups: int, version: int, max_staleness: int, batch_groups: int, in_flight: int,

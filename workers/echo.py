@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from areal_mq.messages import RewardJob, RewardResult
-from areal_mq.roles import Role, RoleLoop
+from areal_mq.runtime import Role, RoleLoop
 
 
 class Echo(Role):

@@ -199,7 +199,7 @@ def test_control_pause_pauses_the_engine_and_the_loop_stops_stepping(tmp_path):
     """A vLLM engine generates in the background: skipping step() alone would not stop it, so the rollout
     role's pause hook pauses the engine itself (Engine.pause), and resume undoes it."""
     from areal_mq.messages import Control
-    from areal_mq.roles import PauseControl, RoleLoop
+    from areal_mq.runtime import PauseControl, RoleLoop
 
     class PausableEngine(FakeEngine):
         def __init__(self):
