@@ -1,4 +1,4 @@
-"""Datasets: the built-in `arith` task, GSM8K / generic JSONL loaders, answer extraction, the resumable Dataset.
+"""Datasets: the built-in `arith` task, GSM8K / generic JSONL loaders, the resumable Dataset (answers: areal_mq/grading.py).
 
 Light imports only (no torch/transformers): the CLI imports this package at startup.
 """
