@@ -30,7 +30,6 @@ import json
 import pstats
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -41,7 +40,7 @@ import yaml
 import zmq
 
 import common  # sibling module: benchmarks/ is on sys.path when run as a script
-from common import cpu_seconds, free_ports
+from common import cpu_seconds, free_ports, met
 
 from areal_mq import protocol
 from areal_mq.client import JobClient
@@ -74,8 +73,7 @@ finally:
 MIB = 1024 * 1024
 
 
-def log(text: str) -> None:
-    print(f"[broker bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+log = common.logger("broker")
 
 
 class Cluster:
@@ -145,13 +143,7 @@ class Cluster:
         proc = self.procs.pop(name, None)
         if proc is None:
             return ""
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        common.stop_process(proc)
         return proc.stdout.read().decode() if proc.stdout else ""
 
     def close(self) -> None:
@@ -383,11 +375,6 @@ def machine() -> dict:
     return common.machine(pyzmq=zmq.__version__, libzmq=zmq.zmq_version(), msgpack=".".join(map(str, msgpack.version)))
 
 
-def check(value: float, target: float, larger_is_better: bool = True) -> str:
-    ok = value >= target if larger_is_better else value < target
-    return "yes" if ok else "NO"
-
-
 def build_report(quick: bool, small: dict, lat: dict, large: dict, store: dict, swarm: dict,
                  security: str = "curve") -> dict:
     ratio = float(np.median(small["pair_ratios"]))
@@ -409,21 +396,18 @@ def table(report: dict, command: str) -> str:
     ratio = report["ratios"]["routed_vs_direct_throughput"]
     rows = [("metric", "routed", "direct", "ratio / value", "target", "met"),
             ("small jobs, round trips/s", f"{small['routed']['round_trips_s']:,.0f}",
-             f"{small['direct']['round_trips_s']:,.0f}", f"{ratio:.3f}", ">= 0.40", check(ratio, 0.4)),
+             f"{small['direct']['round_trips_s']:,.0f}", f"{ratio:.3f}", ">= 0.40", met(ratio, 0.4)),
             (f"p50 / p99 ms at ~{lat['offered_rate']:,.0f}/s (half peak)",
              f"{lat['routed']['p50_ms']:.2f} / {lat['routed']['p99_ms']:.2f}",
              f"{lat['direct']['p50_ms']:.2f} / {lat['direct']['p99_ms']:.2f}", f"{lat['routed']['p99_ms']:.2f} ms",
-             "< 5 ms", check(lat["routed"]["p99_ms"], 5.0, False)),
+             "< 5 ms", met(lat["routed"]["p99_ms"], 5.0, False)),
             ("64 MiB jobs, MB/s", f"{large['routed_mb_s']:,.0f}", f"{large['direct_mb_s']:,.0f}",
              f"{np.median(large['pair_ratios']):.3f}", "-", "-"),
             ("sample store put->get, MB/s", "-", "-", f"{store['store_mb_s']:,.0f}", ">= 500",
-             check(store["store_mb_s"], 500.0)),
+             met(store["store_mb_s"], 500.0)),
             (f"broker CPU, {swarm['workers']} heartbeating workers", "-", "-",
              f"{swarm['cpu_share']:.1%} (idle {swarm['cpu_share_idle']:.1%})", "< 50%",
-             check(swarm["cpu_share"], 0.5, False))]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+             met(swarm["cpu_share"], 0.5, False))]
     extra = [f"heartbeat answers p50/p99 {swarm['heartbeats']['rtt_p50_ms']:.2f}/"
              f"{swarm['heartbeats']['rtt_p99_ms']:.2f} ms; {swarm['still_registered']}/{swarm['workers']} still "
              f"registered; routed with them connected {swarm['routed_round_trips_s_with_workers']:,.0f}/s",
@@ -432,7 +416,7 @@ def table(report: dict, command: str) -> str:
              + ", ".join(f"{v:.2f}" for v in lat["routed"]["segment_p99_ms"])]
     cpu = "; ".join(f"{m}: " + ", ".join(f"{k} {v:.0f}" for k, v in small[m]["cpu_us_per_round_trip"].items())
                     for m in ("routed", "direct"))
-    return "\n".join([*lines, *extra, f"CPU us per small round trip ({cpu})", f"command: {command}"])
+    return "\n".join([*common.align(rows), *extra, f"CPU us per small round trip ({cpu})", f"command: {command}"])
 
 
 def print_profile(path: Path, top: int = 25) -> None:
@@ -460,23 +444,14 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Reduced sizes, under a minute on 2 cores.")
-    parser.add_argument("--json", type=Path, help="Write the results here.")
+    parser = common.arg_parser(__doc__)
     parser.add_argument("--profile", action="store_true", help="Run the broker under cProfile; print hot spots.")
     parser.add_argument("--workers", type=int, default=1000, help="Heartbeating workers in the CPU phase.")
     parser.add_argument("--security", choices=("curve", "off"), default="curve",
                         help="CURVE on every socket (as in a run), or plaintext.")
     args = parser.parse_args()
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="areal-broker-bench-") as tmp:
-        report = run(args, Path(tmp))
-    report["wall_s"] = time.monotonic() - started
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    print(table(report, "python " + " ".join(["benchmarks/broker.py", *sys.argv[1:]])))
-    print(f"wall time {report['wall_s']:.1f} s")
+    report = common.timed(run, args, tmp_prefix="areal-broker-bench-")
+    common.finish(report, args.json, table(report, common.command("broker.py")))
 
 
 if __name__ == "__main__":

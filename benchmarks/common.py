@@ -1,13 +1,23 @@
-"""Small helpers every benchmark script shares: loopback ports, process CPU time, machine description.
+"""Small helpers every benchmark script shares: loopback ports, process CPU time, machine description,
+logging, stopping processes, the common flags (--quick, --json), the wall time, the JSON file and the table.
 
 Imported as a sibling module (`import common`): the scripts are run as `python benchmarks/NAME.py`, which puts
 this directory first on sys.path.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
 
 
 def free_ports(n: int) -> list[int]:
@@ -45,3 +55,101 @@ def machine(**extra) -> dict:
     whatever the benchmark adds (library versions, model, dtype)."""
     return {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
             "python": platform.python_version(), **extra, "loadavg_at_start": list(os.getloadavg())}
+
+
+def torch_machine(**extra) -> dict:
+    """machine() with the torch version first among the extras (torch imported here, not at start-up)."""
+    import torch
+
+    return machine(torch=torch.__version__, **extra)
+
+
+# ---------------------------------------------------------------- logging and processes
+def logger(area: str) -> Callable[[str], None]:
+    """A log(text) that prints `[AREA bench HH:MM:SS] text` to stderr (stdout is the table's)."""
+    def log(text: str) -> None:
+        print(f"[{area} bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait_s: float = 30.0,
+                 kill_wait_s: float = 5.0) -> None:
+    """Send `sig` to a still-running process, wait up to `wait_s` for it to exit, then kill it."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(kill_wait_s)
+
+
+# ---------------------------------------------------------------- command line and report
+QUICK_HELP = "Reduced sizes, under a minute on 2 cores."
+
+
+def arg_parser(doc: str, quick_help: str = QUICK_HELP) -> argparse.ArgumentParser:
+    """A parser with the flags every benchmark accepts (--quick, --json PATH); the script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json", type=Path, help="Write the results here.")
+    return parser
+
+
+def command(script: str) -> str:
+    """How this run was started, for the table's last line: `python benchmarks/SCRIPT ARGS...`."""
+    return "python " + " ".join([f"benchmarks/{script}", *sys.argv[1:]])
+
+
+def timed(run: Callable[..., dict], *args, tmp_prefix: str | None = None) -> dict:
+    """The report of run(*args), with its wall time in seconds as report["wall_s"]. With tmp_prefix, run also
+    gets a temporary work directory (a Path, after args), deleted afterwards."""
+    started = time.monotonic()
+    if tmp_prefix is None:
+        report = run(*args)
+    else:
+        with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp:
+            report = run(*args, Path(tmp))
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    return report
+
+
+def save(report: dict, path: Path | None) -> None:
+    """Write the report as JSON to path (creating its folder); nothing when path is None."""
+    if path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+
+
+def finish(report: dict, path: Path | None, table: str) -> None:
+    """Save the report, print the table and then the wall time: the end of every benchmark's main()."""
+    save(report, path)
+    print(table)
+    print(f"wall time {report['wall_s']:.1f} s")
+
+
+def met(value: float, target: float, larger_is_better: bool = True) -> str:
+    """"yes" when value reaches target (>= it, or < it when smaller is better), else "NO"."""
+    return "yes" if (value >= target if larger_is_better else value < target) else "NO"
+
+
+def align(rows: list[tuple], rule: bool = True) -> list[str]:
+    """Rows of cells as left-aligned columns two spaces apart; with rule, a dashed line under the header."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    if rule:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def ratio_rows(report: dict) -> list[tuple[str, str, str]]:
+    """A ("ratio", "value", "target") header and a row per ratio: value, `>= target  met` (or `-`)."""
+    rows = [("ratio", "value", "target")]
+    for name, value in report["ratios"].items():
+        target = report["targets"].get(name)
+        verdict = "-" if target is None else f">= {target}  {'met' if value >= target else 'NOT met'}"
+        rows.append((name, f"{value:.3f}", verdict))
+    return rows

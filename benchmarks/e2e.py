@@ -78,8 +78,7 @@ def threads_arg(text: str) -> dict[str, int]:
     return out
 
 
-def log(text: str) -> None:
-    print(f"[e2e bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+log = common.logger("e2e")
 
 
 def size_overrides(quick: bool) -> dict:
@@ -141,14 +140,7 @@ def launch(mode: tuple, quick: bool, run_dir: Path, total_steps: int) -> dict:
 def stop(proc: subprocess.Popen) -> None:
     """SIGINT lets the launcher checkpoint and stop its children. The launcher has its own session, so a
     Ctrl-C in the terminal reaches only this script, which then sends exactly one SIGINT."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    common.stop_process(proc, signal.SIGINT, wait_s=90, kill_wait_s=10)
 
 
 def prune(run_dir: Path, keep: set[int]) -> None:
@@ -242,20 +234,12 @@ def run(args: argparse.Namespace) -> dict:
              "eval_n": n, "eval_versions": versions, "base": base, "plot": str(plot_path),
              "throughput_window": "first to last training step: samples of steps 2..N / (t_N - t_1)",
              "sync_samples_per_s_mean": sync_rate}
-    return {"benchmark": "e2e", "quick": args.quick, "machine": machine(), "results": [setup, *results],
+    return {"benchmark": "e2e", "quick": args.quick, "machine": common.torch_machine(), "results": [setup, *results],
             "ratios": ratios, "targets": dict(TARGETS)}
 
 
-def machine() -> dict:
-    import torch
-
-    return common.machine(torch=torch.__version__)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Tiny model, 3 steps per mode (~3 min on 2 cores).")
-    parser.add_argument("--json", type=Path, help="Write the results here.")
+    parser = common.arg_parser(__doc__, quick_help="Tiny model, 3 steps per mode (~3 min on 2 cores).")
     parser.add_argument("--out", type=Path, help="Where the run dirs go (default bench-results/e2e[-quick]).")
     parser.add_argument("--plot", type=Path, help="PNG path (default OUT/accuracy_vs_time.png).")
     parser.add_argument("--eval-n", type=int, help=f"Held-out problems per evaluation (default: the config's "
@@ -271,14 +255,8 @@ def main() -> None:
     parser.add_argument("--reuse-runs", action="store_true", help="Reuse runs saved in OUT (evaluate only).")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    started = time.monotonic()
-    report = run(args)
-    report["wall_s"] = time.monotonic() - started
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    print(e2e_report.table(report, "python " + " ".join(["benchmarks/e2e.py", *sys.argv[1:]])))
-    print(f"wall time {report['wall_s']:.1f} s")
+    report = common.timed(run, args)
+    common.finish(report, args.json, e2e_report.table(report, common.command("e2e.py")))
 
 
 if __name__ == "__main__":

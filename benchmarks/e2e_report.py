@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import common  # sibling module: benchmarks/ is on sys.path (e2e.py puts it there)
+
 from areal_mq.plots import controller_events
 
 READY_EVENTS = ("controller.started", "trainer.started", "rollout.engine_ready")
@@ -108,13 +110,6 @@ def plot(results: list[dict], base: dict, out: Path) -> Path:
     return out
 
 
-def _fmt_table(rows: list[tuple]) -> list[str]:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
-
-
 def table(report: dict, command: str) -> str:
     modes = [r for r in report["results"] if r.get("kind") == "mode"]
     setup = next(r for r in report["results"] if r.get("kind") == "setup")
@@ -138,7 +133,7 @@ def table(report: dict, command: str) -> str:
     ratio_rows = [("ratio", "value", "target", "met")]
     for name, value in report["ratios"].items():
         target = report["targets"].get(name)
-        met = "-" if target is None else ("yes" if value >= target else "NO")
+        met = "-" if target is None else common.met(value, target)
         ratio_rows.append((name, f"{value:.2f}", f">= {target}" if target is not None else "(none)", met))
     notes = [f"base model: strict {setup['base']['strict']:.1%} lenient {setup['base']['lenient']:.1%}; "
              f"model {setup['model']}, {setup['total_steps']} steps x {setup['batch_groups']} groups x "
@@ -148,4 +143,4 @@ def table(report: dict, command: str) -> str:
              "ratios: samples/s first->last training step (samples of steps 2..N / (t_N - t_1)) over the mean of "
              f"the two sync runs ({setup['sync_samples_per_s_mean']:.3f}/s; sync runs first and last)",
              f"plot: {setup['plot']}"]
-    return "\n".join([*_fmt_table(rows), "", *_fmt_table(ratio_rows), *notes, f"command: {command}"])
+    return "\n".join([*common.align(rows), "", *common.align(ratio_rows), *notes, f"command: {command}"])

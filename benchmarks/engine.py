@@ -28,8 +28,6 @@ vllm_vs_torch_engine_longtail. Opt-in: a vLLM start alone takes 1-4 min here (be
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -59,8 +57,7 @@ QUESTIONS = [
 ]
 
 
-def log(text: str) -> None:
-    print(f"[engine bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+log = common.logger("engine")
 
 
 @dataclass
@@ -221,8 +218,7 @@ def make_prompt(ctx: Context, i: int) -> list[int]:
 def machine(args) -> dict:
     import torch
 
-    return common.machine(torch=torch.__version__, threads=torch.get_num_threads(), model=args.model,
-                          dtype=args.dtype)
+    return common.torch_machine(threads=torch.get_num_threads(), model=args.model, dtype=args.dtype)
 
 
 def setup(args, q: int) -> Context:
@@ -310,12 +306,8 @@ def table(report: dict, command: str) -> str:
         else:
             rows.append((f"{r['workload']} {r['engine']}", f"{r['tokens_per_s']:.1f}",
                          " ".join(f"{s:.1f}" for s in r["seconds"]) + f"  ({r['tokens']} tokens)"))
-    rows += [("", "", ""), ("ratio", "value", "target")]
-    for name, value in report["ratios"].items():
-        target = report["targets"][name]
-        rows.append((name, f"{value:.3f}", f">= {target}  {'met' if value >= target else 'NOT met'}"))
-    width = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, width)) for row in rows]
+    rows += [("", "", ""), *common.ratio_rows(report)]
+    lines = common.align(rows, rule=False)
     m = report["machine"]
     lines.append(f"machine: {m['cpus']} cpus, {m['threads']} torch threads, {m['dtype']}, "
                  f"load at start {m['loadavg_at_start'][0]:.1f}")
@@ -323,9 +315,7 @@ def table(report: dict, command: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Reduced sizes, under a minute on 2 cores.")
-    parser.add_argument("--json", type=Path, help="Write the results here.")
+    parser = common.arg_parser(__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="Model name or directory.")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="Parameter dtype of both engines (bfloat16: fast on AMX/AVX512-BF16 CPUs).")
@@ -335,16 +325,11 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true",
                         help="Also run vLLM in process (bash docker/install-vllm.sh; its start takes 1-4 min).")
     args = parser.parse_args()
-    started = time.monotonic()
-    report = run(args)
-    report["wall_s"] = round(time.monotonic() - started, 1)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    report = common.timed(run, args)
     extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),
                                                 ("threads", args.threads)) if v)
     extra += " --vllm" if args.vllm else ""
-    print(table(report, "python benchmarks/engine.py" + (" --quick" if args.quick else "") + extra))
+    common.finish(report, args.json, table(report, "python benchmarks/engine.py" + (" --quick" if args.quick else "") + extra))
 
 
 if __name__ == "__main__":

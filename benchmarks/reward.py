@@ -19,13 +19,10 @@ routed_vs_direct = routed-1 / direct (target 0.5): the whole broker hop on one s
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,8 +43,7 @@ WINDOW = 8
 MODES = ("direct", "pool-1", "pool-2", "routed-1", "routed-2")
 
 
-def log(text: str) -> None:
-    print(f"[reward bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+log = common.logger("reward")
 
 
 def make_jobs(n: int, rng: random.Random, tag: str) -> list[RewardJob]:
@@ -155,17 +151,7 @@ class Routed:
     def close(self) -> None:
         self.client.close()
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
-
-
-def machine() -> dict:
-    return common.machine()
+            common.stop_process(p)
 
 
 def run(args, workdir: Path) -> dict:
@@ -214,7 +200,7 @@ def run(args, workdir: Path) -> dict:
 
     ratios = {"two_vs_one_worker": ratio("pool-2", "pool-1"), "routed_vs_direct": ratio("routed-1", "direct"),
               "routed_two_vs_one_worker": ratio("routed-2", "routed-1"), "pool1_vs_direct": ratio("pool-1", "direct")}
-    return {"benchmark": "reward", "quick": args.quick, "machine": machine(), "results": results,
+    return {"benchmark": "reward", "quick": args.quick, "machine": common.machine(), "results": results,
             "ratios": ratios, "targets": dict(TARGETS)}
 
 
@@ -223,30 +209,14 @@ def table(report: dict, command: str) -> str:
     for r in report["results"]:
         cores = f"  (pool got {r['pool_cores_median']:.2f} cores)" if "pool_cores_median" in r else ""
         rows.append((r["mode"], f"{r['rewards_per_s']:,.1f}", " ".join(f"{s:.2f}" for s in r["seconds"]) + cores))
-    rows.append(("", "", ""))
-    rows.append(("ratio", "value", "target"))
-    for name, value in report["ratios"].items():
-        target = report["targets"].get(name)
-        met = "" if target is None else ("  met" if value >= target else "  NOT met")
-        rows.append((name, f"{value:.3f}", f">= {target}{met}" if target is not None else "-"))
-    width = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, width)) for row in rows]
-    return "\n".join(lines + [f"reproduce: {command}"])
+    rows += [("", "", ""), *common.ratio_rows(report)]
+    return "\n".join([*common.align(rows, rule=False), f"reproduce: {command}"])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Reduced sizes, under a minute on 2 cores.")
-    parser.add_argument("--json", type=Path, help="Write the results here.")
-    args = parser.parse_args()
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="areal-reward-bench-") as tmp:
-        report = run(args, Path(tmp))
-    report["wall_s"] = round(time.monotonic() - started, 1)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    print(table(report, "python benchmarks/reward.py" + (" --quick" if args.quick else "")))
+    args = common.arg_parser(__doc__).parse_args()
+    report = common.timed(run, args, tmp_prefix="areal-reward-bench-")
+    common.finish(report, args.json, table(report, "python benchmarks/reward.py" + (" --quick" if args.quick else "")))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,6 @@ Each ratio is curve / plain (larger is better; 1.0 = free).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +24,6 @@ import torch
 
 import common
 from broker import LARGE_WINDOW, MIB, WINDOW, Cluster, Pipe, log
-from common import free_ports
 
 from areal_mq.client import JobClient
 from areal_mq.security import Keyring
@@ -127,10 +123,7 @@ def table(report: dict, command: str) -> str:
              f"{weights['plain']['mb_s']:,.0f}", f"{r['curve_vs_plain_weights']:.3f}", ">= 0.25"),
             ("connect + first answer, ms", f"{hs['curve']['median_ms']:.2f}", f"{hs['plain']['median_ms']:.2f}",
              "-", "-")]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join([*lines, f"command: {command}"])
+    return "\n".join([*common.align(rows), f"command: {command}"])
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict:
@@ -164,19 +157,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Reduced sizes, under a minute on 2 cores.")
-    parser.add_argument("--json", type=Path, help="Write the results here.")
-    args = parser.parse_args()
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="areal-security-bench-") as tmp:
-        report = run(args, Path(tmp))
-    report["wall_s"] = time.monotonic() - started
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    print(table(report, "python " + " ".join(["benchmarks/security.py", *sys.argv[1:]])))
-    print(f"wall time {report['wall_s']:.1f} s")
+    args = common.arg_parser(__doc__).parse_args()
+    report = common.timed(run, args, tmp_prefix="areal-security-bench-")
+    common.finish(report, args.json, table(report, common.command("security.py")))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ Headline: fsync_on_vs_off_puts_per_s (on / off, median over round pairs): what p
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -118,14 +116,11 @@ def table(report: dict, argv: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a reduced size that finishes in under a minute")
-    ap.add_argument("--json", help="write the results here")
+    ap = common.arg_parser(__doc__)
     ap.add_argument("--dir", default=".", help="where the temporary logs go (the disk under test)")
     args = ap.parse_args()
     report = run(args.quick, Path(args.dir))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    common.save(report, args.json)
     flags = " ".join(f for f, on in (("--quick", args.quick), (f"--dir {args.dir}", args.dir != ".")) if on)
     print(table(report, flags))
 

@@ -28,11 +28,9 @@ finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -46,8 +44,7 @@ SIZES = {  # quick, full
 }
 
 
-def log(text: str) -> None:
-    print(f"[trainer bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+log = common.logger("trainer")
 
 
 def longtail_batch(seed: int, groups: int, group_size: int, prompt_len: tuple[int, int], median: int,
@@ -123,14 +120,8 @@ def run(args: argparse.Namespace) -> dict:
     setup = {"name": "setup", "sequences": len(lengths), "tokens": sum(lengths), "median_len": float(np.median(lengths)),
              "max_len": max(lengths), "prompt_len": list(prompt_len), "budget": size["budget"], "padded_mb_size": mb_size, "model_load_s": load_s,
              "threads": args.threads, "precision": base.precision}
-    return {"benchmark": "trainer", "quick": args.quick, "machine": machine(), "results": [setup, *results],
+    return {"benchmark": "trainer", "quick": args.quick, "machine": common.torch_machine(), "results": [setup, *results],
             "ratios": ratios, "targets": dict(TARGETS)}
-
-
-def machine() -> dict:
-    import torch
-
-    return common.machine(torch=torch.__version__)
 
 
 def table(report: dict, command: str) -> str:
@@ -140,7 +131,7 @@ def table(report: dict, command: str) -> str:
 
     def ratio_row(label: str, key: str, values: list[str]) -> tuple:
         r, t = report["ratios"][key], report["targets"][key]
-        return (label, *values, f"{r:.2f}", f">= {t}", "yes" if r >= t else "NO")
+        return (label, *values, f"{r:.2f}", f">= {t}", common.met(r, t))
 
     tps = [f"{by[m]['tokens_per_s']:.1f}" for m in MODES]
     rows = [head,
@@ -150,31 +141,20 @@ def table(report: dict, command: str) -> str:
             ("tokens computed per step", *[str(by[m]["computed_tokens_per_step"]) for m in MODES], "-", "-", "-"),
             ("proximal recompute share of step", *[f"{by[m]['prox_recompute_share']:.1%}" for m in MODES],
              "-", "-", "-")]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
     note = (f"{setup['sequences']} seqs, {setup['tokens']} tokens/step (median {setup['median_len']:.0f}, max "
             f"{setup['max_len']}, prompts {setup['prompt_len'][0]}+ tokens); budget {setup['budget']}, padded "
             f"{setup['padded_mb_size']} seqs/mb; load avg {report['machine']['loadavg_at_start'][0]:.1f}")
-    return "\n".join([*lines, note, f"command: {command}"])
+    return "\n".join([*common.align(rows), note, f"command: {command}"])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Fewer, shorter sequences; about a minute on 2 cores.")
-    parser.add_argument("--json", type=Path, help="Write the results here.")
+    parser = common.arg_parser(__doc__, quick_help="Fewer, shorter sequences; about a minute on 2 cores.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (see module docstring).")
     parser.add_argument("--prompt-len", type=int, default=0, help="Fixed prompt length (default: the size's range).")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    started = time.monotonic()
-    report = run(args)
-    report["wall_s"] = time.monotonic() - started
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    print(table(report, "python " + " ".join(["benchmarks/trainer.py", *sys.argv[1:]])))
-    print(f"wall time {report['wall_s']:.1f} s")
+    report = common.timed(run, args)
+    common.finish(report, args.json, table(report, common.command("trainer.py")))
 
 
 if __name__ == "__main__":
