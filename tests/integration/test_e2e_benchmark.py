@@ -6,30 +6,21 @@ weights were cleaned up. No speed is asserted (benchmarks measure speed; this on
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from .bench_smoke import run_quick
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(1500)
 def test_quick_benchmark_writes_the_documented_json(tmp_path):
-    out, report_path, png = tmp_path / "runs", tmp_path / "e2e.json", tmp_path / "acc.png"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--quick", "--json", str(report_path),
-           "--out", str(out), "--plot", str(png)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1400, stdin=subprocess.DEVNULL, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(report_path.read_text())
+    png = tmp_path / "acc.png"
+    report, stdout = run_quick("e2e.py", tmp_path, "--out", str(tmp_path / "runs"), "--plot", str(png), timeout=1400)
     assert set(report) >= {"benchmark", "quick", "machine", "results", "ratios", "targets"}
-    assert report["benchmark"] == "e2e" and report["quick"] is True
     assert report["targets"] == {"async_vs_sync_samples_per_s": 1.5}
     assert set(report["ratios"]) == {"async_vs_sync_samples_per_s", "async_eta4_vs_sync_samples_per_s"}
     assert all(math.isfinite(v) and v > 0 for v in report["ratios"].values())
@@ -52,6 +43,6 @@ def test_quick_benchmark_writes_the_documented_json(tmp_path):
     assert report["ratios"]["async_vs_sync_samples_per_s"] == pytest.approx(ratio)
 
     assert png.stat().st_size > 10_000
-    lines = done.stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()
     assert lines[-2].startswith("command: python benchmarks/e2e.py --quick")
     assert any(line.startswith("async_vs_sync_samples_per_s") for line in lines)
