@@ -181,6 +181,15 @@ class GenerateRequest(Message):
     meta: dict[str, Any] = Field(default_factory=dict)
 
 
+def same_token_lengths(msg: Any) -> Any:
+    """A message's output_ids, logprobs and versions must have one length (one entry per generated token)."""
+    n = len(msg.output_ids)
+    if len(msg.logprobs) != n or len(msg.versions) != n:
+        raise ValueError(f"array length mismatch: output_ids {n}, logprobs {len(msg.logprobs)}, "
+                         f"versions {len(msg.versions)} (all must be equal)")
+    return msg
+
+
 class GenerateResult(Message):
     """rollout worker -> job broker -> controller: one finished sequence.
 
@@ -205,13 +214,7 @@ class GenerateResult(Message):
 
     @model_validator(mode="after")
     def _same_lengths(self) -> "GenerateResult":
-        n = len(self.output_ids)
-        if len(self.logprobs) != n or len(self.versions) != n:
-            raise ValueError(
-                f"array length mismatch: output_ids {n}, logprobs {len(self.logprobs)}, "
-                f"versions {len(self.versions)} (all must be equal)"
-            )
-        return self
+        return same_token_lengths(self)
 
 
 # ---------------------------------------------------------------- rewards
@@ -274,13 +277,7 @@ class SeqSample(BaseModel):
 
     @model_validator(mode="after")
     def _same_lengths(self) -> "SeqSample":
-        n = len(self.output_ids)
-        if len(self.logprobs) != n or len(self.versions) != n:
-            raise ValueError(
-                f"array length mismatch: output_ids {n}, logprobs {len(self.logprobs)}, "
-                f"versions {len(self.versions)}"
-            )
-        return self
+        return same_token_lengths(self)
 
 
 class Sample(Message):
