@@ -254,8 +254,11 @@ class StoreClient:
                 if not self.sock.poll(int(max(1, (resend_at - time.monotonic()) * 1000)), zmq.POLLIN):
                     continue
                 env = protocol.decode(self.sock.recv_multipart(copy=False), self.max_frame_bytes)
-                if env.reply_to != req_id:
+                unmatched = isinstance(env.msg, Error) and not env.reply_to and not env.msg.ref_id
+                if env.reply_to != req_id and not unmatched:
                     continue  # a late answer to an earlier attempt
+                # An Error naming no request answers one whose id the store could not read (a header over the
+                # limit): with one call at a time it can only be this one (waiting would take the whole deadline)
                 if isinstance(env.msg, Error):
                     raise JobFailed(f"sample store refused {msg.kind.value}: [{env.msg.code}] {env.msg.message}")
                 return env.msg

@@ -105,3 +105,25 @@ def test_lease_release_and_replay_after_restart(ctx, tmp_path):
     finally:
         client.close()
         run2.stop()
+
+
+def test_a_request_the_store_cannot_read_fails_at_once_not_at_its_deadline(ctx, tmp_path):
+    """A GetBatch whose header passes the 4 MiB limit is answered Error(too_large) with no id (the store
+    could not read one): the client takes it as the answer to its one outstanding call instead of waiting
+    out the whole deadline (it used to wait the full timeout, then say the store did not answer)."""
+    import time
+
+    from areal_mq.errors import JobFailed
+
+    run = Running(ctx, "inproc://store-too-large", tmp_path)
+    client = StoreClient("inproc://store-too-large", ctx=ctx)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(JobFailed, match="too_large"):
+            client.get_batch(1, version=0, skip_ids=[f"{i:032d}" for i in range(200_000)], timeout=60)
+        assert time.monotonic() - t0 < 20
+        client.put(_sample(1, 0))  # the store and the client go on
+        assert [s.sample_id for s in client.get_batch(1, version=0, wait_s=0).samples] == ["s1"]
+    finally:
+        client.close()
+        run.stop()
