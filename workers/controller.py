@@ -45,10 +45,14 @@ from typing import Any
 
 import numpy as np
 
+from areal_mq.errors import JobFailed
 from areal_mq.ledger import AdmissionLedger
 from areal_mq.messages import (Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample, SamplingSpec,
                                SeqSample, WeightsReady, length_bucket)
 from areal_mq.runtime import PauseControl, Role, RoleLoop, StatsReport
+
+
+STORE_FULL_RETRY_S = 2.0  # pause before a put the store refused as full is tried again
 
 
 def can_admit(submitted_groups: int, version: int, max_staleness: int, batch_groups: int, in_flight: int,
@@ -80,6 +84,7 @@ class Group:
     reward_job: str | None = None
     retries: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
+    unstored: tuple | None = None  # (sample, reward_mean, versions) the store refused while full
 
 
 class Controller(Role):
@@ -190,6 +195,8 @@ class Controller(Role):
                 continue
             if kind == "generate":
                 self._submit_generation(group, index)
+            elif kind == "store":
+                self._put(group, *group.unstored)
             else:
                 self._submit_reward(group)
 
@@ -215,7 +222,23 @@ class Controller(Role):
                 for r, rw, d in zip(ordered, result.rewards, result.details or [{}] * len(ordered))]
         sample = Sample(sample_id=group.group_id, prompt_id=group.problem.id, seqs=seqs,
                         meta={"level": group.problem.level})
-        self.store.put(sample)
+        self._put(group, sample, reward_mean, versions)
+
+    def _put(self, group: Group, sample: Sample, reward_mean: float, versions: list[int]) -> None:
+        """Store a finished group. A full store (the trainer is behind or stopped) is back-pressure, not a
+        loss: the group keeps its place and the put is tried again every STORE_FULL_RETRY_S."""
+        try:
+            self.store.put(sample)
+        except JobFailed as exc:
+            if "[store_full]" not in str(exc):
+                raise
+            if group.unstored is None:
+                self.log.warning("controller.store_full", group=group.group_id, error=str(exc)[:300],
+                                 retry_in_s=STORE_FULL_RETRY_S)
+            group.unstored = (sample, reward_mean, versions)
+            self.retry_at.append((time.monotonic() + STORE_FULL_RETRY_S, "store", group.group_id, 0))
+            return
+        group.unstored = None
         self.groups.pop(group.group_id, None)
         self.ledger.settle(group.group_id, "stored")
         self.stored += 1

@@ -121,3 +121,32 @@ def test_a_base_replay_never_takes_the_version_back(tmp_path):
     # a real older version: the trainer resumed from a checkpoint, and the controller follows it
     ctl.on_ready(WeightsReady(version=3, mode="disk", path=str(tmp_path / "weights" / "v3")))
     assert ctl.version == 3
+
+
+def test_a_full_store_is_back_pressure_the_group_is_stored_later_not_lost(tmp_path, monkeypatch):
+    """Error(store_full) on a put: the controller keeps the group (its place in the bound, its results) and
+    tries again; it used to let the JobFailed escape and the controller process died."""
+    from areal_mq.errors import JobFailed
+    from areal_mq.workers import controller as controller_mod
+
+    monkeypatch.setattr(controller_mod, "STORE_FULL_RETRY_S", 0.0)
+    ctl, jobs, store, log = _controller(tmp_path)
+    full = {"left": 2}
+    real_put = store.put
+
+    def put(sample):
+        if full["left"]:
+            full["left"] -= 1
+            raise JobFailed("sample store refused sample: [store_full] holding 10000 samples")
+        real_put(sample)
+
+    store.put = put
+    ctl.step(timeout=0.0)
+    _answer_all(ctl, jobs)  # generations
+    _answer_all(ctl, jobs)  # rewards: the put is refused
+    assert store.samples == [] and len(log.named("controller.store_full")) == 1
+    assert ctl.ledger.balance()["stored"] == 0 and len(ctl.groups) == 1
+    ctl.step(timeout=0.0)  # refused again
+    ctl.step(timeout=0.0)  # stored
+    assert len(store.samples) == 1
+    assert ctl.ledger.balance()["stored"] == 1 and ctl.stored == 1 and store.samples[0].sample_id not in ctl.groups
