@@ -233,6 +233,12 @@ class RateLimited:
         self._last: dict[str, tuple[float, int]] = {}
 
     def warning(self, event: str, key: str, **fields: Any) -> None:
+        self.emit("warning", event, key, **fields)
+
+    def info(self, event: str, key: str, **fields: Any) -> None:
+        self.emit("info", event, key, **fields)
+
+    def emit(self, level: str, event: str, key: str, **fields: Any) -> None:
         now = time.monotonic()
         last, suppressed = self._last.get(key, (-1e18, 0))
         if now - last < self.every_s:
@@ -242,7 +248,7 @@ class RateLimited:
             self._last.clear()
         self._last[key] = (now, 0)
         if self.log is not None:
-            self.log.warning(event, suppressed=suppressed, **fields)
+            getattr(self.log, level)(event, suppressed=suppressed, **fields)
 
 
 class ZapHandler:

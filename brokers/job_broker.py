@@ -310,7 +310,9 @@ class JobBroker:
         job = self.jobs.get(env.reply_to)
         if job is None or job.worker != ident:
             self.counters["duplicate_replies"] += 1
-            self.log.info("broker.duplicate_reply", job=env.reply_to, worker=worker.worker_id)
+            # normal after a requeue (a slow worker answers a job another already did): one line per worker per 10 s
+            self.refusals.info("broker.duplicate_reply", key=f"{worker.worker_id}:duplicate", job=env.reply_to,
+                               worker=worker.worker_id)
             return
         why = reply_problem(job, env.msg)
         if why:
