@@ -115,6 +115,18 @@ class EventsConfig(_Section):
     console: Literal["pretty", "json", "off"] = Field("pretty", description="What a process prints to stderr.")
 
 
+class MetricsConfig(_Section):
+    """Where per-step metrics go besides run_dir/metrics.jsonl (areal_mq/metrics.py)."""
+
+    tensorboard: bool = Field(
+        False, description="Also write TensorBoard event files to run_dir/tensorboard/ (needs `pip install "
+        "'areal-mq[tensorboard]'`).")
+    wandb: bool = Field(
+        False, description="Also log to an offline Weights & Biases run in run_dir/wandb/, uploaded later with "
+        "`wandb sync` (needs `pip install 'areal-mq[wandb]'`).")
+    wandb_project: str = Field("areal-mq", description="W&B project of the offline run.")
+
+
 class ModelConfig(_Section):
     """The policy model: a built-in name or a local Hugging Face directory."""
 
@@ -175,6 +187,7 @@ class RunConfig(_Section):
     brokers: BrokerConfig = Field(default_factory=BrokerConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
