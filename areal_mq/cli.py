@@ -89,7 +89,7 @@ def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, rewa
     """Start one worker process of ROLE, connected to the brokers in the config."""
     import importlib
 
-    from areal_mq.errors import SecurityError
+    from areal_mq.errors import ConfigError, SecurityError
     from areal_mq.workers import ROLES
 
     if role not in ROLES:
@@ -99,7 +99,7 @@ def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, rewa
     module, func = ROLES[role].split(":")
     try:
         code = getattr(importlib.import_module(module), func)(cfg, worker_id) or 0
-    except SecurityError as exc:
+    except (SecurityError, ConfigError) as exc:  # e.g. a metrics sink whose package is missing
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     raise typer.Exit(code)

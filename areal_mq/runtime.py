@@ -371,6 +371,7 @@ class Role:
     name = "role"
     drain_timeout_s = 0.0  # how long the loop keeps ticking a busy role after a stop request
     idle_wait_s = 0.05  # how long the loop waits for a job when on_tick did nothing
+    stats_every_s = 5.0  # `{name}.stats` (and metrics sinks) period; 0: the role reports otherwise
 
     def __init__(self, rt: Any):
         self.rt = rt
@@ -437,11 +438,14 @@ class PauseControl:
 
 
 class StatsReport:
-    """`{role}.stats` every `every_s` seconds from role.stats() (numbers only: the dashboards plot them)."""
+    """`{role}.stats` every `every_s` seconds from role.stats() (numbers only: the dashboards plot them), and
+    the same numbers to the metrics sinks (areal_mq/metrics.py) when `sinks` is given: TensorBoard / W&B
+    curves of every role, not only the trainer's, stepped by the report's number."""
 
-    def __init__(self, every_s: float = 5.0):
-        self.every_s = every_s
+    def __init__(self, every_s: float = 5.0, sinks: Any = None):
+        self.every_s, self.sinks = every_s, sinks
         self.last = time.monotonic()
+        self.reports = 0
 
     def signal(self, loop: "RoleLoop", msg: Any) -> None:
         pass
@@ -454,12 +458,33 @@ class StatsReport:
         stats = loop.role.stats()
         if stats:
             loop.role.log.info(f"{loop.role.name}.stats", **stats)
+            if self.sinks is not None:
+                self.sinks.write(self.reports, stats)
+                self.reports += 1
+
+    def close(self) -> None:
+        if self.sinks is not None:
+            self.sinks.close()
+
+
+def stats_sinks(cfg: Any, role: str, log: Any) -> Any:
+    """Metrics sinks for a role's periodic stats when the config asks for TensorBoard or W&B (else None: the
+    `{role}.stats` events already carry them)."""
+    metrics = getattr(cfg, "metrics", None)
+    if metrics is None or not (metrics.tensorboard or metrics.wandb):
+        return None
+    from areal_mq.metrics import MetricsSinks
+
+    return MetricsSinks.from_config(cfg, role, log)
 
 
 class RoleLoop:
     def __init__(self, rt: Any, role: Role, middleware: Iterable[Any] | None = None):
         self.rt, self.role = rt, role
-        self.middleware = list(middleware) if middleware is not None else [PauseControl(), StatsReport()]
+        if middleware is None:
+            sinks = stats_sinks(getattr(rt, "cfg", None), role.name, role.log) if role.stats_every_s else None
+            middleware = [PauseControl(), StatsReport(role.stats_every_s or 5.0, sinks)]
+        self.middleware = list(middleware)
 
     def run(self) -> None:
         role = self.role
@@ -471,6 +496,8 @@ class RoleLoop:
         while role.busy() and time.monotonic() < deadline:
             self.round(accept=False)
         role.on_stop()
+        for m in self.middleware:
+            getattr(m, "close", lambda: None)()
 
     def round(self, accept: bool) -> None:
         role, rt = self.role, self.rt

@@ -49,7 +49,7 @@ from areal_mq.errors import JobFailed
 from areal_mq.ledger import AdmissionLedger
 from areal_mq.messages import (Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample, SamplingSpec,
                                SeqSample, WeightsReady, length_bucket)
-from areal_mq.runtime import PauseControl, Role, RoleLoop, StatsReport
+from areal_mq.runtime import Role, RoleLoop
 
 
 STORE_FULL_RETRY_S = 2.0  # pause before a put the store refused as full is tried again
@@ -92,6 +92,7 @@ class Controller(Role):
     Paused (Control pause): admits nothing new; answers, retries and stores go on."""
 
     name = "controller"
+    stats_every_s = 2.0
 
     def __init__(self, cfg: Any, dataset: Any, formatter: Any, jobs: Any, store: Any, log: Any, rt: Any = None):
         super().__init__(rt)
@@ -375,7 +376,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
                 ctl._start_group(problem)
         rt.log.info("controller.started", mode=cfg.run.mode, version=ctl.version, resumed_groups=len(replay),
                     dataset_size=len(ctl.dataset))
-        RoleLoop(rt, ctl, [PauseControl(), StatsReport(2.0)]).run()
+        RoleLoop(rt, ctl).run()
         return 0
     finally:
         jobs.close()

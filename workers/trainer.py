@@ -2,7 +2,8 @@
 
 A Role on the shared loop (areal_mq/runtime.py); each tick:
        store.get_batch(batch_groups, version, η) ──► Trainer.train_step ──► publish weights v+1
-       (disk dir or zmq server) ──► WeightsReady(v+1) on the signal bus ──► metrics.jsonl line
+       (disk dir or zmq server) ──► WeightsReady(v+1) on the signal bus ──► metrics sinks (metrics.jsonl line;
+       TensorBoard / W&B when `metrics:` asks, areal_mq/metrics.py)
 Invariants:
 - the version starts at 0 (or the checkpoint's) and increases by exactly 1 per finished step;
 - a batch is acknowledged to the store only once a checkpoint containing its effect is written (or at
@@ -26,7 +27,6 @@ Under `accelerate launch`, rank 0 talks to the store and the bus; the batch is b
 """
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -54,10 +54,14 @@ def nonfinite_part(sample: Any) -> str | None:
 
 class TrainerWorker(Role):
     name = "trainer"
+    stats_every_s = 0.0  # it reports every step (trainer.step event, metrics sinks)
 
-    def __init__(self, cfg: Any, trainer: Any, store: Any, bus: Any, publisher: Any, rt: Any):
+    def __init__(self, cfg: Any, trainer: Any, store: Any, bus: Any, publisher: Any, rt: Any, sinks: Any = None):
+        from areal_mq.metrics import JsonlSink, MetricsSinks
+
         super().__init__(rt)
         self.cfg, self.trainer, self.store, self.bus, self.publisher = cfg, trainer, store, bus, publisher
+        self.sinks = sinks or MetricsSinks([JsonlSink(Path(cfg.run.run_dir) / "metrics.jsonl")], "trainer", self.log)
         self.run_dir = Path(cfg.run.run_dir)
         self.unacked: list[Any] = []
         self.unacked_since: float | None = None  # monotonic time the oldest un-acked batch was served
@@ -154,8 +158,7 @@ class TrainerWorker(Role):
         metrics.update(publish_s=time.perf_counter() - t0, wait_s=waited_s, time=time.time(),
                        dropped_stale=batch.dropped_stale)
         if self.is_main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+            self.sinks.write(self.trainer.version, metrics)
         self.log_info("trainer.step", sample_ids=[s.sample_id for s in samples],  # what the chaos audit reads
                       **{k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()})
         every = self.cfg.trainer.checkpoint_every
@@ -221,6 +224,7 @@ class TrainerWorker(Role):
                 self.trainer.version >= self.cfg.controller.total_steps:
             self.checkpoint()
         self.log_info("trainer.finished", version=self.trainer.version)
+        self.sinks.close()
 
     def run(self) -> None:
         self.waited_since = time.perf_counter()
@@ -231,23 +235,25 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.algorithms.trainer import Trainer
     from areal_mq.client import SignalPublisher, StoreClient
     from areal_mq.engines.models import resolve_model
+    from areal_mq.metrics import MetricsSinks
     from areal_mq.runtime import WorkerRuntime
     from areal_mq.threads import apply_thread_budget
     from areal_mq.weights import WeightPublisher
 
     apply_thread_budget(cfg, "trainer")
     trainer = Trainer(cfg.trainer, resolve_model(cfg.model.name, cfg.model.cache_dir))
-    rt = store = bus = publisher = None
+    rt = store = bus = publisher = sinks = None
     if not trainer.is_main:  # torchrun forwards SIGTERM to every rank: only rank 0 decides when to stop
         signal.signal(signal.SIGTERM, lambda *_: None)
     if trainer.is_main:
         rt = WorkerRuntime(cfg, role="trainer", service=None, capacity=0, worker_id=worker_id, topics=("control",))
+        sinks = MetricsSinks.from_config(cfg, "trainer", rt.log)  # a missing sink package stops us here
         rt.start()
         store = StoreClient(cfg.brokers.store_addr, keys=rt.keys, heartbeat_s=cfg.brokers.heartbeat_s)
         bus = SignalPublisher(cfg.brokers.bus_in_addr, keys=rt.keys)
         publisher = WeightPublisher(cfg.trainer, cfg.run.run_dir, keys=rt.keys, log=rt.log)
         time.sleep(0.3)  # let the PUB socket connect before the first WeightsReady
-    worker = TrainerWorker(cfg, trainer, store, bus, publisher, rt)
+    worker = TrainerWorker(cfg, trainer, store, bus, publisher, rt, sinks)
     try:
         worker.resume()
         worker.log_info("trainer.started", version=trainer.version, world_size=trainer.world_size,

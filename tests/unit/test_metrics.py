@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,8 +127,14 @@ def offline_wandb(tmp_path, monkeypatch):
 def test_wandb_offline_run_read_back(tmp_path, offline_wandb):
     write_all(MetricsSinks.from_config(config(tmp_path, "metrics.wandb=true", "metrics.wandb_project=p1"), "trainer"))
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    records = wandb_records(run_file)
-    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    deadline = time.monotonic() + 30
+    while True:  # wandb-core may still be writing the file after finish() returns, on a loaded machine
+        records = wandb_records(run_file)
+        runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        if runs and any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    (run,) = runs
     assert (run.project, run.display_name, run.run_group, run.job_type) == ("p1", "mtest-trainer", "mtest", "trainer")
     assert json.loads({u.key: u.value_json for u in run.config.update}["metrics"])["wandb_project"] == "p1"
     history = [(r.history.step.num, {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})

@@ -108,3 +108,21 @@ def test_a_loop_without_a_runtime_only_ticks():
     role = Counting(None, ticks_to_stop=3)
     RoleLoop(None, role).run()
     assert role.calls == ["tick", "tick", "tick", "stop"]
+
+
+def test_stats_also_go_to_the_metrics_sinks_and_are_closed_with_the_loop():
+    class Sinks:
+        def __init__(self):
+            self.rows, self.closed = [], False
+
+        def write(self, step, metrics):
+            self.rows.append((step, metrics))
+
+        def close(self):
+            self.closed = True
+
+    rt, sinks = FakeRuntime(), Sinks()
+    role = Counting(rt, ticks_to_stop=2)
+    role.stats = lambda: {"answered": 3}
+    RoleLoop(rt, role, [StatsReport(every_s=0.0, sinks=sinks)]).run()
+    assert sinks.rows[:2] == [(0, {"answered": 3}), (1, {"answered": 3})] and sinks.closed
