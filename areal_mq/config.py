@@ -171,13 +171,22 @@ class ControllerConfig(_Section):
 
 
 class LauncherConfig(_Section):
-    """How `areal-mq run` lays processes out on one host."""
+    """How `areal-mq run` lays processes out: on one host, or as Ray actors over a cluster (backend)."""
 
     rollout_workers: int = Field(1, ge=1, description="Rollout worker processes.")
     reward_workers: int = Field(1, ge=1, description="Reward worker processes.")
     on_child_death: Literal["restart", "stop"] = Field("stop", description="What to do when a child process dies.")
     max_restarts: int = Field(3, ge=0, description="Restarts per child before the run stops.")
     threads: dict[str, int] = Field(default_factory=dict, description="torch threads per role (rollout, trainer, ...).")
+    backend: Literal["local", "ray"] = Field(
+        "local", description="local: every process on this host; ray: each role a Ray actor placed over a Ray "
+        "cluster (docs/many-hosts.md; needs `pip install -e .[ray]`).")
+    ray_address: str | None = Field(
+        None, description="backend ray: the cluster to join (HOST:PORT of its head, or 'auto'); none: "
+        "$RAY_ADDRESS, else a new Ray instance on this host.")
+    ray_resources: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="backend ray: Ray resources of a role's actor, replacing its default "
+        "placement (docs/many-hosts.md), e.g. {trainer: {num_gpus: 1}, rollout: {num_cpus: 2, fast_node: 1}}.")
 
 
 class RunConfig(_Section):

@@ -1,6 +1,7 @@
 """CLI commands `run`, `eval` and `plot` (mounted on the main `areal-mq` app by areal_mq.cli).
 
     areal-mq run configs/quickstart.yaml [--set a.b=v] [--resume RUN_DIR]
+    areal-mq run configs/quickstart.yaml --backend ray [--address HOST:PORT]   # roles as Ray actors
     areal-mq eval --config configs/quickstart.yaml [--weights RUN_DIR/weights/vN] [--n 200]
     areal-mq plot RUN_DIR
 """
@@ -42,19 +43,36 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
         skip_eval: bool = typer.Option(False, "--skip-eval", help="No held-out evaluation before/after."),
         quiet: bool = typer.Option(False, help="No live display (logs only)."),
         insecure: bool = typer.Option(False, "--insecure", help="No CURVE keys: plaintext, unauthenticated sockets "
-                                      "(debugging only; loopback only).")) -> None:
-    """Run the whole system on this host: brokers, controller, rollout, reward and trainer processes."""
+                                      "(debugging only; loopback only)."),
+        backend: Optional[str] = typer.Option(None, "--backend", help="local (default): every process on this host; "
+                                              "ray: each role a Ray actor (launcher.backend; docs/many-hosts.md)."),
+        address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join, HOST:PORT of its head "
+                                              "(launcher.ray_address; default $RAY_ADDRESS or a new local Ray).")) -> None:
+    """Run the whole system: brokers, controller, rollout, reward and trainer processes (this host, or Ray)."""
     if not config and not resume:
         typer.echo("error: give a CONFIG or --resume RUN_DIR", err=True)
         raise typer.Exit(2)
     from rich.console import Console
 
+    from areal_mq.errors import ConfigError
     from areal_mq.launcher import Launcher, settle_ports
 
-    cfg = settle_ports(_cfg(config, [*(set_ or []), *(["security.insecure=true"] if insecure else [])], resume))
+    cfg = _cfg(config, [*(set_ or []), *(["security.insecure=true"] if insecure else []),
+                        *([f"launcher.backend={backend}"] if backend else [])], resume)
+    if address:
+        cfg.launcher.ray_address = address  # as given (a YAML override could read HOST:PORT as a number)
     console = Console(stderr=True, soft_wrap=True)
-    launcher = Launcher(cfg, console)
-    path = launcher.prepare()
+    if cfg.launcher.backend == "ray":  # ports are settled on the brokers' node
+        from areal_mq.ray_backend import RayLauncher
+
+        launcher = RayLauncher(cfg, console)
+    else:
+        launcher = Launcher(settle_ports(cfg), console)
+    try:
+        path = launcher.prepare()
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     console.print(f"[bold]areal-mq run[/] {cfg.run.name}: mode={cfg.run.mode} η={cfg.controller.max_staleness} "
                   f"model={cfg.model.name} steps={cfg.controller.total_steps} → {cfg.run.run_dir}")
     if not skip_eval and not resume:
