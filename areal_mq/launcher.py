@@ -134,6 +134,17 @@ class Launcher:
                     probe.close()
 
     # ------------------------------------------------------------ supervision
+    def exit_verdict(self, role: str, code: int | None) -> str:
+        """What a child's exit code means: 'done' (the trainer finished the run), 'ignore' (still running, we are
+        stopping, or the controller ended by itself after the last version), else 'dead' (restart or fail)."""
+        if code is None:
+            return "ignore"
+        if role == "trainer" and code == 0:
+            return "done"
+        if self.stopping or (code == 0 and role == "controller"):
+            return "ignore"
+        return "dead"
+
     def check_children(self) -> str | None:
         """Handle dead children; returns 'done' when the trainer finished, 'failed' when the run must stop.
         Also the supervision tick for the periodic evaluator (it starts and reaps background evaluations)."""
@@ -141,12 +152,11 @@ class Launcher:
             self.say(note)
         for child in self.children:
             code = child.proc.poll() if child.proc else None
-            if code is None:
-                continue
-            if child.role == "trainer" and code == 0:
+            verdict = self.exit_verdict(child.role, code)
+            if verdict == "done":
                 return "done"
-            if self.stopping or (code == 0 and child.role == "controller"):
-                continue  # the controller stops by itself once the last version is reached
+            if verdict == "ignore":
+                continue
             reason = describe_exit(code, child.log_path)
             lc = self.cfg.launcher
             # the broker too: its sample store replays its log, workers re-register and clients resubmit

@@ -343,12 +343,11 @@ class RayLauncher(Launcher):
                     self.failure = f"{child.name} was not restarted within {PLACE_TIMEOUT_S:.0f} s"
                     return "failed"
                 continue
-            if code is None:
-                continue
-            if child.role == "trainer" and code == 0:
+            verdict = self.exit_verdict(child.role, code)
+            if verdict == "done":
                 return "done"
-            if self.stopping or (code == 0 and child.role == "controller"):
-                continue  # the controller stops by itself once the last version is reached
+            if verdict == "ignore":
+                continue
             if not self.restart(child, info["reason"]):
                 return "failed"
         return None
