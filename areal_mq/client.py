@@ -98,6 +98,8 @@ class Liveness:
         return bool(before and peer_id and peer_id != before)
 
     def beat_due(self, now: float) -> bool:
+        if not self.next_beat:  # the first beat starts the clock (not the constructor: a model may load between)
+            self.last_heard = now
         if now < self.next_beat:
             return False
         self.next_beat = now + self.heartbeat_s

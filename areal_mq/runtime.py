@@ -219,12 +219,12 @@ class WorkerRuntime:
         self._wake_rx.close(0)
         self._ctx.term()
         self.log.info(f"{self.role}.closed", reconnects=self.reconnects)
+        if self._sink is not None:
+            self._sink.close()
 
     @property
     def reconnects(self) -> int:
         return self.link.reconnects
-        if self._sink is not None:
-            self._sink.close()
 
     # ------------------------------------------------------------ I/O thread
     def _ready_msg(self) -> Ready:
@@ -250,24 +250,39 @@ class WorkerRuntime:
         dealer.connect(self.cfg.brokers.job_addr)
         return dealer
 
+    def _subscribe(self) -> zmq.Socket | None:
+        if not self.topics:
+            return None
+        sub = self.keys.client(self._ctx.socket(zmq.SUB))
+        sub.setsockopt(zmq.LINGER, 0)
+        for t in self.topics:
+            sub.setsockopt(zmq.SUBSCRIBE, t.encode())
+        sub.connect(self.cfg.brokers.bus_out_addr)
+        return sub
+
     def _io_loop(self) -> None:
-        dealer = self._connect() if self.service else None
-        sub = None
-        if self.topics:
-            sub = self.keys.client(self._ctx.socket(zmq.SUB))
-            sub.setsockopt(zmq.LINGER, 0)
-            for t in self.topics:
-                sub.setsockopt(zmq.SUBSCRIBE, t.encode())
-            sub.connect(self.cfg.brokers.bus_out_addr)
+        self._socks = {"dealer": self._connect() if self.service else None, "sub": self._subscribe()}
         try:
-            self._run(dealer, sub)
+            self._run()
         finally:
-            for s in (dealer, sub):
+            for s in self._socks.values():
                 if s is not None:
                     s.close(0)
 
-    def _run(self, dealer: zmq.Socket | None, sub: zmq.Socket | None) -> None:
+    def _reopen(self, poller: zmq.Poller, name: str, make: Any) -> zmq.Socket | None:
+        """Replace socket `name` by a fresh one (a new TCP connection and identity)."""
+        old = self._socks[name]
+        if old is not None:
+            poller.unregister(old)
+            old.close(0)
+        new = self._socks[name] = make()
+        if new is not None:
+            poller.register(new, zmq.POLLIN)
+        return new
+
+    def _run(self) -> None:
         poller = zmq.Poller()
+        dealer, sub = self._socks["dealer"], self._socks["sub"]
         for s in (dealer, sub, self._wake_rx):
             if s is not None:
                 poller.register(s, zmq.POLLIN)
@@ -292,17 +307,19 @@ class WorkerRuntime:
             if link.beat_due(now):
                 beats += 1
                 send(dealer, protocol.encode(Heartbeat(peer_id=self.worker_id)))
-                if self._announced and beats % self.liveness == 0:
+                if self._announced and beats % self.liveness == 0 and link.silent_s(now) < 2 * self.heartbeat_s:
                     # Re-announce once per liveness window: a broker restarted faster than that (our socket
                     # reconnected silently) or one that dropped us during a stall answers heartbeats from
                     # anyone, so without this it would never learn about us again. Harmless when registered.
+                    # Only while the broker answers: a READY queued on a dead link is delivered when the link
+                    # heals, after we replaced the socket, and would register a ghost with the old identity.
                     send(dealer, protocol.encode(self._ready_msg()))
             if link.lost(now):
                 silent = link.silent_s(now)
-                poller.unregister(dealer)
-                dealer.close(0)
-                dealer = self._connect()
-                poller.register(dealer, zmq.POLLIN)
+                dealer = self._reopen(poller, "dealer", self._connect)
+                # the bus link went down with it (same host, same network): a fresh subscription is replayed
+                # the retained WeightsReady at once, instead of waiting for TCP to notice the old one is dead
+                sub = self._reopen(poller, "sub", self._subscribe)
                 base, delay = link.reconnected()
                 self.log.warning(f"{self.role}.broker_lost", silent_s=round(silent, 1),
                                  retry_in_s=round(delay, 2), backoff_s=round(base, 2))

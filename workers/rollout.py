@@ -3,7 +3,7 @@
 A Role on the shared loop (areal_mq/runtime.py; one thread drives the engine, the runtime's I/O thread keeps
 heartbeats going):
 
-    on_signal(WeightsReady) ──► at a step boundary: load weights in place, continue in-flight
+    on_signal(WeightsReady) ──► at the next step boundary (the newest of those queued): load in place, continue in-flight
     on_job(GenerateRequest) ──► engine.submit  (held until the engine reaches `min_version`)
     on_tick ──► engine.step() ──► finished sequences ──► GenerateResult to the controller
     paused (Control pause) ──► Engine.pause: in-flight sequences wait; the broker sends nothing new
@@ -66,6 +66,7 @@ class RolloutWorker(Role):
         self.tokens = 0
         self.retry_load: tuple[WeightsReady, int, float] | None = None  # (ready, next attempt, due at)
         self.unloadable: WeightsReady | None = None  # the last announcement whose load finally failed
+        self.announced: WeightsReady | None = None  # the newest announcement not loaded yet
 
     # ------------------------------------------------------------ weights
     def load(self, ready: WeightsReady, attempt: int = 1) -> None:
@@ -123,7 +124,9 @@ class RolloutWorker(Role):
 
     def on_signal(self, msg: Any) -> None:
         if isinstance(msg, WeightsReady):
-            self.load(msg)
+            # loaded at the next step boundary (on_tick); of several queued announcements (a worker that was
+            # cut off, or slower than the trainer) only the newest is loaded: the older ones may be pruned
+            self.announced = msg
 
     # ------------------------------------------------------------ jobs
     def on_job(self, job: Any) -> None:
@@ -184,6 +187,9 @@ class RolloutWorker(Role):
 
     # ------------------------------------------------------------ loop hooks
     def on_tick(self) -> bool:
+        if self.announced is not None:
+            ready, self.announced = self.announced, None
+            self.load(ready)
         self.retry_load_if_due()
         self.release_held()
         if self.paused or not self.engine.has_work():

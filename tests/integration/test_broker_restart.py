@@ -53,3 +53,30 @@ def test_a_worker_re_announces_at_once_to_a_restarted_broker(procs, tmp_path):
     # READY again within a few heartbeats, not at the next liveness-th heartbeat (150 * 0.2 s = 30 s)
     wait_for(lambda: worker_count(cfg, "echo") == 1, 10, what="the worker registered with the new broker")
     assert "echo.broker_restarted" in procs.log(worker)
+
+
+def test_a_slow_start_is_not_a_lost_broker(procs, tmp_path):
+    """The liveness clock starts with the first heartbeat, not when the runtime is built: a worker whose model
+    load outlasts the liveness window used to log a false broker_lost (and reconnect) right at start."""
+    import time
+
+    from areal_mq.runtime import WorkerRuntime
+
+    from .test_reconnect_backoff import Log
+
+    path = write_config(tmp_path, {"brokers": {"heartbeat_s": 0.1, "liveness": 3}})
+    cfg = load_config(path)
+    procs.start(["broker", "--config", str(path), "--only", "job"], "broker")
+    broker_up(cfg)
+    log = Log()
+    rt = WorkerRuntime(cfg, role="echo", service="echo", capacity=1, topics=(), log=log, install_signals=False,
+                       keys=keys(cfg, "echo"))
+    time.sleep(1.0)  # "loading the model": three times the liveness window
+    rt.start()
+    rt.ready()
+    try:
+        wait_for(lambda: worker_count(cfg, "echo") == 1, 10, what="the worker registered")
+        time.sleep(0.5)
+    finally:
+        rt.close(drain_timeout=0)
+    assert not [f for e, f in log.warnings if e == "echo.broker_lost"] and rt.reconnects == 0

@@ -227,3 +227,15 @@ def test_control_pause_pauses_the_engine_and_the_loop_stops_stepping(tmp_path):
     pause.signal(loop, Control(action="resume"))
     assert not w.paused and engine.calls == ["pause", "resume"] and w.rt.readies == [0, 4]
     assert w.on_tick() is True and isinstance(w.rt.replies["a"], GenerateResult)
+
+
+def test_of_several_queued_announcements_only_the_newest_is_loaded(tmp_path):
+    """A worker cut off from the bus for a while gets a burst of WeightsReady when it is back; the older ones
+    are pruned already, so loading them one by one (each failing, each retried) only delays generation."""
+    engine = FakeEngine()
+    w = _worker(tmp_path, engine)
+    w.on_job(_job("a", min_version=5))
+    for v in (2, 3, 4, 5):
+        w.on_signal(_ready(tmp_path, v))
+    w.on_tick()
+    assert engine.loads == [5] and engine.submitted == ["a"]
