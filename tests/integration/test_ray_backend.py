@@ -27,6 +27,7 @@ from areal_mq.errors import ConfigError
 from areal_mq.ray_backend import check_ray_resources, role_request
 
 from .procs import free_ports, wait_for
+from .test_chaos import _events
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -166,19 +167,6 @@ def test_stop_mode_and_a_dead_actor_stop_the_run(tmp_path):
 
 
 # ---------------------------------------------------------------- on a Ray cluster
-def _events(run_dir: Path, name: str) -> list[dict]:
-    out = []
-    for path in (run_dir / "events").glob("*.jsonl"):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written right now
-            if rec.get("event") == name:
-                out.append(rec)
-    return sorted(out, key=lambda r: r["ts"])
-
-
 def _placed(run_dir: Path, key: str = "node_id") -> dict[str, str]:
     """child -> node id (or `key`: pid, the role process) of its latest placement."""
     return {r["child"]: r[key] for r in _events(run_dir, "launcher.placed")} if (run_dir / "events").exists() else {}
