@@ -83,14 +83,12 @@ class Liveness:
         self.reconnects = 0
         self.broker_id = ""
 
-    def heard(self) -> bool:
-        """The broker answered. True when this ends an outage (the backoff is reset)."""
+    def heard(self) -> None:
+        """The broker answered: an outage in progress is over (the backoff starts again from the shortest)."""
         self.last_heard = time.monotonic()
-        if not self.delay:
-            return False
-        self.backoff.reset()
-        self.delay = 0.0
-        return True
+        if self.delay:
+            self.backoff.reset()
+            self.delay = 0.0
 
     def restarted(self, peer_id: str) -> bool:
         """A heartbeat answer from broker `peer_id`: True when a broker with another boot id answered before."""

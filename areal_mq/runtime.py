@@ -323,10 +323,15 @@ class WorkerRuntime:
                 base, delay = link.reconnected()
                 self.log.warning(f"{self.role}.broker_lost", silent_s=round(silent, 1),
                                  retry_in_s=round(delay, 2), backoff_s=round(base, 2))
-                with self._lock:
-                    self._in_flight.clear()  # the old broker's jobs are resubmitted by their clients
-                if self._announced:
-                    send(dealer, protocol.encode(self._ready_msg()))
+                self._rejoin(dealer)
+
+    def _rejoin(self, dealer: zmq.Socket) -> None:
+        """A new broker connection (a reconnect, or a broker that restarted): it knows neither us nor the old
+        broker's jobs, which their clients resubmit. Forget them and announce ourselves at once."""
+        with self._lock:
+            self._in_flight.clear()
+        if self._announced:
+            send(dealer, protocol.encode(self._ready_msg()))
 
     def _flush_outbox(self, dealer: zmq.Socket) -> None:
         while True:
@@ -349,12 +354,9 @@ class WorkerRuntime:
                     send(dealer, protocol.error_reply(exc))
                 continue
             if env.kind == Kind.HEARTBEAT:
-                if self.link.restarted(env.msg.peer_id):  # a new broker: it knows neither us nor our jobs
+                if self.link.restarted(env.msg.peer_id):
                     self.log.warning(f"{self.role}.broker_restarted", broker=env.msg.peer_id)
-                    with self._lock:
-                        self._in_flight.clear()  # their clients resubmit them to the new broker
-                    if self._announced:
-                        send(dealer, protocol.encode(self._ready_msg()))
+                    self._rejoin(dealer)
                 continue
             if env.kind == Kind.ERROR:
                 self.log.warning(f"{self.role}.broker_error", code=env.msg.code, error=env.msg.message)
@@ -530,6 +532,6 @@ class RoleLoop:
                 role.on_job(job)
                 job = rt.next_job()
         elif not did:
-            time.sleep(0.01 if not accept else min(role.idle_wait_s, 0.05))
+            time.sleep(role.idle_wait_s if accept else 0.01)
         for m in self.middleware:
             m.tick(self)
