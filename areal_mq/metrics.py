@@ -47,6 +47,11 @@ def require(module: str, key: str) -> ModuleType:
         ) from None
 
 
+def jsonl_path(run_dir: str | Path, role: str) -> Path:
+    """run_dir/metrics.jsonl for the trainer (what plots and benchmarks read), run_dir/metrics-<role>.jsonl else."""
+    return Path(run_dir) / ("metrics.jsonl" if role == "trainer" else f"metrics-{role}.jsonl")
+
+
 class JsonlSink:
     """One `json.dumps(metrics)` line per step, appended (the file is opened per line: readers tail it live)."""
 
@@ -122,7 +127,7 @@ class MetricsSinks:
         if cfg.metrics.tensorboard:
             require("tensorboard", "tensorboard")
         run_dir.mkdir(parents=True, exist_ok=True)
-        sinks: list[Any] = [JsonlSink(run_dir / ("metrics.jsonl" if role == "trainer" else f"metrics-{role}.jsonl"))]
+        sinks: list[Any] = [JsonlSink(jsonl_path(run_dir, role))]
         if cfg.metrics.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard", role))
         if wandb is not None:

@@ -57,12 +57,13 @@ class TrainerWorker(Role):
     stats_every_s = 0.0  # it reports every step (trainer.step event, metrics sinks)
 
     def __init__(self, cfg: Any, trainer: Any, store: Any, bus: Any, publisher: Any, rt: Any, sinks: Any = None):
-        from areal_mq.metrics import JsonlSink, MetricsSinks
+        from areal_mq.metrics import JsonlSink, MetricsSinks, jsonl_path
 
         super().__init__(rt)
         self.cfg, self.trainer, self.store, self.bus, self.publisher = cfg, trainer, store, bus, publisher
-        self.sinks = sinks or MetricsSinks([JsonlSink(Path(cfg.run.run_dir) / "metrics.jsonl")], "trainer", self.log)
         self.run_dir = Path(cfg.run.run_dir)
+        # the JSONL file alone where main() passes no sinks (ranks > 0, which never write, and tests)
+        self.sinks = sinks or MetricsSinks([JsonlSink(jsonl_path(self.run_dir, "trainer"))], "trainer", self.log)
         self.unacked: list[Any] = []
         self.unacked_since: float | None = None  # monotonic time the oldest un-acked batch was served
         self.consumed: set[str] = set()
