@@ -63,13 +63,19 @@ def settle_ports(cfg: RunConfig) -> RunConfig:
     b = cfg.brokers
     if all(port_free(b.host, getattr(b, name)) for name in PORT_NAMES):
         return cfg
+    base = free_port_block(b.host, len(PORT_NAMES))
+    for i, name in enumerate(PORT_NAMES):
+        setattr(b, name, base + i)
+    return cfg
+
+
+def free_port_block(host: str, n: int) -> int:
+    """The first of `n` consecutive ports free on `host`."""
     for _ in range(200):
-        base = free_port(b.host)
-        if base + 3 < 65536 and all(port_free(b.host, base + i) for i in range(4)):
-            for i, name in enumerate(PORT_NAMES):
-                setattr(b, name, base + i)
-            return cfg
-    raise ConfigError(f"no block of four free consecutive ports on {b.host}; set brokers.job_port and the others")
+        base = free_port(host)
+        if base + n - 1 < 65536 and all(port_free(host, base + i) for i in range(n)):
+            return base
+    raise ConfigError(f"no block of {n} free consecutive ports on {host}; set brokers.job_port and the others")
 
 
 class Launcher:

@@ -200,16 +200,6 @@ def test_reward_serve_with_a_task_scores_that_task_only_and_runs_no_code_a_job_n
     assert not marker.exists(), "a task name from the wire ran code"
 
 
-def _consecutive_free_ports() -> int:
-    from areal_mq.launcher import free_port, port_free
-
-    for _ in range(200):
-        base = free_port("127.0.0.1")
-        if base + 3 < 65536 and all(port_free("127.0.0.1", base + i) for i in range(4)):
-            return base
-    raise AssertionError("no four consecutive free ports")
-
-
 def test_reward_serve_finds_the_bus_from_the_broker_address_alone(procs, tmp_path):
     """Issue 13 item 8: `reward serve --broker tcp://H:P` with a config that names no ports (a remote host)
     joins the bus at P+1/P+2 (the layout the brokers bind), not the default ports, and says where it went:
@@ -219,7 +209,9 @@ def test_reward_serve_finds_the_bus_from_the_broker_address_alone(procs, tmp_pat
     from areal_mq.client import SignalPublisher
     from areal_mq.messages import Control
 
-    job = _consecutive_free_ports()
+    from areal_mq.launcher import free_port_block
+
+    job = free_port_block("127.0.0.1", 4)
     path = write_config(tmp_path, {"brokers": {"job_port": job, "bus_in_port": job + 1, "bus_out_port": job + 2,
                                                "store_port": job + 3}})
     cfg = load_config(path)
