@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 PROTOCOL_VERSION = 1
 MAX_READY_TASKS = 256  # Ready.tasks entries; a worker serving more advertises none (= anything)
+MAX_SESSION_LEN = 128  # GenerateRequest.session characters (a routing and cache key, never a payload)
 
 
 def _array_of(dtype: str):
@@ -167,8 +168,12 @@ class GenerateRequest(Message):
     prompt_ids  # [P] int32, chat template already applied
     min_version: the controller's current policy version; a worker that has not loaded it yet holds the
     request until it has (otherwise a request racing its WeightsReady would be generated stale).
+    session: the multi-turn episode this request is a turn of ("" = none), at most MAX_SESSION_LEN chars.
+    Every turn of one episode carries the same key: the job broker sends it to the worker that served the
+    session last (that worker may still hold the previous turn's KV), and the torch engine reuses that KV
+    when this prompt extends the previous turn's tokens. A hint only: results never depend on it.
     Example: GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingSpec(max_new_tokens=64),
-                             group_id="p17-e0", sample_index=3)
+                             group_id="p17-e0", sample_index=3, session="p17-e0-s3")
     """
 
     kind: ClassVar[Kind] = Kind.GENERATE_REQUEST
@@ -178,6 +183,8 @@ class GenerateRequest(Message):
     group_id: str = ""
     sample_index: int = 0
     min_version: int = Field(0, ge=0, description="Start only once the worker's policy is at least this version.")
+    session: str = Field("", max_length=MAX_SESSION_LEN,
+                         description="Multi-turn episode key: sticky routing and KV reuse across turns.")
     meta: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -24,12 +24,22 @@ def _wire(frames):
 @settings(max_examples=60, deadline=None)
 def test_generate_request_round_trip(tokens, temp, text, idx):
     msg = GenerateRequest(prompt_ids=tokens, sampling=SamplingSpec(temperature=temp, stop_strings=[text]),
-                          group_id=text, sample_index=idx, meta={"k": [1, text]})
+                          group_id=text, sample_index=idx, meta={"k": [1, text]}, session=text)
     env = protocol.decode(_wire(protocol.encode(msg, service="generate")))
-    assert env.service == "generate"
+    assert env.service == "generate" and env.msg.session == text
     assert env.msg.prompt_ids.dtype == np.int32
     assert env.msg.prompt_ids.tolist() == tokens
     assert env.msg.sampling == msg.sampling and env.msg.meta == msg.meta
+
+
+def test_oversized_session_is_refused():
+    """A session is a routing/cache key bounded on the wire: a hostile client cannot make it a payload."""
+    frames = protocol.encode(GenerateRequest(prompt_ids=[1], session="s"))
+    header = msgpack.unpackb(bytes(memoryview(frames[0])), raw=False)
+    header["body"]["session"] = "x" * 129
+    with pytest.raises(ProtocolError) as exc:
+        protocol.decode([msgpack.packb(header)] + _wire(frames[1:]))
+    assert exc.value.code == "bad_fields" and "session" in str(exc.value)
 
 
 @given(n=st.integers(0, 200), data=st.data())
