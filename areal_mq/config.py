@@ -50,6 +50,11 @@ class BrokerConfig(_Section):
     max_worker_capacity: int = Field(4096, ge=1, description="Largest capacity a worker may announce in READY.")
     max_services: int = Field(64, ge=1, description="Services the job broker routes at once (with queued jobs or "
                               "registered workers); a job or READY naming one more is refused with no_service.")
+    max_sessions: int = Field(100_000, ge=1, description="Multi-turn sessions (GenerateRequest.session) whose "
+                              "last worker the job broker remembers for sticky routing; least recently used first "
+                              "out.")
+    sticky_wait_s: float = Field(1.0, ge=0, description="Longest a job with a session waits for its session's worker "
+                                 "(which may hold its KV) when that worker is full; then any worker. 0: never wait.")
     max_frame_mb: float = Field(512.0, gt=0, description="Largest accepted array frame, MiB.")
     lease_s: float = Field(900.0, gt=0, description="A served, un-acked sample batch returns to the store after this.")
     fsync: bool = Field(

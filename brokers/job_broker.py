@@ -20,6 +20,9 @@ Invariants:
 - frames over max_frame_bytes + the header limit are dropped by ZeroMQ (ZMQ_MAXMSGSIZE: the connection is
   closed) before they are read whole; smaller bad ones are answered with Error naming the problem, logged
   at most once per peer and reason every 10 s (with the count); the broker keeps serving;
+- a generate_request with a `session` goes to the worker that served that session last while it lives and
+  has credit; if that worker is full the job waits for it at most `sticky_wait_s` (then any worker), and if
+  it died, any worker (brokers/sticky.py: the LRU-bounded session map and the parked jobs);
 - with CURVE keys, a peer may only say what its role owns (security.refusal): only worker roles register,
   only for their own services and up to `max_capacity`; only the controller (agent, launcher) submits jobs.
   Anything else is answered with Error(forbidden) and logged, rate-limited.
@@ -41,6 +44,8 @@ from areal_mq import protocol
 from areal_mq.errors import ProtocolError
 from areal_mq.messages import Error, Heartbeat, Kind, Message, Stats
 from areal_mq.security import Keyring, RateLimited, peer_role, refusal
+
+from .sticky import StickySessions
 
 DEFAULT_SERVICE = {Kind.GENERATE_REQUEST: "generate", Kind.REWARD_JOB: "reward"}
 REPLY_KINDS = {Kind.GENERATE_RESULT, Kind.REWARD_RESULT, Kind.ERROR}
@@ -80,6 +85,8 @@ class JobState:
     n_items: int = 0  # reward_job: completions, the rewards a reward_result must carry
     worker: bytes | None = None
     attempts: int = 0
+    session: str = ""  # generate_request: routes to the session's last worker (sticky.py)
+    waited: bool = False  # parked once for its session's worker already: now any worker
 
 
 def reply_problem(job: JobState, msg: Message) -> str | None:
@@ -105,7 +112,7 @@ class JobBroker:
 
     def __init__(self, ctx: zmq.Context, address: str, *, heartbeat_s: float, liveness: int, max_queue: int,
                  max_frame_bytes: int, log: Any, keys: Keyring | None = None, max_capacity: int = 4096,
-                 max_services: int = 64):
+                 max_services: int = 64, max_sessions: int = 100_000, sticky_wait_s: float = 1.0):
         self.sock = ctx.socket(zmq.ROUTER)
         self.secure = keys is not None and keys.secure
         if keys is not None:
@@ -130,6 +137,7 @@ class JobBroker:
         self.queues: dict[str, collections.deque[str]] = {}
         self.jobs: dict[str, JobState] = {}
         self.counters: collections.Counter = collections.Counter()
+        self.sticky = StickySessions(max_sessions, sticky_wait_s)
         self._next_check = 0.0
 
     # ------------------------------------------------------------ input
@@ -259,7 +267,7 @@ class JobBroker:
                 self.log.info("broker.worker_capacity", worker=msg.worker_id, capacity=msg.capacity)
             self.restricted[worker.service] += bool(tasks) - bool(worker.tasks)
             worker.capacity, worker.last_seen, worker.tasks = msg.capacity, time.monotonic(), tasks
-        self._dispatch(worker.service)
+        self._freed(worker)
 
     def _on_job(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
         service = env.service or DEFAULT_SERVICE.get(env.kind, "")
@@ -287,7 +295,8 @@ class JobBroker:
                         f"{self.max_queue}); retry later or add workers")
             return
         self.jobs[env.id] = JobState(env.id, ident, service, frames, env.kind, task,
-                                     len(env.msg.completions) if is_reward else 0)
+                                     len(env.msg.completions) if is_reward else 0,
+                                     session=env.msg.session if env.kind == Kind.GENERATE_REQUEST else "")
         queue.append(env.id)
         self.counters["accepted"] += 1
         self._dispatch(service)
@@ -324,7 +333,7 @@ class JobBroker:
         del self.jobs[job.id]
         self.counters["answered"] += 1
         self._send(job.client, frames)
-        self._dispatch(worker.service)
+        self._freed(worker)
 
     def _fail_job(self, worker: WorkerState, job: JobState, why: str) -> None:
         """Answer `job` to its client with Error(bad_reply) instead of the worker's reply; free the slot."""
@@ -334,7 +343,7 @@ class JobBroker:
         self.refusals.warning("broker.bad_reply", key=f"{worker.ident.hex()}:bad_reply", worker=worker.worker_id,
                               job=job.id, error=why[:500])
         self._error(job.client, job.id, "bad_reply", why)
-        self._dispatch(worker.service)
+        self._freed(worker)
 
     # ------------------------------------------------------------ dispatch and liveness
     def _dispatch(self, service: str) -> None:
@@ -353,7 +362,9 @@ class JobBroker:
             if best is None:
                 return
             job = self.jobs.get(queue.popleft())
-            if job is not None:
+            if job is not None and job.session:
+                best = self._sticky_choice(job, best)
+            if job is not None and best is not None:
                 self._assign(job, best)
 
     def _dispatch_by_task(self, queue: collections.deque, candidates: dict[bytes, WorkerState]) -> None:
@@ -381,7 +392,49 @@ class JobBroker:
     def _assign(self, job: JobState, worker: WorkerState) -> None:
         job.worker, job.attempts = worker.ident, job.attempts + 1
         worker.in_flight.add(job.id)
+        if job.session:
+            self.sticky.remember(job.session, worker.ident)
         self._send(worker.ident, job.frames)
+
+    def _sticky_choice(self, job: JobState, best: WorkerState) -> WorkerState | None:
+        """The worker for a job with a session: its last worker if that one has credit; else park the job on
+        it (None) for at most sticky_wait_s, once; else `best` (a new session, a dead or draining worker)."""
+        home = self.workers.get(self.sticky.home(job.session) or b"")
+        if home is None or home.service != job.service:
+            return best
+        if home.free > 0:
+            self.counters["sticky_hits"] += 1
+            return home
+        if not job.waited and self.sticky.park(job.id, home.ident, home.capacity, time.monotonic()):
+            job.waited = True
+            self.counters["sticky_parked"] += 1
+            return None
+        self.counters["sticky_fallbacks"] += 1
+        return best
+
+    def _freed(self, worker: WorkerState) -> None:
+        """`worker` has credit again: first the jobs parked waiting for it (their sessions), then its queue."""
+        while worker.free > 0:
+            job_id = self.sticky.next_parked(worker.ident)
+            if job_id is None:
+                break
+            job = self.jobs.get(job_id)
+            if job is not None:
+                self.counters["sticky_hits"] += 1
+                self._assign(job, worker)
+        self._dispatch(worker.service)
+
+    def _expire_parked(self, now: float) -> None:
+        """Parked jobs that waited sticky_wait_s go back to the front of their queue, for any worker."""
+        services = set()
+        for job_id in reversed(self.sticky.expired(now)):
+            job = self.jobs.get(job_id)
+            if job is not None:
+                self.counters["sticky_expired"] += 1
+                self.queues.setdefault(job.service, collections.deque()).appendleft(job_id)
+                services.add(job.service)
+        for service in services:
+            self._dispatch(service)
 
     def _drop_worker(self, ident: bytes, reason: str) -> None:
         worker = self.workers.pop(ident, None)
@@ -391,6 +444,9 @@ class JobBroker:
         self.by_service[service].pop(ident, None)
         self.restricted[service] -= bool(worker.tasks)
         requeued = 0
+        for job_id in reversed(self.sticky.forget_worker(ident)):  # parked on it: now any worker
+            if job_id in self.jobs:
+                self.queues.setdefault(service, collections.deque()).appendleft(job_id)
         for job_id in sorted(worker.in_flight, reverse=True):
             job = self.jobs.get(job_id)
             if job is not None:
@@ -407,6 +463,8 @@ class JobBroker:
         self._dispatch(service)
 
     def tick(self, now: float) -> None:
+        if self.sticky.due(now):
+            self._expire_parked(now)
         if now < self._next_check:
             return
         self._next_check = now + self.heartbeat_s
@@ -430,6 +488,7 @@ class JobBroker:
                                       "tasks": sorted(w.tasks)} for w in self.workers.values()},
             "queued": {s: len(q) for s, q in self.queues.items()},
             "in_flight": sum(1 for j in self.jobs.values() if j.worker is not None),
+            "sessions": len(self.sticky.routes), "sticky_waiting": self.sticky.parked_count(),
             "counters": dict(self.counters),
         }
 

@@ -48,7 +48,8 @@ class BrokerHost:
         if "job" in only:
             self.job = JobBroker(self.ctx, b.job_addr, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
                                  max_queue=b.max_queue, max_frame_bytes=max_frame, log=log, keys=keys,
-                                 max_capacity=b.max_worker_capacity, max_services=b.max_services)
+                                 max_capacity=b.max_worker_capacity, max_services=b.max_services,
+                                 max_sessions=b.max_sessions, sticky_wait_s=b.sticky_wait_s)
             self._add(self.job, [self.job.sock], lambda s: self.job.handle())
         if "store" in only:
             self.store = SampleStore.from_config(self.ctx, b, Path(cfg.run.run_dir) / "store", log=log, keys=keys)
