@@ -147,7 +147,8 @@ class RolloutWorker(Role):
 
         msg = job.msg
         try:
-            self.engine.submit(EngineRequest(job.id, [int(t) for t in msg.prompt_ids], msg.sampling))
+            self.engine.submit(EngineRequest(job.id, [int(t) for t in msg.prompt_ids], msg.sampling,
+                                             session=msg.session))
         except EngineRequestError as exc:
             self.rt.fail(job, "bad_request", str(exc))
             return

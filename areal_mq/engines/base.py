@@ -25,11 +25,17 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 @dataclass
 class EngineRequest:
-    """One sequence to generate. prompt_ids: [P] token ids (already chat-templated)."""
+    """One sequence to generate. prompt_ids: [P] token ids (already chat-templated).
+
+    session: the multi-turn episode it is a turn of (GenerateRequest.session, "" = none). An engine may keep a
+    finished turn's KV for the session's next turn (the torch engine: torch_session.py); the output must not
+    depend on it.
+    """
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    session: str = ""
 
 
 @dataclass

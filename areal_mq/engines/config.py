@@ -41,6 +41,16 @@ class EngineConfig(BaseModel):
         description="torch engine: rows whose next prefill chunk is the same tokens on an identical KV history "
                     "(the n samples of one prompt in a GRPO group) compute it once and copy the KV.",
     )
+    session_kv_max_tokens: int = Field(
+        0, ge=0,
+        description="torch engine: KV tokens kept, over all sessions, from finished turns of multi-turn sessions "
+                    "(GenerateRequest.session) so the next turn prefills only its new tokens; least recently kept "
+                    "evicted first. Memory: 2 * layers * kv_heads * head_dim * dtype bytes per token (SmolLM2-135M "
+                    "float32: 46 KiB). 0 = off.",
+    )
+    session_kv_ttl_s: float = Field(
+        60.0, ge=0, description="torch engine: a kept session KV is dropped this long after its turn finished.",
+    )
     threads: int | None = Field(
         None, ge=1, description="torch intra-op threads for the engine (None: leave the process setting alone).",
     )

@@ -18,6 +18,10 @@ Weight updates (`update_weights`) happen between steps, in place. In-flight sequ
 through the same chunked prefill path (shortest sequences first, so decoding resumes quickly).
 Every token carries the version of the weights that produced its logits.
 
+Session KV (`session_kv_max_tokens` > 0): a finished request with a session leaves a copy of its KV in
+`self.sessions` (torch_session.py); the session's next request reuses the rows of its common token prefix at
+admission and prefills only the rest. Kept KV never holds a slot, so it never delays admission.
+
 Behaviour logprobs follow the base.py convention (log_softmax(logits / T) before top-p/top-k).
 
 How to run: `build_engine(EngineConfig(), ModelConfig())` from areal_mq.engines; tests in
@@ -39,6 +43,7 @@ from areal_mq.engines.models import load_causal_lm, load_tokenizer
 from areal_mq.engines.sampling import sample_tokens
 from areal_mq.engines.torch_forward import LlamaRunner
 from areal_mq.engines.torch_seq import SeqState, build_output
+from areal_mq.engines.torch_session import SessionKV
 from areal_mq.engines.torch_weights import load_weights_in_place
 from areal_mq.errors import EngineRequestError
 
@@ -72,7 +77,8 @@ class TorchEngine(Engine):
         self.live: dict[str, SeqState] = {}
         self._rate: deque[tuple[float, int]] = deque()
         self.counters = {"steps": 0, "generated_tokens": 0, "prefilled_tokens": 0, "shared_prefill_tokens": 0,
-                         "finished": 0}
+                         "finished": 0, "session_kv_hits": 0, "prefill_tokens_saved": 0}
+        self.sessions = SessionKV(self.cfg.session_kv_max_tokens, self.cfg.session_kv_ttl_s)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -168,6 +174,15 @@ class TorchEngine(Engine):
             reserved += seq.reserved
             seq.reset_kv()
             self.rows.append(seq)
+            if seq.request.session and self.sessions.enabled:
+                self._reuse_session_kv(len(self.rows) - 1, seq)
+
+    def _reuse_session_kv(self, slot: int, seq: SeqState) -> None:
+        """Fill `slot` with the KV the session's previous turn left for the prompt's common prefix."""
+        seq.kv_reused = self.sessions.restore(self.cache, slot, seq)
+        if seq.kv_reused:
+            self.counters["session_kv_hits"] += 1
+            self.counters["prefill_tokens_saved"] += seq.kv_reused
 
     def _ready_count(self) -> int:
         r = 0
@@ -239,6 +254,8 @@ class TorchEngine(Engine):
         outputs = []
         for i, reason in sorted(done, reverse=True):  # descending: earlier slots stay valid
             seq = self.rows[i]
+            if seq.request.session and self.sessions.enabled:
+                self.sessions.save(self.cache, i, seq)
             self._remove(i)
             del self.live[seq.request.request_id]
             outputs.append(build_output(seq, reason, self.tokenizer))
@@ -279,6 +296,7 @@ class TorchEngine(Engine):
         self.version = int(version)
         stale = 0
         if self.cfg.kv_on_update == "recompute":
+            self.sessions.clear()  # kept KV of finished turns is as stale as the in-flight KV
             # All KV is invalid, so rows may be re-slotted freely: shortest first resumes decoding soonest.
             self.rows.sort(key=lambda s: len(s.tokens))
             for seq in self.rows:
@@ -300,7 +318,7 @@ class TorchEngine(Engine):
             "kv_reserved_tokens": sum(s.reserved for s in self.rows),
             "kv_capacity_tokens": self.cfg.max_concurrent * self.cache.capacity,
             "kv_bytes": self.cache.nbytes, "max_kv_tokens": self.cfg.max_kv_tokens,
-            "paused": self.paused, **self.counters,
+            "paused": self.paused, **self.counters, **self.sessions.stats(),
         }
 
     def close(self) -> None:

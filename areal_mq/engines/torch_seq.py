@@ -36,6 +36,7 @@ class SeqState:
     versions: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     stop_string: str | None = None
+    kv_reused: int = 0  # prompt tokens whose KV came from the session's previous turn (torch_session.py)
 
     @property
     def ready(self) -> bool:
@@ -91,6 +92,8 @@ def build_output(seq: SeqState, reason: str, tokenizer: Any) -> EngineOutput:
     now_stats: dict[str, Any] = {"prompt_tokens": seq.n_prompt, "output_tokens": len(out)}
     if seq.first_token_at is not None:
         now_stats["ttft_s"] = seq.first_token_at - seq.submitted_at
+    if seq.request.session:
+        now_stats["prefill_tokens_saved"] = seq.kv_reused
     return EngineOutput(
         request_id=seq.request.request_id, prompt_ids=list(seq.tokens[: seq.n_prompt]),
         output_ids=np.asarray(out, dtype=np.int32), logprobs=np.asarray(seq.logprobs, dtype=np.float32),
