@@ -1,0 +1,202 @@
+"""OpenAI chat-completions wire format: validate a request, map it to SamplingSpecs, build the response.
+
+What: `parse_chat(body, limits, model)` checks a decoded JSON body field by field and returns a ChatCall
+(messages, SamplingSpecs for the n choices, logprobs flag, episode id); anything wrong raises ApiError
+carrying the HTTP status and OpenAI-style error JSON `{"error": {"message", "type", "param", "code"}}`.
+`chat_response(...)` renders GenerateResults as a `chat.completion` object.
+Why apart from the server: pure functions, unit-tested without sockets, a broker or a tokenizer.
+Supported: messages (string content or text parts), model, temperature, top_p, max_tokens /
+max_completion_tokens, stop, seed, n, logprobs, top_logprobs = 0, user. Not supported (400): stream,
+top_logprobs > 0 (the engines record only the sampled token's logprob), tools, response_format.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from areal_mq.messages import MAX_SESSION_LEN, GenerateResult, SamplingSpec
+
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+EPISODE_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,%d}$" % MAX_SESSION_LEN)
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
+               "audio", "modalities", "prediction")
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    max_messages: int = 256
+    max_content_chars: int = 200_000  # all messages together
+    max_tokens: int = 1024  # largest max_tokens a request may ask for
+    default_max_tokens: int = 256  # when a request names none
+    max_n: int = 8
+    max_stop: int = 4
+    max_stop_chars: int = 256
+
+
+class ApiError(Exception):
+    """An answer to the client: HTTP `status` and the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatCall:
+    messages: list[dict]
+    samplings: list[SamplingSpec]  # one per choice (n)
+    logprobs: bool
+    episode_id: str  # "" = none
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"{name} must be a number, got {type(value).__name__}", name, "invalid_type")
+    if not (low < value if low_open else low <= value) or value > high:
+        raise bad(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}", name)
+    return float(value)
+
+
+def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"{name} must be an integer, got {type(value).__name__}", name, "invalid_type")
+    if not low <= value <= high:
+        raise bad(f"{name} must be between {low} and {high}, got {value}", name)
+    return value
+
+
+def _content(msg: dict, i: int) -> str:
+    content = msg.get("content")
+    if content is None and msg.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content",
+              "invalid_type")
+
+
+def parse_messages(value: Any, limits: ApiLimits) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages must be a non-empty array of {role, content} objects", "messages",
+                  "invalid_type" if value is not None else "missing_required_parameter")
+    if len(value) > limits.max_messages:
+        raise bad(f"at most {limits.max_messages} messages, got {len(value)}", "messages")
+    out, chars = [], 0
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+            raise bad(f"messages[{i}] must be an object with role one of {sorted(ROLES)}", f"messages[{i}].role")
+        text = _content(msg, i)
+        chars += len(text)
+        role = "system" if msg["role"] == "developer" else msg["role"]
+        out.append({"role": role, "content": text})
+    if chars > limits.max_content_chars:
+        raise bad(f"messages hold {chars} characters, more than {limits.max_content_chars}", "messages")
+    return out
+
+
+def _stop(body: dict, limits: ApiLimits) -> list[str]:
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad("stop must be a non-empty string or an array of them", "stop", "invalid_type")
+    if len(stops) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in stops):
+        raise bad(f"stop: at most {limits.max_stop} strings of at most {limits.max_stop_chars} characters", "stop")
+    return stops
+
+
+def _episode_id(body: dict, header: str | None) -> str:
+    value = header if header else body.get("user")
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str) or not EPISODE_ID.match(value):
+        raise bad(f"episode id (X-Episode-Id header or user) must be 1-{MAX_SESSION_LEN} characters of "
+                  "A-Z a-z 0-9 _ . : @ -", "user")
+    return value
+
+
+def _check_unsupported(body: dict, limits: ApiLimits) -> None:
+    if body.get("stream"):
+        raise bad("stream: true is not supported by this endpoint; send stream: false", "stream", "unsupported_value")
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, [], {}):
+            raise bad(f"{name} is not supported by this endpoint", name, "unsupported_parameter")
+    if _int(body, "top_logprobs", 0, 0, 20):
+        raise bad("top_logprobs > 0 is not supported: the engines record only the sampled token's logprob; use "
+                  "logprobs: true", "top_logprobs", "unsupported_value")
+
+
+def parse_chat(body: Any, limits: ApiLimits, model: str, episode_header: str | None = None) -> ChatCall:
+    """Validate a decoded /v1/chat/completions body; ApiError (400/404) names the first bad field."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise bad("model is required (GET /v1/models lists it)", "model", "missing_required_parameter")
+    if name != model:
+        raise ApiError(404, f"the model {name[:200]!r} does not exist here; this endpoint serves {model!r}",
+                       "model", "model_not_found")
+    messages = parse_messages(body.get("messages"), limits)
+    _check_unsupported(body, limits)
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
+    max_tokens = _int(body, "max_completion_tokens", None, 1, limits.max_tokens)
+    max_tokens = max_tokens or _int(body, "max_tokens", limits.default_max_tokens, 1, limits.max_tokens)
+    n = _int(body, "n", 1, 1, limits.max_n)
+    seed = _int(body, "seed", None, -(2 ** 63), 2 ** 63 - 1)
+    spec = dict(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+                max_new_tokens=max_tokens, stop_strings=_stop(body, limits))
+    samplings = [SamplingSpec(**spec, seed=None if seed is None else (seed + i) % 2 ** 63) for i in range(n)]
+    return ChatCall(messages, samplings, logprobs, _episode_id(body, episode_header))
+
+
+def _logprobs(result: GenerateResult, decode: Callable[[list[int]], str]) -> dict:
+    content = []
+    for tok, lp in zip(result.output_ids.tolist(), result.logprobs.tolist()):
+        text = decode([tok])
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def chat_response(model: str, prompt_tokens: int, results: list[GenerateResult], want_logprobs: bool,
+                  decode: Callable[[list[int]], str]) -> dict:
+    """A `chat.completion` object for the n results of one call (in choice order)."""
+    choices = []
+    for i, r in enumerate(results):
+        choices.append({"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                        "finish_reason": "length" if r.finish_reason == "length" else "stop",
+                        "logprobs": _logprobs(r, decode) if want_logprobs else None})
+    completion = sum(len(r.output_ids) for r in results)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "system_fingerprint": None,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion}}
+
+
+def models_response(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "areal-mq"}]}
