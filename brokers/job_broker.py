@@ -47,9 +47,10 @@ from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
 from .sticky import StickySessions
 
-DEFAULT_SERVICE = {Kind.GENERATE_REQUEST: "generate", Kind.REWARD_JOB: "reward"}
-REPLY_KINDS = {Kind.GENERATE_RESULT, Kind.REWARD_RESULT, Kind.ERROR}
-EXPECTED_REPLY = {Kind.GENERATE_REQUEST: Kind.GENERATE_RESULT, Kind.REWARD_JOB: Kind.REWARD_RESULT}
+DEFAULT_SERVICE = {Kind.GENERATE_REQUEST: "generate", Kind.REWARD_JOB: "reward", Kind.EPISODE_JOB: "agent"}
+REPLY_KINDS = {Kind.GENERATE_RESULT, Kind.REWARD_RESULT, Kind.EPISODE_RESULT, Kind.ERROR}
+EXPECTED_REPLY = {Kind.GENERATE_REQUEST: Kind.GENERATE_RESULT, Kind.REWARD_JOB: Kind.REWARD_RESULT,
+                  Kind.EPISODE_JOB: Kind.EPISODE_RESULT}
 TASK_SCAN = 1024  # queued jobs one dispatch looks through for a task a free worker serves (then they wait)
 RCVHWM = 1000  # messages buffered per peer before ZeroMQ stops reading its connection (the peer queues)
 # Plain-int socket flags: pyzmq's flag enums cost an Enum operation per frame on the hot path.
@@ -104,6 +105,9 @@ def reply_problem(job: JobState, msg: Message) -> str | None:
             return f"rewards must be finite numbers, got {[r for r in msg.rewards if not math.isfinite(r)][:3]}"
     elif kind == Kind.GENERATE_RESULT and not math.isfinite(msg.logprobs.sum(dtype=np.float64)):
         return "logprobs must be finite numbers"  # a float64 sum of float32 values is finite iff they all are
+    elif kind == Kind.EPISODE_RESULT and not (math.isfinite(msg.seq.reward) and
+                                               math.isfinite(msg.seq.logprobs.sum(dtype=np.float64))):
+        return "an episode's reward and logprobs must be finite numbers"
     return None
 
 
@@ -413,7 +417,10 @@ class JobBroker:
         return best
 
     def _freed(self, worker: WorkerState) -> None:
-        """`worker` has credit again: first the jobs parked waiting for it (their sessions), then its queue."""
+        """`worker` has credit again: first the jobs parked waiting for it (their sessions), then its queue.
+        A worker now draining (capacity 0) frees nothing: its parked jobs go back to the queue's front."""
+        if worker.capacity <= 0:
+            self._requeue_front(worker.service, self.sticky.release(worker.ident))
         while worker.free > 0:
             job_id = self.sticky.next_parked(worker.ident)
             if job_id is None:
@@ -444,9 +451,7 @@ class JobBroker:
         self.by_service[service].pop(ident, None)
         self.restricted[service] -= bool(worker.tasks)
         requeued = 0
-        for job_id in reversed(self.sticky.forget_worker(ident)):  # parked on it: now any worker
-            if job_id in self.jobs:
-                self.queues.setdefault(service, collections.deque()).appendleft(job_id)
+        self._requeue_front(service, self.sticky.forget_worker(ident))  # parked on it: now any worker
         for job_id in sorted(worker.in_flight, reverse=True):
             job = self.jobs.get(job_id)
             if job is not None:
@@ -461,6 +466,13 @@ class JobBroker:
             if not self.queues.get(service, True):
                 del self.queues[service]
         self._dispatch(service)
+
+    def _requeue_front(self, service: str, job_ids: list[str]) -> None:
+        """Put `job_ids` (oldest first) back at the front of their queue, in order."""
+        queue = self.queues.setdefault(service, collections.deque()) if job_ids else None
+        for job_id in reversed(job_ids):
+            if job_id in self.jobs:
+                queue.appendleft(job_id)
 
     def tick(self, now: float) -> None:
         if self.sticky.due(now):

@@ -84,11 +84,15 @@ class StickySessions:
         """Whether some parked job's wait may have run out (cheap: the broker asks on every tick)."""
         return bool(self.deadlines) and self.deadlines[0][0] <= now
 
+    def release(self, ident: bytes) -> list[str]:
+        """The jobs parked on `ident` (removed), oldest first: it will free no slot for them (draining)."""
+        return list(self.waiting.pop(ident, {}))
+
     def forget_worker(self, ident: bytes) -> list[str]:
         """Forget a dropped worker's sessions; return the jobs parked on it, oldest first."""
         for session in self.by_worker.pop(ident, ()):
             self.routes.pop(session, None)
-        return list(self.waiting.pop(ident, {}))
+        return self.release(ident)
 
     def parked_count(self) -> int:
         return sum(len(p) for p in self.waiting.values())

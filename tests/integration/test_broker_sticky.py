@@ -11,7 +11,7 @@ import time
 import pytest
 
 from areal_mq import protocol
-from areal_mq.messages import Disconnect, GenerateRequest, GenerateResult, Heartbeat
+from areal_mq.messages import Disconnect, GenerateRequest, GenerateResult, Heartbeat, Ready
 
 from .test_broker_replies import Harness
 
@@ -187,3 +187,14 @@ def test_jobs_parked_on_a_worker_that_dies_go_to_another(make):
     assert h.broker.stats()["sticky_waiting"] == 0 and h.broker.stats()["queued"]["generate"] == 1
     _answer(b, turn1)
     assert _take(h, {"B": b}) == ("B", turn2)
+
+
+def test_jobs_parked_on_a_draining_worker_go_to_another_at_once(make):
+    h = make(sticky_wait_s=30.0)
+    client, a, b, _ = _home_full_other_free(h)
+    turn2 = _submit(h, client, "s")
+    h.pump(0.1)
+    assert h.broker.stats()["sticky_waiting"] == 1
+    a.send_multipart(protocol.encode(Ready(service="generate", capacity=0, worker_id="A")))  # drain
+    assert _take(h, {"A": a, "B": b}) == ("B", turn2)  # not after the 30 s wait
+    assert h.broker.stats()["sticky_waiting"] == 0

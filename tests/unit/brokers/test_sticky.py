@@ -44,3 +44,11 @@ def test_a_dropped_worker_is_forgotten_and_its_parked_jobs_handed_back():
     assert s.forget_worker(b"A") == ["j1"]
     assert s.home("s1") is None and s.home("s2") == b"B" and s.expired(9.0) == []
     assert s.forget_worker(b"never-seen") == []
+
+
+def test_release_hands_back_parked_jobs_but_keeps_sessions():
+    s = StickySessions(max_sessions=10, wait_s=1.0)
+    s.remember("s1", b"A")
+    s.park("j1", b"A", capacity=2, now=0.0)
+    s.park("j2", b"A", capacity=2, now=0.0)
+    assert s.release(b"A") == ["j1", "j2"] and s.home("s1") == b"A" and s.expired(9.0) == []
