@@ -239,3 +239,18 @@ def test_of_several_queued_announcements_only_the_newest_is_loaded(tmp_path):
         w.on_signal(_ready(tmp_path, v))
     w.on_tick()
     assert engine.loads == [5] and engine.submitted == ["a"]
+
+
+def test_the_session_of_a_request_reaches_the_engine(tmp_path):
+    """Turns of one episode carry GenerateRequest.session; the engine needs it to reuse the previous turn's KV."""
+    seen = []
+
+    class Recording(FakeEngine):
+        def submit(self, request):
+            seen.append((request.request_id, request.session))
+            super().submit(request)
+
+    w = _worker(tmp_path, Recording())
+    w.on_job(Job("t1", GenerateRequest(prompt_ids=[1, 2], session="ep-7")))
+    w.on_job(_job("plain"))
+    assert seen == [("t1", "ep-7"), ("plain", "")]
