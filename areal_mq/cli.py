@@ -6,6 +6,7 @@
     areal-mq config show FILE [--set a.b=v]
     areal-mq events tail [RUN_DIR] [--follow] [--bus tcp://... --keys DIR] [--role R] [--event 'glob'] [KEY=VALUE ...]
     areal-mq keys generate DIR [--name rollout-host7]  # CURVE keys for multi-host runs and external workers
+    areal-mq serve-openai --config FILE [--host 127.0.0.1] [--port 8000]  # OpenAI-compatible endpoint (docs/openai.md)
 """
 from __future__ import annotations
 
@@ -100,6 +101,33 @@ def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, rewa
     try:
         code = getattr(importlib.import_module(module), func)(cfg, worker_id) or 0
     except (SecurityError, ConfigError) as exc:  # e.g. a metrics sink whose package is missing
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+@app.command("serve-openai")
+def serve_openai(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt,
+                 host: str = typer.Option("127.0.0.1", help="Interface to bind (loopback by default)."),
+                 port: int = typer.Option(8000, help="TCP port (0: any free port; the address is printed)."),
+                 broker: Optional[str] = typer.Option(None, help="Job broker address (default: brokers.job_port "
+                                                      "of the config)."),
+                 api_key_env: str = typer.Option("AREAL_MQ_OPENAI_KEY", help="Environment variable holding the API "
+                                                 "key clients must send (Bearer); required off loopback."),
+                 max_tokens: int = typer.Option(1024, help="Largest max_tokens a request may ask for."),
+                 timeout: float = typer.Option(300.0, help="Seconds one call may wait for its generation."),
+                 insecure: bool = InsecureOpt) -> None:
+    """Serve /v1/chat/completions and /v1/models backed by the job broker; record episodes (docs/openai.md)."""
+    import os
+
+    from areal_mq.errors import ArealError
+    from areal_mq.openai_server import serve, serve_config
+
+    cfg = _load(config, set_, insecure)
+    try:
+        scfg = serve_config(cfg, host, port, os.environ.get(api_key_env, ""), max_tokens, timeout)
+        code = serve(cfg, scfg, broker)
+    except (ArealError, OSError) as exc:  # a taken port, a missing key, an unknown model
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     raise typer.Exit(code)
