@@ -154,6 +154,8 @@ class TorchEngine(Engine):
     # -- stepping --------------------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        if self.sessions.entries:
+            self.sessions.expire()  # an idle engine frees kept KV on time too
         if self.paused or not self.has_work():
             return []
         self._admit()

@@ -131,3 +131,14 @@ def test_session_store_is_bounded_by_tokens_lru_and_ttl():
 def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0
     assert common_prefix([1, 2], [1, 2]) == 2
+
+
+def test_an_idle_engine_drops_kept_kv_after_its_ttl(make_engine, prompts):
+    engine = make_engine(session_kv_max_tokens=4096, session_kv_ttl_s=30.0)
+    now = [0.0]
+    engine.sessions.clock = lambda: now[0]
+    _run(engine, "t1", prompts[1], 4, session="ep")
+    engine.step()
+    assert engine.stats()["session_kv_entries"] == 1
+    now[0] = 31.0
+    assert engine.step() == [] and engine.stats()["session_kv_entries"] == 0
