@@ -2,7 +2,7 @@
 
     areal-mq run configs/quickstart.yaml              # the whole system on one host
     areal-mq broker --config FILE [--only job,bus,store]
-    areal-mq worker ROLE --config FILE [--set a.b=v]  # ROLE: rollout, reward, trainer, controller, echo
+    areal-mq worker ROLE --config FILE [--set a.b=v]  # ROLE: rollout, reward, trainer, controller, agent, echo
     areal-mq config show FILE [--set a.b=v]
     areal-mq events tail [RUN_DIR] [--follow] [--bus tcp://... --keys DIR] [--role R] [--event 'glob'] [KEY=VALUE ...]
     areal-mq keys generate DIR [--name rollout-host7]  # CURVE keys for multi-host runs and external workers
@@ -86,6 +86,8 @@ def broker(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt
 def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, reward, trainer, controller."),
            config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt,
            worker_id: Optional[str] = typer.Option(None, help="Stable id (default: role-host-pid)."),
+           workflow: Optional[str] = typer.Option(None, help="agent only: a built-in workflow (single, "
+                                                  "multi_turn_retry, tool_calc) or module:function (= agent.workflow)."),
            insecure: bool = InsecureOpt) -> None:
     """Start one worker process of ROLE, connected to the brokers in the config."""
     import importlib
@@ -96,7 +98,10 @@ def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, rewa
     if role not in ROLES:
         typer.echo(f"error: unknown role {role!r}; available: {', '.join(sorted(ROLES))}", err=True)
         raise typer.Exit(2)
-    cfg = _load(config, set_, insecure)
+    if workflow is not None and role != "agent":
+        typer.echo(f"error: --workflow is for the agent role, not {role!r}", err=True)
+        raise typer.Exit(2)
+    cfg = _load(config, [*(set_ or []), *([f"agent.workflow={workflow}"] if workflow else [])], insecure)
     module, func = ROLES[role].split(":")
     try:
         code = getattr(importlib.import_module(module), func)(cfg, worker_id) or 0

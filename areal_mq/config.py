@@ -20,6 +20,7 @@ from areal_mq.data.config import DataConfig
 from areal_mq.engines.config import EngineConfig
 from areal_mq.errors import ConfigError
 from areal_mq.rewards.config import RewardConfig
+from areal_mq.workflows.config import AgentConfig
 
 
 class _Section(BaseModel):
@@ -180,6 +181,7 @@ class LauncherConfig(_Section):
 
     rollout_workers: int = Field(1, ge=1, description="Rollout worker processes.")
     reward_workers: int = Field(1, ge=1, description="Reward worker processes.")
+    agent_workers: int = Field(1, ge=1, description="Agent worker processes (started only when agent.workflow is set).")
     on_child_death: Literal["restart", "stop"] = Field("stop", description="What to do when a child process dies.")
     max_restarts: int = Field(3, ge=0, description="Restarts per child before the run stops.")
     threads: dict[str, int] = Field(default_factory=dict, description="torch threads per role (rollout, trainer, ...).")
@@ -210,6 +212,7 @@ class RunConfig(_Section):
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":

@@ -109,9 +109,11 @@ class Launcher:
         kids = [Child("broker", "broker", [*base, "broker", "--config", str(config_path)],
                       self.run_dir / "logs" / "broker.log")]
         roles = [("reward", lc.reward_workers), ("rollout", lc.rollout_workers), ("trainer", 1), ("controller", 1)]
+        if cfg.agent.workflow:  # multi-turn episodes: the controller sends EpisodeJobs to the agent role
+            roles.insert(2, ("agent", lc.agent_workers))
         for role, count in roles:
             for i in range(count):
-                name = f"{role}-{i}" if count > 1 or role in ("reward", "rollout") else role
+                name = f"{role}-{i}" if count > 1 or role in ("reward", "rollout", "agent") else role
                 env = {}
                 if role in lc.threads:
                     env = {"OMP_NUM_THREADS": str(lc.threads[role]), "MKL_NUM_THREADS": str(lc.threads[role])}

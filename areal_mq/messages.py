@@ -16,6 +16,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 PROTOCOL_VERSION = 1
 MAX_READY_TASKS = 256  # Ready.tasks entries; a worker serving more advertises none (= anything)
 MAX_SESSION_LEN = 128  # GenerateRequest.session characters (a routing and cache key, never a payload)
+MAX_EPISODE_TOKENS = 1 << 16  # SeqSample.loss_mask / EpisodeResult: tokens after the prompt of one episode
+MAX_PROBLEM_CHARS = 1 << 16  # EpisodeJob.prompt and answer characters
 
 
 def _array_of(dtype: str):
@@ -71,6 +73,8 @@ class Kind(str, enum.Enum):
     ERROR = "error"
     STATS_REQUEST = "stats_request"
     STATS = "stats"
+    EPISODE_JOB = "episode_job"
+    EPISODE_RESULT = "episode_result"
 
 
 class Message(BaseModel):
@@ -268,9 +272,12 @@ class RewardResult(Message):
 
 # ---------------------------------------------------------------- samples
 class SeqSample(BaseModel):
-    """One rewarded sequence inside a Sample group.
+    """One rewarded sequence inside a Sample group (a single answer, or a whole multi-turn episode).
 
     prompt_ids  # [P] int32;  output_ids/logprobs/versions  # [T]
+    loss_mask   # [T] uint8 or None: 1 = a model-generated token (trained), 0 = an environment token inside
+                # the episode (feedback, tool output: version -1, logprob 0, never trained). None = every
+                # output token was generated (single-turn; today's behaviour).
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
@@ -281,10 +288,28 @@ class SeqSample(BaseModel):
     reward: float
     finish_reason: str = "stop"
     info: dict[str, Any] = Field(default_factory=dict)
+    loss_mask: UInt8Array | None = None
 
     @model_validator(mode="after")
     def _same_lengths(self) -> "SeqSample":
-        return same_token_lengths(self)
+        same_token_lengths(self)
+        if self.loss_mask is not None:
+            check_loss_mask(self.loss_mask, self.versions)
+        return self
+
+
+def check_loss_mask(mask: np.ndarray, versions: np.ndarray) -> None:
+    """A loss mask has one 0/1 per output token (at most MAX_EPISODE_TOKENS); trained tokens carry a real
+    policy version (>= 0) and environment tokens version -1, so staleness never counts an environment token."""
+    if len(mask) != len(versions):
+        raise ValueError(f"loss_mask has {len(mask)} entries for {len(versions)} output tokens (one per token)")
+    if len(mask) > MAX_EPISODE_TOKENS:
+        raise ValueError(f"{len(mask)} output tokens exceed MAX_EPISODE_TOKENS ({MAX_EPISODE_TOKENS})")
+    if mask.size and int(mask.max()) > 1:
+        raise ValueError("loss_mask entries must be 0 (environment token) or 1 (generated token)")
+    gen = mask.astype(bool)
+    if (versions[gen] < 0).any() or (versions[~gen] != -1).any():
+        raise ValueError("generated tokens (mask 1) need versions >= 0 and environment tokens (mask 0) version -1")
 
 
 class Sample(Message):
@@ -301,8 +326,9 @@ class Sample(Message):
     meta: dict[str, Any] = Field(default_factory=dict)
 
     def oldest_version(self) -> int:
-        """Smallest policy version among generated tokens (-1 if nothing was generated)."""
-        mins = [int(s.versions.min()) for s in self.seqs if len(s.versions)]
+        """Smallest policy version among generated tokens (-1 if nothing was generated). Environment tokens of
+        an episode (version -1) are not generated: an episode is as stale as its oldest GENERATED token."""
+        mins = [int(v.min()) for s in self.seqs if len(v := s.versions[s.versions >= 0])]
         return min(mins) if mins else -1
 
 
@@ -459,6 +485,48 @@ class Error(Message):
     ref_id: str = ""
 
 
+# ---------------------------------------------------------------- multi-turn episodes (areal_mq/workflows)
+class EpisodeJob(Message):
+    """controller -> job broker (service "agent") -> agent worker: run one episode of the agent's workflow.
+
+    The workflow is the code the agent's operator named (--workflow / agent.workflow); nothing here selects
+    code. prompt_ids  # [P] int32, the problem's chat-templated first prompt (the controller's formatter).
+    episode_id is also the `session` of every turn's GenerateRequest (sticky routing, KV reuse).
+    Example: EpisodeJob(episode_id="g0000003-p17-e1", group_id="g0000003-p17", sample_index=1,
+                        problem_id="p17", prompt="What is 2 + 3?", answer="5", prompt_ids=[1, 2, 3])
+    """
+
+    kind: ClassVar[Kind] = Kind.EPISODE_JOB
+    direction: ClassVar[str] = "controller -> agent worker"
+    episode_id: str = Field(min_length=1, max_length=MAX_SESSION_LEN)
+    group_id: str = Field("", max_length=256)
+    sample_index: int = Field(0, ge=0)
+    problem_id: str = Field("", max_length=256)
+    prompt: str = Field("", max_length=MAX_PROBLEM_CHARS)
+    answer: str = Field("", max_length=MAX_PROBLEM_CHARS)
+    level: int = 0
+    prompt_ids: Int32Array
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    min_version: int = Field(0, ge=0)
+
+
+class EpisodeResult(Message):
+    """agent worker -> job broker -> controller: one finished episode as ONE trained sequence.
+
+    seq: prompt_ids = the first prompt; output_ids/logprobs/versions/loss_mask = every later token in order,
+    model turns (mask 1, their versions and behaviour logprobs) and environment turns (mask 0, version -1,
+    logprob 0); seq.reward is the workflow's reward. turns: model turns generated.
+    Example: EpisodeResult(seq=SeqSample(prompt_ids=[1, 2], output_ids=[5, 9, 6], logprobs=[-0.1, 0, -0.3],
+                                         versions=[3, -1, 4], loss_mask=[1, 0, 1], reward=0.5), turns=2)
+    """
+
+    kind: ClassVar[Kind] = Kind.EPISODE_RESULT
+    direction: ClassVar[str] = "agent worker -> controller"
+    seq: SeqSample
+    turns: int = Field(0, ge=0, le=10_000)
+    worker_id: str = Field("", max_length=128)
+
+
 class StatsRequest(Message):
     """client -> broker: report your queues, workers and counters. Answered with Stats."""
 
@@ -479,6 +547,6 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
     for cls in (
         Ready, Heartbeat, Disconnect, GenerateRequest, GenerateResult, RewardJob, RewardResult,
         Sample, GetBatch, SampleBatch, BatchAck, Ack, WeightsReady, WeightsFetch, WeightsChunk,
-        Control, Event, Error, StatsRequest, Stats,
+        Control, Event, Error, StatsRequest, Stats, EpisodeJob, EpisodeResult,
     )
 }

@@ -37,7 +37,7 @@ ROLES = ("broker", "launcher", "controller", "trainer", "rollout", "reward", "ag
 ANY = frozenset(ROLES)
 # Services owned by one role: only that role may serve them. Other service names may be served by any
 # worker role (user services, the diagnostic echo worker).
-OWNED_SERVICES = {"generate": "rollout", "reward": "reward"}
+OWNED_SERVICES = {"generate": "rollout", "reward": "reward", "agent": "agent"}
 PERMISSIONS: dict[str, frozenset[str]] = {
     "submit": frozenset({"controller", "agent", "launcher"}),  # jobs to the job broker
     "serve": frozenset({"rollout", "reward", "agent", "echo"}),  # READY for a service no role owns

@@ -8,4 +8,5 @@ ROLES: dict[str, str] = {
     "trainer": "areal_mq.workers.trainer:main",
     "controller": "areal_mq.workers.controller:main",
     "echo": "areal_mq.workers.echo:main",
+    "agent": "areal_mq.workers.agent:main",
 }

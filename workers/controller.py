@@ -47,9 +47,10 @@ import numpy as np
 
 from areal_mq.errors import JobFailed
 from areal_mq.ledger import AdmissionLedger
-from areal_mq.messages import (Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample, SamplingSpec,
-                               SeqSample, WeightsReady, length_bucket)
+from areal_mq.messages import (EpisodeResult, Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample,
+                               SamplingSpec, SeqSample, WeightsReady, length_bucket)
 from areal_mq.runtime import Role, RoleLoop
+from areal_mq.workers.controller_episodes import EpisodeAdmission
 
 
 STORE_FULL_RETRY_S = 2.0  # pause before a put the store refused as full is tried again
@@ -87,7 +88,7 @@ class Group:
     unstored: tuple | None = None  # (sample, reward_mean, versions) the store refused while full
 
 
-class Controller(Role):
+class Controller(EpisodeAdmission, Role):
     """A Role without a broker service: its work is admission and answers (JobClient), ticked by the loop.
     Paused (Control pause): admits nothing new; answers, retries and stores go on."""
 
@@ -134,8 +135,8 @@ class Controller(Role):
         self.ledger.admit(group_id)
         group = Group(group_id, problem, self.formatter.ids(problem))
         self.groups[group_id] = group
-        for i in range(self.ctl_cfg.group_size):
-            self._submit_generation(group, i)
+        for i in range(self.ctl_cfg.group_size):  # multi-turn: episodes (controller_episodes.py)
+            (self._submit_episode if self.cfg.agent.workflow else self._submit_generation)(group, i)
 
     def _submit_generation(self, group: Group, index: int) -> None:
         sampling = SamplingSpec(temperature=self.ctl_cfg.temperature, top_p=self.ctl_cfg.top_p,
@@ -154,6 +155,8 @@ class Controller(Role):
             return
         if isinstance(msg, Error):
             self._retry(group, kind, index, f"[{msg.code}] {msg.message}")
+        elif kind == "episode" and isinstance(msg, EpisodeResult):
+            self._on_episode(group, index, msg)
         elif kind == "generate" and isinstance(msg, GenerateResult):
             if (why := nonfinite_reason(msg.logprobs, "logprobs")) is not None:
                 self._fail(group, kind, f"sample {index}: {why}")
@@ -196,6 +199,8 @@ class Controller(Role):
                 continue
             if kind == "generate":
                 self._submit_generation(group, index)
+            elif kind == "episode":
+                self._submit_episode(group, index)
             elif kind == "store":
                 self._put(group, *group.unstored)
             else:

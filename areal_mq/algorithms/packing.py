@@ -20,6 +20,10 @@ What:
   sequences. Forward MUST pass use_cache=False: with a cache the packed-sequence detection is skipped.
   A sequence longer than the budget gets a micro-batch of its own (counted as oversized). The budget
   bounds the row, and on CPU attention over a masked row costs O(row^2): see `max_tokens_per_mb`.
+- Multi-turn episodes (areal_mq/workflows) are ONE sequence each: [first prompt, turn 1, feedback, turn 2, ...]
+  with `loss_mask` over everything after the prompt. Environment tokens (mask 0) are fed to the model as
+  context but are no training targets: the per-token tensors (targets, logprobs, advantages, versions) hold
+  the generated tokens only, and the loss normalises by their count.
 Why: on long-tail length mixes padding wastes most of the compute; packing removes it while the
 loss and gradients stay exactly those of the unpacked computation (tests/unit/algorithms).
 """
@@ -41,7 +45,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class SeqData:
-    """One training sequence. tokens  # [P+T] int64; behav_logp, versions  # [T]."""
+    """One training sequence. tokens  # [P+T] int64; behav_logp, versions  # [T];
+    loss_mask  # [T] or None (all T trained): which of the T tokens after the prompt are trained."""
 
     tokens: np.ndarray
     prompt_len: int
@@ -49,6 +54,18 @@ class SeqData:
     versions: np.ndarray
     advantage: float
     sample_id: str
+    loss_mask: np.ndarray | None = None
+
+    @property
+    def train_idx(self) -> np.ndarray:
+        """Positions (0-based, after the prompt) of the tokens the loss trains on."""
+        if self.loss_mask is None:
+            return np.arange(self.n_gen)
+        return np.flatnonzero(self.loss_mask)
+
+    @property
+    def n_train(self) -> int:
+        return self.n_gen if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
 
     @property
     def length(self) -> int:
@@ -71,11 +88,12 @@ def samples_to_seqs(samples: Sequence["Sample"], cfg: TrainerConfig) -> list[Seq
                     f"sample {sample.sample_id!r} sequence {i} has an empty prompt: its first generated token "
                     "has no context to score it; the controller must send at least one prompt token"
                 )
-            if len(seq.output_ids) == 0:
+            mask = None if seq.loss_mask is None else np.asarray(seq.loss_mask, np.uint8)
+            if len(seq.output_ids) == 0 or (mask is not None and not mask.any()):
                 continue
             tokens = np.concatenate([seq.prompt_ids, seq.output_ids]).astype(np.int64)
             seqs.append(SeqData(tokens, len(seq.prompt_ids), np.asarray(seq.logprobs, np.float32),
-                                np.asarray(seq.versions, np.int64), float(adv), sample.sample_id))
+                                np.asarray(seq.versions, np.int64), float(adv), sample.sample_id, mask))
     return seqs
 
 
@@ -160,7 +178,7 @@ def plan_step(seqs: Sequence[SeqData], cfg: TrainerConfig, world_size: int = 1, 
         else:
             bins = [mine[i:i + cfg.padded_mb_size] for i in range(0, len(mine), cfg.padded_mb_size)]
         plan.minibatches.append(bins)
-        plan.gen_tokens.append(sum(seqs[i].n_gen for i in mini))
+        plan.gen_tokens.append(sum(seqs[i].n_train for i in mini))
         plan.oversized += sum(1 for i in mine if lengths[i] > cfg.max_tokens_per_mb)
     return plan
 
@@ -212,8 +230,8 @@ def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, 
         where = [(r, 0) for r in range(len(chosen))]
     row_idx, col_idx = [], []
     for (r, off), s in zip(where, chosen):
-        cols = off + s.prompt_len - 1 + np.arange(s.n_gen)  # logits at column c score the token at c+1
-        row_idx.append(np.full(s.n_gen, r))
+        cols = off + s.prompt_len - 1 + s.train_idx  # logits at column c score the token at c+1
+        row_idx.append(np.full(len(cols), r))
         col_idx.append(cols)
     rows_np, cols_np = np.concatenate(row_idx), np.concatenate(col_idx)
     keep = np.unique(cols_np)
@@ -228,10 +246,7 @@ def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, 
         attention_mask=mask,
         keep_cols=torch.from_numpy(keep).long(),
         logit_index=torch.from_numpy(logit_index).long(),
-        targets=torch.from_numpy(np.concatenate([s.tokens[s.prompt_len:] for s in chosen])).long(),
-        behav_logp=torch.from_numpy(np.concatenate([s.behav_logp for s in chosen])).float(),
-        advantages=torch.from_numpy(np.concatenate([np.full(s.n_gen, s.advantage) for s in chosen])).float(),
-        versions=torch.from_numpy(np.concatenate([s.versions for s in chosen])).long(),
+        **_trained(chosen),
         n_tokens=sum(s.length for s in chosen),
     )
 
@@ -257,7 +272,8 @@ def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int]) -> MicroBatc
             gen = seqs[i].tokens[p_len:]
             toks.append(gen)
             pos.append(p_len + np.arange(len(gen)))
-            cols.append(np.concatenate([[p0 + p_len - 1], off + np.arange(len(gen) - 1)]).astype(np.int64))
+            cols.append(np.concatenate([[p0 + p_len - 1], off + np.arange(len(gen) - 1)])[seqs[i].train_idx]
+                        .astype(np.int64))
             blocks.append((off, off + len(gen), p0, p0 + p_len))
             order.append(i)
             off += len(gen)
@@ -275,9 +291,21 @@ def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int]) -> MicroBatc
         attention_mask=mask[None, None],
         keep_cols=torch.from_numpy(keep).long(),
         logit_index=torch.from_numpy(np.searchsorted(keep, cols_np)).long(),
-        targets=torch.from_numpy(np.concatenate([s.tokens[s.prompt_len:] for s in chosen])).long(),
-        behav_logp=torch.from_numpy(np.concatenate([s.behav_logp for s in chosen])).float(),
-        advantages=torch.from_numpy(np.concatenate([np.full(s.n_gen, s.advantage) for s in chosen])).float(),
-        versions=torch.from_numpy(np.concatenate([s.versions for s in chosen])).long(),
+        **_trained(chosen),
         n_tokens=off,
     )
+
+
+def _trained(chosen: Sequence[SeqData]) -> dict:
+    """The per-token tensors of the trained tokens of `chosen`, in order (targets, behaviour logprobs,
+    advantages, versions); environment tokens of episodes (loss_mask 0) are left out."""
+    import torch
+
+    idx = [s.train_idx for s in chosen]
+    cat = np.concatenate
+    return {
+        "targets": torch.from_numpy(cat([s.tokens[s.prompt_len:][i] for s, i in zip(chosen, idx)])).long(),
+        "behav_logp": torch.from_numpy(cat([s.behav_logp[i] for s, i in zip(chosen, idx)])).float(),
+        "advantages": torch.from_numpy(cat([np.full(len(i), s.advantage) for s, i in zip(chosen, idx)])).float(),
+        "versions": torch.from_numpy(cat([s.versions[i] for s, i in zip(chosen, idx)])).long(),
+    }

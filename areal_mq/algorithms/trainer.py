@@ -231,7 +231,7 @@ class Trainer:
     def _metrics(self, seqs, samples, sums, weight_max, norms, n_minis) -> dict[str, float]:
         s = dict(zip(_SUMS, sums))
         n = max(s["n_gen"], 1.0)
-        stale = np.concatenate([self.version - q.versions for q in seqs])
+        stale = np.concatenate([self.version - q.versions[q.train_idx] for q in seqs])  # generated tokens only
         rewards = [q.reward for smp in samples for q in smp.seqs]
         out = {
             "loss": s["loss"] / n_minis, "clip_frac": s["clipped"] / n, "entropy": s["entropy_sum"] / n,
