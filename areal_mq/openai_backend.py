@@ -85,7 +85,7 @@ class BrokerBackend:
 
     def _unavailable(self) -> ApiError:
         return ApiError(503, f"the job broker at {getattr(self._client, 'address', '?')} is not answering "
-                        f"(silent {self._silent_s:.1f}s since the last contact or reconnect): is it running, and is this server's agent key in its "
+                        f"(no answer to heartbeats for over {self.silent_after_s:g}s): is it running, and is this server's agent key in its "
                         "key directory?", None, "broker_unavailable", "server_error")
 
     def _run(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import re
 import socket
 import threading
@@ -248,7 +249,7 @@ def serve(cfg: Any, serve_cfg: ServeConfig, broker: str | None = None, ready=Non
     from areal_mq.events import make_logger
     from areal_mq.security import Keyring, warn_if_insecure
 
-    worker_id = f"openai-{socket.gethostname()}-{serve_cfg.port}"
+    worker_id = f"openai-{socket.gethostname()}-{os.getpid()}"
     keys = Keyring.from_config(cfg, "agent")
     log, sink = make_logger(cfg, "agent", worker_id, keys=keys)
     warn_if_insecure(keys, log)
