@@ -64,16 +64,26 @@ class BrokerBackend:
                                   session=session, group_id="openai")
             self._inbox.put((msg, fut, deadline))
             futures.append(fut)
-        return [self._result(f, deadline) for f in futures]
+        try:
+            return [self._result(f, deadline) for f in futures]
+        finally:
+            for f in futures:  # a choice failed: its siblings are not waited for either
+                f.cancel()
 
     def _result(self, fut: Future, deadline: float) -> GenerateResult:
-        try:
-            msg = fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-        except (FutureTimeout, TimeoutError):
-            if self.broker_silent():
-                raise self._unavailable() from None
-            raise ApiError(504, "no rollout worker answered in time (all busy, or none running); try again",
-                           None, "timeout", "server_error") from None
+        """Wait in slices: a broker that goes silent mid-call fails the call now (503), not at its deadline."""
+        while True:
+            try:
+                msg = fut.result(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+                break
+            except (FutureTimeout, TimeoutError):
+                if self.broker_silent():
+                    fut.cancel()  # the owner thread forgets it: no resubmission once the broker is back
+                    raise self._unavailable() from None
+                if time.monotonic() >= deadline:
+                    fut.cancel()
+                    raise ApiError(504, "no rollout worker answered in time (all busy, or none running); try "
+                                   "again", None, "timeout", "server_error") from None
         if isinstance(msg, Error):
             status, code = ERROR_STATUS.get(msg.code, (502, "broker_error"))
             raise ApiError(status, f"job broker: [{msg.code}] {msg.message[:500]}", None, code,
@@ -85,8 +95,8 @@ class BrokerBackend:
 
     def _unavailable(self) -> ApiError:
         return ApiError(503, f"the job broker at {getattr(self._client, 'address', '?')} is not answering "
-                        f"(no answer to heartbeats for over {self.silent_after_s:g}s): is it running, and is this server's agent key in its "
-                        "key directory?", None, "broker_unavailable", "server_error")
+                        f"(no answer to heartbeats for over {self.silent_after_s:g}s): is it running, and is this "
+                        "server's agent key in its key directory?", None, "broker_unavailable", "server_error")
 
     def _run(self) -> None:
         client = self._client
@@ -98,7 +108,8 @@ class BrokerBackend:
                     self.log.exception("openai.backend_error", error=repr(exc)[:300])
                 time.sleep(self.poll_s)
         for fut, _ in self._jobs.values():
-            fut.set_exception(ApiError(503, "the server is stopping", None, "shutting_down", "server_error"))
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(ApiError(503, "the server is stopping", None, "shutting_down", "server_error"))
 
     def _step(self, client: Any) -> None:
         while True:
@@ -106,16 +117,19 @@ class BrokerBackend:
                 msg, fut, deadline = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            if fut.cancelled():
+                continue
             self._jobs[client.submit(msg, service="generate")] = (fut, deadline)
         for job_id, answer in client.poll(self.poll_s):
             entry = self._jobs.pop(job_id, None)
-            if entry is not None:
+            if entry is not None and entry[0].set_running_or_notify_cancel():
                 entry[0].set_result(answer)
         now = time.monotonic()
         # silent past the liveness window, or reconnected and not heard since (a reconnect restarts the clock)
         self._silent_s = client.link.silent_s(now)
         self._down = client.link.delay > 0 or self._silent_s > self.silent_after_s
-        for job_id in [j for j, (_, dl) in self._jobs.items() if now > dl]:
+        for job_id in [j for j, (f, dl) in self._jobs.items() if now > dl or f.cancelled()]:
             fut, _ = self._jobs.pop(job_id)
             client.pending.pop(job_id, None)  # no more resubmissions of a call nobody waits for
-            fut.set_exception(TimeoutError())
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(TimeoutError())
