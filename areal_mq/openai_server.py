@@ -169,7 +169,7 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(413, f"request body of {length} bytes exceeds {limit} bytes", None, "request_too_large")
         try:
             return json.loads(self.rfile.read(int(length)))
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; nesting bombs recurse
             raise ApiError(400, f"the body is not valid JSON: {str(exc)[:200]}", None, "invalid_json") from None
 
     def _reply(self, status: int, doc: dict) -> None:

@@ -119,6 +119,7 @@ def test_malformed_and_oversized_bodies_and_unknown_routes(endpoint):
     server, _ = endpoint
     assert raw(server, "POST", "/v1/chat/completions", b"{not json")[0] == 400
     assert raw(server, "POST", "/v1/chat/completions", b"\xff\xfe")[0] == 400
+    assert raw(server, "POST", "/v1/chat/completions", b"[" * 500_000)[0] == 400  # nesting bomb
     big = b" " * ((1 << 20) + 1)
     status, doc = raw(server, "POST", "/v1/chat/completions", big)
     assert status == 413 and doc["error"]["code"] == "request_too_large"
