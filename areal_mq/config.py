@@ -217,8 +217,10 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         from areal_mq.algorithms.config import validate_off_policy
+        from areal_mq.sim.config import check_time_scales
 
         validate_off_policy(self.controller.max_staleness, self.trainer)
+        check_time_scales(self.rollout.engine.kind, self.rollout.engine.sim, self.trainer.sim)
         if abs(self.trainer.temperature - self.controller.temperature) > 1e-9:
             raise ConfigError(
                 f"trainer.temperature ({self.trainer.temperature}) must equal controller.temperature "

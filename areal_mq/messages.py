@@ -400,14 +400,15 @@ class WeightsReady(Message):
     """trainer -> signal bus (topic "weights") -> rollout workers: policy `version` is published.
 
     mode "disk": safetensors dir at `path`; "zmq": fetch from `endpoint` with WeightsFetch;
-    "base": the initial model, nothing to fetch.
+    "base": the initial model, nothing to fetch; "sim": a simulated trainer's version (trainer.sim), no weights
+    exist: a simulated engine models the load pause, any other engine refuses it.
     Example: WeightsReady(version=4, mode="disk", path="/runs/r1/weights/v4")
     """
 
     kind: ClassVar[Kind] = Kind.WEIGHTS_READY
     direction: ClassVar[str] = "trainer -> rollout workers"
     version: int = Field(ge=0)
-    mode: Literal["disk", "zmq", "base"] = "disk"
+    mode: Literal["disk", "zmq", "base", "sim"] = "disk"
     path: str = ""
     endpoint: str = ""
     num_chunks: int = 0

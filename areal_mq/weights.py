@@ -343,6 +343,8 @@ def resolve(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig", time
         raise WeightsRefused(why)
     if ready.mode == "disk":
         return {"path": ready.path}
+    if ready.mode == "sim":
+        return {}  # a simulated trainer's version: nothing to fetch (only a simulated engine accepts it)
     return {"tensors": load_published(ready, timeout_s, keys)}
 
 
@@ -353,6 +355,10 @@ def check_ready(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig") 
     """None when `ready` points where this run's trainer publishes, else what is wrong with it."""
     if ready.mode == "base":
         return None if not ready.path and not ready.endpoint else "a 'base' WeightsReady names no path or endpoint"
+    if ready.mode == "sim":
+        if not cfg.sim.enabled:
+            return "a 'sim' WeightsReady comes only from a simulated trainer (trainer.sim.enabled) and this run has none"
+        return None if not ready.path and not ready.endpoint else "a 'sim' WeightsReady names no path or endpoint"
     if ready.mode == "disk":
         root = os.path.realpath(Path(run_dir) / "weights")
         path = os.path.realpath(ready.path) if ready.path else ""

@@ -8,5 +8,6 @@ ROLES: dict[str, str] = {
     "trainer": "areal_mq.workers.trainer:main",
     "controller": "areal_mq.workers.controller:main",
     "echo": "areal_mq.workers.echo:main",
+    "swarm": "areal_mq.workers.swarm:main",  # N simulated rollout workers in one process (issue 17)
     "agent": "areal_mq.workers.agent:main",
 }

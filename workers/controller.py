@@ -355,11 +355,22 @@ class Controller(EpisodeAdmission, Role):
         self.log.info("controller.finished", **self.stats())
 
 
+def _formatter(cfg: Any) -> Any:
+    """Prompt -> token ids: the model's chat template, or with simulated GPUs a stand-in (areal_mq/sim/prompts.py)."""
+    if cfg.rollout.engine.kind == "sim":
+        from areal_mq.sim.prompts import SimFormatter
+
+        return SimFormatter()
+    from areal_mq.data.prompts import ChatFormatter
+    from areal_mq.engines.models import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
+    return ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
+
+
 def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.client import JobClient, StoreClient
     from areal_mq.data import build_dataset
-    from areal_mq.data.prompts import ChatFormatter
-    from areal_mq.engines.models import load_tokenizer, resolve_model
     from areal_mq.runtime import WorkerRuntime
 
     rt = WorkerRuntime(cfg, role="controller", service=None, capacity=0, worker_id=worker_id)
@@ -368,8 +379,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
                      retry_s=b.job_retry_s, log=rt.log)
     store = StoreClient(b.store_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s)
     try:
-        tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
-        formatter = ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
+        formatter = _formatter(cfg)
         ctl = Controller(cfg, build_dataset(cfg.data), formatter, jobs, store, rt.log, rt)
         replay = ctl.load_state()
         initial = rt.start()

@@ -233,6 +233,10 @@ class TrainerWorker(Role):
 
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
+    if cfg.trainer.sim.enabled:  # a simulated training step (issue 17): workers/sim_trainer.py
+        from areal_mq.workers.sim_trainer import main as sim_main
+
+        return sim_main(cfg, worker_id)
     from areal_mq.algorithms.trainer import Trainer
     from areal_mq.client import SignalPublisher, StoreClient
     from areal_mq.engines.models import resolve_model

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from areal_mq.errors import ConfigError
+from areal_mq.sim.config import SimTrainerConfig
 
 
 class TrainerConfig(BaseModel):
@@ -101,6 +102,8 @@ class TrainerConfig(BaseModel):
     weight_chunk_mb: float = Field(64.0, gt=0, description="Target size of one WeightsChunk (a tensor is never split).")
     checkpoint_every: int = Field(50, ge=0, description="Checkpoint every N training steps (0: only at shutdown).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in run_dir/checkpoints.")
+    sim: SimTrainerConfig = Field(default_factory=SimTrainerConfig,
+                                  description="A simulated training step instead of this trainer (issue 17).")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":

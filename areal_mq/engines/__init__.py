@@ -18,6 +18,7 @@ ENGINE_MODULES = {
     "torch": "areal_mq.engines.torch_engine",
     "vllm": "areal_mq.engines.vllm_engine",
     "vllm-server": "areal_mq.engines.vllm_engine",
+    "sim": "areal_mq.engines.sim_engine",  # simulated GPU, named timing model (issue 17, areal_mq/sim/timing.py)
 }
 
 

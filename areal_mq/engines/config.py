@@ -6,13 +6,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from areal_mq.engines.vllm_config import VllmEngineConfig
+from areal_mq.sim.config import SimEngineConfig
 
 
 class EngineConfig(BaseModel):
     """Which inference engine a rollout worker runs and how (the `rollout.engine` section)."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["torch", "vllm", "vllm-server"] = Field("torch", description="Inference engine.")
+    kind: Literal["torch", "vllm", "vllm-server", "sim"] = Field(
+        "torch", description="Inference engine (sim: a simulated GPU, see the `sim` section).")
     max_concurrent: int = Field(16, ge=1, description="Maximum sequences decoded at once (the worker's capacity).")
     kv_on_update: Literal["recompute", "keep"] = Field(
         "recompute", description="On a weight update: recompute in-flight KV caches under the new weights, or keep them."
@@ -66,3 +68,5 @@ class EngineConfig(BaseModel):
     vllm: VllmEngineConfig = Field(
         default_factory=VllmEngineConfig, description="engine: vllm / vllm-server settings (CPU backend, server URL)."
     )
+    sim: SimEngineConfig = Field(
+        default_factory=SimEngineConfig, description="engine: sim settings (timing model, lengths, virtual time).")

@@ -1,0 +1,103 @@
+"""The SIMULATED trainer (`trainer.sim.enabled: true`): the real trainer role's store and bus traffic, no model.
+
+What: the same TrainerWorker loop as workers/trainer.py (GetBatch from the real sample store with the
+staleness bound, BatchAck, one WeightsReady per step on the real signal bus), with the training step replaced
+by a sleep of the named timing model's train_step_s(tokens of the batch, trainer.sim.devices) on the virtual
+clock (trainer.sim.time_scale real seconds per simulated second). Versions are published as
+WeightsReady(mode="sim"): there are no weights; simulated engines model the load pause, real engines refuse it.
+Each step's metrics line (run_dir/metrics.jsonl) carries the simulated step time, the batch's tokens and the
+staleness of every trained sequence (version at training minus the oldest version among its tokens) as
+`stale_K` counts, which benchmarks/scale.py reads.
+Why: issue 17 (scale by simulation) — only the GPUs are simulated; store, bus and protocol are real.
+
+    areal-mq worker trainer --config CFG --set trainer.sim.enabled=true   (workers/trainer.py hands over here)
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any, Callable
+
+from areal_mq.messages import WeightsReady
+from areal_mq.sim.timing import timing_model
+from areal_mq.workers.trainer import TrainerWorker
+
+
+class SimTrainer:
+    """Stands where algorithms.trainer.Trainer stands, for TrainerWorker: train_step, version, publish_tensors."""
+
+    is_main = True
+    world_size = 1
+    hf_config_json = ""
+
+    def __init__(self, sim_cfg: Any, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic):
+        self.timing, self.devices, self.scale = timing_model(sim_cfg.timing), sim_cfg.devices, sim_cfg.time_scale
+        self.sleep, self.clock = sleep, clock
+        self.version = 0
+        self.consumed_ids: list[str] = []
+        self.busy_s = 0.0
+        self.started = clock()
+
+    def train_step(self, samples: list[Any]) -> dict:
+        seqs = [seq for s in samples for seq in s.seqs]
+        tokens = sum(len(q.prompt_ids) + len(q.output_ids) for q in seqs)
+        step_s = self.timing.train_step_s(tokens, self.devices)
+        self.sleep(step_s * self.scale)
+        self.busy_s += step_s
+        stale = Counter(self.version - int(q.versions.min()) if len(q.versions) else 0 for q in seqs)
+        self.version += 1
+        self.consumed_ids.extend(s.sample_id for s in samples)
+        metrics = {"version": self.version, "sim_step_s": round(step_s, 4), "sim_busy_s": round(self.busy_s, 4),
+                   "sim_t": round((self.clock() - self.started) / self.scale, 4), "tokens": tokens,
+                   "gen_tokens": sum(len(q.output_ids) for q in seqs), "seqs": len(seqs)}
+        metrics.update({f"stale_{k}": v for k, v in sorted(stale.items())})
+        return metrics
+
+    def publish_tensors(self) -> dict:
+        return {}
+
+
+class SimPublisher:
+    """WeightPublisher's place: announces a version, publishes nothing."""
+
+    def publish(self, version: int, tensors: Any = None, config_json: str = "", snapshot: bool = True) -> WeightsReady:
+        return WeightsReady(version=version, mode="sim", meta={"simulated": True})
+
+    def close(self) -> None:
+        pass
+
+
+class SimTrainerWorker(TrainerWorker):
+    """TrainerWorker without checkpoints (a simulated trainer has no parameters): batches are acked when the
+    real worker would checkpoint them, so the store's lease and ack traffic stays the same."""
+
+    def resume(self) -> None:
+        self.consumed = set()
+
+    def checkpoint(self) -> None:
+        self.ckpt_requested = False
+        self.ack_all()
+
+
+def main(cfg: Any, worker_id: str | None = None) -> int:
+    from areal_mq.client import SignalPublisher, StoreClient
+    from areal_mq.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(cfg, role="trainer", service=None, capacity=0, worker_id=worker_id, topics=("control",))
+    store = bus = None
+    try:
+        rt.start()
+        store = StoreClient(cfg.brokers.store_addr, keys=rt.keys, heartbeat_s=cfg.brokers.heartbeat_s)
+        bus = SignalPublisher(cfg.brokers.bus_in_addr, keys=rt.keys)
+        time.sleep(0.3)  # let the PUB socket connect before the first WeightsReady
+        worker = SimTrainerWorker(cfg, SimTrainer(cfg.trainer.sim), store, bus, SimPublisher(), rt)
+        worker.log_info("trainer.started", version=0, simulated=True, timing=cfg.trainer.sim.timing,
+                        devices=cfg.trainer.sim.devices, total_steps=cfg.controller.total_steps)
+        worker.run()
+        return 0
+    finally:
+        for thing in (store, bus):
+            if thing is not None:
+                thing.close()
+        rt.close(drain_timeout=0)
