@@ -45,7 +45,8 @@ class BrokerBackend:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5.0)
+        if self._thread.is_alive():
+            self._thread.join(5.0)
         if self._client is not None:
             self._client.close()
 

@@ -240,11 +240,20 @@ def serve_config(cfg: Any, host: str, port: int, api_key: str = "", max_tokens: 
                        api=api)
 
 
+def broker_backend(cfg: Any, address: str, keys: Any, log: Any) -> BrokerBackend:
+    """A BrokerBackend whose JobClient uses the run's liveness settings (a broker silent past them: 503)."""
+    from areal_mq.client import JobClient
+
+    b = cfg.brokers
+    return BrokerBackend(lambda: JobClient(address, keys=keys, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
+                                           retry_s=b.job_retry_s, reconnect_max_s=b.reconnect_max_s, log=log),
+                         silent_after_s=b.heartbeat_s * b.liveness, log=log)
+
+
 def serve(cfg: Any, serve_cfg: ServeConfig, broker: str | None = None, ready=None) -> int:
     """Run the endpoint until SIGTERM/SIGINT. `cfg` is the RunConfig (model, brokers, security, events)."""
     import signal
 
-    from areal_mq.client import JobClient
     from areal_mq.engines.models import load_tokenizer, resolve_model
     from areal_mq.events import make_logger
     from areal_mq.security import Keyring, warn_if_insecure
@@ -253,20 +262,18 @@ def serve(cfg: Any, serve_cfg: ServeConfig, broker: str | None = None, ready=Non
     keys = Keyring.from_config(cfg, "agent")
     log, sink = make_logger(cfg, "agent", worker_id, keys=keys)
     warn_if_insecure(keys, log)
-    tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
-    address = broker or cfg.brokers.job_addr
-    b = cfg.brokers
-    backend = BrokerBackend(lambda: JobClient(address, keys=keys, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
-                                              retry_s=b.job_retry_s, reconnect_max_s=b.reconnect_max_s, log=log),
-                            silent_after_s=b.heartbeat_s * b.liveness, log=log)
-    server = OpenAIServer(ChatService(serve_cfg, cfg.model.name, tokenizer, backend, log=log))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="openai-http",
-                              daemon=True)
+    address = broker or cfg.brokers.job_addr
+    backend = broker_backend(cfg, address, keys, log)
+    server = thread = None
     try:
+        tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
+        server = OpenAIServer(ChatService(serve_cfg, cfg.model.name, tokenizer, backend, log=log))
         backend.start()
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="openai-http",
+                                  daemon=True)
         thread.start()
         log.info("openai.listening", url=server.url, model=cfg.model.name, broker=address)
         print(f"areal-mq serve-openai: {server.url} (model {cfg.model.name}, job broker {address})", flush=True)
@@ -275,8 +282,10 @@ def serve(cfg: Any, serve_cfg: ServeConfig, broker: str | None = None, ready=Non
         while not stop.wait(0.5):
             pass
     finally:
-        server.shutdown()
-        server.server_close()
+        if thread is not None:
+            server.shutdown()
+        if server is not None:
+            server.server_close()
         backend.close()
         log.info("openai.stopped")
         sink.close()
