@@ -1,7 +1,7 @@
 """`areal-mq serve-openai` end to end: the official openai client against the real endpoint, backed by a real job
 broker and a real rollout worker (tiny random Llama, real SmolLM2 tokenizer), CURVE keys on (the server speaks
 with the run's agent key). Episodes recorded via header and via `user`; the broker stopped -> 503, restarted ->
-served again.
+served again. An episode's second turn reaches its session's worker (the broker's sticky_hits grows).
 
 Run: pytest tests/integration/test_openai_server.py -q   (~60 s: process starts dominate)
 """
@@ -15,10 +15,11 @@ import urllib.request
 import openai
 import pytest
 
+from areal_mq.client import JobClient
 from areal_mq.config import load_config
 
 from .conftest import broker_up, wait_for, worker_count
-from .procs import Procs, write_config
+from .procs import Procs, keys, write_config
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-random-llama"
@@ -78,11 +79,21 @@ def _two_turns(system, **episode_kw):
                      {"role": "user", "content": "That is wrong, try again."}]
 
 
+def _broker_counters(system) -> dict:
+    client = JobClient(system["cfg"].brokers.job_addr, keys=keys(system["cfg"]))
+    try:
+        return client.stats(10)["counters"]
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("how", ["header", "user"])
 def test_turns_are_recorded_per_episode_and_popped(system, how):
     episode_id = f"ep-{how}"
     kw = {"extra_headers": {"X-Episode-Id": episode_id}} if how == "header" else {"user": episode_id}
+    hits = _broker_counters(system).get("sticky_hits", 0)
     _two_turns(system, **kw)
+    assert _broker_counters(system)["sticky_hits"] > hits  # the second turn went to the session's worker
     ep = episode(system, episode_id)
     assert ep["episode_id"] == episode_id and len(ep["turns"]) == 2 and ep["dropped_turns"] == 0
     first, second = ep["turns"]
