@@ -31,6 +31,7 @@ import numpy as np
 from areal_mq.openai_api import ApiError, ApiLimits, chat_response, models_response, parse_chat
 from areal_mq.openai_backend import BrokerBackend
 from areal_mq.openai_episodes import Choice, EpisodeRecorder, RecorderLimits, Turn
+from areal_mq.security import RateLimited
 
 EPISODE_PATH = re.compile(r"^/v1/episodes/([A-Za-z0-9_.:@-]{1,128})$")
 
@@ -58,6 +59,7 @@ class ChatService:
         self.recorder = recorder or EpisodeRecorder(cfg.episodes)
         self.created = int(time.time())
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share between threads
+        self._limited = RateLimited(log) if log is not None else None  # a client may hit a limit on every call
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         from areal_mq.engines.models import apply_chat_template
@@ -89,9 +91,9 @@ class ChatService:
         if call.episode_id:
             turn = Turn(np.asarray(prompt, dtype=np.int32),
                         [Choice(r.output_ids, r.logprobs, r.versions, r.finish_reason) for r in results])
-            index = self.recorder.record(call.episode_id, turn)
-            if index < 0 and self.log:
-                self.log.warning("openai.turn_not_recorded", episode=call.episode_id, reason="episode limits")
+            if self.recorder.record(call.episode_id, turn) < 0 and self._limited:  # one key: bounded log state
+                self._limited.warning("openai.turn_not_recorded", "turn_not_recorded", episode=call.episode_id,
+                                      reason="episode turn or token limit")
         return chat_response(self.model, len(prompt), results, call.logprobs, self.decode)
 
     def episode(self, episode_id: str, pop: bool) -> dict:
