@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from areal_mq.balance import SplitAdvisor
 from areal_mq.errors import JobFailed
 from areal_mq.ledger import AdmissionLedger
 from areal_mq.messages import (EpisodeResult, Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample,
@@ -114,6 +115,7 @@ class Controller(EpisodeAdmission, Role):
         self.rewards: list[float] = []
         self.started = time.monotonic()
         self.state_path = Path(cfg.run.run_dir) / "controller_state.json"
+        self.advisor, self.store_depth = SplitAdvisor.from_config(cfg), 0  # generation:training split (balance.py)
 
     # ------------------------------------------------------------ admission
     def admit(self) -> int:
@@ -275,7 +277,8 @@ class Controller(EpisodeAdmission, Role):
             return
         self._next_store_poll = now + every_s
         try:
-            dropped = self.store.stats(timeout=5.0).get("dropped_recent", [])
+            store_stats = self.store.stats(timeout=5.0)
+            dropped, self.store_depth = store_stats.get("dropped_recent", []), store_stats.get("pending", 0)
         except Exception as exc:  # a store restarting: ask again next time
             self.log.warning("controller.store_stats_failed", error=str(exc)[:200])
             return
@@ -293,6 +296,7 @@ class Controller(EpisodeAdmission, Role):
         if ready.mode == "base" and self.version > 0:
             self.log.info("controller.base_replay_ignored", version=self.version)
             return
+        self.advisor.weights(ready.meta)
         self.on_weights(ready.version)
 
     def on_weights(self, version: int) -> None:
@@ -318,6 +322,10 @@ class Controller(EpisodeAdmission, Role):
         return state["in_flight_problems"]
 
     def stats(self) -> dict:
+        size = self.ctl_cfg.group_size
+        self.advisor.tick(self.log, in_flight_seqs=sum(size - len(g.results) for g in self.groups.values()),
+                          gen_tokens=self.gen_tokens, completed=self.stored * size, version=self.version,
+                          store_depth=self.store_depth * size)  # the store counts groups
         elapsed = max(1e-6, time.monotonic() - self.started)
         recent = self.rewards[-200:]
         return {"version": self.version, "submitted": self.submitted, "stored": self.stored, "failed": self.failed,

@@ -57,12 +57,25 @@ class SimTrainer:
     def publish_tensors(self) -> dict:
         return {}
 
+    def busy_share(self) -> float:
+        """Busy share of the simulated trainer since the previous call (the controller's split advisor reads it)."""
+        now, busy = (self.clock() - self.started) / self.scale, self.busy_s
+        last_t, last_busy = getattr(self, "_last_share", (0.0, 0.0))
+        self._last_share = (now, busy)
+        return round(min(1.0, (busy - last_busy) / max(1e-9, now - last_t)), 4)
+
 
 class SimPublisher:
-    """WeightPublisher's place: announces a version, publishes nothing."""
+    """WeightPublisher's place: announces a version (with the trainer's busy share), publishes nothing."""
+
+    def __init__(self, trainer: SimTrainer | None = None):
+        self.trainer = trainer
 
     def publish(self, version: int, tensors: Any = None, config_json: str = "", snapshot: bool = True) -> WeightsReady:
-        return WeightsReady(version=version, mode="sim", meta={"simulated": True})
+        meta: dict[str, Any] = {"simulated": True}
+        if self.trainer is not None:
+            meta["train_busy"] = self.trainer.busy_share()
+        return WeightsReady(version=version, mode="sim", meta=meta)
 
     def close(self) -> None:
         pass
@@ -91,7 +104,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         store = StoreClient(cfg.brokers.store_addr, keys=rt.keys, heartbeat_s=cfg.brokers.heartbeat_s)
         bus = SignalPublisher(cfg.brokers.bus_in_addr, keys=rt.keys)
         time.sleep(0.3)  # let the PUB socket connect before the first WeightsReady
-        worker = SimTrainerWorker(cfg, SimTrainer(cfg.trainer.sim), store, bus, SimPublisher(), rt)
+        trainer = SimTrainer(cfg.trainer.sim)
+        worker = SimTrainerWorker(cfg, trainer, store, bus, SimPublisher(trainer), rt)
         worker.log_info("trainer.started", version=0, simulated=True, timing=cfg.trainer.sim.timing,
                         devices=cfg.trainer.sim.devices, total_steps=cfg.controller.total_steps)
         worker.run()

@@ -72,7 +72,8 @@ def simulate(*, admit: Callable[..., bool], n_workers: int, capacity: int, timin
             "samples_per_s": steps * batch_groups * group_size / total_s, "step_ends": run.step_ends,
             "gen_utilization": gen_busy / (n_workers * total_s), "train_utilization": run.train_busy_s / total_s,
             "idle_fraction": 1 - (gen_busy + run.train_busy_s * train_devices) / (devices * total_s),
-            "staleness": run.staleness, "dropped_stale": run.dropped}
+            "staleness": run.staleness, "dropped_stale": run.dropped,
+            "gen_tokens": sum(e.tokens for e in engines), "completed": sum(e.completed for e in engines)}
 
 
 def _admit(run: _Run, admit: Callable[..., bool], eta: int, batch_groups: int, cap_groups: int, size: int) -> None:
