@@ -18,6 +18,8 @@ import json
 import time
 from typing import Any
 
+EVAL_TIMEOUT_S = 24 * 3600.0
+
 
 async def _episodes(cfg: Any, workflow: Any, problems: list, tokenizer: Any, fmt: Any, backend: Any,
                     sampling: Any, progress: bool) -> list:
@@ -32,7 +34,8 @@ async def _episodes(cfg: Any, workflow: Any, problems: list, tokenizer: Any, fmt
         ctx = EpisodeContext(Problem(p.id, p.prompt, str(p.answer), p.level or 0), fmt.ids(p), tokenizer, backend,
                              sampling=sampling, episode_id=f"eval-{p.id}", max_turns=cfg.agent.max_turns,
                              max_tokens=cfg.agent.max_episode_tokens, args=cfg.agent.workflow_args)
-        outcome = await run_episode(workflow, ctx, ctx.problem, cfg.agent.episode_timeout_s)
+        # no episode timeout: all episodes are queued at once, so a late one waits for the engine, not hangs
+        outcome = await run_episode(workflow, ctx, ctx.problem, EVAL_TIMEOUT_S)
         bar.update(1)
         return outcome, ctx.info
 
