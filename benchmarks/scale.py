@@ -45,7 +45,10 @@ def settings(n: int, eta: int, steps: int, lengths: str) -> dict:
             "capacity": CAPACITY, "group_size": GROUP, "train_devices": max(1, n // 3)}
 
 
-def run_all(sizes: list[int], etas: list[int], steps: int, lengths: str, work: Path) -> list[dict]:
+def run_all(sizes: list[int], etas: list[int], steps: int, lengths: str, work: Path,
+            partial: Path | None = None) -> list[dict]:
+    """Every (N, mode) run in turn; a failed run is recorded with its error (and its log tail) and the rest go
+    on; with `partial`, the results so far are written there after each run."""
     from tqdm import tqdm
 
     plan = [settings(n, eta, steps, lengths) for n in sizes for eta in [0, *etas]]
@@ -53,18 +56,24 @@ def run_all(sizes: list[int], etas: list[int], steps: int, lengths: str, work: P
     with tqdm(plan, desc="scale runs", unit="run", file=sys.stderr) as bar:
         for s in bar:
             bar.set_postfix_str(f"N={s['n']} {s['name']}")
-            r = scale_run.run_once(s, work)
+            try:
+                r = scale_run.run_once(s, work)
+            except RuntimeError as exc:
+                log(f"N={s['n']} {s['name']} FAILED: {exc}\n{scale_run.log_tail(work, s)}")
+                results.append({**s, "error": str(exc), "log_tail": scale_run.log_tail(work, s)})
+                continue
             log(f"N={s['n']:>4} {s['name']:<10} {r['samples_per_s']:8.2f} samples/s  idle {r['gpu_idle']:.2f}  "
                 f"broker {r['cpu_pct']['job']}%  p99 {r['dispatch_p99_ms']} ms  real {r['real_window_s']} s")
             results.append(r)
+            common.save({"partial": True, "results": results}, partial)
     return results
 
 
 def ratios(results: list[dict]) -> dict:
     out = {}
-    sync = {r["n"]: r["samples_per_s"] for r in results if r["eta"] == 0}
+    sync = {r["n"]: r["samples_per_s"] for r in results if r["eta"] == 0 and "error" not in r}
     for r in results:
-        if r["eta"] and sync.get(r["n"]):
+        if r["eta"] and sync.get(r["n"]) and "error" not in r:
             r["vs_sync"] = round(r["samples_per_s"] / sync[r["n"]], 3)
     for r in results:
         if r["eta"] == 2 and "vs_sync" in r:
@@ -81,6 +90,9 @@ def table(report: dict) -> str:
                 "p99 dispatch ms", "ctl CPU", "store CPU", "swarm lag p99 ms"):
         t.add_column(col, justify="right")
     for r in report["results"]:
+        if "error" in r:
+            t.add_row(str(r["n"]), r["name"], "failed", *[""] * 8, r["error"][:40])
+            continue
         stale = " ".join(f"{k}:{v}" for k, v in r["staleness"].items())
         t.add_row(str(r["n"]), r["name"], f"{r['samples_per_s']:.2f}", f"{r.get('vs_sync', 1.0):.2f}",
                   f"{r['gpu_idle']:.0%}", stale, f"{r['cpu_pct']['job']}%", f"{r['job_msgs_per_s']:.0f}",
@@ -102,7 +114,7 @@ def plot(report: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for eta in sorted({r["eta"] for r in report["results"]}):
-        rows = [r for r in report["results"] if r["eta"] == eta]
+        rows = [r for r in report["results"] if r["eta"] == eta and "error" not in r]
         label = "sync" if eta == 0 else f"async η={eta}"
         a.plot([r["n"] for r in rows], [r["samples_per_s"] for r in rows], marker="o", label=label)
         b.plot([r["n"] for r in rows], [r["cpu_pct"]["job"] for r in rows], marker="o", label=label)
@@ -136,14 +148,15 @@ def main() -> None:
     etas = [2] if args.quick else [int(x) for x in args.etas.split(",")]
     steps = 4 if args.quick else args.steps
     with tempfile.TemporaryDirectory(prefix="areal-scale-") as tmp:
-        report = common.timed(lambda: {"results": run_all(sizes, etas, steps, args.lengths, Path(tmp))})
+        partial = args.json.with_suffix(".partial.json") if args.json else None
+        report = common.timed(lambda: {"results": run_all(sizes, etas, steps, args.lengths, Path(tmp), partial)})
     report.update(benchmark="scale", quick=args.quick, machine=common.machine(),
                   settings={"sizes": sizes, "etas": etas, "steps": steps, "capacity": CAPACITY, "group_size": GROUP,
                             "timing": "r1-1.5b-h800-roofline", "lengths": args.lengths, "time_scale": SCALE})
     report["ratios"] = ratios(report["results"])
-    big = [r for r in report["results"] if r["n"] == max(sizes)]
-    report["observed"] = {f"broker_cpu_pct_{max(sizes)}": max(r["cpu_pct"]["job"] for r in big),
-                          f"dispatch_p99_ms_{max(sizes)}": max(r["dispatch_p99_ms"] or 0 for r in big)}
+    big = [r for r in report["results"] if r["n"] == max(sizes) and "error" not in r]
+    report["observed"] = {f"broker_cpu_pct_{max(sizes)}": max((r["cpu_pct"]["job"] for r in big), default=None),
+                          f"dispatch_p99_ms_{max(sizes)}": max((r["dispatch_p99_ms"] or 0 for r in big), default=None)}
     report["targets"] = {k: v for k, v in TARGETS.items() if k in report["ratios"]}
     report["targets_other"] = {k: v for k, v in TARGETS.items() if k not in report["ratios"]}
     if args.plot:

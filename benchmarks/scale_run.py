@@ -195,3 +195,12 @@ def dispatch(probe_log: list, t0: float, t1: float) -> dict:
         return {"dispatch_p50_ms": None, "dispatch_p99_ms": None, "probes": 0}
     return {"dispatch_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 2),
             "dispatch_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 2), "probes": int(lat.size)}
+
+
+def log_tail(work: Path, s: dict, lines: int = 6) -> str:
+    """The last lines of each process log of a run (kept in the report: the work directory is temporary)."""
+    out = []
+    for path in sorted((work / f"n{s['n']}-{s['name']}" / "logs").glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        out += [f"{path.name}: {line[:300]}" for line in tail]
+    return "\n".join(out)

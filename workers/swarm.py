@@ -44,6 +44,7 @@ class Swarm:
         sim, eng = cfg.rollout.engine.sim, cfg.rollout.engine
         self.cfg, self.log, self.swarm_id, self.scale = cfg, log, swarm_id, sim.time_scale
         self.ctx = zmq.Context()
+        raise_socket_limits(self.ctx, sim.workers + 8)  # libzmq allows 1,023 sockets per context by default
         self.t0 = time.monotonic()
         self.links, self.workers = [], []
         for i in range(sim.workers):
@@ -195,6 +196,17 @@ class Swarm:
             link.close()
         self.sub.close(0)
         self.ctx.term()
+
+
+def raise_socket_limits(ctx: zmq.Context, sockets: int) -> None:
+    """Room for `sockets` sockets: the context's cap and the process's open-file limit (each TCP socket is a file)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * sockets + 256  # a connected DEALER holds a few descriptors (socket, mailbox, connection)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+    ctx.set(zmq.MAX_SOCKETS, max(ctx.get(zmq.MAX_SOCKETS), sockets))
 
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
