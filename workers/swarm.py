@@ -44,7 +44,9 @@ class Swarm:
         sim, eng = cfg.rollout.engine.sim, cfg.rollout.engine
         self.cfg, self.log, self.swarm_id, self.scale = cfg, log, swarm_id, sim.time_scale
         self.ctx = zmq.Context()
-        raise_socket_limits(self.ctx, sim.workers + 8)  # libzmq allows 1,023 sockets per context by default
+        # libzmq allows 1,023 sockets per context by default; a closed socket's slot is freed later (by the reaper),
+        # so a burst of reconnects needs room for the old and the new socket of every link
+        raise_socket_limits(self.ctx, 2 * (sim.workers + 8))
         self.t0 = time.monotonic()
         self.links, self.workers = [], []
         for i in range(sim.workers):

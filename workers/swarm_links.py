@@ -103,7 +103,10 @@ class SwarmLink:
         return True
 
     def close(self) -> None:
-        send(self.sock, protocol.encode(Disconnect(reason="swarm stopping")))
+        try:
+            send(self.sock, protocol.encode(Disconnect(reason="swarm stopping")))
+        except zmq.ZMQError:  # a socket a failed reconnect left closed: the broker drops us by liveness
+            pass
         self.sock.close(0)
 
 
