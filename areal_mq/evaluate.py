@@ -17,24 +17,31 @@ from pathlib import Path
 from typing import Any
 
 
-def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version: int | None = None,
-             progress: bool = True, max_new_tokens: int | None = None) -> dict:
+def eval_setup(cfg: Any, n: int | None) -> tuple:
+    """(problems, tokenizer, formatter, engine) for a held-out evaluation of `n` problems (default eval.size).
+
+    Greedy outputs do not depend on the batch (per-request streams), so the engine runs wide batches."""
     from areal_mq.data import load_eval_problems
     from areal_mq.data.prompts import ChatFormatter
     from areal_mq.engines import build_engine
-    from areal_mq.engines.base import EngineRequest
-    from areal_mq.messages import SamplingSpec
     from areal_mq.engines.models import load_tokenizer, resolve_model
-    from areal_mq.grading import grade
 
     problems = load_eval_problems(cfg.data)[: n or cfg.eval.size]
     if not problems:
         raise ValueError("no held-out problems: set data.eval_name")
     tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
     fmt = ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
-    # greedy outputs do not depend on the batch (per-request streams), so evaluate with wide batches
     engine_cfg = cfg.rollout.engine.model_copy(update={"max_concurrent": max(cfg.rollout.engine.max_concurrent, 32)})
-    engine = build_engine(engine_cfg, cfg.model, seed=cfg.run.seed)
+    return problems, tokenizer, fmt, build_engine(engine_cfg, cfg.model, seed=cfg.run.seed)
+
+
+def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version: int | None = None,
+             progress: bool = True, max_new_tokens: int | None = None) -> dict:
+    from areal_mq.engines.base import EngineRequest
+    from areal_mq.messages import SamplingSpec
+    from areal_mq.grading import grade
+
+    problems, tokenizer, fmt, engine = eval_setup(cfg, n)
     t0 = time.perf_counter()
     try:
         if weights:

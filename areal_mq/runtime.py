@@ -95,6 +95,16 @@ def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
+def worker_dealer(ctx: zmq.Context, keys: Any, address: str) -> zmq.Socket:
+    """A worker's DEALER to the job broker: no HWM either way (credits bound what is in flight), linger 0."""
+    dealer = keys.client(ctx.socket(zmq.DEALER))
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.SNDHWM, 0)
+    dealer.setsockopt(zmq.RCVHWM, 0)
+    dealer.connect(address)
+    return dealer
+
+
 class WorkerRuntime:
     def __init__(self, cfg: Any, role: str, service: str | None, capacity: int, worker_id: str | None = None,
                  topics: tuple[str, ...] = ("weights", "control"), log: Any = None, install_signals: bool = True,
@@ -243,12 +253,7 @@ class WorkerRuntime:
                 pass
 
     def _connect(self) -> zmq.Socket:
-        dealer = self.keys.client(self._ctx.socket(zmq.DEALER))
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.SNDHWM, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.connect(self.cfg.brokers.job_addr)
-        return dealer
+        return worker_dealer(self._ctx, self.keys, self.cfg.brokers.job_addr)
 
     def _subscribe(self) -> zmq.Socket | None:
         if not self.topics:

@@ -21,7 +21,7 @@ from areal_mq import protocol
 from areal_mq.client import Liveness, send
 from areal_mq.errors import ProtocolError
 from areal_mq.messages import Disconnect, Error, GenerateRequest, Heartbeat, Kind, Ready, RewardJob, RewardResult
-from areal_mq.runtime import Job
+from areal_mq.runtime import Job, worker_dealer
 
 PROBE_PREFIX = "probe:"  # GenerateRequest.group_id of a dispatch-latency probe: "probe:<time.time()>"
 
@@ -42,12 +42,7 @@ class SwarmLink:
         self.sock = self._connect()
 
     def _connect(self) -> zmq.Socket:
-        sock = self.keys.client(self.ctx.socket(zmq.DEALER))
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(self.cfg.brokers.job_addr)
-        return sock
+        return worker_dealer(self.ctx, self.keys, self.cfg.brokers.job_addr)
 
     # ------------------------------------------------------------ what a role sees (WorkerRuntime's API)
     def ready(self) -> None:

@@ -47,21 +47,14 @@ async def _episodes(cfg: Any, workflow: Any, problems: list, tokenizer: Any, fmt
 
 def evaluate_workflow(cfg: Any, workflow: str | None = None, weights: str | None = None, n: int | None = None,
                       temperature: float = 0.0, progress: bool = True) -> dict:
-    from areal_mq.data import load_eval_problems
-    from areal_mq.data.prompts import ChatFormatter
-    from areal_mq.engines import build_engine
-    from areal_mq.engines.models import load_tokenizer, resolve_model
+    from areal_mq.evaluate import eval_setup
     from areal_mq.messages import SamplingSpec
     from areal_mq.workflows.local import EngineBackend
     from areal_mq.workflows.runner import load_workflow
 
     spec = workflow or cfg.agent.workflow or "single"
     fn = load_workflow(spec)
-    problems = load_eval_problems(cfg.data)[: n or cfg.eval.size]
-    tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
-    fmt = ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
-    engine_cfg = cfg.rollout.engine.model_copy(update={"max_concurrent": max(cfg.rollout.engine.max_concurrent, 32)})
-    engine = build_engine(engine_cfg, cfg.model, seed=cfg.run.seed)
+    problems, tokenizer, fmt, engine = eval_setup(cfg, n)
     t0 = time.perf_counter()
     try:
         if weights:
