@@ -433,14 +433,14 @@ class JobBroker:
 
     def _expire_parked(self, now: float) -> None:
         """Parked jobs that waited sticky_wait_s go back to the front of their queue, for any worker."""
-        services = set()
-        for job_id in reversed(self.sticky.expired(now)):
+        by_service: dict[str, list[str]] = {}
+        for job_id in self.sticky.expired(now):
             job = self.jobs.get(job_id)
             if job is not None:
                 self.counters["sticky_expired"] += 1
-                self.queues.setdefault(job.service, collections.deque()).appendleft(job_id)
-                services.add(job.service)
-        for service in services:
+                by_service.setdefault(job.service, []).append(job_id)
+        for service, job_ids in by_service.items():
+            self._requeue_front(service, job_ids)
             self._dispatch(service)
 
     def _drop_worker(self, ident: bytes, reason: str) -> None:
