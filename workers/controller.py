@@ -140,11 +140,14 @@ class Controller(EpisodeAdmission, Role):
         for i in range(self.ctl_cfg.group_size):  # multi-turn: episodes (controller_episodes.py)
             (self._submit_episode if self.cfg.agent.workflow else self._submit_generation)(group, i)
 
+    def _sampling(self, group: Group, index: int) -> SamplingSpec:
+        """The sampling of sample `index` of `group` (a single answer, or every turn of an episode)."""
+        return SamplingSpec(temperature=self.ctl_cfg.temperature, top_p=self.ctl_cfg.top_p,
+                            max_new_tokens=self.ctl_cfg.max_new_tokens,
+                            seed=request_seed(self.cfg.run.seed, group.group_id, index))
+
     def _submit_generation(self, group: Group, index: int) -> None:
-        sampling = SamplingSpec(temperature=self.ctl_cfg.temperature, top_p=self.ctl_cfg.top_p,
-                                max_new_tokens=self.ctl_cfg.max_new_tokens,
-                                seed=request_seed(self.cfg.run.seed, group.group_id, index))
-        job = self.jobs.submit(GenerateRequest(prompt_ids=group.prompt_ids, sampling=sampling,
+        job = self.jobs.submit(GenerateRequest(prompt_ids=group.prompt_ids, sampling=self._sampling(group, index),
                                                group_id=group.group_id, sample_index=index,
                                                min_version=self.version), service="generate")
         self.by_job[job] = ("generate", group.group_id, index)

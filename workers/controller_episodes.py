@@ -16,23 +16,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_mq.messages import EpisodeJob, EpisodeResult, Sample, SamplingSpec
+from areal_mq.messages import EpisodeJob, EpisodeResult, Sample
 
 
 class EpisodeAdmission:
-    """Needs: self.ctl_cfg, cfg, jobs, by_job, version, gen_tokens, rewards, _retry/_fail/_drop/_put."""
+    """Needs: self.ctl_cfg, cfg, jobs, _sampling, by_job, version, gen_tokens, rewards, _retry/_fail/_drop/_put."""
 
     def _submit_episode(self, group: Any, index: int) -> None:
-        from areal_mq.workers.controller import request_seed
-
         p = group.problem
-        sampling = SamplingSpec(temperature=self.ctl_cfg.temperature, top_p=self.ctl_cfg.top_p,
-                                max_new_tokens=self.ctl_cfg.max_new_tokens,
-                                seed=request_seed(self.cfg.run.seed, group.group_id, index))
         job = self.jobs.submit(EpisodeJob(
             episode_id=f"{group.group_id[:120]}-e{index}", group_id=group.group_id, sample_index=index,
             problem_id=str(p.id)[:256], prompt=str(p.prompt), answer=str(p.answer), level=int(p.level or 0),
-            prompt_ids=group.prompt_ids, sampling=sampling, min_version=self.version), service="agent")
+            prompt_ids=group.prompt_ids, sampling=self._sampling(group, index), min_version=self.version),
+            service="agent")
         self.by_job[job] = ("episode", group.group_id, index)
 
     def _on_episode(self, group: Any, index: int, msg: EpisodeResult) -> None:
