@@ -126,7 +126,7 @@ def serve_openai(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = 
     import os
 
     from areal_mq.errors import ArealError
-    from areal_mq.openai_server import serve, serve_config
+    from areal_mq.openai.server import serve, serve_config
 
     cfg = _load(config, set_, insecure)
     try:
@@ -175,8 +175,8 @@ def events_tail(run_dir: Optional[str] = typer.Argument(None, help="Run director
     """Show events from every process, filtered, pretty or as JSON."""
     from pathlib import Path
 
-    from areal_mq.events import LEVELS
-    from areal_mq.tail import EventFilter, emit, iter_bus, iter_files, parse_where
+    from areal_mq.telemetry.log import LEVELS
+    from areal_mq.telemetry.tail import EventFilter, emit, iter_bus, iter_files, parse_where
 
     if level not in LEVELS:
         typer.echo(f"error: --level must be one of {', '.join(LEVELS)}", err=True)
@@ -238,7 +238,7 @@ def _peek(it):
 
 
 def main() -> None:
-    from areal_mq import launch_cli
+    from areal_mq.launch import cli as launch_cli
     from areal_mq.rewards import cli as reward_cli
 
     app.add_typer(reward_cli.app, name="reward")  # sub-apps that live next to their components

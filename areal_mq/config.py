@@ -122,7 +122,7 @@ class EventsConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    """Where per-step metrics go besides run_dir/metrics.jsonl (areal_mq/metrics.py)."""
+    """Where per-step metrics go besides run_dir/metrics.jsonl (areal_mq/telemetry/metrics.py)."""
 
     tensorboard: bool = Field(
         False, description="Also write TensorBoard event files to run_dir/tensorboard/ (needs `pip install "

@@ -1,6 +1,6 @@
 r"""The one grader: how a completion's final answer is read, and when it counts as correct.
 
-What: rewards (areal_mq.rewards: arith, format, math) and evaluation (areal_mq.evaluate,
+What: rewards (areal_mq.rewards: arith, format, math) and evaluation (areal_mq.evaluation.heldout,
 areal_mq.data.measure_base) read answers here, so "correct" means the same in training and in the
 numbers a run reports. Two verdicts:
 

@@ -160,7 +160,7 @@ def eval_config(quick: bool, run_dir: Path):
 
 def evaluate_all(results: list[dict], versions: list[int], n: int, quick: bool, out: Path) -> dict:
     """Base model once (greedy: the same for every mode), then each mode's kept versions, same n problems."""
-    from areal_mq.evaluate import base_eval_cached, evaluate
+    from areal_mq.evaluation.heldout import base_eval_cached, evaluate
 
     cfg = eval_config(quick, out)  # the base model never changes: reuse its cached result when n is the config's
     base = base_eval_cached(cfg) if n == cfg.eval.size else evaluate(cfg, weights=None, n=n, version=0)

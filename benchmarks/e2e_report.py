@@ -15,7 +15,7 @@ from pathlib import Path
 
 import common  # sibling module: benchmarks/ is on sys.path (e2e.py puts it there)
 
-from areal_mq.plots import controller_events
+from areal_mq.telemetry.plots import controller_events
 
 READY_EVENTS = ("controller.started", "trainer.started", "rollout.engine_ready")
 

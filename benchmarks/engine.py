@@ -226,7 +226,7 @@ def setup(args, q: int) -> Context:
 
     from areal_mq.engines.config import EngineConfig
     from areal_mq.engines.models import load_causal_lm, load_tokenizer, resolve_model
-    from areal_mq.engines.torch_engine import TorchEngine
+    from areal_mq.engines.torch.engine import TorchEngine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -239,7 +239,7 @@ def setup(args, q: int) -> Context:
     log(f"engine loaded the model in {engine.load_s:.2f}s; threads={torch.get_num_threads()}")
     vllm = None
     if args.vllm:
-        from areal_mq.engines.vllm_engine import VllmEngine
+        from areal_mq.engines.vllm.engine import VllmEngine
 
         vllm = VllmEngine(cfg, model_dir, dtype=args.dtype, seed=0)
         log(f"vLLM started in {vllm.start_s:.1f}s")

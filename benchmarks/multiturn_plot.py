@@ -3,7 +3,7 @@ two attempts, base vs trained, beside the training reward per version.
 
 Run: python benchmarks/multiturn_plot.py --evals runs/multiturn/episode_evals.jsonl \
         --metrics runs/multiturn/metrics.jsonl --out docs/multiturn-training.png
-`--evals` holds one JSON line per `python -m areal_mq.workflows.evaluate ... --out FILE` (workflow
+`--evals` holds one JSON line per `python -m areal_mq.evaluation.episodes ... --out FILE` (workflow
 multi_turn_retry; weights "base" and the trained directory).
 """
 from __future__ import annotations

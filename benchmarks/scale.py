@@ -1,6 +1,6 @@
 """Scale by simulation (issue 17): sync vs async RL at 8 to 1,024 simulated rollout workers, real infrastructure.
 
-What it measures: for each number of rollout workers N (simulated GPUs: areal_mq/engines/sim_engine.py, the
+What it measures: for each number of rollout workers N (simulated GPUs: areal_mq/sim/engine.py, the
 named timing model r1-1.5b-h800-roofline and completion lengths lognormal-8k, both in areal_mq/sim/timing.py)
 and each mode — sync, async η = 1, 2, 4, 8 — one run of the real job broker, signal bus and sample store (three
 processes), the real controller, the simulated trainer (trainer.sim, N/3 training devices: generation is 3/4

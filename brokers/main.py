@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from areal_mq.errors import SecurityError
-from areal_mq.events import make_logger
+from areal_mq.telemetry.log import make_logger
 from areal_mq.security import Keyring, start_zap, warn_if_insecure
 
 

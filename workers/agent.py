@@ -30,7 +30,7 @@ from typing import Any
 
 from areal_mq.errors import JobFailed
 from areal_mq.messages import EpisodeJob, EpisodeResult, Error
-from areal_mq.runtime import Role, RoleLoop
+from areal_mq.actor.runtime import Role, RoleLoop
 
 
 class BrokerBackend:
@@ -157,7 +157,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.client import JobClient
     from areal_mq.engines.models import load_tokenizer, resolve_model
     from areal_mq.errors import ConfigError
-    from areal_mq.runtime import WorkerRuntime
+    from areal_mq.actor.runtime import WorkerRuntime
     from areal_mq.workflows.runner import load_workflow
 
     if not cfg.agent.workflow:

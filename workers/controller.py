@@ -50,7 +50,7 @@ from areal_mq.errors import JobFailed
 from areal_mq.ledger import AdmissionLedger
 from areal_mq.messages import (EpisodeResult, Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample,
                                SamplingSpec, SeqSample, WeightsReady, length_bucket)
-from areal_mq.runtime import Role, RoleLoop
+from areal_mq.actor.runtime import Role, RoleLoop
 from areal_mq.workers.controller_episodes import EpisodeAdmission
 
 
@@ -382,7 +382,7 @@ def _formatter(cfg: Any) -> Any:
 def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.client import JobClient, StoreClient
     from areal_mq.data import build_dataset
-    from areal_mq.runtime import WorkerRuntime
+    from areal_mq.actor.runtime import WorkerRuntime
 
     rt = WorkerRuntime(cfg, role="controller", service=None, capacity=0, worker_id=worker_id)
     b = cfg.brokers

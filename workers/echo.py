@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from areal_mq.messages import RewardJob, RewardResult
-from areal_mq.runtime import Role, RoleLoop
+from areal_mq.actor.runtime import Role, RoleLoop
 
 
 class Echo(Role):
@@ -35,7 +35,7 @@ class Echo(Role):
 
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
-    from areal_mq.runtime import WorkerRuntime
+    from areal_mq.actor.runtime import WorkerRuntime
 
     delay = float(os.environ.get("AREAL_ECHO_DELAY_S", "0"))
     capacity = int(os.environ.get("AREAL_ECHO_CAPACITY", "1"))

@@ -1,6 +1,6 @@
 """`areal-mq worker reward` and `areal-mq reward serve`: the reward role.
 
-What: `RewardServer` is a Role (areal_mq/runtime.py) around a RewardExecutor: it takes RewardJobs from the
+What: `RewardServer` is a Role (areal_mq/actor/runtime.py) around a RewardExecutor: it takes RewardJobs from the
 broker's service "reward", scores them in the executor's pool (`reward.processes` processes = the worker's
 capacity) and replies RewardResult. Failures inside reward functions become default rewards plus a
 `reward.error` event naming the job and the exception; a job that cannot be scored at all (a task this
@@ -28,7 +28,7 @@ from areal_mq.messages import RewardJob
 from areal_mq.rewards.config import RewardConfig, TaskConfig
 from areal_mq.rewards.executor import RewardExecutor
 from areal_mq.rewards.registry import RewardRegistry
-from areal_mq.runtime import Role, RoleLoop
+from areal_mq.actor.runtime import Role, RoleLoop
 
 DRAIN_TIMEOUT_S = 30.0
 
@@ -91,7 +91,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
 def run_worker(cfg: Any, worker_id: str | None = None, *, registry: RewardRegistry | None = None,
                service: str = "reward") -> int:
     """Start runtime + executor from a RunConfig, serve until stopped, clean up. Returns an exit code."""
-    from areal_mq.runtime import WorkerRuntime, default_worker_id
+    from areal_mq.actor.runtime import WorkerRuntime, default_worker_id
 
     worker_id = worker_id or default_worker_id("reward")
     log_holder: list = []

@@ -1,6 +1,6 @@
 """`areal-mq worker rollout`: take GenerateRequests, generate with the engine, reply GenerateResults.
 
-A Role on the shared loop (areal_mq/runtime.py; one thread drives the engine, the runtime's I/O thread keeps
+A Role on the shared loop (areal_mq/actor/runtime.py; one thread drives the engine, the runtime's I/O thread keeps
 heartbeats going):
 
     on_signal(WeightsReady) ──► at the next step boundary (the newest of those queued): load in place, continue in-flight
@@ -31,7 +31,7 @@ import numpy as np
 
 from areal_mq.errors import ArealError, EngineRequestError, WeightsRefused
 from areal_mq.messages import GenerateRequest, GenerateResult, WeightsReady
-from areal_mq.runtime import Role, RoleLoop
+from areal_mq.actor.runtime import Role, RoleLoop
 
 # A failed weight load is tried again after 0.5, 1, 2 s (doubling, at most WEIGHTS_RETRY_MAX_S) up to
 # WEIGHTS_LOAD_ATTEMPTS tries in all; then the requests held for that version get Error(weights_unavailable).
@@ -212,8 +212,8 @@ class RolloutWorker(Role):
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.engines import build_engine
-    from areal_mq.runtime import WorkerRuntime
-    from areal_mq.threads import apply_thread_budget
+    from areal_mq.actor.runtime import WorkerRuntime
+    from areal_mq.actor.threads import apply_thread_budget
 
     apply_thread_budget(cfg, "rollout")
     rt = WorkerRuntime(cfg, role="rollout", service="generate", capacity=cfg.rollout.engine.max_concurrent,

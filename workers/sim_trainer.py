@@ -95,7 +95,7 @@ class SimTrainerWorker(TrainerWorker):
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.client import SignalPublisher, StoreClient
-    from areal_mq.runtime import WorkerRuntime
+    from areal_mq.actor.runtime import WorkerRuntime
 
     rt = WorkerRuntime(cfg, role="trainer", service=None, capacity=0, worker_id=worker_id, topics=("control",))
     store = bus = None

@@ -1,7 +1,7 @@
 """`areal-mq worker swarm`: one process hosting N SIMULATED rollout workers (issue 17, scale by simulation).
 
 What: N RolloutWorkers — the real role code of workers/rollout.py — each on its own simulated engine
-(areal_mq/engines/sim_engine.py, `rollout.engine.kind: sim`) and its own DEALER identity with READY and
+(areal_mq/sim/engine.py, `rollout.engine.kind: sim`) and its own DEALER identity with READY and
 heartbeats (workers/swarm_links.py), so the real job broker sees N workers. One SUB socket on the signal bus
 feeds WeightsReady / Control to all of them. Optionally the process also serves the `reward` service with a
 simulated instant reward (`rollout.engine.sim.reward_capacity`) and a `probe` service that records dispatch
@@ -213,8 +213,8 @@ def raise_socket_limits(ctx: zmq.Context, sockets: int) -> None:
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.errors import ConfigError
-    from areal_mq.events import make_logger
-    from areal_mq.runtime import default_worker_id
+    from areal_mq.telemetry.log import make_logger
+    from areal_mq.actor.runtime import default_worker_id
     from areal_mq.security import Keyring, warn_if_insecure
 
     if cfg.rollout.engine.kind != "sim":

@@ -21,7 +21,7 @@ from areal_mq import protocol
 from areal_mq.client import Liveness, send
 from areal_mq.errors import ProtocolError
 from areal_mq.messages import Disconnect, Error, GenerateRequest, Heartbeat, Kind, Ready, RewardJob, RewardResult
-from areal_mq.runtime import Job, worker_dealer
+from areal_mq.actor.runtime import Job, worker_dealer
 
 PROBE_PREFIX = "probe:"  # GenerateRequest.group_id of a dispatch-latency probe: "probe:<time.time()>"
 

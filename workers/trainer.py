@@ -1,9 +1,9 @@
 """`areal-mq worker trainer`: sample batches in, decoupled-PPO steps, new policy versions out.
 
-A Role on the shared loop (areal_mq/runtime.py); each tick:
+A Role on the shared loop (areal_mq/actor/runtime.py); each tick:
        store.get_batch(batch_groups, version, η) ──► Trainer.train_step ──► publish weights v+1
        (disk dir or zmq server) ──► WeightsReady(v+1) on the signal bus ──► metrics sinks (metrics.jsonl line;
-       TensorBoard / W&B when `metrics:` asks, areal_mq/metrics.py)
+       TensorBoard / W&B when `metrics:` asks, areal_mq/telemetry/metrics.py)
 Invariants:
 - the version starts at 0 (or the checkpoint's) and increases by exactly 1 per finished step;
 - a batch is acknowledged to the store only once a checkpoint containing its effect is written (or at
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from areal_mq.messages import Control
-from areal_mq.runtime import Role, RoleLoop
+from areal_mq.actor.runtime import Role, RoleLoop
 
 STORE_UNACKED = "store_unacked"  # checkpoint extra: ids trained into it whose ack follows the save
 ACK_CHUNK = 10_000  # ids per BatchAck when a resumed trainer acks them (far below the 4 MiB header limit)
@@ -57,7 +57,7 @@ class TrainerWorker(Role):
     stats_every_s = 0.0  # it reports every step (trainer.step event, metrics sinks)
 
     def __init__(self, cfg: Any, trainer: Any, store: Any, bus: Any, publisher: Any, rt: Any, sinks: Any = None):
-        from areal_mq.metrics import JsonlSink, MetricsSinks, jsonl_path
+        from areal_mq.telemetry.metrics import JsonlSink, MetricsSinks, jsonl_path
 
         super().__init__(rt)
         self.cfg, self.trainer, self.store, self.bus, self.publisher = cfg, trainer, store, bus, publisher
@@ -240,9 +240,9 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.algorithms.trainer import Trainer
     from areal_mq.client import SignalPublisher, StoreClient
     from areal_mq.engines.models import resolve_model
-    from areal_mq.metrics import MetricsSinks
-    from areal_mq.runtime import WorkerRuntime
-    from areal_mq.threads import apply_thread_budget
+    from areal_mq.telemetry.metrics import MetricsSinks
+    from areal_mq.actor.runtime import WorkerRuntime
+    from areal_mq.actor.threads import apply_thread_budget
     from areal_mq.weights import WeightPublisher
 
     apply_thread_budget(cfg, "trainer")

@@ -110,7 +110,7 @@ def load_source(name: str, cfg: DataConfig) -> list[Problem]:
     """All problems of one source ('arith', 'arith:train', 'arith:test' or a JSONL path), levels filtered."""
     template = cfg.prompt_template or DEFAULT_MATH_TEMPLATE
     if name in ARITH_SOURCES:
-        from areal_mq.data.arith import shipped_path  # lazy: keeps `python -m areal_mq.data.arith` warning-free
+        from areal_mq.data.arith_problems import shipped_path  # lazy: keeps `python -m areal_mq.data.arith_problems` warning-free
 
         split = "test" if name == "arith:test" else "train"
         problems = load_records(shipped_path(split), template, "answer", "id", "level")

@@ -12,13 +12,13 @@ from typing import Any
 
 from areal_mq.errors import ConfigError
 
-# rollout.engine.kind -> module providing build(engine_cfg, model_cfg, **kwargs); vllm_engine.build serves both
-# vLLM kinds: in process (AsyncLLM) and a running OpenAI-compatible server (vllm_server.VllmServerEngine)
+# rollout.engine.kind -> module providing build(engine_cfg, model_cfg, **kwargs); vllm/engine.py's build serves both
+# vLLM kinds: in process (AsyncLLM) and a running OpenAI-compatible server (vllm/server.py's VllmServerEngine)
 ENGINE_MODULES = {
-    "torch": "areal_mq.engines.torch_engine",
-    "vllm": "areal_mq.engines.vllm_engine",
-    "vllm-server": "areal_mq.engines.vllm_engine",
-    "sim": "areal_mq.engines.sim_engine",  # simulated GPU, named timing model (issue 17, areal_mq/sim/timing.py)
+    "torch": "areal_mq.engines.torch.engine",
+    "vllm": "areal_mq.engines.vllm.engine",
+    "vllm-server": "areal_mq.engines.vllm.engine",
+    "sim": "areal_mq.sim.engine",  # simulated GPU, named timing model (issue 17, areal_mq/sim/timing.py)
 }
 
 

@@ -28,7 +28,7 @@ class EngineRequest:
     """One sequence to generate. prompt_ids: [P] token ids (already chat-templated).
 
     session: the multi-turn episode it is a turn of (GenerateRequest.session, "" = none). An engine may keep a
-    finished turn's KV for the session's next turn (the torch engine: torch_session.py); the output must not
+    finished turn's KV for the session's next turn (the torch engine: torch/session.py); the output must not
     depend on it.
     """
 

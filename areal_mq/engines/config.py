@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from areal_mq.engines.vllm_config import VllmEngineConfig
+from areal_mq.engines.vllm.config import VllmEngineConfig
 from areal_mq.sim.config import SimEngineConfig
 
 

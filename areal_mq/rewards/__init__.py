@@ -20,9 +20,9 @@ _EXPORTS = {
     "RewardConfig": "config", "TaskConfig": "config", "SandboxConfig": "config", "HttpBridgeConfig": "config",
     "RewardRegistry": "registry", "group_reward": "registry", "import_path": "registry",
     "RewardExecutor": "executor", "HttpRewardBridge": "http_bridge", "HttpRewardError": "http_bridge",
-    "CodeSandbox": "sandbox", "SandboxResult": "sandbox",
+    "CodeSandbox": "sandbox.runner", "SandboxResult": "sandbox.runner",
     "math_equal": "math_rewards", "math_reward": "math_rewards", "format_reward": "math_rewards",
-    "arith_reward": "arith", "code_reward": "code_reward",
+    "arith_reward": "arith_reward", "code_reward": "code_reward",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,14 +8,14 @@ Limits come from the task kwargs: `kwargs: {sandbox: {timeout_s: 5, memory_mb: 2
 Keep the reward config's `timeout_s` above the sandbox's so the sandbox, not the executor, stops a run.
 Where the sandbox cannot isolate the program (root without namespaces) it raises SandboxRefused: the
 executor then gives the task's default reward, and RewardResult.errors says why. Which tests count and how
-they are judged (outside the program) is in sandbox_tests.py and docs/rewards.md.
+they are judged (outside the program) is in sandbox/assert_judge.py and docs/rewards.md.
 """
 from __future__ import annotations
 
 import re
 
 from areal_mq.rewards.config import SandboxConfig
-from areal_mq.rewards.sandbox import CodeSandbox
+from areal_mq.rewards.sandbox.runner import CodeSandbox
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from areal_mq.errors import ConfigError
 
 BUILTINS = MappingProxyType({
-    "arith": "areal_mq.rewards.arith:arith_reward",
+    "arith": "areal_mq.rewards.arith_reward:arith_reward",
     "math": "areal_mq.rewards.math_rewards:math_reward",
     "format": "areal_mq.rewards.math_rewards:format_reward",
     "math_concise": "areal_mq.rewards.math_rewards:math_concise",

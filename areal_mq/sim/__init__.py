@@ -5,6 +5,6 @@
 - des.py     — a zero-infrastructure discrete-event model of the same engine and admission rule (the
                simulator's own correctness test compares it with the closed form)
 
-The simulated engine is areal_mq/engines/sim_engine.py (`rollout.engine.kind: sim`); the swarm process that
+The simulated engine is areal_mq/sim/engine.py (`rollout.engine.kind: sim`); the swarm process that
 hosts many simulated rollout workers is workers/swarm.py; the simulated trainer is workers/sim_trainer.py.
 """

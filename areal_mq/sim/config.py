@@ -20,7 +20,7 @@ def check_timing_name(name: str) -> str:
 
 
 class SimEngineConfig(BaseModel):
-    """`rollout.engine.kind: sim`: a simulated GPU behind the Engine contract (areal_mq/engines/sim_engine.py)."""
+    """`rollout.engine.kind: sim`: a simulated GPU behind the Engine contract (areal_mq/sim/engine.py)."""
 
     model_config = ConfigDict(extra="forbid")
     timing: str = Field("r1-1.5b-h800-roofline", description="Timing model name (areal_mq/sim/timing.py).")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from areal_mq.engines.base import EngineRequest
-from areal_mq.engines.sim_engine import SimEngine
+from areal_mq.sim.engine import SimEngine
 from areal_mq.messages import SamplingSpec
 from areal_mq.sim.timing import LengthModel, TimingModel
 

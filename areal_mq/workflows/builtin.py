@@ -1,7 +1,7 @@
 r"""The built-in workflows: `single`, `multi_turn_retry`, `tool_calc` (agent.workflow: single | multi_turn_retry |
 tool_calc, or any `module:function` the operator names).
 
-- `single`: one turn, rewarded like the single-turn arith job (areal_mq.rewards.arith); the same training
+- `single`: one turn, rewarded like the single-turn arith job (areal_mq.rewards.arith_reward); the same training
   signal as the classic path, through the agent role.
 - `multi_turn_retry` (AReaL's multi-turn math example): up to `attempts` (agent.workflow_args, default 2)
   turns; a wrong answer gets the feedback turn "Your answer is wrong. Try again." and the model answers again
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_mq.rewards.arith import arith_reward
+from areal_mq.rewards.arith_reward import arith_reward
 from areal_mq.workflows.calc import CalcError, calc
 
 FEEDBACK = "Your answer is wrong. Try again."

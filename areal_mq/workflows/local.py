@@ -4,7 +4,7 @@ What: `EngineBackend(engine)` — `await generate(GenerateRequest)` submits an E
 the engine finishes it; a pump task steps the engine while anything is queued (one decoding step over every
 running sequence of every episode, so concurrent episodes batch together). `on_step(engine)` runs after each
 step: evaluations pass nothing, tests use it to publish a new policy version mid-generation.
-Why: held-out evaluations of a workflow (areal_mq/workflows/evaluate.py) and unit tests run the same workflow
+Why: held-out evaluations of a workflow (areal_mq/evaluation/episodes.py) and unit tests run the same workflow
 code as the agent role, without processes. Single-threaded: one event loop owns the engine.
 """
 from __future__ import annotations

@@ -60,7 +60,7 @@ def test_a_slow_start_is_not_a_lost_broker(procs, tmp_path):
     load outlasts the liveness window used to log a false broker_lost (and reconnect) right at start."""
     import time
 
-    from areal_mq.runtime import WorkerRuntime
+    from areal_mq.actor.runtime import WorkerRuntime
 
     from .test_reconnect_backoff import Log
 

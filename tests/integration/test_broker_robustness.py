@@ -18,7 +18,7 @@ from areal_mq import protocol
 from areal_mq.client import JobClient, SignalPublisher, SignalSubscriber, StoreClient
 from areal_mq.config import load_config
 from areal_mq.messages import Error, RewardJob, RewardResult, Sample, SeqSample, WeightsReady
-from areal_mq.runtime import WorkerRuntime
+from areal_mq.actor.runtime import WorkerRuntime
 
 from .conftest import broker_up, wait_for, worker_count
 from .procs import keys, write_config

@@ -24,7 +24,7 @@ import pytest
 
 from areal_mq.config import load_config
 from areal_mq.errors import ConfigError
-from areal_mq.ray_backend import check_ray_resources, role_request
+from areal_mq.launch.ray_backend import check_ray_resources, role_request
 
 from .procs import free_ports, wait_for
 from .test_chaos import _events
@@ -39,7 +39,7 @@ def _run_cli(args: list[str]):
     import typer
     from typer.testing import CliRunner
 
-    from areal_mq import launch_cli
+    from areal_mq.launch import cli as launch_cli
 
     app = typer.Typer()
     launch_cli.register(app)
@@ -132,7 +132,7 @@ def _reply(pid: int, code=None, node="n1") -> dict:
 
 
 def _launcher(tmp_path, replies: dict[str, list], sets=()):
-    from areal_mq.ray_backend import RayChild, RayLauncher
+    from areal_mq.launch.ray_backend import RayChild, RayLauncher
 
     cfg = load_config(TINY, [f"run.run_dir={tmp_path / 'run'}", *sets])
     ray = FakeRay()

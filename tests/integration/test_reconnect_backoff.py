@@ -9,7 +9,7 @@ import time
 from areal_mq.client import Backoff, JobClient
 from areal_mq.config import load_config
 from areal_mq.messages import RewardJob
-from areal_mq.runtime import WorkerRuntime, advertised_tasks
+from areal_mq.actor.runtime import WorkerRuntime, advertised_tasks
 
 from .procs import keys, wait_for, write_config
 

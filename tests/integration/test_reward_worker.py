@@ -183,7 +183,7 @@ def test_reward_serve_with_a_task_scores_that_task_only_and_runs_no_code_a_job_n
     hostile = [  # os.execl(prompt, completion, reference) = /bin/sh payload.sh, in the pool process
         RewardJob(task="os:execl", prompt="/bin/sh", completions=["sh"], reference=str(payload)),
         RewardJob(task=f"{Path(__file__).with_name('reward_fns.py')}:length", completions=["x"]),
-        RewardJob(task="areal_mq.rewards.arith:arith_reward", completions=["x"]),
+        RewardJob(task="areal_mq.rewards.arith_reward:arith_reward", completions=["x"]),
         RewardJob(task="arith", completions=["x"]),
     ]
     client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"), heartbeat_s=cfg.brokers.heartbeat_s)
@@ -209,7 +209,7 @@ def test_reward_serve_finds_the_bus_from_the_broker_address_alone(procs, tmp_pat
     from areal_mq.client import SignalPublisher
     from areal_mq.messages import Control
 
-    from areal_mq.launcher import free_port_block
+    from areal_mq.launch.launcher import free_port_block
 
     job = free_port_block("127.0.0.1", 4)
     path = write_config(tmp_path, {"brokers": {"job_port": job, "bus_in_port": job + 1, "bus_out_port": job + 2,
@@ -238,7 +238,7 @@ def test_reward_serve_finds_the_bus_from_the_broker_address_alone(procs, tmp_pat
 
 
 def test_control_pause_stops_a_reward_worker_taking_jobs_until_resume(procs, tmp_path):
-    """Pause is the role loop's (areal_mq/runtime.py PauseControl): READY(0) until Control(resume)."""
+    """Pause is the role loop's (areal_mq/actor/runtime.py PauseControl): READY(0) until Control(resume)."""
     from areal_mq.client import SignalPublisher
     from areal_mq.messages import Control
 

@@ -188,7 +188,7 @@ def test_reward_job_naming_code_runs_nothing(procs, tmp_path):
             "os:execl": RewardJob(task="os:execl", prompt="/usr/bin/touch", completions=["touch"],
                                   reference=str(marker)),
             "a .py path": RewardJob(task=f"{Path(__file__).with_name('reward_fns.py')}:slow", completions=["x"]),
-            "a module path": RewardJob(task="areal_mq.rewards.arith:arith_reward", completions=["x"]),
+            "a module path": RewardJob(task="areal_mq.rewards.arith_reward:arith_reward", completions=["x"]),
             "a registry name not configured": RewardJob(task="math", completions=["x"]),
         }
         for what, job in hostile.items():

@@ -25,8 +25,8 @@ from areal_mq.engines.base import EngineOutput, EngineRequest  # noqa: E402
 from areal_mq.messages import SamplingSpec  # noqa: E402
 from areal_mq.engines.config import EngineConfig  # noqa: E402
 from areal_mq.engines.models import resolve_model  # noqa: E402
-from areal_mq.engines.vllm_common import VllmError  # noqa: E402
-from areal_mq.engines.vllm_engine import VllmEngine  # noqa: E402
+from areal_mq.engines.vllm.common import VllmError  # noqa: E402
+from areal_mq.engines.vllm.engine import VllmEngine  # noqa: E402
 from areal_mq.errors import ModelNotFound  # noqa: E402
 
 from .vllm_reference import HFReference, perturbed_weights  # noqa: E402

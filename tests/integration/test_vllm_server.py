@@ -25,8 +25,8 @@ from areal_mq.engines.base import EngineRequest  # noqa: E402
 from areal_mq.messages import SamplingSpec  # noqa: E402
 from areal_mq.engines.config import EngineConfig  # noqa: E402
 from areal_mq.engines.models import resolve_model  # noqa: E402
-from areal_mq.engines.vllm_common import VllmError  # noqa: E402
-from areal_mq.engines.vllm_server import VllmServerEngine, server_command, server_env  # noqa: E402
+from areal_mq.engines.vllm.common import VllmError  # noqa: E402
+from areal_mq.engines.vllm.server import VllmServerEngine, server_command, server_env  # noqa: E402
 
 from .test_vllm_engine import ARGMAX_TOL, LOGPROB_TOL, PROMPT, run  # noqa: E402
 from .vllm_reference import HFReference, perturbed_weights  # noqa: E402
@@ -147,5 +147,5 @@ def test_abort_and_pause_resume(engine):
 
 def test_attach_errors_are_clear(server):
     bad = EngineConfig(kind="vllm-server", vllm={"server_url": f"http://127.0.0.1:{free_port()}"})
-    with pytest.raises(VllmError, match="unreachable.*python -m areal_mq.engines.vllm_server"):
+    with pytest.raises(VllmError, match="unreachable.*python -m areal_mq.engines.vllm.server"):
         VllmServerEngine(bad)

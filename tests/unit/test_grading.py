@@ -21,7 +21,7 @@ from areal_mq.grading import (
     parse_gsm8k_answer,
     strict_answer,
 )
-from areal_mq.rewards.arith import arith_reward
+from areal_mq.rewards.arith_reward import arith_reward
 from areal_mq.rewards.math_rewards import format_reward
 
 # completion, reference, strict, lenient

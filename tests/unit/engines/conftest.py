@@ -26,7 +26,7 @@ def tiny_tokenizer(tiny_model_dir):
 def make_engine(tiny_model_dir, tiny_tokenizer):
     """Factory: a TorchEngine on the tiny model with EngineConfig overrides; closed after the test."""
     from areal_mq.engines.config import EngineConfig
-    from areal_mq.engines.torch_engine import TorchEngine
+    from areal_mq.engines.torch.engine import TorchEngine
 
     import torch
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal_mq.engines.base import EngineRequest
-from areal_mq.engines.torch_session import SessionKV, common_prefix
+from areal_mq.engines.torch.session import SessionKV, common_prefix
 
 from .engine_refs import perturbed_state
 from .test_torch_engine import greedy, run_all

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from areal_mq.engines.base import EngineRequest
 from areal_mq.messages import SamplingSpec
 from areal_mq.engines.config import EngineConfig
-from areal_mq.engines.vllm_common import (
+from areal_mq.engines.vllm.common import (
     check_request,
     cpu_env,
     resolve_weights_path,
@@ -24,8 +24,8 @@ from areal_mq.engines.vllm_common import (
     spans_to_versions,
     staged_tensors,
 )
-from areal_mq.engines.vllm_config import VllmEngineConfig
-from areal_mq.engines.vllm_worker import iter_safetensors, safetensors_files
+from areal_mq.engines.vllm.config import VllmEngineConfig
+from areal_mq.engines.vllm.worker import iter_safetensors, safetensors_files
 from areal_mq.errors import EngineRequestError, WeightsLoadError
 
 

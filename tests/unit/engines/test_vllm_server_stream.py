@@ -20,7 +20,7 @@ from areal_mq.engines import build_engine
 from areal_mq.engines.base import EngineRequest
 from areal_mq.messages import SamplingSpec
 from areal_mq.engines.config import EngineConfig
-from areal_mq.engines.vllm_worker import EXTENSION_CLS
+from areal_mq.engines.vllm.worker import EXTENSION_CLS
 from areal_mq.workers.rollout import broken_output
 
 TOKENS = [504, 3458, 314, 260, 1345]  # SmolLM2 ids of a few ordinary words

@@ -1,6 +1,6 @@
 r"""Shaping of the arith reward used by the quickstart: partial credit for a right but unboxed number
 (off by default), never for degenerate or truncated completions."""
-from areal_mq.rewards.arith import arith_reward
+from areal_mq.rewards.arith_reward import arith_reward
 
 SHAPED = {"wrong_reward": 0.25, "lenient_correct_reward": 0.25}
 

@@ -5,7 +5,7 @@ Run: pytest tests/unit/rewards/test_math.py -q
 """
 import pytest
 
-from areal_mq.rewards.arith import arith_reward, reference_int, repetition_reason
+from areal_mq.rewards.arith_reward import arith_reward, reference_int, repetition_reason
 from areal_mq.rewards.math_rewards import format_reward, math_concise, math_equal, math_reward
 
 EQUIVALENT = [

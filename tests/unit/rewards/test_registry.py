@@ -89,7 +89,7 @@ class RecordingRegistry(RewardRegistry):
         return super().resolve(ref)
 
 
-@pytest.mark.parametrize("task", ["os:execl", "areal_mq.rewards.arith:arith_reward", "/tmp/evil.py:run", "math"])
+@pytest.mark.parametrize("task", ["os:execl", "areal_mq.rewards.arith_reward:arith_reward", "/tmp/evil.py:run", "math"])
 def test_a_task_name_from_a_job_never_reaches_the_registry(task, tmp_path):
     """The executor resolves only what its config names; a job's task is looked up in the config, nothing else."""
     from areal_mq.errors import RewardError

@@ -10,7 +10,7 @@ import pytest
 
 from areal_mq.rewards.code_reward import code_reward, extract_program
 from areal_mq.rewards.config import SandboxConfig
-from areal_mq.rewards.sandbox import CodeSandbox, namespaces_available
+from areal_mq.rewards.sandbox.runner import CodeSandbox, namespaces_available
 
 LIMITS = dict(timeout_s=8.0, cpu_s=2, memory_mb=256, max_processes=12, max_output_bytes=8192)
 HAS_NS = namespaces_available()

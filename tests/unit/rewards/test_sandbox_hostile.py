@@ -20,7 +20,7 @@ import pytest
 from areal_mq.messages import RewardJob
 from areal_mq.rewards import RewardConfig, RewardExecutor
 from areal_mq.rewards.config import SandboxConfig, TaskConfig
-from areal_mq.rewards.sandbox import CodeSandbox, SandboxRefused, namespaces_available
+from areal_mq.rewards.sandbox.runner import CodeSandbox, SandboxRefused, namespaces_available
 
 LIMITS = dict(timeout_s=8.0, cpu_s=2, memory_mb=256, max_processes=12, max_output_bytes=8192)
 ROOT = os.geteuid() == 0

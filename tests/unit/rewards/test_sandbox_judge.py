@@ -11,8 +11,8 @@ import json
 import pytest
 
 from areal_mq.rewards.config import SandboxConfig
-from areal_mq.rewards.sandbox import CodeSandbox
-from areal_mq.rewards.sandbox_tests import judge, plan_tests
+from areal_mq.rewards.sandbox.runner import CodeSandbox
+from areal_mq.rewards.sandbox.assert_judge import judge, plan_tests
 
 LIMITS = dict(timeout_s=8.0, cpu_s=2, memory_mb=256, max_processes=12, max_output_bytes=8192)
 

@@ -23,7 +23,7 @@ def ex():
 
 
 @pytest.mark.parametrize("task", ["os:execl", "os:system", "subprocess:getoutput", "math", "code",
-                                  "areal_mq.rewards.arith:arith_reward", "/tmp/evil.py:run", "*"])
+                                  "areal_mq.rewards.arith_reward:arith_reward", "/tmp/evil.py:run", "*"])
 def test_a_task_name_from_the_wire_selects_only_configured_tasks(ex, task):
     with pytest.raises(RewardError, match="unknown reward task"):
         ex.submit(RewardJob(task=task, completions=["x"]))

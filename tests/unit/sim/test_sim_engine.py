@@ -1,4 +1,4 @@
-"""The simulated engine (areal_mq/engines/sim_engine.py) keeps the Engine contract on a virtual clock: shapes,
+"""The simulated engine (areal_mq/sim/engine.py) keeps the Engine contract on a virtual clock: shapes,
 per-token versions across a weight update, the modelled pause, lengths capped by max_new_tokens, abort, bad input
 and bad config named clearly; and the timing models' arithmetic (areal_mq/sim/timing.py).
 
@@ -12,7 +12,7 @@ import pytest
 from areal_mq.config import load_config
 from areal_mq.engines import build_engine
 from areal_mq.engines.base import EngineRequest
-from areal_mq.engines.sim_engine import SimEngine
+from areal_mq.sim.engine import SimEngine
 from areal_mq.errors import ConfigError, EngineRequestError
 from areal_mq.messages import SamplingSpec, WeightsReady
 from areal_mq.sim.timing import LENGTH_MODELS, TIMING_MODELS, length_model, timing_model

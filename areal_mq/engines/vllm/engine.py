@@ -1,0 +1,309 @@
+"""`engine: vllm` — vLLM's AsyncLLM run in process, behind the synchronous Engine contract.
+
+What: `VllmEngine(config, model_path)` starts vLLM 0.32 (CPU backend here) with the areal-mq worker
+extension and serves the rollout worker's calls: submit / step / update_weights / abort / pause /
+resume / stats. Every finished sequence carries its token ids, behaviour logprobs (see
+common.py for the logprob mode) and the policy version of every token.
+
+How it maps onto vLLM:
+
+    rollout thread (caller)                 vllm-loop thread (asyncio)            vLLM processes
+    submit(req) ---- run_coroutine -------> add_request -> collector -----------> EngineCore + worker
+    step()  <------- finished outputs ----- one consumer task per request  <----- token deltas
+    update_weights(v) --------------------> pause_generation(keep, clear_cache=recompute?)
+                                            drain collectors (tokens so far = old version)
+                                            collective_rpc(areal_reload_safetensors, path)
+                                            reset_prefix_cache; update_weight_version("v"); resume
+
+Versions: vLLM labels each output token with the weight version current when it was sampled
+(`weight_versions` spans on the final output); the engine sets the label to str(version) on every
+update and uses those spans. It also stamps tokens itself as they arrive (the loop's version, which
+changes only while generation is paused and drained) and counts disagreements in
+stats()["version_mismatches"] — the integration test asserts the two agree.
+
+kv_on_update: "recompute" pauses with clear_cache=True: running requests are preempted and their
+KV is recomputed under the new weights on resume. "keep" pauses with clear_cache=False: requests
+continue on KV computed by the old weights (faster, slightly off-policy).
+
+Why a background thread: vLLM's client is asyncio; the Engine contract is synchronous and
+single-threaded. vLLM itself decodes in its own processes, so step() only collects what finished.
+
+How to run: `build_engine(...)` with `engine: vllm`; needs vLLM (bash docker/install-vllm.sh) and an
+`if __name__ == "__main__":` guard in the script that starts it (vLLM spawns processes).
+Tests: tests/integration/test_vllm_engine.py (pytest -m vllm).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Coroutine
+
+import numpy as np
+
+from areal_mq.engines.base import Engine, EngineOutput, EngineRequest
+from areal_mq.engines.config import EngineConfig
+from areal_mq.engines.models import check_model_dir
+from areal_mq.engines.vllm.common import (
+    VllmEngineBase,
+    VllmError,
+    check_request,
+    cpu_env,
+    require_vllm,
+    sampling_kwargs,
+    spans_to_versions,
+)
+from areal_mq.engines.vllm.worker import EXTENSION_CLS, RELOAD_METHOD
+from areal_mq.errors import EngineRequestError
+
+DEFAULT_MAX_MODEL_LEN = 2048  # when engine.max_model_len is unset (vLLM would take the model's 8k)
+
+
+class _Req:
+    """Per-request state, touched only on the loop thread (except `output`, read after `done`)."""
+
+    def __init__(self, request: EngineRequest):
+        self.request = request
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.stamps: list[int] = []  # our own version stamp per token
+        self.text = ""
+        self.collector: Any = None
+        self.task: asyncio.Task | None = None
+        self.output: EngineOutput | None = None
+
+
+class VllmEngine(VllmEngineBase):
+    """In-process vLLM behind the Engine contract (see module docstring; the caller's side is VllmEngineBase)."""
+
+    KIND = "vllm"
+
+    def __init__(self, config: EngineConfig, model_path: str | os.PathLike, *, dtype: str = "bfloat16",
+                 seed: int = 0, version: int = 0):
+        require_vllm()
+        self._init_state(config, version)
+        self.model_dir = Path(model_path).expanduser()
+        check_model_dir(self.model_dir)  # the common mistakes, named at once instead of after a vLLM start
+        self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
+        self._loop_version = version  # the version stamped on arriving tokens (loop thread)
+        self._reqs: dict[str, _Req] = {}  # loop thread
+        self._counters["version_mismatches"] = 0
+        self._llm: Any = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread.start()
+        self._start(dtype, seed)
+
+    # ---------------------------------------------------------------- start / stop
+    def _start(self, dtype: str, seed: int) -> None:
+        import psutil
+
+        os.environ.update(cpu_env(self.vcfg))  # read by vLLM's engine process, which inherits them
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        started = time.monotonic()
+        try:
+            self._call(self._create(dtype, seed), self.vcfg.start_timeout_s, "start")
+        except BaseException as exc:
+            self._kill_new_children(before)
+            self._stop_loop()
+            if isinstance(exc, VllmError):
+                raise
+            raise VllmError(
+                f"vLLM failed to start with model {self.model_dir} after {time.monotonic() - started:.0f} s: "
+                f"{type(exc).__name__}: {exc}. Check the model directory and the vLLM log above."
+            ) from exc
+        self.start_s = time.monotonic() - started
+
+    async def _create(self, dtype: str, seed: int) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype, seed=seed,
+            max_model_len=self.max_model_len, max_num_seqs=self.config.max_concurrent,
+            gpu_memory_utilization=self.vcfg.gpu_memory_utilization, enforce_eager=self.vcfg.enforce_eager,
+            enable_prefix_caching=self.vcfg.enable_prefix_caching, logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION_CLS, disable_log_stats=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        self._vocab = self._llm.model_config.get_vocab_size()
+        await self._llm.update_weight_version(str(self.version))
+
+    def _kill_new_children(self, before: set[int]) -> None:
+        """After a failed start: stop the processes this start spawned (by PID), nothing else."""
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in before:
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        """Shut vLLM down (its processes exit) and stop the loop thread. Idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is not None and self._loop.is_running():
+            async def shutdown() -> None:
+                llm.shutdown()
+
+            try:
+                self._call(shutdown(), 60, "shutdown")
+            except VllmError:
+                pass
+        self._stop_loop()
+
+    def _call(self, coro: Coroutine, timeout: float, what: str) -> Any:
+        """Run a coroutine on the loop thread and wait for it, at most `timeout` seconds."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError as exc:
+            future.cancel()
+            raise VllmError(f"vLLM {what} did not finish within {timeout:.0f} s") from exc
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, request: EngineRequest) -> None:
+        self._check_alive()
+        check_request(request, self.max_model_len, self._vocab)
+        if request.request_id in self._inflight:
+            raise EngineRequestError(f"request id {request.request_id!r} is already running; ids must be unique")
+        self._call(self._add(request), self.vcfg.request_timeout_s, "add_request")
+        self._inflight.add(request.request_id)
+
+    async def _add(self, request: EngineRequest) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(**sampling_kwargs(request, self.config.seed), output_kind=RequestOutputKind.DELTA)
+        (engine_input,) = await self._llm.renderer.render_cmpl_async(
+            [{"prompt_token_ids": [int(t) for t in request.prompt_ids]}]
+        )
+        state = _Req(request)
+        try:
+            state.collector = await self._llm.add_request(request.request_id, engine_input, params)
+        except Exception as exc:  # vLLM's own validation (e.g. a too-long prompt)
+            raise EngineRequestError(f"vLLM refused request {request.request_id!r}: {exc}") from exc
+        self._reqs[request.request_id] = state
+        state.task = asyncio.create_task(self._consume(state))
+
+    async def _consume(self, state: _Req) -> None:
+        try:
+            while state.output is None:
+                out = await state.collector.get()
+                self._absorb(state, out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # engine died: every waiter must learn it
+            with self._cond:
+                self._dead = exc
+                self._cond.notify_all()
+
+    def _absorb(self, state: _Req, out: Any) -> None:
+        """Append a delta output to the request's state; finalize it when vLLM says it finished."""
+        comp = out.outputs[0]
+        new = list(comp.token_ids)
+        state.tokens.extend(new)
+        state.stamps.extend([self._loop_version] * len(new))
+        for tok, entry in zip(new, comp.logprobs or []):
+            state.logprobs.append(float(entry[tok].logprob))
+        state.text += comp.text or ""
+        self._counters["tokens"] += len(new)
+        if out.finished:
+            self._finalize(state, comp)
+
+    def _finalize(self, state: _Req, comp: Any) -> None:
+        n = len(state.tokens)
+        stamps = np.asarray(state.stamps, dtype=np.int32)
+        spans = spans_to_versions(comp.weight_versions, n)
+        if spans is None or len(state.logprobs) != n:
+            raise VllmError(
+                f"vLLM returned {len(state.logprobs)} logprobs and version spans {comp.weight_versions!r} for {n} "
+                f"tokens of request {state.request.request_id!r}"
+            )
+        if not np.array_equal(spans, stamps):
+            self._counters["version_mismatches"] += 1
+        reason = comp.finish_reason if comp.finish_reason in ("stop", "length", "abort") else "abort"
+        state.output = EngineOutput(
+            request_id=state.request.request_id, prompt_ids=list(state.request.prompt_ids),
+            output_ids=np.asarray(state.tokens, dtype=np.int32), logprobs=np.asarray(state.logprobs, dtype=np.float32),
+            versions=spans, finish_reason=reason, text=state.text,
+            stats={"prompt_tokens": len(state.request.prompt_ids), "output_tokens": n, "own_versions": stamps, "weight_versions": [(s.version, s.start, s.end) for s in comp.weight_versions]},
+        )
+        self._reqs.pop(state.request.request_id, None)
+        if state.task is not None and state.task is not asyncio.current_task():
+            state.task.cancel()
+        self._finish(state.output)
+
+    def _send_abort(self, request_id: str) -> None:
+        self._call(self._llm.abort(request_id), self.vcfg.request_timeout_s, "abort")
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise VllmError(f"the vLLM engine failed: {type(self._dead).__name__}: {self._dead}") from self._dead
+        if self._llm is None:
+            raise VllmError("the vLLM engine is closed")
+
+    # ---------------------------------------------------------------- weights / pause
+    def _reload(self, version: int, path: str, mode: str) -> dict[str, float]:
+        return self._call(self._update(version, path, mode), self.vcfg.request_timeout_s, "weight update")
+
+    async def _update(self, version: int, path: str, mode: str) -> dict[str, float]:
+        llm, t = self._llm, time.perf_counter()
+        await llm.pause_generation(mode="keep", clear_cache=(mode == "recompute"))
+        for state in list(self._reqs.values()):  # tokens already produced belong to the old version
+            out = state.collector.get_nowait()
+            if out is not None:
+                self._absorb(state, out)
+        t_pause = time.perf_counter()
+        try:
+            results = await llm.collective_rpc(RELOAD_METHOD, args=(path,))
+            t_load = time.perf_counter()
+            reset_ok = await llm.reset_prefix_cache()  # blocks cached under the old weights must not be reused
+            await llm.update_weight_version(str(version))
+            self._loop_version = version
+        finally:
+            t_reset = time.perf_counter()
+            await llm.resume_generation()
+        return {
+            "pause_s": t_pause - t, "load_s": t_load - t_pause, "worker_load_s": float(results[0]["load_s"]),
+            "tensors": float(results[0]["tensors"]), "reset_s": t_reset - t_load,
+            "resume_s": time.perf_counter() - t_reset, "prefix_cache_reset": float(bool(reset_ok)),
+        }
+
+    def pause(self) -> None:
+        """Freeze generation (requests keep their state and KV) until resume()."""
+        self._check_alive()
+        self._call(self._llm.pause_generation(mode="keep", clear_cache=False), self.vcfg.request_timeout_s, "pause")
+
+    def resume(self) -> None:
+        self._check_alive()
+        self._call(self._llm.resume_generation(), self.vcfg.request_timeout_s, "resume")
+
+    def _own_stats(self) -> dict[str, Any]:
+        return {"version_mismatches": self._counters["version_mismatches"],
+                "kv_cache_space_gib": self.vcfg.kv_cache_space_gib}
+
+
+def build(engine_cfg: EngineConfig, model_cfg: Any = None, seed: int | None = None, **kwargs: Any) -> Engine:
+    """Builder for `engine: vllm` and `engine: vllm-server` (used by areal_mq.engines.build_engine)."""
+    from areal_mq.engines.models import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+    model_dir = kwargs.get("model_dir") or resolve_model(
+        getattr(model_cfg, "name", DEFAULT_MODEL), getattr(model_cfg, "cache_dir", None))
+    if engine_cfg.kind == "vllm-server":
+        from areal_mq.engines.vllm.server import VllmServerEngine
+
+        # the server answers token ids only: without the model's tokenizer every completion's text is "",
+        # so every reward is the same and every group uniform
+        tokenizer = kwargs.get("tokenizer") or load_tokenizer(model_dir)
+        return VllmServerEngine(engine_cfg, tokenizer=tokenizer)
+    dtype = engine_cfg.dtype if engine_cfg.dtype != "auto" else getattr(model_cfg, "dtype", "float32")
+    return VllmEngine(engine_cfg, model_dir, dtype=dtype, seed=seed or 0)

@@ -1,0 +1,195 @@
+"""CLI commands `run`, `eval` and `plot` (mounted on the main `areal-mq` app by areal_mq.cli).
+
+    areal-mq run configs/quickstart.yaml [--set a.b=v] [--resume RUN_DIR]
+    areal-mq run configs/quickstart.yaml --backend ray [--address HOST:PORT]   # roles as Ray actors
+    areal-mq eval --config configs/quickstart.yaml [--weights RUN_DIR/weights/vN] [--n 200]
+    areal-mq plot RUN_DIR
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)
+    app.command("eval")(eval_cmd)
+    app.command("plot")(plot_cmd)
+
+
+def _cfg(path: Optional[str], overrides: Optional[List[str]], resume: Optional[str] = None):
+    from areal_mq.config import load_config
+    from areal_mq.errors import ConfigError
+
+    try:
+        if resume:
+            saved = Path(resume) / "config.yaml"
+            if not saved.exists():
+                raise ConfigError(f"--resume {resume}: no config.yaml there (is it a run directory?)")
+            return load_config(saved, overrides or [])
+        return load_config(path, overrides or [])
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
+def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g. configs/quickstart.yaml)."),
+        set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: section.key=value."),
+        resume: Optional[str] = typer.Option(None, help="Continue the run in this run directory."),
+        skip_eval: bool = typer.Option(False, "--skip-eval", help="No held-out evaluation before/after."),
+        quiet: bool = typer.Option(False, help="No live display (logs only)."),
+        insecure: bool = typer.Option(False, "--insecure", help="No CURVE keys: plaintext, unauthenticated sockets "
+                                      "(debugging only; loopback only)."),
+        backend: Optional[str] = typer.Option(None, "--backend", help="local (default): every process on this host; "
+                                              "ray: each role a Ray actor (launcher.backend; docs/many-hosts.md)."),
+        address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join, HOST:PORT of its head "
+                                              "(launcher.ray_address; default $RAY_ADDRESS or a new local Ray).")) -> None:
+    """Run the whole system: brokers, controller, rollout, reward and trainer processes (this host, or Ray)."""
+    if not config and not resume:
+        typer.echo("error: give a CONFIG or --resume RUN_DIR", err=True)
+        raise typer.Exit(2)
+    from rich.console import Console
+
+    from areal_mq.errors import ConfigError
+    from areal_mq.launch.launcher import Launcher, settle_ports
+
+    cfg = _cfg(config, [*(set_ or []), *(["security.insecure=true"] if insecure else []),
+                        *([f"launcher.backend={backend}"] if backend else [])], resume)
+    if address:
+        cfg.launcher.ray_address = address  # as given (a YAML override could read HOST:PORT as a number)
+    console = Console(stderr=True, soft_wrap=True)
+    if cfg.launcher.backend == "ray":  # ports are settled on the brokers' node
+        from areal_mq.launch.ray_backend import RayLauncher
+
+        launcher = RayLauncher(cfg, console)
+    else:
+        launcher = Launcher(settle_ports(cfg), console)
+    try:
+        path = launcher.prepare()
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    console.print(f"[bold]areal-mq run[/] {cfg.run.name}: mode={cfg.run.mode} η={cfg.controller.max_staleness} "
+                  f"model={cfg.model.name} steps={cfg.controller.total_steps} → {cfg.run.run_dir}")
+    if not skip_eval and not resume:
+        _eval_into_run(cfg, None, 0, console, "base model")
+    launcher.plan(path)
+    if cfg.eval.every and not skip_eval:
+        from areal_mq.evaluation.periodic import PeriodicEval
+
+        launcher.evaluator = PeriodicEval.from_config(cfg, path)
+    _stop_signals_interrupt()
+    outcome = "failed"
+    try:
+        launcher.start_all()
+        from areal_mq.launch.progress import live_progress
+
+        outcome = live_progress(launcher, console, quiet=quiet)
+    except KeyboardInterrupt:
+        console.print("[yellow]Ctrl-C: asking the trainer to checkpoint, then stopping…[/]")
+        launcher.request_checkpoint_and_stop("ctrl-c")
+        outcome = "interrupted"
+    finally:
+        launcher.stop_all()
+        if launcher.evaluator is not None:  # a periodic evaluation still running is a result worth its minutes
+            launcher.evaluator.wait(timeout_s=600 if outcome == "done" else 0)
+    if outcome == "failed":
+        console.print(f"[red]run stopped: {launcher.failure}[/]")
+        raise typer.Exit(1)
+    if outcome == "done" and not skip_eval:
+        from areal_mq.weights import disk_versions
+
+        versions = disk_versions(Path(cfg.run.run_dir) / "weights")
+        if versions:
+            final = Path(cfg.run.run_dir) / "weights" / f"v{versions[-1]}"
+            _eval_into_run(cfg, str(final), versions[-1], console, f"policy {final.name}")
+    _plot_and_summary(cfg, console)
+    if outcome == "interrupted":
+        raise typer.Exit(130)
+
+
+def _stop_signals_interrupt() -> None:
+    """SIGTERM (and SIGINT, even where a non-interactive shell started us with SIGINT ignored) take the same
+    path as Ctrl-C: checkpoint, then stop every child. Without this, `kill PID` of the launcher would leave
+    its children running and the last batches untrained-but-unsaved."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _eval_into_run(cfg, weights, version, console, label) -> dict:
+    from areal_mq.evaluation.heldout import append_result, base_eval_cached, evaluate
+
+    console.print(f"evaluating {label} on {cfg.eval.size} held-out problems…")
+    result = base_eval_cached(cfg) if weights is None else evaluate(cfg, weights=weights, version=version)
+    append_result(cfg.run.run_dir, result)
+    console.print(f"  {label}: strict {result['strict']:.1%}  lenient {result['lenient']:.1%}  "
+                  f"(n={result['n']}, {result['seconds']}s)")
+    return result
+
+
+def _plot_and_summary(cfg, console) -> None:
+    from areal_mq.telemetry.plots import plot_run, read_jsonl
+
+    run_dir = Path(cfg.run.run_dir)
+    try:
+        png = plot_run(run_dir)
+        console.print(f"plot: {png}")
+    except FileNotFoundError as exc:
+        console.print(f"no plot: {exc}")
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    if len(evals) >= 2:
+        a, b = evals[0], evals[-1]
+        console.print(f"[bold]held-out accuracy[/] (seed {cfg.run.seed}, n={b['n']}): strict {a['strict']:.1%} → "
+                      f"{b['strict']:.1%}, lenient {a['lenient']:.1%} → {b['lenient']:.1%}")
+
+
+def eval_cmd(config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML run config."),
+             set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: section.key=value."),
+             weights: Optional[str] = typer.Option(None, help="Published weights dir or checkpoint (default: base)."),
+             n: Optional[int] = typer.Option(None, help="Number of held-out problems."),
+             version: Optional[int] = typer.Option(None, help="Policy version these weights are (recorded)."),
+             append_to: Optional[str] = typer.Option(None, help="Append the result to RUN_DIR/eval.jsonl."),
+             no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+             as_json: bool = typer.Option(False, "--json", help="Print the result as JSON.")) -> None:
+    """Accuracy (strict and lenient) of the base model or a checkpoint on the held-out split."""
+    from areal_mq.evaluation.heldout import append_result, evaluate
+
+    cfg = _cfg(config, set_)
+    if weights and not Path(weights).is_dir():
+        typer.echo(f"error: --weights {weights} is not a directory", err=True)
+        raise typer.Exit(2)
+    if append_to and not Path(append_to).is_dir():
+        typer.echo(f"error: --append-to {append_to} is not a run directory", err=True)
+        raise typer.Exit(2)
+    t0 = time.time()
+    result = evaluate(cfg, weights=weights, n=n, version=version, progress=not no_progress)
+    if append_to:
+        append_result(append_to, result)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(f"{result['weights']}: strict {result['strict']:.1%}  lenient {result['lenient']:.1%}  "
+               f"truncated {result['truncated']:.1%}  n={result['n']}  ({time.time() - t0:.0f}s)")
+    for level, r in result["by_level"].items():
+        typer.echo(f"  {level}: strict {r['strict']:.1%} lenient {r['lenient']:.1%} (n={r['n']})")
+
+
+def plot_cmd(run_dir: str = typer.Argument(..., help="Run directory."),
+             out: Optional[str] = typer.Option(None, help="PNG path (default RUN_DIR/plots/training.png).")) -> None:
+    """Draw reward, held-out accuracy, staleness and throughput against time."""
+    from areal_mq.telemetry.plots import plot_run
+
+    try:
+        typer.echo(str(plot_run(run_dir, out)))
+    except FileNotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)

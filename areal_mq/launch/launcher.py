@@ -1,0 +1,247 @@
+"""`areal-mq run CONFIG`: start brokers, controller, rollout, reward and trainer processes on one host.
+
+What: writes the resolved config into the run directory (picking free loopback ports when the configured
+ones are taken), starts each process with its log in run_dir/logs/, divides CPU threads between them
+(`launcher.threads`), shows live progress, and stops everything cleanly.
+Why a supervisor: a child that dies is reported by name with its exit status, the reason from its log and
+the log's path; it is restarted (`launcher.on_child_death: restart`, up to `max_restarts`; the broker
+included) or the run stops.
+Ctrl-C (SIGINT) asks the trainer to checkpoint (Control "checkpoint" then "shutdown") and waits for it.
+The run ends when the trainer exits after `controller.total_steps` versions.
+Security: `prepare` creates the run's CURVE key set in run_dir/keys (0700) unless it exists or
+`security.keys_dir` names another; every child finds its key there through the config it is given.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_mq.config import RunConfig, dump_config
+from areal_mq.errors import ConfigError
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+PORT_NAMES = ("job_port", "bus_in_port", "bus_out_port", "store_port")
+
+
+def settle_ports(cfg: RunConfig) -> RunConfig:
+    """Keep the configured ports when all four are free; otherwise move all four to a free block of four
+    consecutive ports, so the layout stays job, job+1 (bus in), job+2 (bus out), job+3 (store) and a peer given
+    only the job address (`areal-mq reward serve --broker`) finds the rest (a second run on one host)."""
+    b = cfg.brokers
+    if all(port_free(b.host, getattr(b, name)) for name in PORT_NAMES):
+        return cfg
+    base = free_port_block(b.host, len(PORT_NAMES))
+    for i, name in enumerate(PORT_NAMES):
+        setattr(b, name, base + i)
+    return cfg
+
+
+def free_port_block(host: str, n: int) -> int:
+    """The first of `n` consecutive ports free on `host`."""
+    for _ in range(200):
+        base = free_port(host)
+        if base + n - 1 < 65536 and all(port_free(host, base + i) for i in range(n)):
+            return base
+    raise ConfigError(f"no block of {n} free consecutive ports on {host}; set brokers.job_port and the others")
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig, console: Any = None):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.run_dir)
+        self.console = console
+        self.children: list[Child] = []
+        self.stopping = False
+        self.failure: str | None = None
+        self.evaluator: Any = None  # PeriodicEval (areal_mq.evaluation.periodic) when eval.every > 0
+        self.keys: Any = None
+
+    def prepare(self) -> Path:
+        from areal_mq.security import Keyring, generate_keys, key_dir
+
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.cfg.security.insecure:
+            self.say("[bold red]security.insecure: every socket of this run is unauthenticated and unencrypted "
+                     "(debugging only)[/]")
+        elif self.cfg.security.keys_dir is None:
+            generate_keys(key_dir(self.cfg))  # only the missing ones: a resumed run keeps its keys
+        self.keys = Keyring.from_config(self.cfg, "launcher")
+        path = self.run_dir / "config.yaml"
+        path.write_text(dump_config(self.cfg))
+        return path
+
+    def plan(self, config_path: Path) -> list[Child]:
+        cfg, lc = self.cfg, self.cfg.launcher
+        base = [sys.executable, "-m", "areal_mq.cli"]
+        kids = [Child("broker", "broker", [*base, "broker", "--config", str(config_path)],
+                      self.run_dir / "logs" / "broker.log")]
+        roles = [("reward", lc.reward_workers), ("rollout", lc.rollout_workers), ("trainer", 1), ("controller", 1)]
+        if cfg.agent.workflow:  # multi-turn episodes: the controller sends EpisodeJobs to the agent role
+            roles.insert(2, ("agent", lc.agent_workers))
+        for role, count in roles:
+            for i in range(count):
+                name = f"{role}-{i}" if count > 1 or role in ("reward", "rollout", "agent") else role
+                env = {}
+                if role in lc.threads:
+                    env = {"OMP_NUM_THREADS": str(lc.threads[role]), "MKL_NUM_THREADS": str(lc.threads[role])}
+                kids.append(Child(name, role, [*base, "worker", role, "--config", str(config_path), "--worker-id",
+                                               name], self.run_dir / "logs" / f"{name}.log", env))
+        self.children = kids
+        return kids
+
+    def start(self, child: Child) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
+        log = open(child.log_path, "ab")
+        child.proc = subprocess.Popen(child.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, start_new_session=True)
+        log.close()
+
+    def start_all(self) -> None:
+        from areal_mq.client import JobClient
+
+        for child in self.children:
+            self.start(child)
+            if child.role == "broker":
+                probe = JobClient(self.cfg.brokers.job_addr, keys=self.keys)
+                try:
+                    probe.stats(timeout=30)
+                finally:
+                    probe.close()
+
+    # ------------------------------------------------------------ supervision
+    def exit_verdict(self, role: str, code: int | None) -> str:
+        """What a child's exit code means: 'done' (the trainer finished the run), 'ignore' (still running, we are
+        stopping, or the controller ended by itself after the last version), else 'dead' (restart or fail)."""
+        if code is None:
+            return "ignore"
+        if role == "trainer" and code == 0:
+            return "done"
+        if self.stopping or (code == 0 and role == "controller"):
+            return "ignore"
+        return "dead"
+
+    def check_children(self) -> str | None:
+        """Handle dead children; returns 'done' when the trainer finished, 'failed' when the run must stop.
+        Also the supervision tick for the periodic evaluator (it starts and reaps background evaluations)."""
+        if self.evaluator is not None and not self.stopping and (note := self.evaluator.poll()):
+            self.say(note)
+        for child in self.children:
+            code = child.proc.poll() if child.proc else None
+            verdict = self.exit_verdict(child.role, code)
+            if verdict == "done":
+                return "done"
+            if verdict == "ignore":
+                continue
+            reason = describe_exit(code, child.log_path)
+            lc = self.cfg.launcher
+            # the broker too: its sample store replays its log, workers re-register and clients resubmit
+            if lc.on_child_death == "restart" and child.restarts < lc.max_restarts:
+                child.restarts += 1
+                self.say(f"[yellow]{child.name} died ({reason}); restarting ({child.restarts}/{lc.max_restarts}). "
+                         f"Log: {child.log_path}[/]")
+                self.event("launcher.child_restarted", child=child.name, role=child.role, pid=child.proc.pid,
+                           reason=reason, restarts=child.restarts)
+                self.start(child)
+                continue
+            self.failure = f"{child.name} died ({reason}). Log: {child.log_path}"
+            self.event("launcher.child_died", child=child.name, role=child.role, reason=reason)
+            return "failed"
+        return None
+
+    def event(self, name: str, **fields: Any) -> None:
+        """One line in run_dir/events/launcher.jsonl (read by `areal-mq events tail RUN_DIR` like any other)."""
+        import json
+
+        folder = self.run_dir / "events"
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"ts": time.time(), "level": "warning", "event": name, "role": "launcher", "worker_id": "launcher",
+                  "pid": os.getpid(), **fields}
+        with open(folder / "launcher.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text)
+        else:
+            print(text, file=sys.stderr)
+
+    def request_checkpoint_and_stop(self, reason: str) -> None:
+        from areal_mq.client import SignalPublisher
+        from areal_mq.messages import Control
+
+        pub = SignalPublisher(self.cfg.brokers.bus_in_addr, keys=self.keys)
+        try:
+            time.sleep(0.3)  # PUB sockets drop what they send before the connection is up
+            pub.publish("control", Control(action="checkpoint", reason=reason))
+            pub.publish("control", Control(action="shutdown", reason=reason))
+            time.sleep(0.2)
+        finally:
+            pub.close()
+
+    def stop_all(self, grace_s: float = 30.0) -> None:
+        """Workers first (SIGTERM: drain and checkpoint), the broker last; SIGKILL after the grace period."""
+        self.stopping = True
+        order = [c for c in self.children if c.role != "broker"] + [c for c in self.children if c.role == "broker"]
+        for group in (order[:-1], order[-1:]):
+            for c in group:
+                if c.proc and c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for c in group:
+                if c.proc is None:
+                    continue
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait(5)
+
+
+def describe_exit(code: int, log_path: Path) -> str:
+    why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    last = last_error_line(log_path)
+    return f"{why}; last log line: {last}" if last else why
+
+
+def last_error_line(log_path: Path, lines: int = 40) -> str:
+    try:
+        tail = log_path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    for line in reversed(tail):
+        if any(w in line for w in ("Error", "error", "Traceback", "failed")):
+            return line.strip()[:300]
+    return tail[-1].strip()[:300] if tail else ""

@@ -1,0 +1,427 @@
+"""`areal-mq run CONFIG --backend ray [--address HOST:PORT]`: the processes of a run placed as Ray actors.
+
+What: the same processes as the local launcher (areal_mq/launch/launcher.py) — `areal-mq broker` and
+`areal-mq worker ROLE --config run_dir/config.yaml --worker-id NAME` — each owned by one Ray actor
+(`RoleProcess`) on the node its resources choose. This process (the driver) places them, supervises them,
+shows progress and stops them exactly like the local launcher, whose prepare/plan/progress it reuses.
+Why a subprocess per actor, not the role's main() inside the actor: a role owns its process — SIGTERM means
+drain, it runs its own I/O thread, sets torch's thread count and may fork a reward pool — while a Ray worker
+process belongs to Ray (its signal handlers, its threads). The subprocess is exactly what `areal-mq worker`
+runs on any host; the actor only starts, reports and stops it.
+
+Placement: a node offering the resource `areal_<role>: N` takes N actors of that role (one unit each):
+
+    broker      areal_brokers, else the driver's node. Probed first: the node's IP becomes brokers.host and
+                free ports there brokers.*_port of the config every actor reads; pinned to that node
+    controller  areal_controller, else the brokers' node (pinned)
+    trainer     areal_trainer, else one GPU when the cluster has one, else num_cpus = launcher.threads.trainer
+                (publish_mode zmq: probed and pinned like the broker; its IP is trainer.weight_server_host)
+    rollout     areal_rollout, else num_cpus = launcher.threads.rollout (default 1); SPREAD over the nodes
+    reward      areal_reward, else no resources; SPREAD
+
+`launcher.ray_resources.ROLE` ({num_cpus: 2, num_gpus: 1, any_custom: 1}) replaces a role's default.
+
+Restarts: the driver polls every actor (`RoleProcess.info`). A role process that exits (kill -9 included) is
+handled like the local launcher handles a dead child: with `launcher.on_child_death: restart` the driver
+kills the actor with restart allowed and Ray starts it again (constructor = the role again); a lost actor
+(its node removed, its Ray worker killed) is restarted by Ray itself on any node its resources allow. Both
+count against `launcher.max_restarts` (the actors' max_restarts). The role process dies with its actor
+(PR_SET_PDEATHSIG), so a lost actor never leaves a second copy of its role running. The roles are
+restart-safe (tests/integration/test_chaos.py); only the two pinned anchors need their node back.
+Needs: the run directory (config, keys, logs, weights, checkpoints, the store's log) on a filesystem every
+node shares (automatic on one machine), and CURVE keys: brokers.host is a node IP, so --insecure is refused.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_mq.config import config_from_dict
+from areal_mq.errors import ConfigError
+from areal_mq.launch.launcher import PORT_NAMES, Child, Launcher, describe_exit, settle_ports
+
+ROLES = ("broker", "controller", "trainer", "rollout", "reward")
+PLACE_TIMEOUT_S = 300.0  # an actor not (re)placed this long stops the run: no node offers what it asks for
+CALL_TIMEOUT_S = 5.0
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(f"launcher.backend: ray needs Ray, which is not installed here ({exc}): "
+                          "pip install -e .[ray]   (or run without --backend ray: the local launcher)") from None
+    return ray
+
+
+# ---------------------------------------------------------------- placement
+def role_request(role: str, cfg: Any, cluster: dict[str, float]) -> dict:
+    """Resources of a role's actor (the module docstring's table), before pinning to a node."""
+    lc = cfg.launcher
+    if role in lc.ray_resources:
+        res = dict(lc.ray_resources[role])
+        return {"num_cpus": res.pop("num_cpus", 0), "num_gpus": res.pop("num_gpus", 0), "resources": res}
+    own = "areal_brokers" if role == "broker" else f"areal_{role}"
+    if own in cluster:
+        return {"num_cpus": 0, "num_gpus": 0, "resources": {own: 1}}
+    if role == "trainer" and cluster.get("GPU", 0) >= 1:
+        return {"num_cpus": 0, "num_gpus": 1, "resources": {}}
+    cpus = lc.threads.get(role, 1) if role in ("trainer", "rollout") else 0
+    return {"num_cpus": cpus, "num_gpus": 0, "resources": {}}
+
+
+def is_custom(role: str, cfg: Any, request: dict) -> bool:
+    """True when the role's placement was asked for (ray_resources or an areal_* resource), not defaulted."""
+    return role in cfg.launcher.ray_resources or bool(request["resources"])
+
+
+def ray_options(request: dict, node_id: str | None = None, spread: bool = False) -> dict:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    opts = dict(request)
+    if node_id is not None:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    elif spread:
+        opts["scheduling_strategy"] = "SPREAD"
+    return opts
+
+
+def check_ray_resources(cfg: Any) -> None:
+    unknown = sorted(set(cfg.launcher.ray_resources) - set(ROLES))
+    if unknown:
+        raise ConfigError(f"launcher.ray_resources: unknown role(s) {', '.join(unknown)}; roles: {', '.join(ROLES)}")
+
+
+def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
+    """Fail fast on a HOST:PORT nobody listens on (ray.init would retry it for minutes)."""
+    import socket
+
+    host, _, port = (address or "").rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return  # None, 'auto', ray://...: Ray's own resolution
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"cannot join the Ray cluster at {address}: {exc} (--address HOST:PORT of a node started "
+                          "with `ray start --head`)") from None
+
+
+def probe_node(cfg: Any = None) -> dict:
+    """Runs as a Ray task where an anchor will live: the node's id and IP, and (given a config) four free
+    consecutive broker ports on that IP (the local launcher's rule)."""
+    import ray
+
+    out = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+    if cfg is not None:
+        cfg.brokers.host = out["ip"]
+        settle_ports(cfg)
+        out["ports"] = {name: getattr(cfg.brokers, name) for name in PORT_NAMES}
+    return out
+
+
+# ---------------------------------------------------------------- the actor
+def _die_with_parent(parent_pid: int) -> None:
+    """preexec_fn of a role process (Linux): SIGKILL when the actor's process ends, as if its node died."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the actor died before prctl took effect
+        os._exit(1)
+
+
+class RoleProcess:
+    """A Ray actor owning one role process (`python -m areal_mq.cli broker|worker ...`), started in the
+    constructor, so a restarted actor is a restarted role. Methods run on the actor's main thread, the one
+    that forked the role (PR_SET_PDEATHSIG follows the forking thread)."""
+
+    def __init__(self, name: str, role: str, argv: list[str], env: dict, log_path: str, cwd: str | None):
+        import ray
+
+        self.name, self.role, self.log_path = name, role, Path(log_path)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.ip = ray.util.get_node_ip_address()
+        self.stopping = False
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        me = os.getpid()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=True,
+                cwd=cwd if cwd and os.path.isdir(cwd) else None, preexec_fn=lambda: _die_with_parent(me))
+
+    def info(self) -> dict:
+        code = self.proc.poll()
+        return {"node_id": self.node_id, "ip": self.ip, "pid": self.proc.pid, "actor_pid": os.getpid(), "code": code,
+                "reason": describe_exit(code, self.log_path) if code is not None else None}
+
+    def stop(self, grace_s: float) -> int | None:
+        """SIGTERM (drain, checkpoint), SIGKILL after the grace period."""
+        self.stopping = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+# ---------------------------------------------------------------- the driver
+@dataclass
+class RayChild(Child):
+    options: dict = field(default_factory=dict)
+    actor: Any = None
+    pid: int | None = None  # the role process's pid as last seen
+    node_id: str | None = None
+    restarting: float | None = None  # when the driver killed the actor to restart it (monotonic)
+    unavailable_since: float | None = None
+    lost: str = ""  # why the actor was last unreachable
+    died_once: bool = False  # one ActorDiedError seen (a second in a row: dead for good)
+
+
+class RayLauncher(Launcher):
+    """Launcher whose children are Ray actors (prepare: join Ray, place the anchors; then plan, start_all,
+    check_children, stop_all as the local launcher)."""
+
+    def __init__(self, cfg: Any, console: Any = None, ray: Any = None):
+        cfg.run.run_dir = str(Path(cfg.run.run_dir).resolve())  # actors may start elsewhere (shared FS)
+        super().__init__(cfg, console)
+        self.ray = ray
+        self.owns_ray = False
+        self.cluster: dict[str, float] = {}
+        self.anchors: dict[str, str] = {}  # role -> node id it is pinned to
+        self.remote_cls: Any = None
+
+    def prepare(self) -> Path:
+        self.ray = self.ray or import_ray()
+        check_ray_resources(self.cfg)
+        ray, lc = self.ray, self.cfg.launcher
+        if not ray.is_initialized():
+            kwargs: dict = {"address": lc.ray_address, "log_to_driver": False}  # role logs: run_dir/logs
+            if lc.ray_address is None and not os.environ.get("RAY_ADDRESS"):
+                kwargs["include_dashboard"] = False  # a new local instance
+            check_reachable(lc.ray_address)
+            try:
+                ray.init(**kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise ConfigError(f"cannot join the Ray cluster at {lc.ray_address or os.environ.get('RAY_ADDRESS')}"
+                                  f": {_first_line(exc)} (--address HOST:PORT of a `ray start --head` node)") from None
+            self.owns_ray = True
+        self.cluster = ray.cluster_resources()
+        self.place_anchors()
+        return super().prepare()
+
+    def probe(self, role: str, node_id: str | None, cfg: Any = None) -> dict:
+        ray = self.ray
+        request = role_request(role, self.cfg, self.cluster)
+        ref = ray.remote(probe_node).options(**ray_options(request, node_id), max_retries=0).remote(cfg)
+        try:
+            return ray.get(ref, timeout=PLACE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            raise ConfigError(f"no Ray node can take the {role} within {PLACE_TIMEOUT_S:.0f} s: it asks for "
+                              f"{request}; the cluster offers {self.cluster} (launcher.ray_resources, "
+                              "docs/many-hosts.md)") from None
+
+    def place_anchors(self) -> None:
+        """The brokers (and a zmq weight server) are addressed by IP in the config every actor reads: find
+        their nodes and ports first, then pin them there."""
+        cfg = self.cfg
+        request = role_request("broker", cfg, self.cluster)
+        home = None if is_custom("broker", cfg, request) else self.ray.get_runtime_context().get_node_id()
+        where = self.probe("broker", home, cfg.model_copy(deep=True))
+        self.anchors["broker"] = where["node_id"]
+        cfg.brokers.host = where["ip"]
+        for name, port in where["ports"].items():
+            setattr(cfg.brokers, name, port)
+        if cfg.trainer.publish_mode == "zmq":
+            trainer = self.probe("trainer", None)
+            self.anchors["trainer"] = trainer["node_id"]
+            cfg.trainer.weight_server_host = trainer["ip"]
+        try:
+            config_from_dict(cfg.model_dump(mode="json"), "backend ray")
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}\n(backend ray: the brokers bind their node's IP {where['ip']}, so the run "
+                              "needs its keys: drop --insecure / security.insecure)") from None
+
+    def plan(self, config_path: Path) -> list[Child]:
+        kids = super().plan(config_path)
+        self.children = [RayChild(**vars(c), options=self.options_for(c.role)) for c in kids]
+        return self.children
+
+    def options_for(self, role: str) -> dict:
+        request = role_request(role, self.cfg, self.cluster)
+        node = self.anchors.get(role)
+        if role == "controller" and not is_custom(role, self.cfg, request):
+            node = self.anchors["broker"]
+        return ray_options(request, node, spread=role in ("rollout", "reward"))
+
+    # ------------------------------------------------------------ start
+    def start(self, child: Child) -> None:
+        lc = self.cfg.launcher
+        if self.remote_cls is None:
+            self.remote_cls = self.ray.remote(RoleProcess)
+        child.actor = self.remote_cls.options(
+            max_restarts=lc.max_restarts if lc.on_child_death == "restart" else 0, max_task_retries=0,
+            **child.options).remote(child.name, child.role, child.args[1:], child.env, str(child.log_path),
+                                    os.getcwd())
+
+    def start_all(self) -> None:
+        from areal_mq.client import JobClient
+
+        for child in self.children:
+            self.start(child)
+            if child.role == "broker":
+                if not self.await_placement(child):
+                    return
+                probe = JobClient(self.cfg.brokers.job_addr, keys=self.keys)
+                try:
+                    probe.stats(timeout=30)
+                finally:
+                    probe.close()
+        for child in self.children[1:]:
+            if not self.await_placement(child):
+                return
+
+    def await_placement(self, child: RayChild) -> bool:
+        try:
+            self.observe(child, self.ray.get(child.actor.info.remote(), timeout=PLACE_TIMEOUT_S))
+            return True
+        except self.ray.exceptions.GetTimeoutError:
+            self.failure = (f"{child.name} could not be placed within {PLACE_TIMEOUT_S:.0f} s: it asks for "
+                            f"{_shown(child.options)}; the cluster offers {self.cluster}")
+        except self.ray.exceptions.RayActorError as exc:
+            self.failure = f"{child.name}: its actor failed to start: {_first_line(exc)}. Log: {child.log_path}"
+        return False
+
+    def observe(self, child: RayChild, info: dict) -> None:
+        """A reply from the actor: note a new incarnation (restarted by Ray or by us) and where it runs."""
+        child.unavailable_since, child.died_once = None, False
+        if info["pid"] == child.pid:
+            child.lost = ""
+            return
+        if child.pid is not None and child.restarting is None:  # Ray restarted a lost actor on its own
+            child.restarts += 1
+            reason = f"its actor on node {child.node_id} was lost ({child.lost or 'no reply'})"
+            self.say(f"[yellow]{child.name}: {reason}; Ray restarted it on node {info['node_id'][:12]} "
+                     f"({child.restarts}/{self.cfg.launcher.max_restarts}). Log: {child.log_path}[/]")
+            self.event("launcher.child_restarted", child=child.name, role=child.role, pid=child.pid, reason=reason,
+                       restarts=child.restarts, node_id=info["node_id"], from_node_id=child.node_id)
+        child.restarting, child.lost = None, ""
+        child.pid, child.node_id = info["pid"], info["node_id"]
+        self.event("launcher.placed", level="info", child=child.name, role=child.role, node_id=info["node_id"],
+                   node_ip=info["ip"], pid=info["pid"], actor_pid=info["actor_pid"], options=_shown(child.options))
+
+    # ------------------------------------------------------------ supervision
+    def check_children(self) -> str | None:
+        """'done' when the trainer finished, 'failed' when the run must stop, else None (the local rules)."""
+        if self.evaluator is not None and not self.stopping and (note := self.evaluator.poll()):
+            self.say(note)
+        if self.failure:
+            return "failed"
+        refs = [(c, c.actor.info.remote()) for c in self.children]
+        for child, ref in refs:
+            info = self.poll_one(child, ref)
+            if info is None:
+                if self.failure:
+                    return "failed"
+                continue
+            code = info["code"]
+            if child.restarting is not None:  # the old actor may answer until the kill lands
+                if time.monotonic() - child.restarting > PLACE_TIMEOUT_S:
+                    self.failure = f"{child.name} was not restarted within {PLACE_TIMEOUT_S:.0f} s"
+                    return "failed"
+                continue
+            verdict = self.exit_verdict(child.role, code)
+            if verdict == "done":
+                return "done"
+            if verdict == "ignore":
+                continue
+            if not self.restart(child, info["reason"]):
+                return "failed"
+        return None
+
+    def poll_one(self, child: RayChild, ref: Any) -> dict | None:
+        exc_mod = self.ray.exceptions
+        try:
+            info = self.ray.get(ref, timeout=CALL_TIMEOUT_S)
+        except (exc_mod.RayActorError, exc_mod.GetTimeoutError) as exc:  # restarting, or being placed again
+            child.lost = f"no reply in {CALL_TIMEOUT_S:.0f} s" if isinstance(exc, exc_mod.GetTimeoutError) else \
+                f"{type(exc).__name__}: {_first_line(exc)}"
+            child.unavailable_since = child.unavailable_since or time.monotonic()
+            if isinstance(exc, exc_mod.ActorDiedError):  # the call's actor died: for good if the next call's too
+                if child.died_once and child.restarting is None:
+                    self.failure = (f"{child.name}: its Ray actor is dead ({child.restarts}/"
+                                    f"{self.cfg.launcher.max_restarts} restarts used): {child.lost}. "
+                                    f"Log: {child.log_path}")
+                    self.event("launcher.child_died", child=child.name, role=child.role, reason=child.lost)
+                    return None
+                child.died_once = True
+            else:
+                child.died_once = False
+            if time.monotonic() - child.unavailable_since > PLACE_TIMEOUT_S:
+                self.failure = (f"{child.name} unreachable for {PLACE_TIMEOUT_S:.0f} s ({child.lost or 'no reply'}); "
+                                f"it asks for {_shown(child.options)}; the cluster offers "
+                                f"{self.ray.available_resources()}")
+            return None
+        self.observe(child, info)
+        return info
+
+    def restart(self, child: RayChild, reason: str) -> bool:
+        """The local launcher's rule for a dead role process; the restart itself is Ray's (actor killed with
+        restart allowed: the new actor's constructor starts the role)."""
+        lc = self.cfg.launcher
+        if lc.on_child_death == "restart" and child.restarts < lc.max_restarts:
+            child.restarts += 1
+            self.say(f"[yellow]{child.name} died ({reason}); restarting ({child.restarts}/{lc.max_restarts}). "
+                     f"Log: {child.log_path}[/]")
+            self.event("launcher.child_restarted", child=child.name, role=child.role, pid=child.pid, reason=reason,
+                       restarts=child.restarts)
+            child.restarting = time.monotonic()
+            self.ray.kill(child.actor, no_restart=False)
+            return True
+        self.failure = f"{child.name} died ({reason}). Log: {child.log_path}"
+        self.event("launcher.child_died", child=child.name, role=child.role, reason=reason)
+        return False
+
+    def stop_all(self, grace_s: float = 30.0) -> None:
+        """Workers first (SIGTERM: drain and checkpoint), the brokers last; then the actors, then Ray."""
+        self.stopping = True
+        ray = self.ray
+        placed = [c for c in self.children if c.actor is not None]
+        for group in ([c for c in placed if c.role != "broker"], [c for c in placed if c.role == "broker"]):
+            refs = [c.actor.stop.remote(grace_s) for c in group]
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=grace_s + 10)
+                except Exception:  # noqa: BLE001 - a lost or restarting actor: its role died with it
+                    pass
+        for c in placed:
+            ray.kill(c.actor, no_restart=True)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def _shown(options: dict) -> dict:
+    """Options as plain data (for events and messages): a strategy object becomes its node id or name."""
+    out = {k: v for k, v in options.items() if k != "scheduling_strategy"}
+    strategy = options.get("scheduling_strategy")
+    if strategy is not None:
+        out["scheduling"] = strategy if isinstance(strategy, str) else f"node {getattr(strategy, 'node_id', '?')}"
+    return out
