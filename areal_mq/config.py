@@ -18,7 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from areal_mq.algorithms.config import TrainerConfig
 from areal_mq.data.config import DataConfig
 from areal_mq.engines.config import EngineConfig
+from areal_mq.devices import DEVICE_RE
 from areal_mq.errors import ConfigError
+
+DEVICE_PATTERN = DEVICE_RE.pattern
 from areal_mq.rewards.config import RewardConfig
 from areal_mq.workflows.config import AgentConfig
 
@@ -138,6 +141,9 @@ class ModelConfig(_Section):
 
     name: str = Field("smollm2-135m-instruct", description="smollm2-135m-instruct, tiny-random-llama, or a path.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for engines and trainer.")
+    device: str = Field(
+        "auto", pattern=DEVICE_PATTERN, description="Where the model runs: auto (cuda when available, else cpu), cpu, cuda or cuda:N; "
+        "rollout.device / trainer.device override it per role (areal_mq/devices.py).")
     cache_dir: str | None = Field(None, description="Folder holding converted models (default $AREAL_MQ_CACHE/models or ~/.cache/areal-mq/models).")
 
 
@@ -148,6 +154,7 @@ class RolloutConfig(_Section):
     weights_timeout_s: float = Field(60.0, gt=0, description="Deadline for fetching published weights (zmq mode).")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM: time to finish running sequences before handing them back.")
+    device: str | None = Field(None, pattern=DEVICE_PATTERN, description="This role's device, overriding model.device (auto, cpu, cuda, cuda:N).")
 
 
 class EvalConfig(_Section):

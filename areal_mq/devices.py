@@ -1,0 +1,51 @@
+"""One device setting for the whole system: `model.device` (auto | cpu | cuda | cuda:N), overridable per role.
+
+What: `check_device_spec(spec)` validates the string (configs call it, so a typo is a ConfigError before any
+process starts); `resolve_device(spec)` turns it into a `torch.device` (auto = cuda:0 when CUDA is available,
+else cpu; asking for cuda where there is none is a ConfigError naming what torch sees). `role_device(cfg, role)`
+is the device a role runs on: the role's own override (`rollout.device`, `trainer.device`) else `model.device`.
+Why one place: the engine, the trainer, checkpoints and the benchmarks must agree on the same rule, and a GPU
+user should set it once. `meta` is accepted for tests only (the device-guard tests put the model there).
+    python -c "from areal_mq.devices import resolve_device; print(resolve_device('auto'))"
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from areal_mq.errors import ConfigError
+
+DEVICE_RE = re.compile(r"^(auto|cpu|meta|cuda(:\d+)?)$")
+
+
+def check_device_spec(spec: str) -> str:
+    """Return `spec` if it names a device this system understands, else raise ConfigError saying what does."""
+    if not isinstance(spec, str) or not DEVICE_RE.match(spec):
+        raise ConfigError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N")
+    return spec
+
+
+def resolve_device(spec: str | None = "auto") -> Any:
+    """`auto` -> cuda:0 if CUDA is usable else cpu; `cuda`/`cuda:N` checked against what torch sees."""
+    import torch
+
+    spec = check_device_spec(spec or "auto")
+    if spec == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {spec!r} asked for, but torch sees no CUDA device "
+                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use device: cpu or auto")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"device {spec!r} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s)")
+        device = torch.device("cuda", index)
+    return device
+
+
+def role_device(cfg: Any, role: str) -> str:
+    """The device spec a role runs on: its own section's `device` when set, else `model.device`."""
+    section = getattr(cfg, role, None)
+    override = getattr(section, "device", None)
+    return override or cfg.model.device
