@@ -4,7 +4,8 @@ What: `JobClient` (controller -> job broker), `StoreClient` (controller/trainer 
 `SignalPublisher` / `SignalSubscriber` (signal bus). They hide framing and liveness: a client code reads
 "submit, poll results", never frame juggling.
 Why resubmission is safe: job ids are chosen by the client; the broker keeps one copy per id and answers
-each once; the client forgets a job at its first answer, so a duplicate answer is ignored here.
+each once; the client forgets a job at its first answer, so a duplicate answer is ignored here. A caller that
+stops waiting calls `JobClient.forget(job_id)`: no more resubmissions, and a late answer is ignored too.
 All sockets are single-thread objects: use each client from one thread.
 """
 from __future__ import annotations
@@ -188,6 +189,18 @@ class JobClient:
                 raise BrokerUnavailable(f"job {job_id} not answered within {timeout:.1f}s (broker {self.address}; "
                                         "is it running, and is this client's key in its key directory?)")
             self._set_aside.extend(self._receive(min(0.1, max(0.0, deadline - time.monotonic()))))
+
+    def forget(self, job_id: str) -> bool:
+        """Give up on `job_id`: it is never resubmitted again and its answer, if one still comes, is dropped.
+
+        For a caller that stopped waiting (cancelled, past its deadline): without this, the job would be sent
+        again after every reconnect or `retry_s`, for nobody. True when the job was still unanswered or its
+        answer not yet handed out; an unknown or already delivered id is a no-op (False).
+        """
+        kept = [(rid, msg) for rid, msg in self._set_aside if rid != job_id]
+        dropped = len(kept) < len(self._set_aside)
+        self._set_aside = kept
+        return self.pending.pop(job_id, None) is not None or dropped
 
     def _liveness(self) -> None:
         now = time.monotonic()
