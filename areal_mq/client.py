@@ -23,7 +23,11 @@ from areal_mq.messages import (Ack, BatchAck, Error, GetBatch, Heartbeat, Kind, 
 from areal_mq.security import Keyring
 
 
-def _dealer(ctx: zmq.Context, address: str, keys: Keyring | None) -> zmq.Socket:
+def connect_dealer(ctx: zmq.Context, address: str, keys: Keyring | None = None) -> zmq.Socket:
+    """A DEALER to a broker (job broker, sample store), the one factory for clients and workers alike: CURVE
+    client keys when `keys` is given, no high-water mark either way (credits and deadlines bound what is in
+    flight, not the socket), linger 0 (an unsent message at close is resent by its retry schedule, never
+    delivered late to a peer that has moved on)."""
     sock = ctx.socket(zmq.DEALER)
     if keys is not None:
         keys.client(sock)
@@ -130,7 +134,7 @@ class JobClient:
         self.ctx = ctx or zmq.Context.instance()
         self.log = log
         self.keys = keys
-        self.sock = _dealer(self.ctx, address, keys)
+        self.sock = connect_dealer(self.ctx, address, keys)
         self.pending: dict[str, tuple[float, list, str]] = {}  # id -> (sent_at, frames, service)
         self._set_aside: list[tuple[str, Message]] = []  # answers wait() received for other jobs
 
@@ -217,7 +221,7 @@ class JobClient:
     def _reconnect(self) -> None:
         """The broker went silent: new socket (new identity), resubmit everything still unanswered."""
         self.sock.close(0)
-        self.sock = _dealer(self.ctx, self.address, self.keys)
+        self.sock = connect_dealer(self.ctx, self.address, self.keys)
         waited = self.link.delay
         _, delay = self.link.reconnected()
         if self.log:
@@ -254,7 +258,7 @@ class StoreClient:
         self.ctx = ctx or zmq.Context.instance()
         self.max_frame_bytes = max_frame_bytes
         self.keys = keys
-        self.sock = _dealer(self.ctx, address, keys)
+        self.sock = connect_dealer(self.ctx, address, keys)
 
     def _call(self, msg: Message, timeout: float, resend_s: float) -> Message:
         req_id = protocol.new_id()
@@ -280,7 +284,7 @@ class StoreClient:
                                         f"within {timeout:.1f}s (is it running, and is this client's key in its key "
                                         "directory?)")
             self.sock.close(0)  # store may have restarted: fresh identity, send again (requests are idempotent)
-            self.sock = _dealer(self.ctx, self.address, self.keys)
+            self.sock = connect_dealer(self.ctx, self.address, self.keys)
 
     def put(self, sample: Sample, timeout: float = 60.0) -> Ack:
         return self._call(sample, timeout, resend_s=max(5.0, self.heartbeat_s * 5))
