@@ -4,7 +4,9 @@
 Build the objects with `areal_mq.data.build_dataset(cfg)` / `areal_mq.data.load_eval_problems(cfg)`.
 
 Sources (`name`, `eval_name`): "arith" (= "arith:train") and "arith:test" are the shipped splits of the built-in
-task; anything else is a path to a JSONL file, read as GSM8K or generic records (see `format`).
+task; anything else is a local source — a .jsonl or .parquet file, or a Hugging Face `datasets` directory saved
+with save_to_disk (DIR, or DIR:split for a DatasetDict; areal_mq/data/sources.py) — read as GSM8K or generic records
+(see `format`). A held-out split from the same source is `eval_name: DIR:test`.
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ class DataConfig(BaseModel):
     """Which dataset the controller iterates, how prompts are built, and the held-out set."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str = Field("arith", description="Training problems: 'arith', 'arith:test', or a path to a JSONL file.")
+    name: str = Field("arith", description="Training problems: 'arith', 'arith:test', or a local .jsonl / .parquet file or "
+                      "`datasets` directory (DIR or DIR:split; Parquet and datasets need `pip install "
+                      "'areal-mq[datasets]'`).")
     eval_name: str | None = Field(
         None,
         description="Held-out problems: same forms as name. None: 'arith:test' when name is arith, else no eval set.",

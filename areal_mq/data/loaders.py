@@ -1,6 +1,6 @@
-"""Load problems from JSONL files into `Problem` records.
+"""Load problems from JSONL, Parquet or `datasets` sources (sources.py) into `Problem` records.
 
-What: three formats, all one JSON object per line.
+What: three record layouts, whatever the storage (a JSONL line, a Parquet row, a `datasets` row).
 - `arith`  the built-in task (areal_mq/data/arith_*.jsonl): `question`, `answer` (number), `level`, `id`.
 - `gsm8k`  GSM8K layout: `question`, and `answer` = worked solution ending in "#### N" (N may have commas).
 - `jsonl`  any records: the user prompt is `prompt_template` with `{field}` placeholders filled from the record,
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_mq.errors import ConfigError
+from areal_mq.data.sources import DataFormatError, read_jsonl, read_source  # noqa: F401  (read_jsonl: re-exported)
 from areal_mq.grading import canonical_number, format_number
 
 # The prompt the built-in and GSM8K tasks use. Short on purpose: every prompt token costs decode time on CPU.
@@ -31,10 +32,6 @@ DEFAULT_MATH_TEMPLATE = "{question}\nEnd your answer with \\boxed{{N}}, where N 
 
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
-
-
-class DataFormatError(ConfigError):
-    """A dataset file is missing, unreadable, or has a bad record. The message names file, line and fix."""
 
 
 @dataclass(frozen=True)
@@ -78,25 +75,6 @@ def fill_template(template: str, record: dict[str, Any]) -> str:
     return _PLACEHOLDER.sub(sub, template)
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, object) for each non-blank line; DataFormatError on unreadable file or bad JSON."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataFormatError(f"dataset file {path} does not exist; pass an existing .jsonl file or 'arith'")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); "
-                                      "each line must be one JSON object") from None
-            if not isinstance(obj, dict):
-                raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
-
-
 def normalize_answer(value: Any, where: str) -> str:
     """Reference answer as a canonical number string when it is numeric, else the stripped string."""
     if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
@@ -115,18 +93,24 @@ def _require(obj: dict, name: str, where: str, hint: str) -> Any:
     return obj[name]
 
 
-def _problem_id(obj: dict, id_field: str | None, path: Path, lineno: int) -> str:
+def _problem_id(obj: dict, id_field: str | None, source: str | Path, key: int) -> str:
     if id_field and id_field in obj:
         return str(obj[id_field])
-    return f"{path.stem}-{lineno}"
+    return f"{_stem(source)}-{key}"
+
+
+def _stem(source: str | Path) -> str:
+    path = Path(str(source))
+    if not path.exists() and ":" in str(source):  # DIR:split of a saved DatasetDict
+        head, _, split = str(source).rpartition(":")
+        return f"{Path(head).stem}-{split}"
+    return path.stem
 
 
 def load_gsm8k(path: str | Path, template: str = DEFAULT_MATH_TEMPLATE, id_field: str | None = "id") -> list[Problem]:
     """GSM8K layout: `question` + `answer` whose last line is "#### N"; the part before is kept as meta."""
-    path = Path(path)
     problems = []
-    for lineno, obj in read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for key, where, obj in read_source(path):
         hint = "GSM8K records need 'question' and 'answer' ending in '#### N'"
         question = _require(obj, "question", where, hint)
         solution = str(_require(obj, "answer", where, hint))
@@ -136,7 +120,7 @@ def load_gsm8k(path: str | Path, template: str = DEFAULT_MATH_TEMPLATE, id_field
         answer = normalize_answer(m.group(1), where)
         prompt = fill_template(template, {**obj, "question": question})
         meta = {"solution": solution[: m.start()].strip()}
-        problems.append(Problem(_problem_id(obj, id_field, path, lineno), prompt, answer, None, meta))
+        problems.append(Problem(_problem_id(obj, id_field, path, key), prompt, answer, None, meta))
     return _checked(problems, path)
 
 
@@ -148,11 +132,9 @@ def load_records(
     level_field: str | None = "level",
 ) -> list[Problem]:
     """Generic JSONL: prompt = `template` filled from the record, answer = record[answer_field]."""
-    path = Path(path)
     needed = template_fields(template)
     problems = []
-    for lineno, obj in read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for key, where, obj in read_source(path):
         for name in [*needed, answer_field]:
             _require(obj, name, where, f"the prompt template uses {needed} and the answer field is {answer_field!r}")
         answer = normalize_answer(obj[answer_field], where)
@@ -161,13 +143,13 @@ def load_records(
             raise DataFormatError(f"{where}: {level_field!r} must be an integer, got {level!r}")
         meta = {k: v for k, v in obj.items() if k not in (answer_field, id_field)}
         prompt = fill_template(template, obj)
-        problems.append(Problem(_problem_id(obj, id_field, path, lineno), prompt, answer, level, meta))
+        problems.append(Problem(_problem_id(obj, id_field, path, key), prompt, answer, level, meta))
     return _checked(problems, path)
 
 
-def _checked(problems: list[Problem], path: Path) -> list[Problem]:
+def _checked(problems: list[Problem], path: str | Path) -> list[Problem]:
     if not problems:
-        raise DataFormatError(f"dataset file {path} has no records; it needs at least one JSON object line")
+        raise DataFormatError(f"dataset file {path} has no records; it needs at least one record")
     seen: dict[str, int] = {}
     for i, p in enumerate(problems):
         if p.id in seen:
@@ -178,8 +160,8 @@ def _checked(problems: list[Problem], path: Path) -> list[Problem]:
 
 def sniff_format(path: str | Path) -> str:
     """'gsm8k' if the first record has `question` and an `answer` containing '####', else 'jsonl'."""
-    for _, obj in read_jsonl(path):
+    for _, _, obj in read_source(path):
         if "question" in obj and "####" in str(obj.get("answer", "")):
             return "gsm8k"
         return "jsonl"
-    raise DataFormatError(f"dataset file {path} has no records; it needs at least one JSON object line")
+    raise DataFormatError(f"dataset file {path} has no records; it needs at least one record")
