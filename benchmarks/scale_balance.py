@@ -28,7 +28,7 @@ def simulate(lengths: str, gen: int, total: int, steps: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from areal_mq.sim.des import plan
     from areal_mq.sim.timing import length_model, timing_model
-    from areal_mq.workers.controller import can_admit
+    from areal_mq.workers.controller_admission import can_admit
 
     return plan(admit=can_admit, n_workers=gen, capacity=4, timing=timing_model("r1-1.5b-h800-roofline"),
                 lengths=length_model(lengths), batch_groups=total // 2, group_size=4, eta=2, steps=steps,

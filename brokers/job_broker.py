@@ -27,14 +27,17 @@ Invariants:
   only for their own services and up to `max_capacity`; only the controller (agent, launcher) submits jobs.
   Anything else is answered with Error(forbidden) and logged, rate-limited.
 Who waits on whom: nobody waits on the broker except through credits; the broker waits on nothing.
+
+Which worker gets which job (least loaded, credits, tasks, sticky sessions, requeue at the front) is decided
+by the pure dispatch policy in brokers/dispatch.py, over the tables in `self.pool`; this class is the socket
+shell around it: it decodes, checks, sends what the policy assigns (`_deliver`) and keeps liveness.
+brokers/stub.py runs the same policy in process, without sockets, for tests.
 """
 from __future__ import annotations
 
-import collections
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,49 +48,17 @@ from areal_mq.errors import ProtocolError
 from areal_mq.messages import Error, Heartbeat, Kind, Message, Stats
 from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
+from . import dispatch
+from .dispatch import Assignment, JobState, Pool, WorkerState
 from .sticky import StickySessions
 
 DEFAULT_SERVICE = {Kind.GENERATE_REQUEST: "generate", Kind.REWARD_JOB: "reward", Kind.EPISODE_JOB: "agent"}
 REPLY_KINDS = {Kind.GENERATE_RESULT, Kind.REWARD_RESULT, Kind.EPISODE_RESULT, Kind.ERROR}
 EXPECTED_REPLY = {Kind.GENERATE_REQUEST: Kind.GENERATE_RESULT, Kind.REWARD_JOB: Kind.REWARD_RESULT,
                   Kind.EPISODE_JOB: Kind.EPISODE_RESULT}
-TASK_SCAN = 1024  # queued jobs one dispatch looks through for a task a free worker serves (then they wait)
 RCVHWM = 1000  # messages buffered per peer before ZeroMQ stops reading its connection (the peer queues)
 # Plain-int socket flags: pyzmq's flag enums cost an Enum operation per frame on the hot path.
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-
-
-@dataclass
-class WorkerState:
-    ident: bytes
-    worker_id: str
-    service: str
-    capacity: int
-    last_seen: float
-    tasks: frozenset[str] = frozenset()  # empty: any job of the service
-    in_flight: set[str] = field(default_factory=set)
-
-    @property
-    def free(self) -> int:
-        return self.capacity - len(self.in_flight)
-
-    def serves(self, task: str | None) -> bool:
-        return task is None or not self.tasks or task in self.tasks
-
-
-@dataclass
-class JobState:
-    id: str
-    client: bytes
-    service: str
-    frames: list[Any]
-    kind: Kind
-    task: str | None = None  # reward_job: routes only to workers serving it
-    n_items: int = 0  # reward_job: completions, the rewards a reward_result must carry
-    worker: bytes | None = None
-    attempts: int = 0
-    session: str = ""  # generate_request: routes to the session's last worker (sticky.py)
-    waited: bool = False  # parked once for its session's worker already: now any worker
 
 
 def reply_problem(job: JobState, msg: Message) -> str | None:
@@ -135,13 +106,10 @@ class JobBroker:
         self.heartbeat_s, self.liveness, self.max_queue = heartbeat_s, liveness, max_queue
         self.max_frame_bytes = max_frame_bytes
         self.log = log
-        self.workers: dict[bytes, WorkerState] = {}
-        self.by_service: dict[str, dict[bytes, WorkerState]] = {}  # dispatch index
-        self.restricted: collections.Counter = collections.Counter()  # service -> workers that list tasks
-        self.queues: dict[str, collections.deque[str]] = {}
-        self.jobs: dict[str, JobState] = {}
-        self.counters: collections.Counter = collections.Counter()
-        self.sticky = StickySessions(max_sessions, sticky_wait_s)
+        # the dispatch policy's tables (brokers/dispatch.py decides over them); the names below are the same objects
+        self.pool = pool = Pool(StickySessions(max_sessions, sticky_wait_s))
+        self.workers, self.by_service, self.restricted = pool.workers, pool.by_service, pool.restricted
+        self.queues, self.jobs, self.counters, self.sticky = pool.queues, pool.jobs, pool.counters, pool.sticky
         self._next_check = 0.0
 
     # ------------------------------------------------------------ input
@@ -236,29 +204,17 @@ class JobBroker:
     def _error(self, ident: bytes, ref_id: str, code: str, message: str) -> None:
         self._send(ident, protocol.encode(Error(code=code, message=message, ref_id=ref_id), reply_to=ref_id))
 
-    def _service_refusal(self, service: str) -> str | None:
-        """Why a new service may not be created (None: it exists, or there is room)."""
-        if service in self.queues or service in self.by_service:
-            return None
-        if len(self.queues.keys() | self.by_service.keys()) < self.max_services:
-            return None
-        self.counters["too_many_services"] += 1
-        return (f"the broker already routes brokers.max_services ({self.max_services}) services; "
-                f"service {service[:64]!r} is not one of them")
-
     def _on_ready(self, ident: bytes, env: protocol.Envelope) -> None:
         msg = env.msg
         tasks = frozenset(msg.tasks)
         worker = self.workers.get(ident)
         if worker is None:
-            why = self._service_refusal(msg.service)
+            why = dispatch.service_refusal(self.pool, msg.service, self.max_services)
             if why:
                 self._error(ident, env.id, "no_service", why)
                 return
             worker = WorkerState(ident, msg.worker_id, msg.service, msg.capacity, time.monotonic(), tasks)
-            self.workers[ident] = worker
-            self.by_service.setdefault(msg.service, {})[ident] = worker
-            self.restricted[msg.service] += bool(tasks)
+            dispatch.add_worker(self.pool, worker)
             self.log.info("broker.worker_ready", worker=msg.worker_id, service=msg.service, capacity=msg.capacity,
                           tasks=sorted(tasks)[:20])
         elif msg.service != worker.service:
@@ -269,9 +225,8 @@ class JobBroker:
         else:
             if msg.capacity != worker.capacity:  # workers re-announce periodically: log changes only
                 self.log.info("broker.worker_capacity", worker=msg.worker_id, capacity=msg.capacity)
-            self.restricted[worker.service] += bool(tasks) - bool(worker.tasks)
-            worker.capacity, worker.last_seen, worker.tasks = msg.capacity, time.monotonic(), tasks
-        self._freed(worker)
+            dispatch.update_worker(self.pool, worker, msg.capacity, tasks, time.monotonic())
+        self._deliver(dispatch.freed(self.pool, worker, time.monotonic()))
 
     def _on_job(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
         service = env.service or DEFAULT_SERVICE.get(env.kind, "")
@@ -286,40 +241,23 @@ class JobBroker:
             return
         is_reward = env.kind == Kind.REWARD_JOB
         task = env.msg.task if is_reward else None
-        why = self._service_refusal(service) or (self._task_refusal(service, task) if task is not None else None)
+        why = (dispatch.service_refusal(self.pool, service, self.max_services)
+               or (dispatch.task_refusal(self.pool, service, task) if task is not None else None))
         if why:
             self._error(ident, env.id, "no_service", why)
             return
-        queue = self.queues.get(service)
-        if queue is None:
-            queue = self.queues[service] = collections.deque()
-        if len(queue) >= self.max_queue:
-            self.counters["queue_full"] += 1
-            self._error(ident, env.id, "queue_full", f"service {service!r} has {len(queue)} queued jobs (max_queue "
-                        f"{self.max_queue}); retry later or add workers")
+        job = JobState(env.id, ident, service, frames, env.kind, task, len(env.msg.completions) if is_reward else 0,
+                       session=env.msg.session if env.kind == Kind.GENERATE_REQUEST else "")
+        sent = dispatch.enqueue(self.pool, job, self.max_queue, time.monotonic())
+        if sent is None:
+            self._error(ident, env.id, "queue_full", f"service {service!r} has {len(self.queues[service])} queued "
+                        f"jobs (max_queue {self.max_queue}); retry later or add workers")
             return
-        self.jobs[env.id] = JobState(env.id, ident, service, frames, env.kind, task,
-                                     len(env.msg.completions) if is_reward else 0,
-                                     session=env.msg.session if env.kind == Kind.GENERATE_REQUEST else "")
-        queue.append(env.id)
-        self.counters["accepted"] += 1
-        self._dispatch(service)
-
-    def _task_refusal(self, service: str, task: str) -> str | None:
-        """A reward_job no registered worker of its service serves (None while none is registered at all)."""
-        if not self.restricted.get(service):
-            return None
-        workers = self.by_service.get(service, {}).values()
-        if any(w.serves(task) for w in workers):
-            return None
-        self.counters["no_worker_for_task"] += 1
-        served = sorted({t for w in workers for t in w.tasks})
-        return (f"no worker of service {service!r} serves task {task[:128]!r}; its workers serve "
-                f"{served[:20]}{' ...' if len(served) > 20 else ''}")
+        self._deliver(sent)
 
     def _on_reply(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
         worker = self.workers[ident]
-        worker.last_seen = time.monotonic()  # any reply is a sign of life (heartbeats may sit in a backlog)
+        worker.last_seen = now = time.monotonic()  # any reply is a sign of life (heartbeats may sit in a backlog)
         job = self.jobs.get(env.reply_to)
         if job is None or job.worker != ident:
             self.counters["duplicate_replies"] += 1
@@ -333,150 +271,38 @@ class JobBroker:
             self._error(ident, env.id, "bad_reply", why)  # tell the worker too: it is its bug
             self._fail_job(worker, job, why)
             return
-        worker.in_flight.discard(job.id)
-        del self.jobs[job.id]
+        dispatch.finish(self.pool, worker, job)
         self.counters["answered"] += 1
         self._send(job.client, frames)
-        self._freed(worker)
+        self._deliver(dispatch.freed(self.pool, worker, now))
 
     def _fail_job(self, worker: WorkerState, job: JobState, why: str) -> None:
         """Answer `job` to its client with Error(bad_reply) instead of the worker's reply; free the slot."""
-        worker.in_flight.discard(job.id)
-        del self.jobs[job.id]
+        dispatch.finish(self.pool, worker, job)
         self.counters["bad_replies"] += 1
         self.refusals.warning("broker.bad_reply", key=f"{worker.ident.hex()}:bad_reply", worker=worker.worker_id,
                               job=job.id, error=why[:500])
         self._error(job.client, job.id, "bad_reply", why)
-        self._freed(worker)
+        self._deliver(dispatch.freed(self.pool, worker, time.monotonic()))
 
     # ------------------------------------------------------------ dispatch and liveness
-    def _dispatch(self, service: str) -> None:
-        queue = self.queues.get(service)
-        candidates = self.by_service.get(service)
-        if not queue or not candidates:
-            return
-        if self.restricted.get(service):
-            self._dispatch_by_task(queue, candidates)
-            return
-        while queue:
-            best = None
-            for w in candidates.values():
-                if w.free > 0 and (best is None or w.free > best.free):
-                    best = w
-            if best is None:
-                return
-            job = self.jobs.get(queue.popleft())
-            if job is not None and job.session:
-                best = self._sticky_choice(job, best)
-            if job is not None and best is not None:
-                self._assign(job, best)
-
-    def _dispatch_by_task(self, queue: collections.deque, candidates: dict[bytes, WorkerState]) -> None:
-        """Some workers serve only some tasks: give each job, in queue order, the freest worker serving it.
-
-        A job no free worker serves keeps its place; at most TASK_SCAN jobs are looked at per call."""
-        kept: list[str] = []
-        for _ in range(min(len(queue), TASK_SCAN)):
-            free = [w for w in candidates.values() if w.free > 0]
-            if not free:
-                break
-            job = self.jobs.get(queue.popleft())
-            if job is None:
-                continue
-            best = None
-            for w in free:
-                if w.serves(job.task) and (best is None or w.free > best.free):
-                    best = w
-            if best is None:
-                kept.append(job.id)
-            else:
-                self._assign(job, best)
-        queue.extendleft(reversed(kept))
-
-    def _assign(self, job: JobState, worker: WorkerState) -> None:
-        job.worker, job.attempts = worker.ident, job.attempts + 1
-        worker.in_flight.add(job.id)
-        if job.session:
-            self.sticky.remember(job.session, worker.ident)
-        self._send(worker.ident, job.frames)
-
-    def _sticky_choice(self, job: JobState, best: WorkerState) -> WorkerState | None:
-        """The worker for a job with a session: its last worker if that one has credit; else park the job on
-        it (None) for at most sticky_wait_s, once; else `best` (a new session, a dead or draining worker)."""
-        home = self.workers.get(self.sticky.home(job.session) or b"")
-        if home is None or home.service != job.service:
-            return best
-        if home.free > 0:
-            self.counters["sticky_hits"] += 1
-            return home
-        if not job.waited and self.sticky.park(job.id, home.ident, home.capacity, time.monotonic()):
-            job.waited = True
-            self.counters["sticky_parked"] += 1
-            return None
-        self.counters["sticky_fallbacks"] += 1
-        return best
-
-    def _freed(self, worker: WorkerState) -> None:
-        """`worker` has credit again: first the jobs parked waiting for it (their sessions), then its queue.
-        A worker now draining (capacity 0) frees nothing: its parked jobs go back to the queue's front."""
-        if worker.capacity <= 0:
-            self._requeue_front(worker.service, self.sticky.release(worker.ident))
-        while worker.free > 0:
-            job_id = self.sticky.next_parked(worker.ident)
-            if job_id is None:
-                break
-            job = self.jobs.get(job_id)
-            if job is not None:
-                self.counters["sticky_hits"] += 1
-                self._assign(job, worker)
-        self._dispatch(worker.service)
-
-    def _expire_parked(self, now: float) -> None:
-        """Parked jobs that waited sticky_wait_s go back to the front of their queue, for any worker."""
-        by_service: dict[str, list[str]] = {}
-        for job_id in self.sticky.expired(now):
-            job = self.jobs.get(job_id)
-            if job is not None:
-                self.counters["sticky_expired"] += 1
-                by_service.setdefault(job.service, []).append(job_id)
-        for service, job_ids in by_service.items():
-            self._requeue_front(service, job_ids)
-            self._dispatch(service)
+    def _deliver(self, assignments: list[Assignment]) -> None:
+        """Send each job the dispatch policy (brokers/dispatch.py) gave a worker to that worker."""
+        for job, worker in assignments:
+            self._send(worker.ident, job.frames)
 
     def _drop_worker(self, ident: bytes, reason: str) -> None:
-        worker = self.workers.pop(ident, None)
-        if worker is None:
+        dropped = dispatch.remove_worker(self.pool, ident)  # its in-flight and parked jobs: front of the queue
+        if dropped is None:
             return
-        service = worker.service
-        self.by_service[service].pop(ident, None)
-        self.restricted[service] -= bool(worker.tasks)
-        requeued = 0
-        self._requeue_front(service, self.sticky.forget_worker(ident))  # parked on it: now any worker
-        for job_id in sorted(worker.in_flight, reverse=True):
-            job = self.jobs.get(job_id)
-            if job is not None:
-                job.worker = None
-                self.queues.setdefault(job.service, collections.deque()).appendleft(job_id)
-                requeued += 1
+        worker, requeued = dropped
         self.counters["workers_lost"] += 1 if not reason.startswith("disconnect") else 0
         self.log.warning("broker.worker_removed", worker=worker.worker_id, reason=reason, requeued=requeued)
-        if not self.by_service[service]:  # forget a service nobody serves and nothing waits for (max_services)
-            del self.by_service[service]
-            self.restricted.pop(service, None)
-            if not self.queues.get(service, True):
-                del self.queues[service]
-        self._dispatch(service)
-
-    def _requeue_front(self, service: str, job_ids: list[str]) -> None:
-        """Put `job_ids` (oldest first) back at the front of their queue, in order."""
-        queue = self.queues.setdefault(service, collections.deque()) if job_ids else None
-        for job_id in reversed(job_ids):
-            if job_id in self.jobs:
-                queue.appendleft(job_id)
+        self._deliver(dispatch.dispatch(self.pool, worker.service, time.monotonic()))
 
     def tick(self, now: float) -> None:
-        if self.sticky.due(now):
-            self._expire_parked(now)
+        if self.sticky.due(now):  # parked jobs that waited sticky_wait_s: front of their queue, any worker
+            self._deliver(dispatch.expire_parked(self.pool, now))
         if now < self._next_check:
             return
         self._next_check = now + self.heartbeat_s

@@ -1,4 +1,4 @@
-"""`areal-mq worker controller`: dataset -> groups of GenerateRequests -> rewards -> sample store.
+"""`areal-mq worker controller`: dataset -> groups of GenerateRequests (or EpisodeJobs) -> rewards -> sample store.
 
 Dataflow (async mode):
 
@@ -8,23 +8,29 @@ Dataflow (async mode):
                                      group complete ──RewardJob──► reward workers
                                                      ◄─RewardResult──┘
                                      Sample(group, rewards, per-token versions, logprobs) ──► sample store
+    (agent.workflow set: n × EpisodeJob ──► agent workers ──► n × EpisodeResult ──► the same Sample path)
 
 Invariants:
-- admission: a new prompt only while `submitted_groups < (max_staleness + v + 1) * batch_groups` and
-  fewer than `max_concurrent_groups` groups are in flight (v = newest policy version seen);
+- admission (`can_admit`, controller_admission.py: the one definition of the η rule): a new prompt only while
+  `submitted_groups < (max_staleness + v + 1) * batch_groups` and fewer than `max_concurrent_groups` groups
+  are in flight (v = newest policy version seen);
 - every request carries `min_version = v`, so no worker starts it on older weights than the controller knew;
-- a failed or refused generation/reward job is retried (up to `max_retries`, with a pause), never silently
+- a failed or refused generation/episode/reward job is retried (up to `max_retries`, with a pause), never silently
   lost: a group that still fails is logged as `controller.group_failed` with the reason;
 - a group reaches the store exactly once (sample_id = group id; the store deduplicates resends);
 - with `drop_uniform_groups`, a group whose rewards are all equal (zero advantage: no gradient) is logged
   as `controller.group_dropped` and not stored; it stops counting as submitted, so admission replaces it
   (DAPO's dynamic sampling: the trainer's steps are spent on groups that teach something);
-- every admitted group leaves the admission ledger (areal_mq/ledger.py) exactly once: stored, dropped_uniform,
-  failed, or (after it was stored) stale when the sample store drops it — the store's stats name the groups
-  it dropped, polled every few seconds — so losses never eat the staleness bound;
+- every admitted group leaves the admission ledger (controller_admission.py, beside the η rule) exactly once:
+  stored, dropped_uniform, failed, or (after it was stored) stale when the sample store drops it — the store's
+  stats name the groups it dropped, polled every few seconds — so losses never eat the staleness bound;
+- one store path (`_store`) for both kinds of group: single answers scored by a RewardJob, and episodes
+  (agent.workflow set: controller_episodes.EpisodePath submits EpisodeJobs, the workflow's reward is the
+  episode's) — the same reward stats, policy versions, uniform-group drop and put;
 - nothing non-finite reaches the store: a generation with NaN/inf logprobs or a reward result with NaN/inf
   rewards fails its group at once (`controller.group_failed` names the positions); a reward result whose
-  every completion failed to score counts as a failed reward job (retried, then the group fails);
+  every completion failed to score counts as a failed reward job (retried, then the group fails); one whose
+  reward count is not the group size fails its group at once (a reward worker out of protocol);
 - the policy version never goes back on a bus replay of "base" (a restarted bus); a real older version
   (a trainer resumed from a checkpoint) is followed;
 - the strict per-sample staleness filter lives in the sample store (it knows the trainer's version).
@@ -45,22 +51,16 @@ from typing import Any
 
 import numpy as np
 
+from areal_mq.actor.runtime import Role, RoleLoop
 from areal_mq.balance import SplitAdvisor
 from areal_mq.errors import JobFailed
-from areal_mq.ledger import AdmissionLedger
 from areal_mq.messages import (EpisodeResult, Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample,
                                SamplingSpec, SeqSample, WeightsReady, length_bucket)
-from areal_mq.actor.runtime import Role, RoleLoop
-from areal_mq.workers.controller_episodes import EpisodeAdmission
+from areal_mq.workers.controller_admission import AdmissionLedger, can_admit
+from areal_mq.workers.controller_episodes import EpisodePath
 
 
 STORE_FULL_RETRY_S = 2.0  # pause before a put the store refused as full is tried again
-
-
-def can_admit(submitted_groups: int, version: int, max_staleness: int, batch_groups: int, in_flight: int,
-              max_concurrent: int) -> bool:
-    """The staleness throttle of the AReaL paper plus a concurrency cap (pure; property-tested)."""
-    return submitted_groups < (max_staleness + version + 1) * batch_groups and in_flight < max_concurrent
 
 
 def nonfinite_reason(values: Any, what: str) -> str | None:
@@ -70,6 +70,14 @@ def nonfinite_reason(values: Any, what: str) -> str | None:
     if bad.size == 0:
         return None
     return f"non-finite {what} at positions {bad[:5].tolist()} (e.g. {arr[bad[0]]}) of {arr.size}"
+
+
+def scored_answers(prompt_ids: list[int], answers: list[GenerateResult], scored: RewardResult) -> list[SeqSample]:
+    """A single-turn group's answers, in sample order, with the reward job's rewards (and details) -> seqs."""
+    details = scored.details or [{}] * len(answers)
+    return [SeqSample(prompt_ids=prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs, versions=r.versions,
+                      reward=float(rw), finish_reason=r.finish_reason, info={"detail": d} if d else {})
+            for r, rw, d in zip(answers, scored.rewards, details)]
 
 
 def request_seed(run_seed: int, group_id: str, index: int) -> int:
@@ -82,14 +90,14 @@ class Group:
     group_id: str
     problem: Any
     prompt_ids: list[int]
-    results: dict[int, GenerateResult] = field(default_factory=dict)
+    results: dict[int, GenerateResult | EpisodeResult] = field(default_factory=dict)  # sample index -> answer
     reward_job: str | None = None
     retries: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
     unstored: tuple | None = None  # (sample, reward_mean, versions) the store refused while full
 
 
-class Controller(EpisodeAdmission, Role):
+class Controller(Role):
     """A Role without a broker service: its work is admission and answers (JobClient), ticked by the loop.
     Paused (Control pause): admits nothing new; answers, retries and stores go on."""
 
@@ -116,6 +124,7 @@ class Controller(EpisodeAdmission, Role):
         self.started = time.monotonic()
         self.state_path = Path(cfg.run.run_dir) / "controller_state.json"
         self.advisor, self.store_depth = SplitAdvisor.from_config(cfg), 0  # generation:training split (balance.py)
+        self.episodes = EpisodePath(jobs) if cfg.agent.workflow else None  # multi-turn: a workflow per sample
 
     # ------------------------------------------------------------ admission
     def admit(self) -> int:
@@ -137,8 +146,8 @@ class Controller(EpisodeAdmission, Role):
         self.ledger.admit(group_id)
         group = Group(group_id, problem, self.formatter.ids(problem))
         self.groups[group_id] = group
-        for i in range(self.ctl_cfg.group_size):  # multi-turn: episodes (controller_episodes.py)
-            (self._submit_episode if self.cfg.agent.workflow else self._submit_generation)(group, i)
+        for i in range(self.ctl_cfg.group_size):
+            self._submit_sample(group, i)
 
     def _sampling(self, group: Group, index: int) -> SamplingSpec:
         """The sampling of sample `index` of `group` (a single answer, or every turn of an episode)."""
@@ -146,11 +155,16 @@ class Controller(EpisodeAdmission, Role):
                             max_new_tokens=self.ctl_cfg.max_new_tokens,
                             seed=request_seed(self.cfg.run.seed, group.group_id, index))
 
-    def _submit_generation(self, group: Group, index: int) -> None:
-        job = self.jobs.submit(GenerateRequest(prompt_ids=group.prompt_ids, sampling=self._sampling(group, index),
-                                               group_id=group.group_id, sample_index=index,
-                                               min_version=self.version), service="generate")
-        self.by_job[job] = ("generate", group.group_id, index)
+    def _submit_sample(self, group: Group, index: int) -> None:
+        """Sample `index` of `group`: a GenerateRequest, or an EpisodeJob when a workflow runs each sample."""
+        sampling = self._sampling(group, index)
+        if self.episodes is not None:
+            job, kind = self.episodes.submit(group, index, sampling, self.version), "episode"
+        else:
+            job, kind = self.jobs.submit(GenerateRequest(prompt_ids=group.prompt_ids, sampling=sampling,
+                                                         group_id=group.group_id, sample_index=index,
+                                                         min_version=self.version), service="generate"), "generate"
+        self.by_job[job] = (kind, group.group_id, index)
 
     # ------------------------------------------------------------ answers
     def on_answer(self, job_id: str, msg: Any) -> None:
@@ -161,22 +175,31 @@ class Controller(EpisodeAdmission, Role):
         if isinstance(msg, Error):
             self._retry(group, kind, index, f"[{msg.code}] {msg.message}")
         elif kind == "episode" and isinstance(msg, EpisodeResult):
-            self._on_episode(group, index, msg)
+            if self._collect(group, index, msg, EpisodePath.generated_tokens(msg)):
+                self._store(group, *EpisodePath.scored(self._ordered(group)))  # the workflow's reward: no RewardJob
         elif kind == "generate" and isinstance(msg, GenerateResult):
             if (why := nonfinite_reason(msg.logprobs, "logprobs")) is not None:
                 self._fail(group, kind, f"sample {index}: {why}")
-                return
-            group.results[index] = msg
-            self.gen_tokens += len(msg.output_ids)
-            if len(group.results) == self.ctl_cfg.group_size:
+            elif self._collect(group, index, msg, len(msg.output_ids)):
                 self._submit_reward(group)
         elif kind == "reward" and isinstance(msg, RewardResult):
-            if msg.errors and all(msg.errors):  # every completion's scoring failed: the reward job failed
+            if len(msg.rewards) != self.ctl_cfg.group_size:  # a reward worker out of protocol: no retry helps
+                self._fail(group, kind, f"{len(msg.rewards)} rewards for {self.ctl_cfg.group_size} completions")
+            elif msg.errors and all(msg.errors):  # every completion's scoring failed: the reward job failed
                 self._retry(group, kind, index, f"no completion could be scored: {msg.errors[0]}")
             elif (why := nonfinite_reason(msg.rewards, "rewards")) is not None:
                 self._fail(group, kind, why)
             else:
-                self._store(group, msg)
+                self._store(group, scored_answers(group.prompt_ids, self._ordered(group), msg), {})
+
+    def _collect(self, group: Group, index: int, answer: GenerateResult | EpisodeResult, tokens: int) -> bool:
+        """Keep sample `index`'s answer (`tokens` generated); True once every sample of the group is back."""
+        group.results[index] = answer
+        self.gen_tokens += tokens
+        return len(group.results) == self.ctl_cfg.group_size
+
+    def _ordered(self, group: Group) -> list:
+        return [group.results[i] for i in range(self.ctl_cfg.group_size)]
 
     def _retry(self, group: Group, kind: str, index: int, reason: str) -> None:
         group.retries += 1
@@ -202,37 +225,34 @@ class Controller(EpisodeAdmission, Role):
             group = self.groups.get(group_id)
             if group is None:
                 continue
-            if kind == "generate":
-                self._submit_generation(group, index)
-            elif kind == "episode":
-                self._submit_episode(group, index)
+            if kind in ("generate", "episode"):
+                self._submit_sample(group, index)
             elif kind == "store":
                 self._put(group, *group.unstored)
             else:
                 self._submit_reward(group)
 
     def _submit_reward(self, group: Group) -> None:
-        ordered = [group.results[i] for i in range(self.ctl_cfg.group_size)]
+        ordered = self._ordered(group)
         job = self.jobs.submit(RewardJob(
             task=self.ctl_cfg.reward_task, prompt_id=group.problem.id, prompt=group.problem.prompt,
             completions=[r.text for r in ordered], reference=group.problem.answer,
             truncated=[r.finish_reason == "length" for r in ordered]), service="reward")
         self.by_job[job] = ("reward", group.group_id, 0)
 
-    def _store(self, group: Group, result: RewardResult) -> None:
-        ordered = [group.results[i] for i in range(self.ctl_cfg.group_size)]
-        self.rewards.extend(result.rewards)
-        versions = sorted({int(v) for r in ordered for v in r.versions})
-        reward_mean = round(sum(result.rewards) / len(result.rewards), 4)
-        if self.ctl_cfg.drop_uniform_groups and max(result.rewards) - min(result.rewards) <= 1e-9:
-            self._drop(group, ordered, reward_mean, versions)
+    def _store(self, group: Group, seqs: list[SeqSample], meta: dict) -> None:
+        """The one store path of a complete, scored group (single answers or episodes): its rewards join the
+        stats, then it is dropped (uniform rewards, with drop_uniform_groups) or put as one Sample."""
+        rewards = [s.reward for s in seqs]
+        self.rewards.extend(rewards)
+        every = np.unique(np.concatenate([np.asarray(s.versions) for s in seqs]))  # sorted
+        versions = [int(v) for v in every if v >= 0]  # -1: an episode's environment tokens
+        reward_mean = round(sum(rewards) / len(rewards), 4)
+        if self.ctl_cfg.drop_uniform_groups and max(rewards) - min(rewards) <= 1e-9:
+            self._drop(group, seqs, reward_mean, versions)
             return
-        seqs = [SeqSample(prompt_ids=group.prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs,
-                          versions=r.versions, reward=float(rw), finish_reason=r.finish_reason,
-                          info={"detail": d} if d else {})
-                for r, rw, d in zip(ordered, result.rewards, result.details or [{}] * len(ordered))]
         sample = Sample(sample_id=group.group_id, prompt_id=group.problem.id, seqs=seqs,
-                        meta={"level": group.problem.level})
+                        meta={"level": group.problem.level, **meta})
         self._put(group, sample, reward_mean, versions)
 
     def _put(self, group: Group, sample: Sample, reward_mean: float, versions: list[int]) -> None:
@@ -257,12 +277,12 @@ class Controller(EpisodeAdmission, Role):
                       latency_s=round(time.monotonic() - group.submitted_at, 2))
         self.save_state()
 
-    def _drop(self, group: Group, ordered: list[GenerateResult], reward_mean: float, versions: list[int]) -> None:
+    def _drop(self, group: Group, seqs: list[SeqSample], reward_mean: float, versions: list[int]) -> None:
         """A uniform-reward group: not stored, and no longer counted against the bound (admission replaces it)."""
         self.groups.pop(group.group_id, None)
         self.ledger.settle(group.group_id, "dropped_uniform")
         self.dropped += 1
-        bucket = length_bucket(max(len(r.output_ids) for r in ordered))
+        bucket = length_bucket(max(len(s.output_ids) for s in seqs))
         self.dropped_by_length[bucket] = self.dropped_by_length.get(bucket, 0) + 1
         self.log.info("controller.group_dropped", group=group.group_id, reason="uniform_reward",
                       reward_mean=reward_mean, versions=versions, length_bucket=bucket)

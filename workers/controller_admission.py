@@ -1,18 +1,21 @@
-"""The controller's admission ledger: every admitted group leaves exactly once, and only what is in flight
-or will be trained counts against the staleness bound.
+"""The controller's admission: the staleness rule (η) and the ledger that every admitted group leaves once.
 
-What: `admit(group)`, then exactly one `settle(group, outcome)` with outcome
+What:
+- `can_admit` is the one definition of the AReaL paper's staleness throttle plus a concurrency cap: a new group
+  only while `counted < (η + v + 1) · batch_groups` and fewer than `max_concurrent` groups are in flight
+  (the controller, the zero-infrastructure simulator areal_mq/sim/des.py and the balance sweep all call it);
+- `AdmissionLedger`: `admit(group)`, then exactly one `settle(group, outcome)` with outcome
     stored            -> reached the sample store (it keeps counting: it will be trained, or later...)
     stale             -> ...the store dropped it as too stale (settled from the store's `dropped_recent`)
     dropped_uniform   -> all rewards equal: not stored (zero advantage)
-    failed            -> generation or reward failed after max_retries
-`counted` = admitted - dropped_uniform - failed - stale: the number `can_admit` compares with
-(η + v + 1) · batch_groups. Why: without it, a group lost to a failure or a stale drop kept its place in the
-bound forever; once the losses exceeded η · batch_groups the controller admitted nothing more and the trainer
-waited forever (in sync mode one failure was enough).
-Settling is idempotent: a second settle of a group, or a settle of an unknown group, changes nothing.
+    failed            -> generation, episode or reward failed after max_retries (or was non-finite)
+  `counted` = admitted - dropped_uniform - failed - stale: the number `can_admit` compares with the bound.
+Why: without the ledger, a group lost to a failure or a stale drop kept its place in the bound forever; once
+the losses exceeded η · batch_groups the controller admitted nothing more and the trainer waited forever (in
+sync mode, η = 0, one failure was enough). Settling is idempotent: a second settle of a group, or a settle of
+an unknown group, changes nothing.
 
-Run: pytest tests/unit/workers/test_ledger.py -q
+Run: pytest tests/unit/workers/test_ledger.py tests/unit/workers/test_admission.py -q
 """
 from __future__ import annotations
 
@@ -20,6 +23,12 @@ from collections import Counter
 
 OUTCOMES = ("stored", "dropped_uniform", "failed", "stale")
 MAX_STALE_IDS = 200_000  # remembered so a restarted controller does not settle one drop twice
+
+
+def can_admit(submitted_groups: int, version: int, max_staleness: int, batch_groups: int, in_flight: int,
+              max_concurrent: int) -> bool:
+    """The staleness throttle of the AReaL paper plus a concurrency cap (pure; property-tested)."""
+    return submitted_groups < (max_staleness + version + 1) * batch_groups and in_flight < max_concurrent
 
 
 class AdmissionLedger:

@@ -1,7 +1,7 @@
 """Zero-infrastructure model of a simulated run: the same SimEngine and admission rule, on a virtual clock only.
 
 What: `simulate(...)` plays a whole run as a discrete-event simulation in one process, with no sockets: the
-controller's admission rule (passed in: workers/controller.can_admit, the one definition), dispatch to the
+controller's admission rule (passed in: workers/controller_admission.can_admit, the one definition), dispatch to the
 engine with the most free slots (the job broker's rule), groups stored when complete, the sample store's
 staleness filter (a group whose oldest token is older than v - η is dropped and stops counting), and a
 trainer that takes `batch_groups` groups when it is idle, trains for the timing model's train_step_s and

@@ -27,7 +27,7 @@ import pytest
 
 from areal_mq.sim.des import closed_form, simulate
 from areal_mq.sim.timing import length_model, timing_model
-from areal_mq.workers.controller import can_admit
+from areal_mq.workers.controller_admission import can_admit
 
 N, CAPACITY, GROUP, STEPS, PROMPT = 4, 4, 4, 8, 1
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from areal_mq.config import load_config
 from areal_mq.data.loaders import Problem
 from areal_mq.messages import GenerateRequest, GenerateResult, RewardJob, RewardResult
-from areal_mq.workers.controller import Controller, can_admit
+from areal_mq.workers.controller import Controller
+from areal_mq.workers.controller_admission import can_admit
 
 
 class InMemoryJobs:

@@ -97,6 +97,17 @@ def test_a_reward_result_with_every_completion_unscored_is_a_failed_reward_job(t
     assert ctl.ledger.balance()["failed"] == 1 and not store.samples
 
 
+def test_a_reward_result_with_the_wrong_number_of_rewards_fails_the_group(tmp_path):
+    """One reward per completion is the protocol; a reward worker out of it must not shorten or pad a group."""
+    ctl, jobs, store, log = _controller(tmp_path, "controller.max_retries=2")
+    ctl.step(timeout=0.0)
+    _answer_all(ctl, jobs)
+    _answer_all(ctl, jobs, rewards=[1.0])
+    assert store.samples == [] and not log.named("controller.retry")
+    assert "1 rewards for 2 completions" in log.named("controller.group_failed")[0]["reason"]
+    assert ctl.ledger.balance()["failed"] == 1
+
+
 def test_a_partly_scored_group_is_stored_with_its_defaults(tmp_path):
     ctl, jobs, store, log = _controller(tmp_path)
     ctl.step(timeout=0.0)

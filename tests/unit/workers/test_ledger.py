@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_mq.config import load_config
-from areal_mq.ledger import AdmissionLedger
+from areal_mq.workers.controller_admission import AdmissionLedger
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, RewardResult
 from areal_mq.workers.controller import Controller
 
