@@ -5,9 +5,10 @@ Dataflow:
     controller --EpisodeJob--> job broker (service "agent") --> AgentRole.on_job (role thread)
                                                                    | run_coroutine_threadsafe
                                                                    v
-      asyncio thread: run_episode(workflow, ctx) -- ctx.generate --> BrokerBackend --GenerateRequest(session=
+      asyncio thread: run_episode(workflow, ctx) -- ctx.generate --> AgentBackend --GenerateRequest(session=
                       episode id)--> job broker --> rollout workers --GenerateResult--> (futures resolved by
-                      the pump task) ... workflow returns reward --> Episode trace -> SeqSample
+                      the pump task: AsyncJobFutures, areal_mq/actor/job_futures.py) ... workflow returns
+                      reward --> Episode trace -> SeqSample
                                                                    |
     controller <--EpisodeResult (or Error job_failed)-- runtime.reply (thread-safe) <--+
 
@@ -25,46 +26,27 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 from areal_mq.errors import JobFailed
 from areal_mq.messages import EpisodeJob, EpisodeResult, Error
+from areal_mq.actor.job_futures import AsyncJobFutures
 from areal_mq.actor.runtime import Role, RoleLoop
 
 
-class BrokerBackend:
-    """ctx's backend in the agent: turns and reward calls as jobs through the job broker. Lives on the asyncio
-    thread, which alone touches its JobClient (made there by `make_client`)."""
+class AgentBackend:
+    """ctx's backend in the agent: turns and reward calls as jobs through the job broker (AsyncJobFutures on the
+    asyncio thread, which alone touches its JobClient, made there by `make_client`). A broker Error raises
+    JobFailed in the workflow; a cancelled call (the episode's timeout) forgets its job."""
 
     def __init__(self, make_client: Any, poll_s: float = 0.005):
-        self.make_client, self.poll_s = make_client, poll_s
-        self.jobs: Any = None
-        self.waiting: dict[str, asyncio.Future] = {}
-        self._pump: asyncio.Task | None = None
+        self.jobs = AsyncJobFutures(make_client, poll_s)
 
     async def start(self) -> None:
-        self.jobs = self.make_client()
-        self._pump = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            answers = self.jobs.poll(0.0)
-            for job_id, msg in answers:
-                fut = self.waiting.pop(job_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            await asyncio.sleep(0 if answers else self.poll_s)
+        await self.jobs.start()
 
     async def call(self, msg: Any, service: str) -> Any:
-        job_id = self.jobs.submit(msg, service=service)
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting[job_id] = fut
-        try:
-            answer = await fut
-        finally:  # a cancelled episode (timeout): forget the job, the client must not resubmit it
-            self.waiting.pop(job_id, None)
-            self.jobs.pending.pop(job_id, None)
+        answer = await self.jobs.call(msg, service)
         if isinstance(answer, Error):
             raise JobFailed(f"{service} job failed: [{answer.code}] {answer.message}")
         return answer
@@ -76,10 +58,7 @@ class BrokerBackend:
         return await self.call(job, "reward")
 
     async def close(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
-        if self.jobs is not None:
-            self.jobs.close()
+        await self.jobs.close()
 
 
 class AgentRole(Role):
@@ -88,7 +67,7 @@ class AgentRole(Role):
     name = "agent"
     drain_timeout_s = 30.0
 
-    def __init__(self, rt: Any, cfg: Any, workflow: Any, tokenizer: Any, backend: BrokerBackend):
+    def __init__(self, rt: Any, cfg: Any, workflow: Any, tokenizer: Any, backend: AgentBackend):
         super().__init__(rt)
         self.cfg, self.acfg, self.workflow, self.tokenizer, self.backend = cfg, cfg.agent, workflow, tokenizer, backend
         self.loop = asyncio.new_event_loop()
@@ -167,9 +146,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     rt = WorkerRuntime(cfg, role="agent", service="agent", capacity=cfg.agent.max_episodes, worker_id=worker_id,
                        topics=("control",))
     b = cfg.brokers
-    backend = BrokerBackend(lambda: JobClient(b.job_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s,
-                                              liveness=b.liveness, retry_s=b.job_retry_s, log=rt.log,
-                                              ))
+    backend = AgentBackend(lambda: JobClient(b.job_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s,
+                                             liveness=b.liveness, retry_s=b.job_retry_s, log=rt.log))
     role = AgentRole(rt, cfg, workflow, tokenizer, backend)
     try:
         role.start()

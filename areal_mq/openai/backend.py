@@ -1,12 +1,14 @@
 """The OpenAI endpoint's link to the job broker: one thread owns the JobClient; HTTP threads wait on futures.
 
-What: `BrokerBackend.generate(prompt_ids, samplings, sessions, timeout_s)` submits one GenerateRequest per
+What: `OpenAIBackend.generate(prompt_ids, samplings, sessions, timeout_s)` submits one GenerateRequest per
 sampling (service "generate") and returns their GenerateResults in order, or raises ApiError: 503 when the
 broker has been silent past its liveness window (down, or our key refused), 504 when the answer missed the
 deadline, 400 when a rollout worker refused the request (bad_request), 502/503 for other broker errors.
 Why one thread: a ZeroMQ socket belongs to one thread, and JobClient's heartbeats and resubmission after a
-broker restart must keep running while handler threads block.
-A job past its deadline is forgotten here (no resubmission); if its answer arrives later it is ignored.
+broker restart must keep running while handler threads block. The owner thread keeps job id -> future in a
+JobFutures (areal_mq/actor/job_futures.py, the adapter the agent role uses too).
+A job past its deadline, or whose caller gave up, is forgotten (JobClient.forget: no resubmission); if its answer
+arrives later it is ignored.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from areal_mq.actor.job_futures import JobFutures
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, SamplingSpec
 from areal_mq.openai.api import ApiError
 
@@ -27,12 +30,14 @@ ERROR_STATUS = {"bad_request": (400, "invalid_request"), "queue_full": (503, "ov
                 "no_service": (503, "no_rollout_workers"), "forbidden": (503, "broker_refused_key")}
 
 
-class BrokerBackend:
+class OpenAIBackend:
+    """The endpoint's job broker link: HTTP handler threads call `generate`; one owner thread runs the client."""
+
     def __init__(self, client_factory: Callable[[], Any], silent_after_s: float, poll_s: float = 0.02,
                  log: Any = None):
         self._factory, self.silent_after_s, self.poll_s, self.log = client_factory, silent_after_s, poll_s, log
         self._inbox: queue.Queue = queue.Queue()
-        self._jobs: dict[str, tuple[Future, float]] = {}  # job id -> (future, deadline); owner thread only
+        self._jobs: JobFutures | None = None  # owner thread only
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="openai-broker", daemon=True)
         self._silent_s = 0.0  # written by the owner thread, read by handler threads
@@ -41,6 +46,7 @@ class BrokerBackend:
 
     def start(self) -> None:
         self._client = self._factory()
+        self._jobs = JobFutures(self._client)
         self._thread.start()
 
     def close(self) -> None:
@@ -108,9 +114,7 @@ class BrokerBackend:
                 if self.log:
                     self.log.exception("openai.backend_error", error=repr(exc)[:300])
                 time.sleep(self.poll_s)
-        for fut, _ in self._jobs.values():
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(ApiError(503, "the server is stopping", None, "shutting_down", "server_error"))
+        self._jobs.fail_all(ApiError(503, "the server is stopping", None, "shutting_down", "server_error"))
 
     def _step(self, client: Any) -> None:
         while True:
@@ -118,19 +122,10 @@ class BrokerBackend:
                 msg, fut, deadline = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if fut.cancelled():
-                continue
-            self._jobs[client.submit(msg, service="generate")] = (fut, deadline)
-        for job_id, answer in client.poll(self.poll_s):
-            entry = self._jobs.pop(job_id, None)
-            if entry is not None and entry[0].set_running_or_notify_cancel():
-                entry[0].set_result(answer)
-        now = time.monotonic()
+            if not fut.cancelled():  # a caller already gone (a sibling choice failed): never submitted
+                self._jobs.submit(msg, "generate", deadline, fut)
+        # past their deadline or cancelled: forgotten (no more resubmissions of a call nobody waits for)
+        self._jobs.pump(self.poll_s)
         # silent past the liveness window, or reconnected and not heard since (a reconnect restarts the clock)
-        self._silent_s = client.link.silent_s(now)
+        self._silent_s = client.link.silent_s(time.monotonic())
         self._down = client.link.delay > 0 or self._silent_s > self.silent_after_s
-        for job_id in [j for j, (f, dl) in self._jobs.items() if now > dl or f.cancelled()]:
-            fut, _ = self._jobs.pop(job_id)
-            client.pending.pop(job_id, None)  # no more resubmissions of a call nobody waits for
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(TimeoutError())

@@ -11,7 +11,7 @@ How: `areal-mq serve-openai --config configs/quickstart.yaml --port 8000` (broke
 running), then `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x")`. docs/openai.md has the limits.
 
 Threads: stdlib ThreadingHTTPServer (a bounded number of connections, each with a read timeout) hands
-requests to `BrokerBackend`, the one thread that owns the JobClient (a ZeroMQ socket belongs to one thread).
+requests to `OpenAIBackend`, the one thread that owns the JobClient (a ZeroMQ socket belongs to one thread).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from areal_mq.openai.api import ApiError, ApiLimits, chat_response, models_response, parse_chat
-from areal_mq.openai.backend import BrokerBackend
+from areal_mq.openai.backend import OpenAIBackend
 from areal_mq.openai.episodes import Choice, EpisodeRecorder, RecorderLimits, Turn
 from areal_mq.security import RateLimited
 
@@ -53,7 +53,7 @@ class ServeConfig:
 class ChatService:
     """The endpoint's logic without HTTP: tokenizer + backend + recorder. Handler threads share one."""
 
-    def __init__(self, cfg: ServeConfig, model: str, tokenizer: Any, backend: BrokerBackend | None,
+    def __init__(self, cfg: ServeConfig, model: str, tokenizer: Any, backend: OpenAIBackend | None,
                  recorder: EpisodeRecorder | None = None, log: Any = None):
         self.cfg, self.model, self.tokenizer, self.backend, self.log = cfg, model, tokenizer, backend, log
         self.recorder = recorder or EpisodeRecorder(cfg.episodes)
@@ -242,12 +242,12 @@ def serve_config(cfg: Any, host: str, port: int, api_key: str = "", max_tokens: 
                        api=api)
 
 
-def broker_backend(cfg: Any, address: str, keys: Any, log: Any) -> BrokerBackend:
-    """A BrokerBackend whose JobClient uses the run's liveness settings (a broker silent past them: 503)."""
+def broker_backend(cfg: Any, address: str, keys: Any, log: Any) -> OpenAIBackend:
+    """An OpenAIBackend whose JobClient uses the run's liveness settings (a broker silent past them: 503)."""
     from areal_mq.client import JobClient
 
     b = cfg.brokers
-    return BrokerBackend(lambda: JobClient(address, keys=keys, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
+    return OpenAIBackend(lambda: JobClient(address, keys=keys, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
                                            retry_s=b.job_retry_s, reconnect_max_s=b.reconnect_max_s, log=log),
                          silent_after_s=b.heartbeat_s * b.liveness, log=log)
 

@@ -1,16 +1,17 @@
-"""BrokerBackend (the OpenAI endpoint's JobClient owner thread) with a stand-in client passed in: answers reach
+"""OpenAIBackend (the OpenAI endpoint's JobClient owner thread) with a stand-in client passed in: answers reach
 their callers, broker errors map to HTTP statuses, a silent broker fails calls at once (503), a deadline gives 504
-and the job is forgotten (no resubmission).
+and the job is forgotten (no resubmission), a failed choice's unanswered siblings are forgotten too.
 
-Run: pytest tests/unit/test_openai_backend.py -q   (~3 s)
+Run: pytest tests/unit/openai/test_backend.py -q   (~3 s)
 """
 import threading
+import time
 
 import pytest
 
 from areal_mq.messages import Error, GenerateResult, SamplingSpec
 from areal_mq.openai.api import ApiError
-from areal_mq.openai.backend import BrokerBackend
+from areal_mq.openai.backend import OpenAIBackend
 
 
 class Link:
@@ -22,7 +23,7 @@ class Link:
 
 
 class FakeClient:
-    """JobClient's surface: submit, poll, pending, link; `answer` decides what each job gets (None = nothing)."""
+    """JobClient's surface: submit, poll, forget, link; `answer` decides what each job gets (None = nothing)."""
 
     address = "tcp://127.0.0.1:1"
 
@@ -46,8 +47,20 @@ class FakeClient:
         threading.Event().wait(timeout)
         return out
 
+    def forget(self, job_id):
+        return self.pending.pop(job_id, None) is not None
+
     def close(self):
         pass
+
+
+def wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def ok(msg):
@@ -57,7 +70,7 @@ def ok(msg):
 def run(answer, n=1, timeout_s=5.0, silent=False):
     client = FakeClient(answer)
     client.link.silent = 100.0 if silent else 0.0
-    backend = BrokerBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
+    backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
     backend.start()
     try:
         out = backend.generate([1, 2, 3], [SamplingSpec(seed=i) for i in range(n)], ["ep"] + [""] * (n - 1), timeout_s)
@@ -89,16 +102,52 @@ def test_a_silent_broker_is_503_without_waiting_for_the_deadline():
 
 def test_a_missed_deadline_is_504_and_the_job_is_forgotten():
     client = FakeClient(lambda msg: None)
-    backend = BrokerBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
+    backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
     backend.start()
     try:
         with pytest.raises(ApiError) as info:
             backend.generate([1, 2], [SamplingSpec(), SamplingSpec()], ["", ""], 0.3)
         assert info.value.status == 504
-        threading.Event().wait(0.2)  # the owner thread's next step drops both jobs
-        assert client.pending == {} and len(client.submitted) == 2
+        assert wait_until(lambda: client.pending == {})  # the owner thread's next step forgets both jobs
+        assert len(client.submitted) == 2
     finally:
         backend.close()
+
+
+def test_a_failed_choice_forgets_its_unanswered_siblings():
+    def refuse_first(msg):
+        return Error(code="bad_request", message="no") if msg.sampling.seed == 0 else None
+
+    client = FakeClient(refuse_first)
+    backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
+    backend.start()
+    try:
+        with pytest.raises(ApiError) as info:
+            backend.generate([1, 2], [SamplingSpec(seed=0), SamplingSpec(seed=1)], ["", ""], 60.0)
+        assert info.value.status == 400
+        assert wait_until(lambda: client.pending == {})  # seed 1 is cancelled, then forgotten: no resubmission
+    finally:
+        backend.close()
+
+
+def test_calls_still_waiting_at_close_get_503():
+    client = FakeClient(lambda msg: None)
+    backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
+    backend.start()
+    errors = []
+
+    def call():
+        try:
+            backend.generate([1], [SamplingSpec()], [""], 60.0)
+        except ApiError as exc:
+            errors.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert wait_until(lambda: len(client.submitted) == 1)
+    backend.close()
+    caller.join(10.0)
+    assert [e.code for e in errors] == ["shutting_down"] and errors[0].status == 503
 
 
 def test_a_call_waits_while_the_broker_answers_late():
