@@ -1,7 +1,8 @@
 """The built-in `arith` task: short procedurally generated arithmetic word problems with fixed splits.
 
 What: problems such as "Mia has 7 stickers and gets 5 more. How many stickers does Mia have now?" at three
-levels, shipped as `arith_train.jsonl` and `arith_test.jsonl` next to this file. Each record is
+levels, shipped as `arith_train.jsonl`, `arith_test.jsonl` (220) and `arith_test_large.jsonl` (1,100 = those 220 + 880
+new, for studies that need a tighter interval: `data.eval_name: arith:test-large`) next to this file. Each record is
 `{"id", "question", "answer" (int), "level", "op", "operands"}`.
 
     L1  single-digit addition / subtraction          3 + 4, 9 - 5
@@ -33,6 +34,8 @@ from pathlib import Path
 SEED = 20250607
 TRAIN_FILE = "arith_train.jsonl"
 TEST_FILE = "arith_test.jsonl"
+LARGE_TEST_FILE = "arith_test_large.jsonl"
+LARGE_FACTOR = 5  # the large held-out set: the 220 shipped test problems + 4x as many new ones, per pool
 
 _ONE_PLURAL = re.compile(r"\b(1) (\w+)s\b")
 Key = tuple  # (op, *operands): the arithmetic identity of a problem, shared by all its wordings
@@ -169,6 +172,39 @@ def generate_splits(seed: int = SEED, pools: tuple[Pool, ...] = POOLS) -> tuple[
     return _with_ids(train, "train"), _with_ids(test, "test")
 
 
+def generate_large_test(seed: int = SEED, pools: tuple[Pool, ...] = POOLS) -> list[dict]:
+    """The large held-out set (issue 27): the shipped test split unchanged (same ids), then LARGE_FACTOR - 1 times
+    as many new problems per pool, so levels keep the test split's proportions. New problems take keys no training
+    problem uses (a pool's keys beyond the ones the training file cycles over) first; where a pool has too few
+    (L1 sums, small products, two-step), they are new wordings of that pool's held-out keys. No question repeats,
+    and no key is shared with the training split."""
+    train, test = generate_splits(seed, pools)
+    train_keys = {key_of(r) for r in train}
+    seen_questions = {r["question"] for r in test}
+    extra: list[dict] = []
+    for pool in pools:
+        rng = random.Random(f"{seed}/large/{pool.level}/{pool.op}")
+        pool_test = [r for r in test if r["level"] == pool.level and r["op"] == pool.op]
+        fresh = sorted({k for k in pool.keys() if k not in train_keys} - {key_of(r) for r in pool_test})
+        rng.shuffle(fresh)
+        want = (LARGE_FACTOR - 1) * pool.n_test
+        keys = fresh[:want]
+        reused = [key_of(r) for r in pool_test]
+        while len(keys) < want:  # too few unused keys: more wordings of the held-out ones
+            keys.append(reused[len(keys) % len(reused)])
+        for k in keys:
+            for _ in range(1000):
+                question = render(k, rng)
+                if question not in seen_questions:
+                    break
+            else:
+                raise ValueError(f"no new wording left for {k} in pool L{pool.level} {pool.op!r}")
+            seen_questions.add(question)
+            extra.append(_record(k, question, pool.level))
+    random.Random(f"{seed}/large/order").shuffle(extra)
+    return test + [{"id": f"arith-heldout-{i:05d}", **r} for i, r in enumerate(extra)]
+
+
 def _with_ids(records: list[dict], split: str) -> list[dict]:
     return [{"id": f"arith-{split}-{i:05d}", **r} for i, r in enumerate(records)]
 
@@ -186,20 +222,22 @@ def to_jsonl(records: list[dict]) -> str:
 
 
 def write_splits(out_dir: Path, seed: int = SEED) -> dict[str, Path]:
-    """Write arith_train.jsonl / arith_test.jsonl into `out_dir`; returns {"train": path, "test": path}."""
+    """Write arith_train.jsonl / arith_test.jsonl / arith_test_large.jsonl into `out_dir`; returns their paths."""
     train, test = generate_splits(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"train": out_dir / TRAIN_FILE, "test": out_dir / TEST_FILE}
     paths["train"].write_text(to_jsonl(train), encoding="utf-8")
     paths["test"].write_text(to_jsonl(test), encoding="utf-8")
+    paths["test_large"] = out_dir / LARGE_TEST_FILE
+    paths["test_large"].write_text(to_jsonl(generate_large_test(seed)), encoding="utf-8")
     return paths
 
 
 def shipped_path(split: str) -> Path:
-    """Path of the shipped split file ("train" or "test")."""
-    names = {"train": TRAIN_FILE, "test": TEST_FILE}
+    """Path of the shipped split file ("train", "test" or "test_large")."""
+    names = {"train": TRAIN_FILE, "test": TEST_FILE, "test_large": LARGE_TEST_FILE}
     if split not in names:
-        raise ValueError(f"arith split must be 'train' or 'test', got {split!r}")
+        raise ValueError(f"arith split must be one of {sorted(names)}, got {split!r}")
     return Path(__file__).with_name(names[split])
 
 

@@ -3,7 +3,8 @@
 `DataConfig` says which problems the controller trains on and which held-out problems evaluation uses.
 Build the objects with `areal_mq.data.build_dataset(cfg)` / `areal_mq.data.load_eval_problems(cfg)`.
 
-Sources (`name`, `eval_name`): "arith" (= "arith:train") and "arith:test" are the shipped splits of the built-in
+Sources (`name`, `eval_name`): "arith" (= "arith:train"), "arith:test" (220) and "arith:test-large" (1,100: the 220
+and 880 more, same levels' proportions, no arithmetic shared with training) are the shipped splits of the built-in
 task; anything else is a local source — a .jsonl or .parquet file, or a Hugging Face `datasets` directory saved
 with save_to_disk (DIR, or DIR:split for a DatasetDict; areal_mq/data/sources.py) — read as GSM8K or generic records
 (see `format`). A held-out split from the same source is `eval_name: DIR:test`.
@@ -14,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ARITH_SOURCES = ("arith", "arith:train", "arith:test")
+ARITH_SOURCES = ("arith", "arith:train", "arith:test", "arith:test-large")
 
 
 class ChatExample(BaseModel):

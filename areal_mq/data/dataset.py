@@ -112,7 +112,7 @@ def load_source(name: str, cfg: DataConfig) -> list[Problem]:
     if name in ARITH_SOURCES:
         from areal_mq.data.arith_problems import shipped_path  # lazy: keeps `python -m areal_mq.data.arith_problems` warning-free
 
-        split = "test" if name == "arith:test" else "train"
+        split = {"arith:test": "test", "arith:test-large": "test_large"}.get(name, "train")
         problems = load_records(shipped_path(split), template, "answer", "id", "level")
     else:
         fmt = sniff_format(name) if cfg.format == "auto" else cfg.format

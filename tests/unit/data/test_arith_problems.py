@@ -95,5 +95,27 @@ def test_pool_cannot_hold_out_all_keys():
 
 
 def test_shipped_path_rejects_unknown_split():
-    with pytest.raises(ValueError, match="'train' or 'test'"):
+    with pytest.raises(ValueError, match="one of \\['test', 'test_large', 'train'\\]"):
         arith.shipped_path("dev")
+
+
+def test_large_heldout_set(shipped):
+    """>= 1,000 held-out problems: the shipped 220 first and unchanged, levels in the same proportions, no
+    arithmetic (key) shared with training, no question twice; the shipped file equals the generator output."""
+    train, test = shipped
+    large = _read("test_large")
+    assert large == arith.generate_large_test(), "shipped large set is stale: run python -m areal_mq.data.arith_problems"
+    assert len(large) >= 1000 and large[: len(test)] == test
+    assert {k: v * arith.LARGE_FACTOR for k, v in arith.iter_levels(test)} == dict(arith.iter_levels(large))
+    assert not {arith.key_of(r) for r in large} & {arith.key_of(r) for r in train}
+    assert len({r["question"] for r in large}) == len(large) and len({r["id"] for r in large}) == len(large)
+    assert all(r["answer"] == arith.answer_of(arith.key_of(r)) for r in large)
+    fresh = {arith.key_of(r) for r in large} - {arith.key_of(r) for r in test}
+    assert len(fresh) >= 300, "the large set should bring new arithmetic where the key space allows"
+
+
+def test_large_set_is_an_eval_source():
+    from areal_mq.data import DataConfig, load_eval_problems
+
+    problems = load_eval_problems(DataConfig(eval_name="arith:test-large"))
+    assert len(problems) == 1100 and problems[0].id == "arith-test-00000"
