@@ -1,7 +1,7 @@
 """The job-futures adapter (areal_mq/actor/job_futures.py) and JobClient.forget, which it stands on.
 
 - JobClient.forget, on a real JobClient against an in-process ROUTER on 127.0.0.1: a forgotten job is never
-  resubmitted and its late answer is dropped (also one wait() had set aside); an unknown id is a no-op;
+  resubmitted and its late answer is dropped (also one that wait() had set aside); an unknown id is a no-op;
 - JobFutures with a stand-in client passed in: answers resolve futures (an Error as a value), a deadline fails
   the future with TimeoutError and forgets the job, a cancelled future's job is forgotten before the next poll,
   fail_all fails what still waits, a caller's own future is resolved;
@@ -24,7 +24,7 @@ from areal_mq.client import JobClient
 from areal_mq.messages import Ack, Error, Kind, StatsRequest
 
 
-class FakeClient:
+class ScriptedJobClient:
     """JobClient's surface (submit, poll, forget, close); the test answers jobs with `answer(job_id, msg)`."""
 
     def __init__(self):
@@ -85,26 +85,27 @@ def reply(sock, ident, job_id):
     sock.send_multipart([ident, *protocol.encode(Ack(ref_id=job_id), reply_to=job_id)])
 
 
-def collect_until(client, sock, cond, timeout=20.0):
-    """Poll the client and the ROUTER until `cond(seen ids)`; returns (job ids the ROUTER saw, answers polled)."""
+def pump_until(client, sock, cond, timeout=20.0):
+    """Poll the client and the ROUTER until `cond(seen, answers)`: seen = (client identity, job id) for each job
+    the ROUTER received, answers = (job id, message) for each answer the client's poll() returned."""
     seen, answers, deadline = [], [], time.monotonic() + timeout
-    while not cond(seen):
-        assert time.monotonic() < deadline, f"condition not met; the ROUTER saw {seen}"
+    while not cond(seen, answers):
+        assert time.monotonic() < deadline, f"condition not met; the ROUTER saw {seen}, the client got {answers}"
         answers += client.poll(0.02)
-        seen += [env.id for _, env in received(sock)]
+        seen += [(ident, env.id) for ident, env in received(sock)]
     return seen, answers
 
 
-def test_a_forgotten_job_is_never_resubmitted_and_its_late_answer_is_dropped(router):
+def test_a_forgotten_job_is_never_resubmitted(router):
     sock, address = router
     client = JobClient(address, heartbeat_s=1.0, liveness=60, retry_s=0.1)  # resubmits every 0.1 s
     try:
         kept, dropped = client.submit(StatsRequest()), client.submit(StatsRequest())
-        seen, _ = collect_until(client, sock, lambda s: {kept, dropped} <= set(s))
+        pump_until(client, sock, lambda seen, _: {kept, dropped} <= {job_id for _, job_id in seen})
         assert client.forget(dropped) is True
         assert client.forget(dropped) is False and client.forget("no-such-job") is False
-        seen, _ = collect_until(client, sock, lambda s: s.count(kept) >= 3)  # three resubmissions of the kept
-        assert dropped not in seen
+        seen, _ = pump_until(client, sock, lambda seen, _: [j for _, j in seen].count(kept) >= 3)  # resubmitted
+        assert dropped not in [job_id for _, job_id in seen]
     finally:
         client.close()
 
@@ -114,20 +115,11 @@ def test_a_late_answer_to_a_forgotten_job_is_dropped(router):
     client = JobClient(address, heartbeat_s=1.0, liveness=60)
     try:
         kept, dropped = client.submit(StatsRequest()), client.submit(StatsRequest())
-        ident = None
-        deadline = time.monotonic() + 20.0
-        while ident is None:
-            assert time.monotonic() < deadline, "the ROUTER never saw the jobs"
-            client.poll(0.02)
-            got = received(sock)
-            ident = got[0][0] if got else None
+        seen, _ = pump_until(client, sock, lambda seen, _: seen)
         client.forget(dropped)
-        reply(sock, ident, dropped)
-        reply(sock, ident, kept)
-        answers, deadline = [], time.monotonic() + 20.0
-        while not any(job_id == kept for job_id, _ in answers):
-            assert time.monotonic() < deadline, "the kept job's answer never came"
-            answers += client.poll(0.05)
+        reply(sock, seen[0][0], dropped)
+        reply(sock, seen[0][0], kept)
+        _, answers = pump_until(client, sock, lambda _, answers: any(job_id == kept for job_id, _ in answers))
         assert [job_id for job_id, _ in answers] == [kept]
     finally:
         client.close()
@@ -138,12 +130,8 @@ def test_forget_drops_an_answer_that_wait_set_aside(router):
     client = JobClient(address, heartbeat_s=1.0, liveness=60)
     try:
         other, waited = client.submit(StatsRequest()), client.submit(StatsRequest())
-        ident, deadline = None, time.monotonic() + 20.0
-        while ident is None:
-            assert time.monotonic() < deadline, "the ROUTER never saw the jobs"
-            client.poll(0.02)
-            got = received(sock)
-            ident = got[0][0] if got else None
+        seen, _ = pump_until(client, sock, lambda seen, _: seen)
+        ident = seen[0][0]
         reply(sock, ident, other)  # arrives while wait() waits for `waited`: set aside for the next poll
         reply(sock, ident, waited)
         assert isinstance(client.wait(waited, timeout=20.0), Ack)
@@ -156,7 +144,7 @@ def test_forget_drops_an_answer_that_wait_set_aside(router):
 # --- JobFutures ---------------------------------------------------------------------------------------------------
 
 def test_answers_resolve_their_futures_and_an_error_is_a_value():
-    client = FakeClient()
+    client = ScriptedJobClient()
     jobs = JobFutures(client)
     a, fut_a = jobs.submit(StatsRequest(), "generate")
     b, fut_b = jobs.submit(StatsRequest(), "reward")
@@ -169,7 +157,7 @@ def test_answers_resolve_their_futures_and_an_error_is_a_value():
 
 
 def test_a_passed_deadline_fails_the_future_and_forgets_the_job():
-    client = FakeClient()
+    client = ScriptedJobClient()
     jobs = JobFutures(client)
     late, fut_late = jobs.submit(StatsRequest(), "generate", deadline=time.monotonic() - 1.0)
     ok, fut_ok = jobs.submit(StatsRequest(), "generate", deadline=time.monotonic() + 600.0)
@@ -180,7 +168,7 @@ def test_a_passed_deadline_fails_the_future_and_forgets_the_job():
 
 
 def test_a_cancelled_future_is_forgotten_before_the_client_polls_again():
-    client = FakeClient()
+    client = ScriptedJobClient()
     jobs = JobFutures(client)
     job_id, fut = jobs.submit(StatsRequest(), "generate")
     jobs.pump()
@@ -193,7 +181,7 @@ def test_a_cancelled_future_is_forgotten_before_the_client_polls_again():
 
 
 def test_a_callers_own_future_is_resolved_and_fail_all_fails_the_rest():
-    client = FakeClient()
+    client = ScriptedJobClient()
     jobs = JobFutures(client)
     mine: Future = Future()
     job_id, fut = jobs.submit(StatsRequest(), "generate", future=mine)
@@ -211,7 +199,7 @@ def test_a_callers_own_future_is_resolved_and_fail_all_fails_the_rest():
 # --- AsyncJobFutures ----------------------------------------------------------------------------------------------
 
 def test_async_call_returns_the_answer_and_a_cancelled_call_forgets_its_job():
-    client = FakeClient()
+    client = ScriptedJobClient()
 
     async def scenario():
         jobs = AsyncJobFutures(lambda: client, poll_s=0.001)
@@ -233,4 +221,4 @@ def test_async_call_returns_the_answer_and_a_cancelled_call_forgets_its_job():
 
 def test_async_call_before_start_is_a_clear_error():
     with pytest.raises(RuntimeError, match="before start"):
-        asyncio.run(AsyncJobFutures(FakeClient).call(StatsRequest(), "generate"))
+        asyncio.run(AsyncJobFutures(ScriptedJobClient).call(StatsRequest(), "generate"))
