@@ -239,6 +239,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         return sim_main(cfg, worker_id)
     from areal_mq.algorithms.trainer import Trainer
     from areal_mq.client import SignalPublisher, StoreClient
+    from areal_mq.devices import role_device
     from areal_mq.engines.models import resolve_model
     from areal_mq.telemetry.metrics import MetricsSinks
     from areal_mq.actor.runtime import WorkerRuntime
@@ -246,7 +247,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.weights import WeightPublisher
 
     apply_thread_budget(cfg, "trainer")
-    trainer = Trainer(cfg.trainer, resolve_model(cfg.model.name, cfg.model.cache_dir))
+    trainer = Trainer(cfg.trainer, resolve_model(cfg.model.name, cfg.model.cache_dir),
+                      device=role_device(cfg, "trainer"), model_dtype=cfg.model.dtype)
     rt = store = bus = publisher = sinks = None
     if not trainer.is_main:  # torchrun forwards SIGTERM to every rank: only rank 0 decides when to stop
         signal.signal(signal.SIGTERM, lambda *_: None)

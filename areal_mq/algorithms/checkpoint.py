@@ -4,13 +4,17 @@ What: `save_checkpoint(trainer, root, extra)` writes root/step{version:08d}/ con
 - the model as a plain Hugging Face directory (config.json + model.safetensors in fp32, plus the
   tokenizer files of the source model) — `AutoModelForCausalLM.from_pretrained(dir)` loads it;
 - trainer_state.pt: optimizer and scheduler state dicts (torch.load(weights_only=True)-safe);
-- rng_rank{r}.pt: python / numpy / torch RNG states of every data-parallel rank;
+- rng_rank{r}.pt: python / numpy / torch RNG states of every data-parallel rank, plus the CUDA RNG state
+  of the rank's GPU when it trains on one (a CPU-only resume of a GPU checkpoint restores the rest);
 - trainer_state.json: policy version, optimizer steps, ids of consumed samples and the caller's
   opaque `extra` dict (e.g. the controller's dataset position; must be JSON-serialisable).
 The directory is written under a temporary name and renamed into place, so a crash never leaves a
 half checkpoint under a real name; older checkpoints beyond `keep_checkpoints` are pruned.
 `load_checkpoint(trainer, dir)` restores all of it and returns `extra`; `latest_checkpoint(root)`
-finds the newest complete one.
+finds the newest complete one. Every `torch.load` maps to the CPU, so a checkpoint written on cuda:1 loads
+on a machine with one GPU or none: RNG states live on the CPU anyway, and `optimizer.load_state_dict` moves
+the AdamW moments to their parameters' device while it keeps `step` on the CPU, as AdamW wants (loading
+`step` onto the GPU would make every update read it back to the host).
 """
 from __future__ import annotations
 
@@ -33,22 +37,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 
 
-def _rng_state() -> dict:
+def _rng_state(device: "torch.device") -> dict:
+    """The RNG states a resumed step depends on; with a CUDA `device`, its generator's too."""
     import torch
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos,
-                                                     has_gauss, gauss],
-            "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos,
+                                                      has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, device: "torch.device") -> None:
+    """Restore `state`; its CUDA part only when this rank trains on CUDA (else there is no generator for it)."""
     import torch
 
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
@@ -77,7 +88,7 @@ def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, k
                  "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids, "extra": extra}
         (tmp / STATE_JSON).write_text(json.dumps(state))
     acc.wait_for_everyone()
-    torch.save(_rng_state(), tmp / f"rng_rank{trainer.rank}.pt")
+    torch.save(_rng_state(trainer.device), tmp / f"rng_rank{trainer.rank}.pt")
     acc.wait_for_everyone()
     if trainer.is_main:
         if final.exists():  # the same version saved again (e.g. after a resume): replace it
@@ -140,12 +151,12 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> dict:
         raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STATE_JSON})")
     state = json.loads((path / STATE_JSON).read_text())
     _load_model_weights(trainer, path)
-    blobs = torch.load(path / STATE_PT, weights_only=True)
+    blobs = torch.load(path / STATE_PT, map_location="cpu", weights_only=True)
     trainer.optimizer.load_state_dict(blobs["optimizer"])
     trainer.scheduler.load_state_dict(blobs["scheduler"])
     rng_file = path / f"rng_rank{trainer.rank}.pt"
     if rng_file.is_file():  # absent if the world size grew: that rank keeps its seeded RNG
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True), trainer.device)
     trainer.version = int(state["version"])
     trainer.optimizer_steps = int(state["optimizer_steps"])
     trainer.consumed_ids = list(state["consumed_ids"])

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from areal_mq.devices import DEVICE_RE
 from areal_mq.errors import ConfigError
 from areal_mq.sim.config import SimTrainerConfig
 
@@ -34,8 +35,20 @@ class TrainerConfig(BaseModel):
     decay_steps: int = Field(1000, ge=1, description="Optimizer step at which linear/cosine decay reaches its floor.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of the decayed LR as a fraction of `lr`.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="fp32, or bf16 autocast over fp32 master weights (Accelerate mixed precision)."
+    device: str | None = Field(
+        None, pattern=DEVICE_RE.pattern, description="The trainer's device, overriding model.device: auto (cuda when "
+        "available, else cpu), cpu, cuda or cuda:N. Under `accelerate launch` each rank takes its own GPU (LOCAL_RANK)."
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Compute precision; the master weights and AdamW state are always fp32. bf16: autocast "
+        "over the fp32 weights (Accelerate mixed precision); fp32: no autocast; auto: bf16 on CUDA or when "
+        "model.dtype is bfloat16, else fp32 (so the CPU default stays fp32)."
+    )
+    tf32: bool = Field(
+        False, description="TF32 policy on CUDA, set explicitly when the trainer starts "
+        "(torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32): off by default, so an fp32 op "
+        "computes in fp32 (logprob ratios compare fp32 numbers); under bf16 autocast the matmuls are bf16 anyway "
+        "and this only touches the fp32 ops autocast leaves (losses, softmax). No effect on CPU."
     )
     seed: int = Field(1, description="Seed of torch/numpy/python RNGs and of the mini-batch shuffle.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
@@ -100,6 +113,11 @@ class TrainerConfig(BaseModel):
     weight_server_host: str = Field("127.0.0.1", description="Interface the zmq weight server binds to.")
     weight_server_port: int = Field(0, ge=0, le=65535, description="Port of the zmq weight server (0: any free port).")
     weight_chunk_mb: float = Field(64.0, gt=0, description="Target size of one WeightsChunk (a tensor is never split).")
+    weight_deltas: Literal["auto", "on", "off"] = Field(
+        "auto", description="Also publish each version as a lossless, checksummed delta against the previous one "
+        "(areal_mq/weights_delta.py; workers holding that version fetch only it): auto = on for zmq, off for disk.")
+    full_every: int = Field(20, ge=1, description="With deltas: disk writes a full snapshot every N versions (deltas "
+                            "between); the zmq server keeps the last N deltas. Bounds a lagging worker's chain.")
     checkpoint_every: int = Field(50, ge=0, description="Checkpoint every N training steps (0: only at shutdown).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in run_dir/checkpoints.")
     sim: SimTrainerConfig = Field(default_factory=SimTrainerConfig,

@@ -20,6 +20,8 @@ What:
   sequences. Forward MUST pass use_cache=False: with a cache the packed-sequence detection is skipped.
   A sequence longer than the budget gets a micro-batch of its own (counted as oversized). The budget
   bounds the row, and on CPU attention over a masked row costs O(row^2): see `max_tokens_per_mb`.
+  Every tensor of a micro-batch is made on `device` (the trainer's: its index arrays are copied over once,
+  and the shared-prompt mask is computed there from two [L] vectors instead of copied as an L x L matrix).
 - Multi-turn episodes (areal_mq/workflows) are ONE sequence each: [first prompt, turn 1, feedback, turn 2, ...]
   with `loss_mask` over everything after the prompt. Environment tokens (mask 0) are fed to the model as
   context but are no training targets: the per-token tensors (targets, logprobs, advantages, versions) hold
@@ -209,13 +211,14 @@ class MicroBatch:
 
 
 def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, pad_id: int = 0,
-                     share_prompts: bool = False) -> MicroBatch:
-    """Tensors for the sequences `ids` (packed into one row, or right-padded rows; with `share_prompts`
-    one row where each prompt appears once, see the module docstring)."""
+                     share_prompts: bool = False, device: "torch.device | str | None" = None) -> MicroBatch:
+    """Tensors for the sequences `ids` on `device` (default cpu), packed into one row or right-padded rows;
+    with `share_prompts` one row where each prompt appears once (see the module docstring)."""
     import torch
 
     if packed and share_prompts:
-        return _shared_microbatch(seqs, ids)
+        return _shared_microbatch(seqs, ids, device)
+    put = _to_device(device)
     chosen = [seqs[i] for i in ids]
     if packed:
         rows = [np.concatenate([s.tokens for s in chosen])]
@@ -238,35 +241,46 @@ def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, 
     logit_index = rows_np * len(keep) + np.searchsorted(keep, cols_np)
     mask = None
     if not packed:
-        mask = torch.tensor(np.stack([np.arange(width) < s.length for s in chosen]), dtype=torch.long)
+        mask = put(np.stack([np.arange(width) < s.length for s in chosen]), torch.long)
     return MicroBatch(
         seq_ids=list(ids),
-        input_ids=torch.from_numpy(np.stack(rows)).long(),
-        position_ids=torch.from_numpy(np.stack(pos)).long(),
+        input_ids=put(np.stack(rows), torch.long),
+        position_ids=put(np.stack(pos), torch.long),
         attention_mask=mask,
-        keep_cols=torch.from_numpy(keep).long(),
-        logit_index=torch.from_numpy(logit_index).long(),
-        **_trained(chosen),
+        keep_cols=put(keep, torch.long),
+        logit_index=put(logit_index, torch.long),
+        **_trained(chosen, put),
         n_tokens=sum(s.length for s in chosen),
     )
 
 
-def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int]) -> MicroBatch:
-    """One row [prompt_a, completions of a..., prompt_b, ...] with a boolean [1, 1, L, L] mask (True =
-    attend): a prompt attends causally to itself; a completion to its prompt and causally to itself. The
-    first generated token is scored by the prompt's last column, which the completions of a unit share."""
+def _to_device(device: "torch.device | str | None"):
+    """`put(array, dtype)`: a numpy array as a tensor of `dtype` on `device` (one copy; none on the CPU)."""
     import torch
 
+    return lambda array, dtype: torch.as_tensor(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+
+def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], device: "torch.device | str | None") -> MicroBatch:
+    """One row [prompt_a, completions of a..., prompt_b, ...] with a boolean [1, 1, L, L] mask (True =
+    attend): a prompt attends causally to itself; a completion to its prompt and causally to itself. The
+    first generated token is scored by the prompt's last column, which the completions of a unit share.
+    The mask is computed on `device` from each column's block (a prompt or a completion) and the block it
+    also sees (a completion: its prompt; a prompt: itself): attend[i, j] = j <= i and block[j] in
+    {block[i], parent[i]} (a prompt comes before its completions, so j <= i holds for all of it)."""
+    import torch
+
+    put = _to_device(device)
     order: list[int] = []
-    toks, pos, cols = [], [], []
-    blocks: list[tuple[int, int, int, int]] = []  # rows [a, b) attend to [ps, pe) and causally to [a, b)
+    toks, pos, cols, block, parent = [], [], [], [], []
     off = 0
     for unit in prompt_units(seqs, ids):
         p_len = seqs[unit[0]].prompt_len
-        p0 = off
+        p0, prompt_block = off, len(block)
         toks.append(seqs[unit[0]].tokens[:p_len])
         pos.append(np.arange(p_len))
-        blocks.append((p0, p0 + p_len, p0, p0))
+        block.append(np.full(p_len, prompt_block))
+        parent.append(np.full(p_len, prompt_block))
         off += p_len
         for i in unit:
             gen = seqs[i].tokens[p_len:]
@@ -274,38 +288,39 @@ def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int]) -> MicroBatc
             pos.append(p_len + np.arange(len(gen)))
             cols.append(np.concatenate([[p0 + p_len - 1], off + np.arange(len(gen) - 1)])[seqs[i].train_idx]
                         .astype(np.int64))
-            blocks.append((off, off + len(gen), p0, p0 + p_len))
+            block.append(np.full(len(gen), len(block)))
+            parent.append(np.full(len(gen), prompt_block))
             order.append(i)
             off += len(gen)
-    mask = torch.zeros(off, off, dtype=torch.bool)
-    for a, b, ps, pe in blocks:
-        mask[a:b, ps:pe] = True
-        mask[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril_()
+    block_t, parent_t = put(np.concatenate(block), torch.long), put(np.concatenate(parent), torch.long)
+    causal = torch.ones(off, off, dtype=torch.bool, device=block_t.device).tril_()
+    mask = causal & ((block_t[None, :] == block_t[:, None]) | (block_t[None, :] == parent_t[:, None]))
     cols_np = np.concatenate(cols)
     keep = np.unique(cols_np)
     chosen = [seqs[i] for i in order]
     return MicroBatch(
         seq_ids=order,
-        input_ids=torch.from_numpy(np.concatenate(toks)[None]).long(),
-        position_ids=torch.from_numpy(np.concatenate(pos)[None]).long(),
+        input_ids=put(np.concatenate(toks)[None], torch.long),
+        position_ids=put(np.concatenate(pos)[None], torch.long),
         attention_mask=mask[None, None],
-        keep_cols=torch.from_numpy(keep).long(),
-        logit_index=torch.from_numpy(np.searchsorted(keep, cols_np)).long(),
-        **_trained(chosen),
+        keep_cols=put(keep, torch.long),
+        logit_index=put(np.searchsorted(keep, cols_np), torch.long),
+        **_trained(chosen, put),
         n_tokens=off,
     )
 
 
-def _trained(chosen: Sequence[SeqData]) -> dict:
+def _trained(chosen: Sequence[SeqData], put) -> dict:
     """The per-token tensors of the trained tokens of `chosen`, in order (targets, behaviour logprobs,
-    advantages, versions); environment tokens of episodes (loss_mask 0) are left out."""
+    advantages, versions), made by `put` on the micro-batch's device; environment tokens of episodes
+    (loss_mask 0) are left out."""
     import torch
 
     idx = [s.train_idx for s in chosen]
     cat = np.concatenate
     return {
-        "targets": torch.from_numpy(cat([s.tokens[s.prompt_len:][i] for s, i in zip(chosen, idx)])).long(),
-        "behav_logp": torch.from_numpy(cat([s.behav_logp[i] for s, i in zip(chosen, idx)])).float(),
-        "advantages": torch.from_numpy(cat([np.full(len(i), s.advantage) for s, i in zip(chosen, idx)])).float(),
-        "versions": torch.from_numpy(cat([s.versions[i] for s, i in zip(chosen, idx)])).long(),
+        "targets": put(cat([s.tokens[s.prompt_len:][i] for s, i in zip(chosen, idx)]), torch.long),
+        "behav_logp": put(cat([s.behav_logp[i] for s, i in zip(chosen, idx)]), torch.float32),
+        "advantages": put(cat([np.full(len(i), s.advantage) for s, i in zip(chosen, idx)]), torch.float32),
+        "versions": put(cat([s.versions[i] for s, i in zip(chosen, idx)]), torch.long),
     }

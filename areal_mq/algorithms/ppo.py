@@ -12,6 +12,8 @@ The batch loss is sum(loss_token) / total_tokens where `total_tokens` is the num
 tokens of the WHOLE optimizer step (every micro-batch, every data-parallel rank), so accumulating
 micro-batch gradients gives exactly the gradient of the token mean. Tokens masked out by the
 behaviour cap (mode "mask") contribute zero but stay in the denominator.
+The statistics stay 0-dim tensors on the loss's device: the trainer sums them over micro-batches and reads
+them back once per step (a `float()` per micro-batch would make the host wait for the GPU every time).
 Why here: kept free of models and distributed code so it can be checked by hand (tests/unit/algorithms).
 """
 from __future__ import annotations
@@ -25,14 +27,15 @@ from areal_mq.algorithms.config import TrainerConfig
 
 @dataclass
 class LossStats:
-    """Sums over the tokens of one micro-batch (divide by token counts after reducing over ranks)."""
+    """Sums over the tokens of one micro-batch (divide by token counts after reducing over ranks).
+    Every field but `n_tokens` is a 0-dim float tensor on the loss's device (no host sync)."""
 
-    n_tokens: float
-    clipped: float  # tokens where the clipped surrogate was the active one
-    weight_sum: float  # sum of the behaviour weight (before cap) over tokens
-    weight_max: float
-    capped: float  # tokens whose weight exceeded the cap (truncated or masked)
-    kl_sum: float
+    n_tokens: int
+    clipped: torch.Tensor  # tokens where the clipped surrogate was the active one
+    weight_sum: torch.Tensor  # sum of the behaviour weight (before cap) over tokens
+    weight_max: torch.Tensor  # 0 when there is no token
+    capped: torch.Tensor  # tokens whose weight exceeded the cap (truncated or masked)
+    kl_sum: torch.Tensor
 
 
 def behaviour_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cfg: TrainerConfig):
@@ -81,19 +84,19 @@ def ppo_loss(
     clipped_ratio = torch.clamp(ratio, 1.0 - cfg.eps_clip_low, 1.0 + cfg.eps_clip_high)
     surr_clipped = clipped_ratio * advantages
     per_token = -weight * torch.minimum(surr, surr_clipped)
-    kl_sum = 0.0
+    kl_sum = logp.new_zeros((), dtype=torch.float32)
     if cfg.kl_coef > 0 and ref_logp is not None:
         kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
-        kl_sum = float(kl.detach().sum())
+        kl_sum = kl.detach().sum().float()
     loss = per_token.sum() / total_tokens
     with torch.no_grad():
         stats = LossStats(
-            n_tokens=float(logp.numel()),
-            clipped=float(((surr_clipped < surr) & keep).sum()),
-            weight_sum=float(raw.sum()),
-            weight_max=float(raw.max()) if raw.numel() else 0.0,
-            capped=float(capped.sum()),
+            n_tokens=logp.numel(),
+            clipped=((surr_clipped < surr) & keep).sum().float(),
+            weight_sum=raw.sum().float(),
+            weight_max=raw.max().float() if raw.numel() else raw.new_zeros((), dtype=torch.float32),
+            capped=capped.sum().float(),
             kl_sum=kl_sum,
         )
     return loss, stats

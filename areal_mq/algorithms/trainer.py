@@ -18,6 +18,13 @@ over all ranks and multiplied by the world size (DDP averages gradients), so a s
 the token mean over the batch whatever the number of ranks or micro-batches.
 Logprobs follow areal_mq/engines/base.py: log_softmax(logits / temperature)[token].
 
+Device: one device per rank, `self.device` == `accelerator.device` (trainer.device, else model.device;
+auto = cuda when available, areal_mq/devices.py). The model, every micro-batch tensor (built there by
+packing.py), the dummy input of an idle rank and the metric sums all-reduced by NCCL live on it. The master
+weights and AdamW state are fp32 whatever `model.dtype` says; bf16 is autocast (trainer.precision, auto = bf16
+on CUDA or with model.dtype bfloat16) and the TF32 policy is set explicitly (trainer.tf32). A step keeps its
+statistics on the device and reads them back ONCE (`_reduce`): no host sync per micro-batch.
+
 How to run: in-process (`Trainer(cfg, path)`), or data-parallel on CPU with
 `accelerate launch --multi_gpu --num_processes 2 SCRIPT` (torchrun + gloo; accelerate 1.15's `--cpu`
 launcher only starts several processes through mpirun) — see tests/integration/test_trainer_ddp.py.
@@ -26,6 +33,7 @@ The worker is workers/trainer.py.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -41,8 +49,26 @@ if TYPE_CHECKING:
 
     from areal_mq.messages import Sample
 
-# order of the summed metrics vector reduced over ranks
+# order of the summed metrics vector reduced over ranks: the first _N_DEVICE_SUMS are summed on the device
 _SUMS = ("loss", "clipped", "weight_sum", "capped", "kl_sum", "entropy_sum", "n_gen", "fwd_tokens")
+_N_DEVICE_SUMS = 6
+
+
+def compute_precision(cfg: TrainerConfig, device: "torch.device", model_dtype: str) -> str:
+    """trainer.precision with `auto` resolved: bf16 autocast on CUDA or when the model's dtype is bfloat16."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    return "bf16" if device.type == "cuda" or model_dtype == "bfloat16" else "fp32"
+
+
+def apply_tf32_policy(device: "torch.device", allow: bool) -> None:
+    """Set TF32 for fp32 matmuls and convolutions explicitly on CUDA (process-wide flags: the default differs
+    across torch versions, so the trainer never relies on it); nothing on other devices."""
+    import torch
+
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = allow
+        torch.backends.cudnn.allow_tf32 = allow
 
 
 def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False):
@@ -69,8 +95,10 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
 class Trainer:
     """Policy parameters, optimizer and schedule; see the module docstring."""
 
-    def __init__(self, cfg: TrainerConfig, model_path: str | Path, accelerator: Any = None):
-        from accelerate import Accelerator
+    def __init__(self, cfg: TrainerConfig, model_path: str | Path, accelerator: Any = None, *,
+                 device: str | None = None, model_dtype: str = "float32"):
+        """`device`: a spec (auto|cpu|cuda|cuda:N, `meta` for the device-guard tests), default trainer.device
+        or auto; the worker passes role_device(cfg, "trainer"). `model_dtype`: model.dtype (see precision)."""
         from accelerate.utils import set_seed
 
         from areal_mq.algorithms.optim import build_optimizer, build_scheduler
@@ -78,30 +106,54 @@ class Trainer:
 
         self.cfg = cfg
         self.model_path = Path(model_path)
-        import torch
-
-        # cpu=True without a GPU: under `accelerate launch --multi_gpu` (torchrun) that gives a gloo
-        # MULTI_CPU group; accelerate's `--cpu` launcher starts several processes only through mpirun
-        self.accelerator = accelerator or Accelerator(
-            cpu=not torch.cuda.is_available(), mixed_precision="bf16" if cfg.precision == "bf16" else "no")
+        self.precision = None
+        self.accelerator, self.device = self._accelerator(accelerator, device or cfg.device or "auto", model_dtype)
+        apply_tf32_policy(self.device, cfg.tf32)
         set_seed(cfg.seed)
         model = load_causal_lm(self.model_path, "float32")  # fp32 master weights; bf16 = autocast
         if cfg.gradient_checkpointing:  # renamed in transformers 5 (the old name warns)
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
-        model.train()
+        model.to(self.device).train()  # before the optimizer: its state is made beside the parameters
         self.unwrapped = model
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        self.model = self.accelerator.prepare_model(model)
+        self.model = self.accelerator.prepare_model(model, device_placement=False)
         self.ref_model = None
         if cfg.kl_coef > 0:
-            self.ref_model = self.accelerator.prepare_model(load_causal_lm(self.model_path, "float32").eval(),
-                                                            evaluation_mode=True)
+            ref = load_causal_lm(self.model_path, "float32").to(self.device).eval()
+            self.ref_model = self.accelerator.prepare_model(ref, device_placement=False, evaluation_mode=True)
             self.ref_model.requires_grad_(False)
         self.version = 0
         self.optimizer_steps = 0
         self.consumed_ids: list[str] = []
+
+    def _accelerator(self, given: Any, spec: str, model_dtype: str) -> tuple[Any, "torch.device"]:
+        """The Accelerator (given, or made for the resolved device) and the device this rank trains on."""
+        import torch
+        from accelerate import Accelerator
+
+        from areal_mq.devices import resolve_device
+        from areal_mq.errors import ConfigError
+
+        want = resolve_device(spec)
+        self.precision = compute_precision(self.cfg, want, model_dtype)
+        if given is None:
+            if want.type == "cuda" and "LOCAL_RANK" not in os.environ:
+                torch.cuda.set_device(want)  # one process: accelerate takes the current device for `cuda`
+            # cpu=True without a GPU: under `accelerate launch --multi_gpu` (torchrun) that gives a gloo
+            # MULTI_CPU group; accelerate's `--cpu` launcher starts several processes only through mpirun
+            given = Accelerator(cpu=want.type != "cuda",
+                                mixed_precision="bf16" if self.precision == "bf16" else "no")
+        device = torch.device(given.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if want.type == "meta":  # the device-guard tests: a CPU accelerator, the model on meta
+            return given, want
+        if device.type != want.type:
+            raise ConfigError(f"the trainer was asked for device {spec!r} ({want}) but its Accelerator runs on "
+                              f"{device}; set trainer.device to match, or pass no accelerator")
+        return given, device
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -125,7 +177,8 @@ class Trainer:
         plan = plan_step(seqs, self.cfg, self.world_size, self.rank)
         packed, shared = self.cfg.packing != "padded", self.cfg.packing == "shared"
         pad_id = self.unwrapped.config.pad_token_id or 0
-        minis = [[build_microbatch(seqs, b, packed, pad_id, shared) for b in bins] for bins in plan.minibatches]
+        minis = [[build_microbatch(seqs, b, packed, pad_id, shared, self.device) for b in bins]
+                 for bins in plan.minibatches]
         return seqs, minis, plan.gen_tokens, plan.oversized
 
     def prox_from_forward(self, minis: list[list[MicroBatch]]) -> bool:
@@ -151,15 +204,21 @@ class Trainer:
         finally:
             self.model.train()
 
-    def backward_minibatch(self, mini: list[MicroBatch], gen_tokens: int) -> tuple[np.ndarray, float]:
-        """Accumulate the gradient of one mini-batch (zeroed first). Returns this rank's metric sums
-        (ordered as _SUMS) and its largest behaviour weight."""
-        sums, weight_max = np.zeros(len(_SUMS)), 0.0
+    def backward_minibatch(self, mini: list[MicroBatch], gen_tokens: int) -> tuple["torch.Tensor", np.ndarray,
+                                                                                      "torch.Tensor"]:
+        """Accumulate the gradient of one mini-batch (zeroed first). Returns this rank's metric sums: the
+        value-dependent ones [_N_DEVICE_SUMS] float64 on the device, the counts (n_gen, fwd_tokens) on the
+        host, and its largest behaviour weight (0-dim, device). Nothing here waits for the device."""
+        import torch
+
+        sums = torch.zeros(_N_DEVICE_SUMS, dtype=torch.float64, device=self.device)
+        weight_max = torch.zeros((), dtype=torch.float64, device=self.device)
+        counts = np.zeros(len(_SUMS) - _N_DEVICE_SUMS)
         self.optimizer.zero_grad(set_to_none=True)
         if not mini:  # this rank has no sequence: join DDP's gradient all-reduce with zeros
             out = self.model(input_ids=self._dummy_ids(), use_cache=False)
             self.accelerator.backward(out.logits.sum() * 0.0)
-            return sums, weight_max
+            return sums, counts, weight_max
         for k, mb in enumerate(mini):
             last = k == len(mini) - 1
             ctx = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
@@ -171,19 +230,35 @@ class Trainer:
                     prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
                 loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, gen_tokens, self.cfg, mb.ref_logp)
                 self.accelerator.backward(loss * self.world_size)
-            sums += [float(loss.detach()), st.clipped, st.weight_sum, st.capped, st.kl_sum,
-                     float(entropy.sum()), st.n_tokens, mb.n_tokens]
-            weight_max = max(weight_max, st.weight_max)
-        return sums, weight_max
+            sums += torch.stack([loss.detach().float(), st.clipped, st.weight_sum, st.capped, st.kl_sum,
+                                 entropy.sum().float()]).double()
+            counts += [st.n_tokens, mb.n_tokens]
+            weight_max = torch.maximum(weight_max, st.weight_max.double())
+        return sums, counts, weight_max
 
-    def optimizer_step(self) -> float:
-        """Clip, step AdamW and the schedule. Returns the gradient norm before clipping."""
+    def optimizer_step(self) -> "torch.Tensor":
+        """Clip, step AdamW and the schedule. Returns the gradient norm before clipping (0-dim, device)."""
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
         norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer_steps += 1
-        return float(norm)
+        return norm.detach()
+
+    def run_minibatches(self, minis: list[list[MicroBatch]], gen_tokens: list[int]):
+        """The device part of a step after `recompute`: backward and optimizer step per mini-batch. Returns
+        (device sums, host counts, device max behaviour weight, [device grad norm per mini-batch]) for
+        `_reduce`; no host sync, so it runs on `meta` under DeviceGuard (tests/unit/algorithms)."""
+        import torch
+
+        sums = torch.zeros(_N_DEVICE_SUMS, dtype=torch.float64, device=self.device)
+        weight_max = torch.zeros((), dtype=torch.float64, device=self.device)
+        counts, norms = np.zeros(len(_SUMS) - _N_DEVICE_SUMS), []
+        for mini, n_gen in zip(minis, gen_tokens):
+            mb_sums, mb_counts, mb_max = self.backward_minibatch(mini, n_gen)
+            sums, counts, weight_max = sums + mb_sums, counts + mb_counts, torch.maximum(weight_max, mb_max)
+            norms.append(self.optimizer_step())
+        return sums, counts, weight_max, norms
 
     def train_step(self, samples: Sequence["Sample"]) -> dict[str, float]:
         """One training step on `samples` (the same list on every rank); returns metrics."""
@@ -192,13 +267,8 @@ class Trainer:
         t1 = time.perf_counter()
         self.recompute(minis)
         t2 = time.perf_counter()
-        sums, weight_max, norms = np.zeros(len(_SUMS)), 0.0, []
         lr = self.scheduler.get_last_lr()[0]
-        for mini, n_gen in zip(minis, gen_tokens):
-            mb_sums, mb_max = self.backward_minibatch(mini, n_gen)
-            sums, weight_max = sums + mb_sums, max(weight_max, mb_max)
-            norms.append(self.optimizer_step())
-        sums, weight_max = self._reduce(sums, weight_max)
+        sums, weight_max, norms = self._reduce(*self.run_minibatches(minis, gen_tokens))
         elapsed = time.perf_counter() - t0
         metrics = self._metrics(seqs, samples, sums, weight_max, norms, len(minis))
         metrics.update(lr=lr, oversized_seqs=oversized, prepare_s=t1 - t0, prox_recompute_s=t2 - t1,
@@ -214,19 +284,24 @@ class Trainer:
     def _dummy_ids(self) -> "torch.Tensor":
         import torch
 
-        return torch.zeros((1, 1), dtype=torch.long)
+        return torch.zeros((1, 1), dtype=torch.long, device=self.device)
 
-    def _reduce(self, sums: np.ndarray, weight_max: float) -> tuple[np.ndarray, float]:
-        if self.world_size == 1:
-            return sums, weight_max
+    def _reduce(self, sums: "torch.Tensor", counts: np.ndarray, weight_max: "torch.Tensor",
+                norms: list["torch.Tensor"]) -> tuple[np.ndarray, float, list[float]]:
+        """Sum the metric sums and take the max weight over ranks (on the device: NCCL refuses CPU tensors),
+        then read everything back in one copy: the step's only host sync."""
         import torch
-        import torch.distributed as dist
 
-        t = torch.tensor(sums, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        m = torch.tensor([weight_max], dtype=torch.float64)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX)
-        return t.numpy(), float(m[0])
+        total = torch.cat([sums, torch.as_tensor(counts, dtype=torch.float64).to(self.device)])
+        weight_max = weight_max.reshape(1)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            dist.all_reduce(weight_max, op=dist.ReduceOp.MAX)
+        host = torch.cat([total, weight_max, torch.stack(norms).double()]).cpu().numpy()
+        n = len(_SUMS)
+        return host[:n], float(host[n]), host[n + 1:].tolist()
 
     def _metrics(self, seqs, samples, sums, weight_max, norms, n_minis) -> dict[str, float]:
         s = dict(zip(_SUMS, sums))

@@ -5,6 +5,8 @@ only its share (balanced packed micro-batches) and rank 0 writes the all-reduced
 then both ranks run full train_steps and write their parameters and metrics. The test compares the
 gradient with the single-process one on the same batch, and the ranks' parameters with each other.
 
+The ranks run with CUDA_VISIBLE_DEVICES="" (gloo on the CPU wherever the test runs) and the in-test single
+process is pinned to the CPU too, so the comparison is fp32 against fp32 (rtol 1e-4).
 Run: pytest tests/integration/test_trainer_ddp.py   (about 40 s on 2 cores, marked slow)
 """
 from __future__ import annotations
@@ -71,7 +73,8 @@ def test_two_rank_step_equals_single_process(tmp_path):
     from areal_mq.engines.models import resolve_model
 
     resolve_model("tiny-random-llama")  # build the cache once, outside the ranks
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # CUDA hidden: on a GPU machine both ranks would otherwise take the one GPU (this test is about gloo on CPU)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
@@ -84,11 +87,11 @@ def test_two_rank_step_equals_single_process(tmp_path):
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 0, output[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", map_location="cpu") for r in range(2)]
     assert ranks[0]["world"] == 2 == ranks[1]["world"]
 
     torch.set_num_threads(1)
-    single = Trainer(TrainerConfig(**CFG), resolve_model("tiny-random-llama"))
+    single = Trainer(TrainerConfig(**CFG), resolve_model("tiny-random-llama"), device="cpu")
     assert single.world_size == 1
     expected = _first_gradient(single)
     for name, grad in expected.items():

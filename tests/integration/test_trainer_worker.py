@@ -145,7 +145,7 @@ def test_two_rank_worker_under_accelerate_launch(tmp_path, procs):
            "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_ports(1)[0]),
            "-m", "areal_mq.cli", "worker", "trainer", "--config", str(path)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})  # 2 CPU ranks, not 2 on one GPU
     try:
         _put(store, 0, "d1")
         _next_ready(sub, 1, START_S)
