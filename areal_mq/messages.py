@@ -396,13 +396,40 @@ class Ack(Message):
 
 
 # ---------------------------------------------------------------- weights and signals
+MAX_WEIGHT_LINKS = 4096  # WeightsReady.links entries (a chain is bounded by trainer.full_every)
+
+
+class WeightsLink(BaseModel):
+    """One fetchable piece of a published version, as listed in WeightsReady.links.
+
+    base -1: the full `version`; base >= 0: the delta taking version `base` to `version` (always version - 1).
+    chunks: WeightsChunk count (zmq; 0 on disk); bytes: its size on the wire or on disk.
+    Example: WeightsLink(version=5, base=4, chunks=1, bytes=812_044)
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0)
+    base: int = Field(-1, ge=-1)
+    chunks: int = Field(0, ge=0)
+    bytes: int = Field(0, ge=0)
+
+
 class WeightsReady(Message):
     """trainer -> signal bus (topic "weights") -> rollout workers: policy `version` is published.
 
     mode "disk": safetensors dir at `path`; "zmq": fetch from `endpoint` with WeightsFetch;
     "base": the initial model, nothing to fetch; "sim": a simulated trainer's version (trainer.sim), no weights
     exist: a simulated engine models the load pause, any other engine refuses it.
+    Deltas (trainer.weight_deltas, areal_mq/weights_delta.py): `base` >= 0 says a delta from version `base`
+    (= version - 1) exists: `delta_chunks` chunks (zmq) or `path`/model.delta (disk). `links` lists every piece
+    the trainer still holds that leads to `version` — full versions (base -1) and the chain of deltas after the
+    newest of them — so a worker not at `base` picks the fewest bytes (its own version + deltas, a full version
+    + deltas, or the full current version). base -1 and no links: full weights only (deltas off).
     Example: WeightsReady(version=4, mode="disk", path="/runs/r1/weights/v4")
+    Example: WeightsReady(version=5, mode="zmq", endpoint="tcp://10.0.0.2:5601", num_chunks=3, base=4,
+                          delta_chunks=1, links=[WeightsLink(version=4, chunks=3, bytes=270_000_000),
+                          WeightsLink(version=5, chunks=3, bytes=270_000_000),
+                          WeightsLink(version=5, base=4, chunks=1, bytes=812_044)])
     """
 
     kind: ClassVar[Kind] = Kind.WEIGHTS_READY
@@ -412,27 +439,48 @@ class WeightsReady(Message):
     path: str = ""
     endpoint: str = ""
     num_chunks: int = 0
+    base: int = Field(-1, ge=-1)  # the version this version's delta applies to; -1: no delta
+    delta_chunks: int = Field(0, ge=0)  # zmq: chunks of that delta
+    links: list[WeightsLink] = Field(default_factory=list, max_length=MAX_WEIGHT_LINKS)
     meta: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_delta(self) -> "WeightsReady":
+        if self.base >= self.version:
+            raise ValueError(f"a delta's base ({self.base}) must be older than its version ({self.version})")
+        if any(link.version > self.version or link.base >= link.version for link in self.links):
+            raise ValueError("links name versions up to this one, each delta from an older base")
+        return self
 
 
 class WeightsFetch(Message):
-    """rollout worker -> trainer weight server: send me chunk `index` of `version`.
+    """rollout worker -> trainer weight server: send me chunk `index` of `version` — of its full weights
+    (base -1), or of its delta from version `base` (a WeightsLink of the announcement).
 
     Example: WeightsFetch(version=4, index=0)
+    Example: WeightsFetch(version=5, index=0, base=4)
     """
 
     kind: ClassVar[Kind] = Kind.WEIGHTS_FETCH
     direction: ClassVar[str] = "rollout worker -> trainer"
     version: int = Field(ge=0)
     index: int = Field(ge=0)
+    base: int = Field(-1, ge=-1)
 
 
 class WeightsChunk(Message):
-    """trainer weight server -> rollout worker: raw bytes of some tensors of `version`.
+    """trainer weight server -> rollout worker: some tensors of `version`, full (base -1) or as deltas from
+    version `base`.
 
-    tensors  # list of [nbytes] uint8, each the raw little-endian storage of one tensor
+    tensors  # list of [nbytes] uint8: raw little-endian storage of a tensor (full), or a zstd delta frame
+    encodings  # per tensor: "raw" (full; also when empty), "sparse" or "xor" (weights_delta.py)
+    counts  # per tensor: changed elements of a sparse delta, else 0 (empty: all 0)
+    checksums  # per tensor: blake2b-128 hex of the RESULTING tensor's bytes (empty: unchecked, older servers)
     Example: WeightsChunk(version=4, index=0, total=3, names=["lm_head.weight"],
                           dtypes=["bfloat16"], shapes=[[49152, 576]], tensors=[...])
+    Example: WeightsChunk(version=5, index=0, total=1, base=4, names=["lm_head.weight"], dtypes=["bfloat16"],
+                          shapes=[[49152, 576]], tensors=[...], encodings=["xor"], counts=[0],
+                          checksums=["9f2c...e1"])
     """
 
     kind: ClassVar[Kind] = Kind.WEIGHTS_CHUNK
@@ -444,6 +492,19 @@ class WeightsChunk(Message):
     dtypes: list[str]
     shapes: list[list[int]]
     tensors: list[UInt8Array]
+    base: int = Field(-1, ge=-1)
+    encodings: list[str] = Field(default_factory=list)
+    counts: list[int] = Field(default_factory=list)
+    checksums: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> "WeightsChunk":
+        n = len(self.names)
+        if len(self.dtypes) != n or len(self.shapes) != n or len(self.tensors) != n or \
+                any(len(x) not in (0, n) for x in (self.encodings, self.counts, self.checksums)):
+            raise ValueError(f"names, dtypes, shapes, tensors (and encodings, counts, checksums when given) "
+                             f"must have one entry per tensor ({n})")
+        return self
 
 
 class Control(Message):

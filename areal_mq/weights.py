@@ -18,6 +18,12 @@ What:
 - `check_ready(ready, run_dir, cfg)`: a WeightsReady may only name a version directory under the run's
   weights directory, or the trainer's configured weight-server address; the bus refuses any other
   (and rollout workers check again before loading).
+Deltas (trainer.weight_deltas; codec in areal_mq/weights_delta.py, the receiver's catch-up in
+areal_mq/weights_catchup.py): the server also serves each version as a delta from the previous one
+(WeightsFetch.base), keeping the last `full_every` deltas; on disk a version directory holds model.delta
+(a delta from the previous version) and, every `full_every` versions, a full model.safetensors too; pruning
+keeps the last `keep` versions and everything back to the full snapshot they start from. Every full chunk
+and every delta carries the blake2b checksum of each resulting tensor; WeightsReady.links lists the pieces.
 Security: with CURVE keys the weight server uses the trainer's key pair, so a fetcher that connects
 with `keys.client(sock, "trainer")` talks to the real trainer or to nobody; only roles allowed
 "weights:fetch" (security.PERMISSIONS) are served.
@@ -40,7 +46,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from areal_mq.errors import ProtocolError, WeightsFetchError, WeightsRefused
-from areal_mq.messages import Error, WeightsChunk, WeightsFetch, WeightsReady
+from areal_mq.messages import Error, WeightsChunk, WeightsFetch, WeightsLink, WeightsReady
+from areal_mq.weights_delta import DeltaError, TensorDelta, checksum, encode_version
 from areal_mq.security import Keyring, peer_role, refusal, start_zap
 
 if TYPE_CHECKING:
@@ -50,6 +57,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("bfloat16", "float16", "float32", "float64", "int64", "int32", "uint8", "bool")
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+FULL_FILE, DELTA_FILE = "model.safetensors", "model.delta"
 
 
 # ---------------------------------------------------------------- tensor <-> raw bytes
@@ -76,19 +84,31 @@ def bytes_tensor(buf: np.ndarray, dtype: str, shape: list[int]) -> "torch.Tensor
 
 # ---------------------------------------------------------------- disk
 def publish_disk(weights_dir: str | Path, version: int, tensors: Mapping[str, "torch.Tensor"], keep: int = 2,
-                 hf_config_json: str | None = None) -> WeightsReady:
-    """Write version `version` atomically under weights_dir/v{version}; prune to the last `keep`."""
+                 hf_config_json: str | None = None, delta: "DiskDelta | None" = None, full: bool = True,
+                 digests: Mapping[str, str] | None = None) -> WeightsReady:
+    """Write version `version` atomically under weights_dir/v{version} (model.safetensors when `full`,
+    model.delta when a `delta` from version-1 is given); prune to the last `keep` and their chain.
+    `digests` (the tensors' checksums, given when deltas are on) go into the full file's metadata, and the
+    announcement then lists the pieces on disk (WeightsReady.links)."""
     from safetensors.torch import save_file
 
+    if not full and delta is None:
+        raise ValueError(f"version {version}: a disk version needs full weights, a delta, or both")
     root = Path(weights_dir)
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"v{version}", root / f".v{version}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file(dict(tensors), str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
-        if hf_config_json is not None:
-            (tmp / "config.json").write_text(hf_config_json)
+        if full:
+            meta = {"format": "pt", "version": str(version)}
+            if digests is not None:
+                meta["checksums"] = json.dumps(dict(digests))
+            save_file(dict(tensors), str(tmp / FULL_FILE), metadata=meta)
+            if hf_config_json is not None:
+                (tmp / "config.json").write_text(hf_config_json)
+        if delta is not None:
+            delta.write(tmp / DELTA_FILE, version)
         if final.exists():  # republishing a version (e.g. after a resume): swap it out
             old = root / f".v{version}.old-{os.getpid()}"
             final.rename(old)
@@ -98,7 +118,60 @@ def publish_disk(weights_dir: str | Path, version: int, tensors: Mapping[str, "t
         shutil.rmtree(tmp, ignore_errors=True)
     prune_disk(root, keep)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return WeightsReady(version=version, mode="disk", path=str(final.resolve()), meta={"bytes": int(nbytes)})
+    links = disk_links(root, version) if digests is not None else []
+    return WeightsReady(version=version, mode="disk", path=str(final.resolve()), meta={"bytes": int(nbytes)},
+                        base=version - 1 if delta is not None else -1, links=links)
+
+
+class DiskDelta:
+    """A version's delta as the file model.delta: the safetensors format (header + raw bytes), one uint8
+    tensor per payload, and the metadata "delta" = JSON {"version", "base", "tensors": [{name, dtype, shape,
+    encoding, count, checksum}]}. Not *.safetensors: engines loading a directory never mistake it for weights."""
+
+    def __init__(self, base: int, deltas: list[TensorDelta]):
+        self.base, self.deltas = base, deltas
+
+    def write(self, path: Path, version: int) -> None:
+        from safetensors.numpy import save_file
+
+        info = [{"name": d.name, "dtype": d.dtype, "shape": d.shape, "encoding": d.encoding, "count": d.count,
+                 "checksum": d.checksum} for d in self.deltas]
+        save_file({f"{i}": d.payload for i, d in enumerate(self.deltas)}, str(path),
+                  metadata={"format": "areal-mq-delta", "delta": json.dumps(
+                      {"version": version, "base": self.base, "tensors": info})})
+
+    @staticmethod
+    def read(path: Path, version: int, base: int) -> list[TensorDelta]:
+        """The deltas of `path`; DeltaError("missing"/"corrupt") when absent or not a delta version->base."""
+        from safetensors import safe_open
+
+        if not path.is_file():
+            raise DeltaError("missing", f"no delta file {path} (pruned, or never written)")
+        try:
+            with safe_open(str(path), framework="numpy") as fh:
+                head = json.loads((fh.metadata() or {})["delta"])
+                if head["version"] != version or head["base"] != base:
+                    raise DeltaError("corrupt", f"{path} is the delta {head['base']}->{head['version']}, "
+                                                f"expected {base}->{version}")
+                return [TensorDelta(t["name"], t["dtype"], list(t["shape"]), t["encoding"], int(t["count"]),
+                                    t["checksum"], fh.get_tensor(str(i))) for i, t in enumerate(head["tensors"])]
+        except DeltaError:
+            raise
+        except Exception as exc:  # safetensors / json / key errors on a damaged file
+            raise DeltaError("corrupt", f"cannot read delta file {path}: {type(exc).__name__}: {exc}") from None
+
+
+def disk_links(weights_dir: str | Path, upto: int) -> list[WeightsLink]:
+    """The pieces on disk up to version `upto`: full versions (model.safetensors) and deltas (model.delta)."""
+    root, links = Path(weights_dir), []
+    for v in disk_versions(root):
+        if v > upto:
+            continue
+        for name, base in ((FULL_FILE, -1), (DELTA_FILE, v - 1)):
+            f = root / f"v{v}" / name
+            if f.is_file() and base < v:
+                links.append(WeightsLink(version=v, base=base, bytes=f.stat().st_size))
+    return links
 
 
 def disk_versions(weights_dir: str | Path) -> list[int]:
@@ -109,12 +182,25 @@ def disk_versions(weights_dir: str | Path) -> list[int]:
 
 
 def prune_disk(weights_dir: str | Path, keep: int) -> None:
-    for v in disk_versions(weights_dir)[:-keep]:
-        shutil.rmtree(Path(weights_dir) / f"v{v}", ignore_errors=True)
+    """Keep the last `keep` versions and every version back to the newest full snapshot at or before the
+    oldest of them (its deltas lead there): a snapshot and its deltas go together."""
+    root = Path(weights_dir)
+    versions = disk_versions(root)
+    if len(versions) <= keep:
+        return
+    oldest = versions[-keep]
+    full = [v for v in versions if v <= oldest and (root / f"v{v}" / FULL_FILE).is_file()]
+    start = full[-1] if full else oldest
+    for v in versions:
+        if v < start:
+            shutil.rmtree(root / f"v{v}", ignore_errors=True)
 
 
-def read_disk(path: str | Path) -> dict[str, "torch.Tensor"]:
+def read_disk(path: str | Path, verify_checksums: bool = False) -> dict[str, "torch.Tensor"]:
+    from safetensors import safe_open
     from safetensors.torch import load_file
+
+    from areal_mq.weights_delta import verify
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -123,42 +209,84 @@ def read_disk(path: str | Path) -> dict[str, "torch.Tensor"]:
     out: dict[str, Any] = {}
     for f in files:
         out.update(load_file(str(f)))
+        if verify_checksums:
+            with safe_open(str(f), framework="pt") as fh:
+                digests = json.loads((fh.metadata() or {}).get("checksums", "{}"))
+            verify({k: out[k] for k in digests if k in out}, digests)
     return out
 
 
 # ---------------------------------------------------------------- zmq
-def make_chunks(version: int, tensors: Mapping[str, "torch.Tensor"], chunk_bytes: int) -> list[WeightsChunk]:
-    """Group tensors (in order) into chunks of about `chunk_bytes`; a larger tensor travels alone."""
-    groups: list[list[tuple[str, Any]]] = [[]]
+def _groups(sizes: list[int], chunk_bytes: int) -> list[list[int]]:
+    """Indices grouped in order into chunks of about `chunk_bytes`; a larger item travels alone."""
+    groups: list[list[int]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+    for i, n in enumerate(sizes):
         if groups[-1] and size + n > chunk_bytes:
             groups.append([])
             size = 0
-        groups[-1].append((name, t))
+        groups[-1].append(i)
         size += n
-    chunks = []
-    for i, group in enumerate(groups):
-        chunks.append(WeightsChunk(
-            version=version, index=i, total=len(groups), names=[n for n, _ in group],
-            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in group],
-            shapes=[list(t.shape) for _, t in group], tensors=[tensor_bytes(t) for _, t in group]))
-    return chunks
+    return groups
+
+
+def make_chunks(version: int, tensors: Mapping[str, "torch.Tensor"], chunk_bytes: int,
+                digests: Mapping[str, str] | None = None) -> list[WeightsChunk]:
+    """Full chunks of `version` (with each tensor's checksum when `digests` are given)."""
+    items = list(tensors.items())
+    groups = _groups([t.numel() * t.element_size() for _, t in items], chunk_bytes)
+    return [WeightsChunk(
+        version=version, index=i, total=len(groups), names=[items[j][0] for j in g],
+        dtypes=[str(items[j][1].dtype).removeprefix("torch.") for j in g],
+        shapes=[list(items[j][1].shape) for j in g], tensors=[tensor_bytes(items[j][1]) for j in g],
+        checksums=[digests[items[j][0]] for j in g] if digests else []) for i, g in enumerate(groups)]
+
+
+def make_delta_chunks(version: int, base: int, deltas: list[TensorDelta], chunk_bytes: int) -> list[WeightsChunk]:
+    """Chunks of the delta base -> version (payloads in `tensors`, see messages.WeightsChunk)."""
+    groups = _groups([d.nbytes for d in deltas], chunk_bytes)
+    return [WeightsChunk(
+        version=version, index=i, total=len(groups), base=base, names=[deltas[j].name for j in g],
+        dtypes=[deltas[j].dtype for j in g], shapes=[deltas[j].shape for j in g],
+        tensors=[deltas[j].payload for j in g], encodings=[deltas[j].encoding for j in g],
+        counts=[deltas[j].count for j in g], checksums=[deltas[j].checksum for j in g])
+        for i, g in enumerate(groups)]
+
+
+def chunk_deltas(chunk: WeightsChunk) -> list[TensorDelta]:
+    if chunk.base < 0 or not chunk.encodings or not chunk.checksums:
+        raise DeltaError("corrupt", f"chunk {chunk.index} of version {chunk.version} is not a delta chunk")
+    counts = chunk.counts or [0] * len(chunk.names)
+    return [TensorDelta(*fields) for fields in zip(chunk.names, chunk.dtypes, chunk.shapes, chunk.encodings,
+                                                   counts, chunk.checksums, chunk.tensors)]
+
+
+class _Piece:
+    """Pre-encoded frames of one fetchable piece (a full version, or a delta from `base`)."""
+
+    def __init__(self, chunks: list[WeightsChunk], nbytes: int):
+        from areal_mq.protocol import encode
+
+        self.frames = [encode(c) for c in chunks]
+        self.nbytes = nbytes
 
 
 class WeightServer:
     """Serves published versions over a ROUTER socket from a background thread (the socket lives and
     dies in that thread). `publish` pre-encodes a version's chunks; the last `keep` versions stay
-    fetchable so a worker halfway through a fetch is not cut off by the next publish."""
+    fetchable in full so a worker halfway through a fetch is not cut off by the next publish. With
+    `deltas`, each version is also served as a delta from the previous one; the last `chain` deltas stay."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, keep: int = 2, chunk_bytes: int = 64 << 20,
-                 keys: Keyring | None = None, log: Any = None):
+                 keys: Keyring | None = None, log: Any = None, deltas: bool = False, chain: int = 20):
         self.host, self.port, self.keep, self.chunk_bytes = host, port, keep, chunk_bytes
+        self.deltas, self.chain = deltas, chain
         self.keys, self.log = keys or Keyring.insecure("trainer"), log
         self.refused = 0
         self.endpoint = ""
-        self._versions: OrderedDict[int, list[list[Any]]] = OrderedDict()
+        self._full: OrderedDict[int, _Piece] = OrderedDict()
+        self._delta: OrderedDict[int, tuple[int, _Piece]] = OrderedDict()  # version -> (base, piece)
+        self._last: tuple[int, Mapping[str, Any]] | None = None  # the previous publish, the next delta's base
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._bound = threading.Event()
@@ -172,18 +300,36 @@ class WeightServer:
 
     def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"]) -> WeightsReady:
         """Make `version` fetchable (the tensors must be a snapshot: they are served as they are)."""
-        from areal_mq.protocol import encode
-
-        chunks = make_chunks(version, tensors, self.chunk_bytes)
-        frames = [encode(c) for c in chunks]
-        with self._lock:
-            self._versions[version] = frames
-            self._versions.move_to_end(version)
-            while len(self._versions) > self.keep:
-                self._versions.popitem(last=False)
+        digests = {k: checksum(t) for k, t in tensors.items()} if self.deltas else None
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        chunks = make_chunks(version, tensors, self.chunk_bytes, digests)
+        full = _Piece(chunks, nbytes)
+        delta = None
+        if self.deltas and self._last is not None and self._last[0] == version - 1 and same_layout(
+                self._last[1], tensors):
+            deltas = encode_version(self._last[1], tensors, digests)
+            dchunks = make_delta_chunks(version, version - 1, deltas, self.chunk_bytes)
+            delta = _Piece(dchunks, sum(d.nbytes for d in deltas))
+        self._last = (version, tensors) if self.deltas else None
+        with self._lock:
+            self._full[version] = full
+            self._full.move_to_end(version)
+            while len(self._full) > self.keep:
+                self._full.popitem(last=False)
+            if delta is None or any(v >= version for v in self._delta):
+                self._delta.clear()  # the chain is broken (first version, a resume, a new layout)
+            if delta is not None:
+                self._delta[version] = (version - 1, delta)
+            while len(self._delta) > self.chain:
+                self._delta.popitem(last=False)
+            links = [WeightsLink(version=v, chunks=len(p.frames), bytes=p.nbytes) for v, p in self._full.items()]
+            links += [WeightsLink(version=v, base=b, chunks=len(p.frames), bytes=p.nbytes)
+                      for v, (b, p) in self._delta.items()]
+        if not self.deltas:
+            links = []
         return WeightsReady(version=version, mode="zmq", endpoint=self.endpoint, num_chunks=len(chunks),
-                            meta={"bytes": int(nbytes)})
+                            base=version - 1 if delta else -1, delta_chunks=len(delta.frames) if delta else 0,
+                            links=links, meta={"bytes": int(nbytes)})
 
     def close(self) -> None:
         self._stop.set()
@@ -221,6 +367,23 @@ class WeightServer:
                 zap.close()
             ctx.term()
 
+    def _lookup(self, msg: WeightsFetch) -> tuple[list[list[Any]] | None, str]:
+        """The frames asked for, or None and why not."""
+        with self._lock:
+            if msg.base < 0:
+                piece, have = self._full.get(msg.version), f": {list(self._full)}"
+            else:
+                base, piece = self._delta.get(msg.version, (None, None))
+                piece = piece if base == msg.base else None
+                have = f" deltas: {[f'{b}->{v}' for v, (b, _) in self._delta.items()]}"
+        what = f"version {msg.version}" if msg.base < 0 else f"the delta {msg.base}->{msg.version}"
+        if piece is None:
+            return None, (f"{what} is not served here (available{have}); "
+                          "fetch the version of the latest WeightsReady")
+        if msg.index >= len(piece.frames):
+            return None, f"{what} has {len(piece.frames)} chunks; index {msg.index} is out of range"
+        return piece.frames, ""
+
     def _handle(self, sock: Any, frames: list[Any]) -> None:
         from areal_mq.protocol import decode, encode, error_reply, split_router
 
@@ -234,7 +397,7 @@ class WeightServer:
             sock.send_multipart([ident, *error_reply(exc)])
             return
         msg = env.msg
-        reply = None
+        reply, chunks = None, None
         why = refusal(peer_role(frames[0], self.keys.secure), "weights:fetch")
         if why:
             self.refused += 1
@@ -243,16 +406,9 @@ class WeightServer:
             reply = Error(code="bad_request", message=f"the weight server takes weights_fetch, got {msg.kind.value}",
                           ref_id=env.id)
         else:
-            with self._lock:
-                chunks = self._versions.get(msg.version)
-                have = list(self._versions)
+            chunks, why = self._lookup(msg)
             if chunks is None:
-                reply = Error(code="bad_request", ref_id=env.id, message=(
-                    f"version {msg.version} is not served here (available: {have}); "
-                    "fetch the version of the latest WeightsReady"))
-            elif msg.index >= len(chunks):
-                reply = Error(code="bad_request", ref_id=env.id,
-                              message=f"version {msg.version} has {len(chunks)} chunks; index {msg.index} is out of range")
+                reply = Error(code="bad_request", ref_id=env.id, message=why)
         if reply is not None:
             sock.send_multipart([ident, *encode(reply, reply_to=env.id)])
             return
@@ -260,67 +416,90 @@ class WeightServer:
         self.served_chunks += 1
 
 
-def fetch_weights(ready: WeightsReady, timeout_s: float = 60.0, in_flight: int = 2,
-                  keys: Keyring | None = None) -> dict[str, "torch.Tensor"]:
-    """All tensors of `ready` (mode "zmq") from its weight server, within `timeout_s` overall.
+def same_layout(a: Mapping[str, "torch.Tensor"], b: Mapping[str, "torch.Tensor"]) -> bool:
+    """Same names in the same order, dtypes and shapes: a delta from `a` to `b` is possible."""
+    return list(a) == list(b) and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape for k in a)
 
-    Raises WeightsFetchError naming the endpoint, the version and how far it got when the server is
-    silent past the deadline (dead or unreachable), refuses the version, or answers garbage."""
+
+def fetch_chunks(endpoint: str, version: int, base: int, total: int, timeout_s: float = 60.0, in_flight: int = 2,
+                 keys: Keyring | None = None) -> list[WeightsChunk]:
+    """Every chunk of a piece (the full `version` when base is -1, else its delta from `base`), in order,
+    within `timeout_s` overall. Raises WeightsFetchError naming the endpoint, the version and how far it got
+    when the server is silent past the deadline (dead or unreachable), refuses, or answers garbage; a piece
+    the server does not hold (pruned, never made) is DeltaError("missing"), a WeightsFetchError too."""
     import zmq
 
     from areal_mq.protocol import decode, encode
 
-    if ready.mode != "zmq" or not ready.endpoint:
-        raise WeightsFetchError(f"fetch_weights needs a zmq WeightsReady with an endpoint, got mode={ready.mode!r}")
+    what = f"version {version}" if base < 0 else f"the delta {base}->{version}"
     deadline = time.monotonic() + timeout_s
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     if keys is not None:
         keys.client(sock, server="trainer")
-    sock.connect(ready.endpoint)
-    total = ready.num_chunks or None  # unknown: learn it from the first chunk
-    out: dict[str, Any] = {}
-    received: set[int] = set()
+    sock.connect(endpoint)
+    want = total or None  # unknown: learn it from the first chunk
+    got: dict[int, WeightsChunk] = {}
     next_index = 0
     try:
-        while total is None or len(received) < total:
-            limit = 1 if total is None else total
-            while next_index < limit and next_index - len(received) < in_flight:
-                sock.send_multipart(encode(WeightsFetch(version=ready.version, index=next_index)))
+        while want is None or len(got) < want:
+            limit = 1 if want is None else want
+            while next_index < limit and next_index - len(got) < in_flight:
+                sock.send_multipart(encode(WeightsFetch(version=version, index=next_index, base=base)))
                 next_index += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000))):
                 raise WeightsFetchError(
-                    f"weight server {ready.endpoint} did not deliver version {ready.version} within {timeout_s:g}s "
-                    f"({len(received)}/{total or '?'} chunks received); the trainer may have died or restarted — "
+                    f"weight server {endpoint} did not deliver {what} within {timeout_s:g}s "
+                    f"({len(got)}/{want or '?'} chunks received); the trainer may have died or restarted — "
                     "wait for the next WeightsReady")
-            chunk = _check_reply(decode(sock.recv_multipart(copy=False)).msg, ready)
-            if chunk.index in received:
-                continue
-            total = chunk.total
-            received.add(chunk.index)
-            for name, dtype, shape, buf in zip(chunk.names, chunk.dtypes, chunk.shapes, chunk.tensors):
-                out[name] = bytes_tensor(buf, dtype, shape)
+            chunk = _check_reply(decode(sock.recv_multipart(copy=False)).msg, endpoint, version, base, total, what)
+            want = chunk.total
+            got[chunk.index] = chunk
     except ProtocolError as exc:
-        raise WeightsFetchError(f"malformed reply from weight server {ready.endpoint}: {exc}") from None
+        raise WeightsFetchError(f"malformed reply from weight server {endpoint}: {exc}") from None
     finally:
         sock.close(0)
         ctx.term()
+    return [got[i] for i in range(len(got))]
+
+
+def fetch_weights(ready: WeightsReady, timeout_s: float = 60.0, in_flight: int = 2,
+                  keys: Keyring | None = None) -> dict[str, "torch.Tensor"]:
+    """All tensors of `ready` (mode "zmq") from its weight server, within `timeout_s` overall; checked
+    against the chunks' checksums when the server sends them (DeltaError("checksum") otherwise)."""
+    from areal_mq.weights_delta import verify
+
+    if ready.mode != "zmq" or not ready.endpoint:
+        raise WeightsFetchError(f"fetch_weights needs a zmq WeightsReady with an endpoint, got mode={ready.mode!r}")
+    out: dict[str, Any] = {}
+    digests: dict[str, str] = {}
+    for chunk in fetch_chunks(ready.endpoint, ready.version, -1, ready.num_chunks, timeout_s, in_flight, keys):
+        for name, dtype, shape, buf in zip(chunk.names, chunk.dtypes, chunk.shapes, chunk.tensors):
+            out[name] = bytes_tensor(buf, dtype, shape)
+        digests.update(zip(chunk.names, chunk.checksums))
+    verify(out, digests)
     return out
 
 
-def _check_reply(msg: Any, ready: WeightsReady) -> WeightsChunk:
+def fetch_delta(endpoint: str, version: int, base: int, total: int, timeout_s: float = 60.0,
+                keys: Keyring | None = None) -> list[TensorDelta]:
+    """The deltas base -> version from a weight server (see fetch_chunks)."""
+    return [d for c in fetch_chunks(endpoint, version, base, total, timeout_s, keys=keys) for d in chunk_deltas(c)]
+
+
+def _check_reply(msg: Any, endpoint: str, version: int, base: int, total: int, what: str) -> WeightsChunk:
     if isinstance(msg, Error):
-        raise WeightsFetchError(f"weight server {ready.endpoint} refused version {ready.version}: "
-                                f"{msg.code}: {msg.message}")
+        text = f"weight server {endpoint} refused {what}: {msg.code}: {msg.message}"
+        raise DeltaError("missing", text) if msg.code == "bad_request" else WeightsFetchError(text)
     if not isinstance(msg, WeightsChunk):
-        raise WeightsFetchError(f"weight server {ready.endpoint} answered {msg.kind.value}, expected weights_chunk")
-    if msg.version != ready.version or not 0 <= msg.index < msg.total:
-        raise WeightsFetchError(f"weight server {ready.endpoint} sent chunk {msg.index}/{msg.total} of version "
-                                f"{msg.version} while version {ready.version} was asked")
-    if ready.num_chunks and msg.total != ready.num_chunks:
-        raise WeightsFetchError(f"version {ready.version} announced {ready.num_chunks} chunks, server says {msg.total}")
+        raise WeightsFetchError(f"weight server {endpoint} answered {msg.kind.value}, expected weights_chunk")
+    if msg.version != version or msg.base != base or not 0 <= msg.index < msg.total:
+        raise WeightsFetchError(f"weight server {endpoint} sent chunk {msg.index}/{msg.total} of version "
+                                f"{msg.version} (base {msg.base}) while {what} was asked")
+    if total and msg.total != total:
+        raise WeightsFetchError(f"{what} announced {total} chunks, server says {msg.total}")
     return msg
 
 
@@ -392,17 +571,25 @@ def unique_tensors(tensors: Mapping[str, "torch.Tensor"], dtype: str | None = No
     return out
 
 
+def deltas_on(cfg: "TrainerConfig") -> bool:
+    """Whether versions also travel as deltas (trainer.weight_deltas; auto: zmq yes, disk no)."""
+    return cfg.weight_deltas == "on" or (cfg.weight_deltas == "auto" and cfg.publish_mode == "zmq")
+
+
 class WeightPublisher:
     """Trainer-side publishing in the mode TrainerConfig chooses (disk dirs under run_dir/weights or
-    a WeightServer). Call `publish` on the main rank only."""
+    a WeightServer), with deltas when `deltas_on(cfg)`. Call `publish` on the main rank only."""
 
     def __init__(self, cfg: "TrainerConfig", run_dir: str | Path, keys: Keyring | None = None, log: Any = None):
         self.cfg = cfg
         self.weights_dir = Path(run_dir) / "weights"
+        self.deltas = deltas_on(cfg)
         self.server = None
+        self._last: tuple[int, Mapping[str, Any]] | None = None  # disk: the previous version, the delta's base
         if cfg.publish_mode == "zmq":
             self.server = WeightServer(cfg.weight_server_host, cfg.weight_server_port, cfg.keep_weight_versions,
-                                       int(cfg.weight_chunk_mb * (1 << 20)), keys=keys, log=log)
+                                       int(cfg.weight_chunk_mb * (1 << 20)), keys=keys, log=log,
+                                       deltas=self.deltas, chain=cfg.full_every)
 
     def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"], hf_config_json: str | None = None,
                 snapshot: bool = False) -> WeightsReady:
@@ -412,7 +599,16 @@ class WeightPublisher:
             tensors = unique_tensors(tensors, self.cfg.publish_dtype)
         if self.server is not None:
             return self.server.publish(version, tensors)
-        return publish_disk(self.weights_dir, version, tensors, self.cfg.keep_weight_versions, hf_config_json)
+        if not self.deltas:
+            return publish_disk(self.weights_dir, version, tensors, self.cfg.keep_weight_versions, hf_config_json)
+        delta = None
+        digests = {k: checksum(t) for k, t in tensors.items()}
+        if self._last is not None and self._last[0] == version - 1 and same_layout(self._last[1], tensors):
+            delta = DiskDelta(version - 1, encode_version(self._last[1], tensors, digests))
+        full = delta is None or version % self.cfg.full_every == 0
+        self._last = (version, tensors)
+        return publish_disk(self.weights_dir, version, tensors, self.cfg.keep_weight_versions, hf_config_json,
+                            delta=delta, full=full, digests=digests)
 
     def close(self) -> None:
         if self.server is not None:

@@ -1,0 +1,177 @@
+"""A rollout worker's way to a published version: the fewest bytes, verified, or a clear error — never wrong weights.
+
+What: `WeightCatchup(run_dir, trainer_cfg, timeout_s, keys)` turns a WeightsReady into an `Update` (the keyword
+arguments of Engine.update_weights plus what was fetched and why) and, once the engine applied it, `commit`s the
+new version as the weights it holds (a CPU copy in the published dtype: the base of the next delta).
+
+    WeightsReady(version N, base, links) ──► plans: [held version + deltas held+1..N]   (the direct delta if held = N-1)
+                                                    [full F + deltas F+1..N] for every full F listed (F = N: full alone)
+                                         ──► cheapest first; each delta and full tensor checked against its checksum
+                                         ──► on DeltaError (checksum, corrupt, missing, base) the next plan without the
+                                             failed piece; `Update.fallback` says why ("reason: detail")
+
+Why: at RL learning rates a delta is a few percent of the full bytes; a worker that missed versions, or joined
+late, catches up from what it holds or from the last full version, whichever costs less. A timeout or a dead
+server is not a delta problem: it raises WeightsFetchError (the worker retries; another plan would hit the same
+server). An announcement without links (deltas off) loads as before: {"path": dir} on disk, full tensors on zmq.
+How to run: tests/unit/test_weights_delta.py, tests/integration/test_weight_deltas.py.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from areal_mq.errors import WeightsFetchError, WeightsRefused
+from areal_mq.messages import WeightsLink, WeightsReady
+from areal_mq.weights_delta import DeltaError, apply_version
+
+if TYPE_CHECKING:
+    from areal_mq.algorithms.config import TrainerConfig
+    from areal_mq.security import Keyring
+
+
+@dataclass
+class Update:
+    """What the worker applies: `kwargs` for Engine.update_weights; `hold` the tensors it then holds (None:
+    none, deltas are off); `route` delta | chain | full | full+chain | path | none."""
+
+    version: int
+    kwargs: dict[str, Any]
+    hold: dict[str, Any] | None = None
+    route: str = "none"
+    fetched_bytes: int = 0
+    full_bytes: int = 0
+    fallback: str = ""  # why the direct delta was not used ("" when it was, or when there is none)
+    failures: list[str] = field(default_factory=list)  # every plan that failed, "reason: detail"
+    fetch_s: float = 0.0
+
+
+def plans(ready: WeightsReady, held: int) -> list[tuple[str, list[WeightsLink]]]:
+    """Every way to `ready.version` from the listed pieces, cheapest first: (route, pieces in order)."""
+    n = ready.version
+    full = {link.version: link for link in ready.links if link.base < 0}
+    step = {link.version: link for link in ready.links if link.base == link.version - 1}
+
+    def chain(start: int) -> list[WeightsLink] | None:
+        pieces = [step.get(v) for v in range(start + 1, n + 1)]
+        return None if None in pieces else pieces  # type: ignore[return-value]
+
+    out: list[tuple[str, list[WeightsLink]]] = []
+    if 0 <= held < n and (c := chain(held)) is not None:
+        out.append(("delta" if held == n - 1 else "chain", c))
+    for f in sorted(v for v in full if v <= n):
+        if (c := chain(f)) is not None:
+            out.append(("full" if f == n else "full+chain", [full[f], *c]))
+    return sorted(out, key=lambda p: (sum(link.bytes for link in p[1]), len(p[1])))
+
+
+class WeightCatchup:
+    """Rollout-worker side of weight publishing (see the module docstring). `prepare` may run on a thread
+    other than the one that calls `commit`; only `commit` changes what is held."""
+
+    def __init__(self, run_dir: str | Path, cfg: "TrainerConfig", timeout_s: float = 60.0,
+                 keys: "Keyring | None" = None):
+        self.run_dir, self.cfg, self.timeout_s, self.keys = run_dir, cfg, timeout_s, keys
+        self.held_version = -1
+        self.held: dict[str, Any] | None = None
+
+    def commit(self, update: Update) -> None:
+        self.held = update.hold
+        self.held_version = update.version if update.hold is not None else -1
+
+    def prepare(self, ready: WeightsReady) -> Update:
+        """The update taking the engine to `ready.version`. Raises WeightsRefused (outside this run),
+        WeightsFetchError (server silent or refusing, files gone, every plan failed)."""
+        from areal_mq.weights import check_ready, resolve
+
+        t0 = time.perf_counter()
+        why = check_ready(ready, self.run_dir, self.cfg)
+        if why:
+            raise WeightsRefused(why)
+        if ready.mode not in ("disk", "zmq") or (ready.base < 0 and not ready.links):
+            kwargs = resolve(ready, self.run_dir, self.cfg, self.timeout_s, self.keys)
+            return Update(ready.version, kwargs, route="path" if "path" in kwargs else "full" if kwargs else "none",
+                          fetch_s=time.perf_counter() - t0)
+        update = self._follow_plans(ready, time.monotonic() + self.timeout_s)
+        update.fetch_s = time.perf_counter() - t0
+        return update
+
+    def _follow_plans(self, ready: WeightsReady, deadline: float) -> Update:
+        held, held_version = self.held, self.held_version  # one consistent view while another thread commits
+        options = plans(ready, held_version if held is not None else -1)
+        full_bytes = next((link.bytes for link in ready.links if link.version == ready.version and link.base < 0),
+                          int(ready.meta.get("bytes", 0)))
+        fallback = ""
+        if ready.base >= 0 and (not options or options[0][0] != "delta"):
+            fallback = (f"base: the delta is from v{ready.base}, this worker holds "
+                        f"{f'v{held_version}' if held is not None else 'no published weights'}")
+        failed: set[tuple[int, int]] = set()
+        failures: list[str] = []
+        for route, pieces in options:
+            if any((p.version, p.base) in failed for p in pieces):
+                continue
+            try:
+                tensors = self._run(ready, pieces, held, deadline)
+            except DeltaError as exc:
+                failures.append(f"{exc.reason}: {exc}")
+                failed.add(getattr(exc, "piece", (pieces[-1].version, pieces[-1].base)))
+                fallback = fallback or failures[-1]
+                continue
+            return Update(ready.version, {"tensors": tensors}, hold=tensors, route=route,
+                          fetched_bytes=sum(p.bytes for p in pieces), full_bytes=full_bytes,
+                          fallback=fallback, failures=failures)
+        raise WeightsFetchError(f"no verified way to version {ready.version}: "
+                                f"{'; '.join(failures) or 'the listed pieces do not lead there'}; "
+                                "waiting for the next WeightsReady (a full version ends any chain)")
+
+    def _run(self, ready: WeightsReady, pieces: list[WeightsLink], held: dict[str, Any] | None,
+             deadline: float) -> dict[str, Any]:
+        tensors = held if pieces[0].base >= 0 else None
+        for piece in pieces:
+            try:
+                if piece.base < 0:
+                    tensors = self._full(ready, piece, deadline)
+                else:
+                    if tensors is None:
+                        raise DeltaError("base", f"the delta {piece.base}->{piece.version} needs its base")
+                    tensors = apply_version(tensors, self._delta(ready, piece, deadline))
+            except DeltaError as exc:
+                exc.piece = (piece.version, piece.base)  # type: ignore[attr-defined]
+                if exc.reason == "base" and piece.base >= 0 and pieces[0] is piece:
+                    exc.piece = (-1, -1)  # the held weights are not the delta's base: no piece is at fault
+                raise
+        assert tensors is not None
+        return tensors
+
+    def _left(self, deadline: float, what: str) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WeightsFetchError(f"weights: ran out of time ({self.timeout_s:g}s) before {what}")
+        return left
+
+    def _full(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> dict[str, Any]:
+        from areal_mq.weights import fetch_weights, read_disk
+
+        if ready.mode == "disk":
+            where = Path(ready.path).parent / f"v{piece.version}"
+            try:
+                return read_disk(where, verify_checksums=True)
+            except DeltaError:
+                raise
+            except WeightsFetchError as exc:
+                raise DeltaError("missing", str(exc)) from None
+            except Exception as exc:  # safetensors' own errors on a damaged file
+                raise DeltaError("corrupt", f"cannot read {where}: {type(exc).__name__}: {exc}") from None
+        at = ready.model_copy(update={"version": piece.version, "num_chunks": piece.chunks})
+        return fetch_weights(at, self._left(deadline, f"full v{piece.version}"), keys=self.keys)
+
+    def _delta(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> list[Any]:
+        from areal_mq.weights import DELTA_FILE, DiskDelta, fetch_delta
+
+        if ready.mode == "disk":
+            return DiskDelta.read(Path(ready.path).parent / f"v{piece.version}" / DELTA_FILE, piece.version,
+                                  piece.base)
+        return fetch_delta(ready.endpoint, piece.version, piece.base, piece.chunks,
+                           self._left(deadline, f"delta v{piece.version}"), self.keys)
