@@ -33,6 +33,20 @@ class EngineConfig(BaseModel):
         description="torch engine KV budget: running sequences' reserved tokens (prompt + max_new_tokens) "
                     "never exceed it; requests wait until they fit.",
     )
+    kv_cache_bytes: int | None = Field(
+        None, ge=1,
+        description="torch engine: memory budget in bytes of a static (preallocated, never moved) KV cache: "
+                    "max_concurrent + 1 slots (one scratch slot for padding rows) of capacity = budget / (slots * "
+                    "2 * layers * kv_heads * head_dim * dtype bytes) positions each, at most max_model_len; requests "
+                    "longer than that are refused. None: on CUDA every slot holds max_model_len (static); on the "
+                    "CPU the cache starts at 128 positions and grows as sequences do.",
+    )
+    cuda_graphs: bool = Field(
+        False,
+        description="torch engine: decode in fixed-shape buckets (batch: powers of two up to max_concurrent, padded "
+                    "rows write to the scratch slot; keys: a power of two >= 64) and, on CUDA, replay each bucket's "
+                    "captured CUDA graph; implies a static KV cache. On the CPU the padded step runs eagerly.",
+    )
     prefill_chunk_tokens: int = Field(
         128, ge=1,
         description="torch engine: most prompt/recompute tokens prefilled per step, so long prompts and "

@@ -137,8 +137,9 @@ def load_tokenizer(path: str | os.PathLike) -> "PreTrainedTokenizerBase":
         raise ModelNotFound(f"cannot load a tokenizer from {path}: {exc}") from exc
 
 
-def load_causal_lm(path: str | os.PathLike, dtype: str = "float32") -> "PreTrainedModel":
-    """Load a causal LM from a resolved model directory in eval mode (offline, CPU)."""
+def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: Any = "cpu") -> "PreTrainedModel":
+    """Load a causal LM from a resolved model directory in eval mode (offline), its weights on `device`
+    (a torch.device or a resolved spec such as 'cpu', 'cuda:0'; 'meta' for device tests)."""
     from transformers import AutoModelForCausalLM
 
     check_model_dir(Path(path))
@@ -148,6 +149,8 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32") -> "PreTrain
         )
     except (OSError, ValueError, KeyError) as exc:
         raise ModelNotFound(f"cannot load a causal LM from {path}: {exc}") from exc
+    if str(device) != "cpu":
+        model = model.to(device)
     return model.eval()
 
 

@@ -13,6 +13,11 @@ returns (tokens, logprobs).
 
 Why vectorized: with a 49k vocabulary a per-row softmax/sort loop costs milliseconds per row; here
 the softmax, truncation and inverse-CDF search run once over the whole batch.
+
+Device: everything runs on the device of `logits`; each generator must be on that device too (the torch
+engine makes them there). Which rows are greedy, sampled or truncated is decided on the host from the
+Python parameters (rounded to float32 first, as the math sees them), so sampling never waits for the device:
+the caller reads the tokens back once.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ def _truncate(weights: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor)
     """Sort unnormalized weights [N, V] descending and zero what top-k / top-p exclude;
     returns (kept weights in sorted order, order)."""
     sorted_w, order = weights.sort(dim=-1, descending=True)
-    rank = torch.arange(weights.shape[-1]).unsqueeze(0)
+    rank = torch.arange(weights.shape[-1], device=weights.device).unsqueeze(0)
     cum = sorted_w.cumsum(-1)
     before = cum - sorted_w  # mass strictly before each token
     keep = before < top_ps.unsqueeze(1) * cum[:, -1:]  # smallest prefix reaching top_p (first always kept)
@@ -41,9 +46,9 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=weights.shape[-1] - 1)
 
 
-def _rows(mask: torch.Tensor) -> slice | torch.Tensor:
-    """Index for the rows in `mask`: a slice when it is all of them (a view, no [N, V] copy)."""
-    return slice(None) if bool(mask.all()) else mask.nonzero().flatten()
+def _rows(picked: list[int], total: int, device: torch.device) -> slice | torch.Tensor:
+    """Index for rows `picked` of `total`: a slice when it is all of them (a view, no [N, V] copy)."""
+    return slice(None) if len(picked) == total else torch.tensor(picked, dtype=torch.long, device=device)
 
 
 def sample_tokens(
@@ -53,31 +58,37 @@ def sample_tokens(
     top_ks: Sequence[int],
     generators: Sequence[torch.Generator | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] float32 -> (tokens [N] int64, behaviour logprobs [N] float32)."""
-    n = logits.shape[0]
-    temps = torch.tensor(list(temperatures), dtype=torch.float32)
-    greedy = temps <= 0.0
-    shifted = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+    """logits [N, V] float32 -> (tokens [N] int64, behaviour logprobs [N] float32), on logits' device."""
+    n, device = logits.shape[0], logits.device
+    temps = torch.tensor(list(temperatures), dtype=torch.float32)  # host: decisions below need no sync
+    host_temps = temps.tolist()
+    greedy = [i for i, t in enumerate(host_temps) if t <= 0.0]
+    sampled = [i for i, t in enumerate(host_temps) if t > 0.0]
+    scale = torch.where(temps <= 0.0, torch.ones_like(temps), temps).to(device)
+    shifted = logits / scale.unsqueeze(1)
     shifted -= shifted.amax(dim=-1, keepdim=True)  # softmax weights exp(shifted) <= 1, no overflow
     weights = shifted.exp()
     log_total = weights.sum(dim=-1).log()  # so log_softmax(x)[t] = shifted[t] - log_total
-    tokens = torch.empty(n, dtype=torch.long)
-    if bool(greedy.any()):
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
-    sampled = (~greedy).nonzero().flatten().tolist()
+    tokens = torch.empty(n, dtype=torch.long, device=device)
+    if greedy:
+        rows = _rows(greedy, n, device)
+        tokens[rows] = logits[rows].argmax(dim=-1)
     if sampled:
-        u = torch.stack([torch.rand((), generator=generators[i]) for i in sampled])
-        tp = torch.tensor([float(top_ps[i]) for i in sampled])
-        tk = torch.tensor([int(top_ks[i]) for i in sampled])
-        w = weights if len(sampled) == n else weights[sampled]
-        truncating = (tp < 1.0) | (tk > 0)
-        picked = torch.empty(len(sampled), dtype=torch.long)
-        if bool(truncating.any()):
-            rows = _rows(truncating)
-            kept, order = _truncate(w[rows], tp[rows], tk[rows])
-            picked[rows] = order.gather(1, _inverse_cdf(kept, u[rows]).unsqueeze(1)).squeeze(1)
-        if not bool(truncating.all()):
-            rows = _rows(~truncating)
-            picked[rows] = _inverse_cdf(w[rows], u[rows])
-        tokens[sampled] = picked
+        u = torch.stack([torch.rand((), generator=generators[i], device=device) for i in sampled])
+        host_tp = torch.tensor([float(top_ps[i]) for i in sampled], dtype=torch.float32)
+        tk_list = [int(top_ks[i]) for i in sampled]
+        tp, tk = host_tp.to(device), torch.tensor(tk_list, dtype=torch.long, device=device)
+        rows = _rows(sampled, n, device)
+        w = weights[rows]
+        truncating = [j for j, (p, k) in enumerate(zip(host_tp.tolist(), tk_list)) if p < 1.0 or k > 0]
+        plain = sorted(set(range(len(sampled))) - set(truncating))
+        picked = torch.empty(len(sampled), dtype=torch.long, device=device)
+        if truncating:
+            sel = _rows(truncating, len(sampled), device)
+            kept, order = _truncate(w[sel], tp[sel], tk[sel])
+            picked[sel] = order.gather(1, _inverse_cdf(kept, u[sel]).unsqueeze(1)).squeeze(1)
+        if plain:
+            sel = _rows(plain, len(sampled), device)
+            picked[sel] = _inverse_cdf(w[sel], u[sel])
+        tokens[rows] = picked
     return tokens, shifted.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_total

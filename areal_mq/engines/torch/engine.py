@@ -1,6 +1,7 @@
 """The embedded torch inference engine (`engine: torch`): continuous batching, interruptible updates.
 
-What: `TorchEngine` implements `areal_mq.engines.base.Engine` on CPU with plain PyTorch. One `step()`:
+What: `TorchEngine` implements `areal_mq.engines.base.Engine` with plain PyTorch on one device (cpu, cuda:N;
+`rollout.device` else `model.device`, areal_mq/devices.py). One `step()`:
 
     admit waiting requests into free slots (FIFO, while slots and the KV budget allow)
     prefill: write KV for pending prompt / recompute tokens, in slot order, at most
@@ -24,6 +25,11 @@ admission and prefills only the rest. Kept KV never holds a slot, so it never de
 
 Behaviour logprobs follow the base.py convention (log_softmax(logits / T) before top-p/top-k).
 
+Device: weights, KV cache, RoPE tables, index tensors, per-request generators, sampling and logprobs all live on
+the engine's device. The decode step itself (forward.py `decode_step`) never waits for the device; the loop
+reads the sampled tokens and logprobs back once per step, after it. With `cuda_graphs` the step runs in
+fixed-shape buckets over a static KV cache, replayed as CUDA graphs on CUDA (graphs.py).
+
 How to run: `build_engine(EngineConfig(), ModelConfig())` from areal_mq.engines; tests in
 tests/unit/engines/test_torch_engine*.py; throughput in benchmarks/engine.py.
 """
@@ -42,6 +48,8 @@ from areal_mq.engines.config import EngineConfig
 from areal_mq.engines.models import load_causal_lm, load_tokenizer
 from areal_mq.engines.sampling import sample_tokens
 from areal_mq.engines.torch.forward import LlamaRunner
+from areal_mq.engines.torch.graphs import BucketedDecoder
+from areal_mq.engines.torch.kvcache import bytes_per_token, static_capacity
 from areal_mq.engines.torch.seq import SeqState, build_output
 from areal_mq.engines.torch.session import SessionKV
 from areal_mq.engines.torch.weights import load_weights_in_place
@@ -54,19 +62,27 @@ class TorchEngine(Engine):
     """Continuous-batching engine over a LlamaRunner (see module docstring)."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, dtype: str = "float32",
-                 seed: int | None = None, tokenizer: Any = None):
+                 seed: int | None = None, tokenizer: Any = None, device: Any = "cpu"):
+        from areal_mq.devices import resolve_device
+
         self.cfg = config or EngineConfig()
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.dtype = dtype if self.cfg.dtype == "auto" else self.cfg.dtype
         t0 = time.perf_counter()
-        self.model = load_causal_lm(model_dir, self.dtype)
+        self.model = load_causal_lm(model_dir, self.dtype, device=self.device)
         self.load_s = time.perf_counter() - t0
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         limit = getattr(self.model.config, "max_position_embeddings", 2048)
         self.max_len = min(self.cfg.max_model_len or min(limit, 2048), limit)
         self.runner = LlamaRunner(self.model, self.max_len)
-        self.cache = self.runner.new_cache(self.cfg.max_concurrent)
+        self.cache = self.runner.new_cache(self.cfg.max_concurrent, self._static_capacity())
+        self.max_len = min(self.max_len, self.cache.capacity) if self.cache.static else self.max_len
+        self.decoder = None  # exact-shape eager decode (runner.decode) unless cuda_graphs
+        if self.cfg.cuda_graphs:
+            self.decoder = BucketedDecoder(self.runner, self.cache, self.cfg.max_concurrent,
+                                           capture=self.device.type == "cuda")
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = self._eos_ids()
         self.seed = self.cfg.seed if self.cfg.seed is not None else seed
@@ -79,6 +95,14 @@ class TorchEngine(Engine):
         self.counters = {"steps": 0, "generated_tokens": 0, "prefilled_tokens": 0, "shared_prefill_tokens": 0,
                          "finished": 0, "session_kv_hits": 0, "prefill_tokens_saved": 0}
         self.sessions = SessionKV(self.cfg.session_kv_max_tokens, self.cfg.session_kv_ttl_s)
+
+    def _static_capacity(self) -> int | None:
+        """Positions per slot of a static KV cache (kv_cache_bytes; CUDA or cuda_graphs: max_len), None: growing."""
+        if self.cfg.kv_cache_bytes is not None:
+            r = self.runner
+            per_token = bytes_per_token(len(r.layers), r.n_kv, r.head_dim, r.dtype)
+            return static_capacity(self.cfg.kv_cache_bytes, self.cfg.max_concurrent, per_token, self.max_len)
+        return self.max_len if self.cfg.cuda_graphs or self.device.type == "cuda" else None
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -107,9 +131,10 @@ class TorchEngine(Engine):
                                      f"[0, {self.vocab_size})")
         need = len(prompt) + sp.max_new_tokens
         if need > self.max_len:
+            where = " (the static KV cache's positions per slot: kv_cache_bytes)" if self.cache.static else ""
             raise EngineRequestError(
                 f"request {rid!r}: prompt ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
-                f"{need} exceeds the context limit {self.max_len}; shorten the prompt or lower max_new_tokens")
+                f"{need} exceeds the context limit {self.max_len}{where}; shorten the prompt or lower max_new_tokens")
         if need > self.cfg.max_kv_tokens:
             raise EngineRequestError(f"request {rid!r}: needs {need} KV tokens, more than max_kv_tokens "
                                      f"({self.cfg.max_kv_tokens}); raise it or shorten the request")
@@ -130,7 +155,7 @@ class TorchEngine(Engine):
             seed = int.from_bytes(digest, "little") >> 1
         else:
             seed = int(torch.seed())
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.rows)
@@ -239,15 +264,20 @@ class TorchEngine(Engine):
         if r == 0:
             return []
         rows = self.rows[:r]
-        tokens = torch.tensor([s.tokens[-1] for s in rows])
-        positions = torch.tensor([len(s.tokens) - 1 for s in rows])
-        logits = self.runner.decode(self.cache, tokens, positions)
+        tokens, positions = [s.tokens[-1] for s in rows], [len(s.tokens) - 1 for s in rows]
+        if self.decoder is not None:  # bucketed, padded (and on CUDA graph-replayed): a view, used at once
+            logits = self.decoder(tokens, positions)
+        else:
+            logits = self.runner.decode(self.cache, tokens, positions)
         sps = [s.request.sampling for s in rows]
         new, logprobs = sample_tokens(logits, [p.temperature for p in sps], [p.top_p for p in sps],
                                       [p.top_k for p in sps], [s.generator for s in rows])
+        # the one read-back of the step: tokens and logprobs in one transfer (float64 holds both exactly)
+        host_tokens, host_logprobs = torch.stack((new.double(), logprobs.double())).tolist()
         now = time.perf_counter()
         done: list[tuple[int, str]] = []
-        for i, (seq, tok, lp) in enumerate(zip(rows, new.tolist(), logprobs.tolist())):
+        for i, (seq, tok, lp) in enumerate(zip(rows, host_tokens, host_logprobs)):
+            tok = int(tok)
             seq.advance_kv(seq.tokens[-1:], self.version)
             reason = seq.append(tok, lp, self.version, now, self.tokenizer)
             if reason is not None:
@@ -320,7 +350,8 @@ class TorchEngine(Engine):
             "kv_reserved_tokens": sum(s.reserved for s in self.rows),
             "kv_capacity_tokens": self.cfg.max_concurrent * self.cache.capacity,
             "kv_bytes": self.cache.nbytes, "max_kv_tokens": self.cfg.max_kv_tokens,
-            "paused": self.paused, **self.counters, **self.sessions.stats(),
+            "paused": self.paused, "device": str(self.device), "kv_static": self.cache.static,
+            **self.counters, **self.sessions.stats(),
         }
 
     def close(self) -> None:
@@ -330,9 +361,13 @@ class TorchEngine(Engine):
 
 
 def build(engine_cfg: EngineConfig, model_cfg: Any = None, seed: int | None = None, **kwargs: Any) -> TorchEngine:
-    """The `engine: torch` builder used by areal_mq.engines.build_engine."""
+    """The `engine: torch` builder used by areal_mq.engines.build_engine.
+
+    device=: the role's device spec (the rollout worker passes role_device(cfg, "rollout")); default model.device."""
     from areal_mq.engines.models import DEFAULT_MODEL, resolve_model
 
     name = getattr(model_cfg, "name", DEFAULT_MODEL)
     model_dir = kwargs.pop("model_dir", None) or resolve_model(name, getattr(model_cfg, "cache_dir", None))
-    return TorchEngine(model_dir, engine_cfg, dtype=getattr(model_cfg, "dtype", "float32"), seed=seed, **kwargs)
+    device = kwargs.pop("device", None) or getattr(model_cfg, "device", None) or "auto"
+    return TorchEngine(model_dir, engine_cfg, dtype=getattr(model_cfg, "dtype", "float32"), seed=seed,
+                       device=device, **kwargs)

@@ -1,12 +1,20 @@
 """Llama-family forward pass over a slot-based KV cache (the compute core of the torch engine).
 
-What: `SlotKVCache` holds K and V for every layer as [layers, slots, kv_heads, capacity, head_dim]
-(capacity grows by doubling up to `max_len`); `LlamaRunner` runs the decoder layers of a loaded
-Hugging Face Llama/Mistral/Qwen2 model directly on its parameters:
+What: `LlamaRunner` runs the decoder layers of a loaded Hugging Face Llama / Mistral / Qwen2 / Qwen3 model
+directly on its parameters, on the device the model sits on, over a `SlotKVCache` (kvcache.py):
 
-- `decode(tokens[B], positions[B])`: one new token for each of the sequences in slots 0..B-1, each at
-  its own position; returns next-token logits [B, V].
-- `extend(slots, starts, chunks)`: write the KV of token chunks (prefill / recompute), no logits.
+- `decode_step(k_cache, v_cache, tokens[B], positions[B], write_slots[B], length)`: the graph-ready step. One
+  new token per row b, at its own position, its K/V written into slot write_slots[b]; queries of rows 0..B-1
+  read the keys of slots 0..B-1 up to `length`. Only tensors in, logits [B, V] out: no host sync, no
+  allocation that depends on values, so `torch.compile(fullgraph=True)` traces it in one graph and CUDA graphs
+  capture it (graphs.py). `length` and B are Python ints fixed per bucket.
+- `decode(cache, tokens, positions)`: the eager convenience over Python lists (exact batch and length).
+- `extend(cache, slots, starts, chunks)`: write the KV of token chunks (prefill / recompute), no logits; one
+  vectorised KV write per layer (index tensors built once on the host from the chunk lengths).
+
+Every tensor made here is made on the runner's device (RoPE tables, index tensors, masks), so a model on
+CUDA never meets a CPU index (tests/unit/engines/test_torch_device.py checks it with the model on `meta` under
+areal_mq.testing.device_guard.DeviceGuard). Qwen3 adds a per-head RMSNorm of q and k before RoPE.
 
 Why our own forward instead of `model.generate`: continuous batching needs per-sequence positions and
 lengths in one batch, sequences joining and leaving between steps, and KV that survives an in-place
@@ -14,10 +22,11 @@ weight update. Driving the HF modules through their cache API costs more Python 
 whole layer's math at these sizes; here each layer is 4 matmuls (q/k/v and gate/up fused), RoPE,
 one SDPA call and two RMSNorms. The parameters stay the HF model's own tensors: the fused q/k/v and
 gate/up matrices are single tensors and the HF parameters are re-pointed to views of them, so an
-in-place `param.copy_(new)` (a weight update) lands in the fused matrices with no re-fusing.
+in-place `param.copy_(new)` (a weight update) lands in the fused matrices with no re-fusing, at the same
+addresses (what a captured CUDA graph reads).
 
-How to run: used by `areal_mq.engines.torch.engine`; `tests/unit/engines/test_torch_forward.py`
-checks it against the HF forward.
+How to run: used by `areal_mq.engines.torch.engine`; tests in tests/unit/engines/test_torch_*.py check it
+against the HF forward.
 """
 from __future__ import annotations
 
@@ -27,52 +36,10 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from areal_mq.engines.torch.kvcache import SlotKVCache
 from areal_mq.errors import ModelNotFound
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-class SlotKVCache:
-    """Preallocated K/V for `slots` sequences; capacity (time axis) grows on demand up to max_len."""
-
-    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, initial: int = 128):
-        self.max_len = max_len
-        self.capacity = min(initial, max_len)
-        shape = (layers, slots, kv_heads, self.capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-
-    def ensure(self, length: int) -> None:
-        """Make room for `length` positions (doubling), copying what is there."""
-        if length <= self.capacity:
-            return
-        if length > self.max_len:
-            raise ValueError(f"sequence length {length} exceeds the KV cache limit {self.max_len}")
-        new_cap = self.capacity
-        while new_cap < length:
-            new_cap *= 2
-        new_cap = min(new_cap, self.max_len)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            shape = list(old.shape)
-            shape[3] = new_cap
-            grown = torch.zeros(shape, dtype=old.dtype)
-            grown[:, :, :, : self.capacity] = old
-            setattr(self, name, grown)
-        self.capacity = new_cap
-
-    def move(self, src: int, dst: int, length: int, start: int = 0) -> None:
-        """Copy positions [start, start + length) of slot src into slot dst (slot compaction, shared prefill)."""
-        if length > 0 and src != dst:
-            end = start + length
-            with torch.inference_mode():  # the cache tensors may be inference tensors (grown while decoding)
-                self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
-                self.v[:, dst, :, start:end] = self.v[:, src, :, start:end]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -84,6 +51,8 @@ class _Layer:
     o_w: torch.Tensor
     gate_up_w: torch.Tensor
     down_w: torch.Tensor
+    q_norm: torch.Tensor | None = None  # qwen3: per-head RMSNorm of q and k before RoPE
+    k_norm: torch.Tensor | None = None
 
 
 def _fuse(linears: Sequence[Any], attr: str) -> torch.Tensor | None:
@@ -101,20 +70,22 @@ def _fuse(linears: Sequence[Any], attr: str) -> torch.Tensor | None:
 
 
 class LlamaRunner:
-    """Runs a loaded HF Llama-family causal LM over a SlotKVCache (see module docstring)."""
+    """Runs a loaded HF Llama-family causal LM over a SlotKVCache on the model's device (module docstring)."""
 
     def __init__(self, model: Any, max_len: int):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelNotFound(
                 f"the torch engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}; "
-                f"use engine: vllm for other architectures."
+                f"use engine: vllm for other architectures (docs/engines.md)."
             )
-        if getattr(cfg, "sliding_window", None) and cfg.sliding_window < max_len:
-            raise ModelNotFound(f"sliding-window attention ({cfg.sliding_window}) is not supported; "
-                                f"set max_model_len <= {cfg.sliding_window}.")
+        window = getattr(cfg, "sliding_window", None)
+        if (window and window < max_len) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+            raise ModelNotFound(f"sliding-window attention ({window}) is not supported; "
+                                f"set max_model_len <= {window}, or use engine: vllm.")
         self.model = model
-        self.dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -128,23 +99,31 @@ class LlamaRunner:
         self.final_norm = inner.norm.weight
         self.lm_head = model.lm_head.weight  # the embedding itself when tied
         with torch.no_grad():
-            pos = torch.arange(max_len).unsqueeze(0)
-            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
-        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, head_dim]
+            pos = torch.arange(max_len, device=self.device).unsqueeze(0)
+            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=torch.float32, device=self.device), pos)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, head_dim] on the device
 
     def _bind_layer(self, layer: Any) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        if getattr(mlp, "down_proj", None) is None or getattr(attn, "q_norm", None) is not None:
+        norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+        if getattr(mlp, "down_proj", None) is None or (norms[0] is None) != (norms[1] is None):
             raise ModelNotFound("unsupported decoder layer layout for the torch engine; use engine: vllm.")
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         return _Layer(
             ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
             qkv_w=_fuse(qkv, "weight"), qkv_b=_fuse(qkv, "bias"), o_w=attn.o_proj.weight,
             gate_up_w=_fuse((mlp.gate_proj, mlp.up_proj), "weight"), down_w=mlp.down_proj.weight,
+            q_norm=None if norms[0] is None else norms[0].weight, k_norm=None if norms[1] is None else norms[1].weight,
         )
 
-    def new_cache(self, slots: int) -> SlotKVCache:
-        return SlotKVCache(len(self.layers), slots, self.n_kv, self.head_dim, self.max_len, self.dtype)
+    def new_cache(self, slots: int, capacity: int | None = None) -> SlotKVCache:
+        """A cache for `slots` sequences (+ the scratch slot) on this runner's device; static if `capacity`."""
+        return SlotKVCache(len(self.layers), slots, self.n_kv, self.head_dim, self.max_len, self.dtype,
+                           device=self.device, capacity=capacity)
+
+    def index(self, values: Sequence[int]) -> torch.Tensor:
+        """An int64 index tensor on the runner's device from host ints (a host-to-device copy, never a sync)."""
+        return torch.tensor(list(values), dtype=torch.long, device=self.device)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -159,11 +138,14 @@ class LlamaRunner:
         h = F.rms_norm(x, (self.hidden,), layer.ln1, self.eps)
         qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
         hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv
-        q = qkv[..., : nq * hd].view(n, t, nq, hd).transpose(1, 2)
-        k = qkv[..., nq * hd : (nq + nkv) * hd].view(n, t, nkv, hd).transpose(1, 2)
+        q = qkv[..., : nq * hd].view(n, t, nq, hd)
+        k = qkv[..., nq * hd : (nq + nkv) * hd].view(n, t, nkv, hd)
         v = qkv[..., (nq + nkv) * hd :].view(n, t, nkv, hd).transpose(1, 2)
+        if layer.q_norm is not None:
+            q = F.rms_norm(q, (hd,), layer.q_norm, self.eps)
+            k = F.rms_norm(k, (hd,), layer.k_norm, self.eps)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        return self._rope(q.transpose(1, 2), cos, sin), self._rope(k.transpose(1, 2), cos, sin), v
 
     def _finish_layer(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [N, T, H*hd] -> residual + MLP block."""
@@ -174,30 +156,38 @@ class LlamaRunner:
 
     # -- entry points ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def decode(self, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per sequence in slots 0..B-1 at `positions` [B]; returns float32 logits [B, V]."""
+    def decode_step(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
+                    positions: torch.Tensor, write_slots: torch.Tensor, length: int) -> torch.Tensor:
+        """The graph-ready decode step (module docstring): float32 logits [B, V]; writes K/V in place.
+
+        Every row's position must be < length <= the cache capacity (the caller checks on the host)."""
         b = tokens.shape[0]
-        length = int(positions.max()) + 1
-        cache.ensure(length)
-        rows = torch.arange(b)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, hd]
         # key j of row i is visible iff j <= positions[i]: [B, 1, 1, L]
-        mask = (torch.arange(length).unsqueeze(0) <= positions.unsqueeze(1)).view(b, 1, 1, length)
+        keys_at = torch.arange(length, device=tokens.device)
+        mask = (keys_at.unsqueeze(0) <= positions.unsqueeze(1)).view(b, 1, 1, length)
         groups = self.n_heads // self.n_kv
         x = F.embedding(tokens, self.embed).unsqueeze(1)  # [B, 1, D]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            cache.k[li, rows, :, positions] = k[:, :, 0]
-            cache.v[li, rows, :, positions] = v[:, :, 0]
-            keys = cache.k[li, :b, :, :length]
-            values = cache.v[li, :b, :, :length]
+            k_cache[li, write_slots, :, positions] = k[:, :, 0]
+            v_cache[li, write_slots, :, positions] = v[:, :, 0]
+            keys = k_cache[li, :b, :, :length]  # padding rows read real slots' KV; their output is dropped
+            values = v_cache[li, :b, :, :length]
             # a single query per sequence: fold each KV head's query group into the query axis
             qg = q.reshape(b, self.n_kv, groups, self.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
             x = self._finish_layer(layer, x, out.reshape(b, 1, self.n_heads * self.head_dim))
         x = F.rms_norm(x[:, 0], (self.hidden,), self.final_norm, self.eps)
         return F.linear(x, self.lm_head).float()
+
+    @torch.inference_mode()
+    def decode(self, cache: SlotKVCache, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """One token per sequence in slots 0..B-1 at `positions` (host ints); float32 logits [B, V]."""
+        length = max(positions) + 1  # from host ints: no sync
+        cache.ensure(length)
+        return self.decode_step(cache.k, cache.v, self.index(tokens), self.index(positions),
+                                torch.arange(len(tokens), device=self.device), length)
 
     @torch.inference_mode()
     def extend(self, cache: SlotKVCache, slots: Sequence[int], starts: Sequence[int],
@@ -208,30 +198,31 @@ class LlamaRunner:
         each chunk's last token (used by tests; the engine samples from decode()).
         """
         n, t = len(chunks), max(len(c) for c in chunks)
-        lens = torch.tensor([len(c) for c in chunks])
-        start = torch.tensor(list(starts))
-        length = int((start + lens).max())
+        lens = [len(c) for c in chunks]
+        length = max(s + m for s, m in zip(starts, lens))
         cache.ensure(length)
-        tokens = torch.zeros(n, t, dtype=torch.long)
-        for i, c in enumerate(chunks):
-            tokens[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-        pos = (start.unsqueeze(1) + torch.arange(t).unsqueeze(0)).clamp(max=self.max_len - 1)  # [N, T]
+        padded = [list(c) + [0] * (t - len(c)) for c in chunks]
+        tokens = self.index([tok for row in padded for tok in row]).view(n, t)
+        pos = (self.index(starts).unsqueeze(1) + torch.arange(t, device=self.device)).clamp(max=self.max_len - 1)
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = (torch.arange(length).view(1, 1, length) <= pos.unsqueeze(2)).unsqueeze(1)  # [N,1,T,L]
-        slot_idx = torch.tensor(list(slots))
+        mask = (torch.arange(length, device=self.device).view(1, 1, length) <= pos.unsqueeze(2)).unsqueeze(1)
+        slot_idx = self.index(slots)
+        # the real (unpadded) tokens, flattened: row i's j-th token goes to slot slots[i], position starts[i] + j
+        w_row = self.index([i for i, m in enumerate(lens) for _ in range(m)])
+        w_t = self.index([j for m in lens for j in range(m)])
+        w_slot = self.index([s for s, m in zip(slots, lens) for _ in range(m)])
+        w_pos = self.index([st + j for st, m in zip(starts, lens) for j in range(m)])
         x = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            for i, (s, st) in enumerate(zip(slots, starts)):
-                m = int(lens[i])
-                cache.k[li, s, :, st : st + m] = k[i, :, :m]
-                cache.v[li, s, :, st : st + m] = v[i, :, :m]
+            cache.k[li, w_slot, :, w_pos] = k[w_row, :, w_t]  # one write per layer, every chunk at once
+            cache.v[li, w_slot, :, w_pos] = v[w_row, :, w_t]
             keys = cache.k[li, slot_idx, :, :length]
             values = cache.v[li, slot_idx, :, :length]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = self._finish_layer(layer, x, out.transpose(1, 2).reshape(n, t, -1))
         if not want_logits:
             return None
-        last = x[torch.arange(n), lens - 1]
+        last = x[torch.arange(n, device=self.device), self.index(lens) - 1]
         last = F.rms_norm(last, (self.hidden,), self.final_norm, self.eps)
         return F.linear(last, self.lm_head).float()
