@@ -31,7 +31,7 @@ from typing import Any
 from areal_mq.errors import JobFailed
 from areal_mq.messages import EpisodeJob, EpisodeResult, Error
 from areal_mq.actor.job_futures import AsyncJobFutures
-from areal_mq.actor.runtime import Role, RoleLoop
+from areal_mq.actor.roles import Role, RoleLoop
 
 
 class AgentBackend:

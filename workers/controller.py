@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_mq.actor.runtime import Role, RoleLoop
+from areal_mq.actor.roles import Role, RoleLoop
 from areal_mq.balance import SplitAdvisor
 from areal_mq.errors import JobFailed
 from areal_mq.messages import (EpisodeResult, Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample,

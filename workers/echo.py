@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from areal_mq.messages import RewardJob, RewardResult
-from areal_mq.actor.runtime import Role, RoleLoop
+from areal_mq.actor.roles import Role, RoleLoop
 
 
 class Echo(Role):

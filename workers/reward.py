@@ -1,6 +1,6 @@
 """`areal-mq worker reward` and `areal-mq reward serve`: the reward role.
 
-What: `RewardServer` is a Role (areal_mq/actor/runtime.py) around a RewardExecutor: it takes RewardJobs from the
+What: `RewardServer` is a Role (areal_mq/actor/roles.py) around a RewardExecutor: it takes RewardJobs from the
 broker's service "reward", scores them in the executor's pool (`reward.processes` processes = the worker's
 capacity) and replies RewardResult. Failures inside reward functions become default rewards plus a
 `reward.error` event naming the job and the exception; a job that cannot be scored at all (a task this
@@ -28,7 +28,7 @@ from areal_mq.messages import RewardJob
 from areal_mq.rewards.config import RewardConfig, TaskConfig
 from areal_mq.rewards.executor import RewardExecutor
 from areal_mq.rewards.registry import RewardRegistry
-from areal_mq.actor.runtime import Role, RoleLoop
+from areal_mq.actor.roles import Role, RoleLoop
 
 DRAIN_TIMEOUT_S = 30.0
 

@@ -1,6 +1,6 @@
 """`areal-mq worker rollout`: take GenerateRequests, generate with the engine, reply GenerateResults.
 
-A Role on the shared loop (areal_mq/actor/runtime.py; one thread drives the engine, the runtime's I/O thread keeps
+A Role on the shared loop (areal_mq/actor/roles.py; one thread drives the engine, the runtime's I/O thread keeps
 heartbeats going):
 
     on_signal(WeightsReady) ──► at the next step boundary (the newest of those queued): load in place, continue in-flight
@@ -31,7 +31,7 @@ import numpy as np
 
 from areal_mq.errors import ArealError, EngineRequestError, WeightsRefused
 from areal_mq.messages import GenerateRequest, GenerateResult, WeightsReady
-from areal_mq.actor.runtime import Role, RoleLoop
+from areal_mq.actor.roles import Role, RoleLoop
 
 # A failed weight load is tried again after 0.5, 1, 2 s (doubling, at most WEIGHTS_RETRY_MAX_S) up to
 # WEIGHTS_LOAD_ATTEMPTS tries in all; then the requests held for that version get Error(weights_unavailable).

@@ -2,7 +2,8 @@
 
 What: N RolloutWorkers — the real role code of workers/rollout.py — each on its own simulated engine
 (areal_mq/sim/engine.py, `rollout.engine.kind: sim`) and its own DEALER identity with READY and
-heartbeats (workers/swarm_links.py), so the real job broker sees N workers. One SUB socket on the signal bus
+heartbeats (areal_mq/actor/link.py's WorkerLink, the one the worker runtime drives too; built in
+workers/swarm_links.py), so the real job broker sees N workers. One SUB socket on the signal bus
 feeds WeightsReady / Control to all of them. Optionally the process also serves the `reward` service with a
 simulated instant reward (`rollout.engine.sim.reward_capacity`) and a `probe` service that records dispatch
 latency (client -> broker -> worker; the probes come from benchmarks/scale.py).
@@ -18,6 +19,7 @@ summary JSON is written to run_dir/swarm-<worker_id>.json (busy time, tokens, la
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import signal
@@ -32,7 +34,7 @@ from areal_mq import protocol
 from areal_mq.errors import ProtocolError
 from areal_mq.messages import Control
 from areal_mq.workers.rollout import RolloutWorker
-from areal_mq.workers.swarm_links import Responder, SwarmLink, probe_answer, sim_reward
+from areal_mq.workers.swarm_links import Responder, probe_answer, sim_reward, swarm_link
 
 POLL_MAX_S = 0.05  # the loop wakes at least this often (heartbeats, stop requests)
 
@@ -50,16 +52,17 @@ class Swarm:
         self.t0 = time.monotonic()
         self.links, self.workers = [], []
         for i in range(sim.workers):
-            link = SwarmLink(self.ctx, cfg, keys, log, f"{swarm_id}-w{i:04d}", "generate", eng.max_concurrent)
+            link = swarm_link(self.ctx, cfg, keys, log, f"{swarm_id}-w{i:04d}", "generate", eng.max_concurrent)
             engine = build_engine(eng, cfg.model, seed=cfg.run.seed * 100_003 + i, clock=self.sim_now)
+            link.on_rejoin = functools.partial(self._forget_jobs, i)
             self.links.append(link)
             self.workers.append(RolloutWorker(cfg, engine, link))
         self.probe_latencies: list[tuple[float, float]] = []
-        self.responders = [Responder(SwarmLink(self.ctx, cfg, keys, log, f"{swarm_id}-probe", "probe", 64),
+        self.responders = [Responder(swarm_link(self.ctx, cfg, keys, log, f"{swarm_id}-probe", "probe", 64),
                                      probe_answer(self.probe_latencies))]
         if sim.reward_capacity:
-            link = SwarmLink(self.ctx, cfg, reward_keys or keys, log, f"{swarm_id}-reward", "reward",
-                             sim.reward_capacity, role="reward")
+            link = swarm_link(self.ctx, cfg, reward_keys or keys, log, f"{swarm_id}-reward", "reward",
+                              sim.reward_capacity, role="reward")
             self.responders.append(Responder(link, sim_reward(cfg.run.seed, link.worker_id)))
         self.sub = self._subscribe(keys)
         self.due: list[tuple[float, int]] = []
@@ -166,17 +169,18 @@ class Swarm:
 
     def _heartbeats(self, now: float) -> None:
         replaced = False
-        for i, link in enumerate(self.links):
-            if link.beat(now):
-                replaced = True
-                worker = self.workers[i]
-                for rid in list(worker.jobs):  # the broker requeued them when it dropped us
-                    worker.engine.abort(rid)
-                worker.jobs.clear()
-        for r in self.responders:
-            replaced = r.link.beat(now) or replaced
+        for link in self.links + [r.link for r in self.responders]:
+            replaced = link.beat(now) or replaced
         if replaced:
             self._poll = None
+
+    def _forget_jobs(self, i: int) -> None:
+        """Worker i's link rejoined a broker (a reconnect, or a restarted broker): the broker requeued what it
+        held (or, restarted, never knew it; its clients resubmit), so its engine stops generating for it."""
+        worker = self.workers[i]
+        for rid in list(worker.jobs):
+            worker.engine.abort(rid)
+        worker.jobs.clear()
 
     # ------------------------------------------------------------ the end
     def summary(self) -> dict:
@@ -195,6 +199,7 @@ class Swarm:
 
     def close(self) -> None:
         for link in self.links + [r.link for r in self.responders]:
+            link.disconnect("swarm stopping")
             link.close()
         self.sub.close(0)
         self.ctx.term()

@@ -1,6 +1,6 @@
 """`areal-mq worker trainer`: sample batches in, decoupled-PPO steps, new policy versions out.
 
-A Role on the shared loop (areal_mq/actor/runtime.py); each tick:
+A Role on the shared loop (areal_mq/actor/roles.py); each tick:
        store.get_batch(batch_groups, version, η) ──► Trainer.train_step ──► publish weights v+1
        (disk dir or zmq server) ──► WeightsReady(v+1) on the signal bus ──► metrics sinks (metrics.jsonl line;
        TensorBoard / W&B when `metrics:` asks, areal_mq/telemetry/metrics.py)
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from areal_mq.messages import Control
-from areal_mq.actor.runtime import Role, RoleLoop
+from areal_mq.actor.roles import Role, RoleLoop
 
 STORE_UNACKED = "store_unacked"  # checkpoint extra: ids trained into it whose ack follows the save
 ACK_CHUNK = 10_000  # ids per BatchAck when a resumed trainer acks them (far below the 4 MiB header limit)

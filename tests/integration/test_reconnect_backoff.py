@@ -9,7 +9,7 @@ import time
 from areal_mq.client import Backoff, JobClient
 from areal_mq.config import load_config
 from areal_mq.messages import RewardJob
-from areal_mq.actor.runtime import WorkerRuntime, advertised_tasks
+from areal_mq.actor.runtime import WorkerRuntime
 
 from .procs import keys, wait_for, write_config
 
@@ -72,11 +72,3 @@ def test_job_client_reconnects_less_and_less_often_while_the_broker_stays_away(t
         assert client.link.backoff.base == 0.4
     finally:
         client.close()
-
-
-def test_advertised_tasks():
-    assert advertised_tasks(["math", "code", "math"]) == ["code", "math"]
-    assert advertised_tasks(["math", "*"]) == []  # '*' serves any task
-    assert advertised_tasks([]) == []
-    assert advertised_tasks([f"t{i}" for i in range(300)]) == []  # more than READY carries: anything
-    assert advertised_tasks(["x" * 200]) == []

@@ -238,7 +238,7 @@ def test_reward_serve_finds_the_bus_from_the_broker_address_alone(procs, tmp_pat
 
 
 def test_control_pause_stops_a_reward_worker_taking_jobs_until_resume(procs, tmp_path):
-    """Pause is the role loop's (areal_mq/actor/runtime.py PauseControl): READY(0) until Control(resume)."""
+    """Pause is the role loop's (areal_mq/actor/roles.py PauseControl): READY(0) until Control(resume)."""
     from areal_mq.client import SignalPublisher
     from areal_mq.messages import Control
 

@@ -1,12 +1,12 @@
-"""The one role loop (areal_mq/actor/runtime.py): hooks called in order, pause/resume as middleware (READY(0) and
+"""The one role loop (areal_mq/actor/roles.py): hooks called in order, pause/resume as middleware (READY(0) and
 back), stats as middleware, drain on stop, and a loop without a runtime (a trainer rank > 0)."""
 from __future__ import annotations
 
 import types
 
 from areal_mq.messages import Control, RewardJob, WeightsReady
-from areal_mq.actor.runtime import PauseControl, Role, RoleLoop, StatsReport
-from areal_mq.actor.runtime import Job
+from areal_mq.actor.link import Job
+from areal_mq.actor.roles import PauseControl, Role, RoleLoop, StatsReport
 
 
 class Log:

@@ -20,7 +20,7 @@ from areal_mq.errors import WeightsFetchError
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, SamplingSpec, WeightsReady
 from areal_mq.workers import rollout
 from areal_mq.workers.rollout import RolloutWorker
-from areal_mq.actor.runtime import Job
+from areal_mq.actor.link import Job
 
 
 class FakeEngine:
@@ -199,7 +199,7 @@ def test_control_pause_pauses_the_engine_and_the_loop_stops_stepping(tmp_path):
     """A vLLM engine generates in the background: skipping step() alone would not stop it, so the rollout
     role's pause hook pauses the engine itself (Engine.pause), and resume undoes it."""
     from areal_mq.messages import Control
-    from areal_mq.actor.runtime import PauseControl, RoleLoop
+    from areal_mq.actor.roles import PauseControl, RoleLoop
 
     class PausableEngine(FakeEngine):
         def __init__(self):

@@ -1,0 +1,249 @@
+"""The worker link's state machine (areal_mq/actor/link.py) against a bare ROUTER on 127.0.0.1, no broker:
+READY, jobs and replies, heartbeats, READY again once per liveness window only while the broker answers, a new
+socket (new identity) and READY after silence, a restarted broker (new boot id), no READY after DISCONNECT.
+
+Time is passed in (`beat(now)`) so no test waits for a heartbeat: heartbeat_s is 10 s and `now` jumps ahead."""
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from areal_mq import protocol
+from areal_mq.actor.link import Job, WorkerLink, advertised_tasks
+from areal_mq.config import BrokerConfig
+from areal_mq.messages import Error, Heartbeat, Kind, RewardJob
+
+HB = 10.0  # heartbeat_s: far longer than anything the test does in real time
+
+
+class Log:
+    def __init__(self):
+        self.records: list[tuple[str, dict]] = []
+
+    def warning(self, event, **fields):
+        self.records.append((event, fields))
+
+    info = error = debug = warning
+
+    def events(self, name):
+        return [f for e, f in self.records if e == name]
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.fixture
+def router(ctx):
+    """The 'broker': a bare ROUTER on a free loopback port."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock
+    sock.close(0)
+
+
+def make_link(ctx, router, liveness=2, **kw):
+    port = int(router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+    brokers = BrokerConfig(job_port=port, heartbeat_s=HB, liveness=liveness, reconnect_max_s=4 * HB)
+    log = Log()
+    link = WorkerLink(ctx, brokers, None, "w-1", role="reward", service="reward", capacity=3, log=log, **kw)
+    link.open()
+    return link, log
+
+
+def recv(router, timeout=10.0):
+    """(peer identity, Envelope) of the next message the 'broker' gets."""
+    assert router.poll(int(timeout * 1000)), "the link sent nothing"
+    ident, frames = protocol.split_router(router.recv_multipart(copy=False))
+    return ident, protocol.decode(frames)
+
+
+def until_marker(link, router):
+    """Kinds the router got from the link's current socket up to a marker heartbeat sent now ('nothing else' is
+    checked without waiting: one connection delivers in order). What an old socket sent is left out."""
+    link.send(protocol.encode(Heartbeat(peer_id="marker")))
+    got = []
+    while True:
+        ident, env = recv(router)
+        if env.kind == Kind.HEARTBEAT and env.msg.peer_id == "marker":
+            return [kind for i, kind in got if i == ident]
+        got.append((ident, env.kind))
+
+
+def answer(router, ident, msg, **kw):
+    router.send_multipart([ident, *protocol.encode(msg, **kw)])
+
+
+def received(link, want, timeout=10.0):
+    """link.receive() until `want(jobs so far)` holds."""
+    jobs, deadline = [], time.monotonic() + timeout
+    while not want(jobs):
+        assert time.monotonic() < deadline, f"the link received only {jobs}"
+        if link.sock.poll(100):
+            jobs += link.receive()
+    return jobs
+
+
+def test_ready_job_reply_and_fail(ctx, router):
+    link, log = make_link(ctx, router, tasks=["math", "code"])
+    try:
+        assert link.ready()
+        ident, env = recv(router)
+        assert env.kind == Kind.READY
+        assert (env.msg.service, env.msg.capacity, env.msg.worker_id, env.msg.tasks) == \
+            ("reward", 3, "w-1", ["code", "math"])
+        answer(router, ident, RewardJob(task="math", completions=["4"]), id="j1")
+        answer(router, ident, Error(code="forbidden", message="not you"))  # a broker error: logged, not a job
+        (job,) = received(link, lambda jobs: jobs and log.events("reward.broker_error"))
+        assert (job.id, type(job.msg)) == ("j1", RewardJob)
+        assert link.fail(job, "bad_request", "no grader for math")
+        _, env = recv(router)
+        assert (env.reply_to, env.msg.code, env.msg.ref_id) == ("j1", "bad_request", "j1")
+        assert log.events("reward.job_failed") == [{"job": "j1", "code": "bad_request", "error": "no grader for math"}]
+        link.ready(capacity=0)
+        _, env = recv(router)
+        assert (env.kind, env.msg.capacity, env.msg.tasks) == (Kind.READY, 0, ["code", "math"])
+        assert log.events("reward.broker_error")[0]["code"] == "forbidden"
+    finally:
+        link.close()
+
+
+def test_an_undecodable_job_with_an_id_is_answered_and_garbage_is_dropped(ctx, router):
+    link, log = make_link(ctx, router, event_prefix="swarm")
+    try:
+        link.ready()
+        ident, _ = recv(router)
+        bad = msgpack.packb({"v": protocol.PROTOCOL_VERSION, "kind": "no_such_kind", "id": "j9", "reply_to": "",
+                             "service": "", "body": {}, "arrays": []})
+        router.send_multipart([ident, b"\xc1 not msgpack"])
+        router.send_multipart([ident, bad])
+        deadline = time.monotonic() + 10
+        while len(log.events("swarm.bad_job")) < 2:
+            assert time.monotonic() < deadline, log.records
+            if link.sock.poll(100):
+                assert link.receive() == []
+        _, env = recv(router)  # only the one with an id is answered
+        assert (env.kind, env.msg.ref_id, env.msg.code) == (Kind.ERROR, "j9", "unknown_kind")
+        assert until_marker(link, router) == []
+    finally:
+        link.close()
+
+
+def test_ready_again_at_the_end_of_a_liveness_window_while_the_broker_answers(ctx, router):
+    link, log = make_link(ctx, router, liveness=2)
+    try:
+        t = time.monotonic()
+        link.ready()
+        recv(router)
+        assert link.beat(t) is False
+        assert link.beat(t + 0.5 * HB) is False  # not due yet: nothing sent
+        assert link.beat(t + HB) is False  # second beat ends a window; last heard 10 s ago (< 2 beats): READY
+        assert until_marker(link, router) == [Kind.HEARTBEAT, Kind.HEARTBEAT, Kind.READY]
+        assert link.reconnects == 0 and not log.records
+    finally:
+        link.close()
+
+
+def test_no_ready_again_while_the_broker_is_silent(ctx, router):
+    link, log = make_link(ctx, router, liveness=3)
+    try:
+        t = time.monotonic()
+        link.ready()
+        recv(router)
+        link.beat(t)
+        link.beat(t + HB)
+        # the third beat ends a window, but nothing was heard for 25 s: a READY now could wait in a dead link's
+        # queue and register a ghost later. Not lost yet either (liveness 3 x 10 s).
+        assert link.beat(t + 2.5 * HB) is False
+        assert until_marker(link, router) == [Kind.HEARTBEAT] * 3
+        assert link.reconnects == 0 and not log.records
+    finally:
+        link.close()
+
+
+def test_a_silent_broker_gets_a_new_socket_then_ready_and_a_longer_wait(ctx, router):
+    rejoined = []
+    link, log = make_link(ctx, router, on_rejoin=lambda: rejoined.append(1))
+    try:
+        t = time.monotonic()
+        link.ready()
+        first, _ = recv(router)
+        link.beat(t)
+        link.beat(t + HB)
+        old = link.sock
+        assert link.beat(t + 2.5 * HB) is True  # silent 25 s > liveness 2 x 10 s: lost
+        assert link.sock is not old and link.reconnects == 1 and rejoined == [1]
+        (lost,) = log.events("reward.broker_lost")
+        assert lost["backoff_s"] == HB and HB / 2 <= lost["retry_in_s"] <= HB
+        ident, env = recv(router)
+        while env.kind != Kind.READY or ident == first:  # what the old socket had queued may still arrive
+            ident, env = recv(router)
+        assert env.msg.worker_id == "w-1" and ident != first  # a new identity, announced at once
+        # still silent: the reconnect restarted the silence clock (real time, about t); the next loss comes only
+        # after liveness (20 s) + the backoff drawn above (5..10 s), and doubles the backoff
+        assert link.beat(t + 2.4 * HB) is False
+        assert link.beat(t + 3.5 * HB) is True
+        assert [f["backoff_s"] for f in log.events("reward.broker_lost")] == [HB, 2 * HB]
+    finally:
+        link.close()
+
+
+def test_a_restarted_broker_is_rejoined_at_once(ctx, router):
+    rejoined = []
+    link, log = make_link(ctx, router, on_rejoin=lambda: rejoined.append(1))
+    try:
+        link.ready()
+        ident, _ = recv(router)
+        answer(router, ident, Heartbeat(peer_id="boot-1"))
+        received(link, lambda jobs: link.liveness.broker_id == "boot-1")
+        assert rejoined == [] and until_marker(link, router) == []
+        answer(router, ident, Heartbeat(peer_id="boot-2"))  # same connection, a new boot id: a restart
+        received(link, lambda jobs: rejoined == [1])
+        assert until_marker(link, router) == [Kind.READY]
+        assert log.events("reward.broker_restarted") == [{"broker": "boot-2"}] and link.reconnects == 0
+    finally:
+        link.close()
+
+
+def test_no_ready_after_disconnect_nor_before_the_first_ready(ctx, router):
+    link, _ = make_link(ctx, router)
+    try:
+        t = time.monotonic()
+        link.beat(t)
+        assert link.beat(t + 2.5 * HB) is True  # lost before it ever announced: a new socket, no READY
+        assert Kind.READY not in until_marker(link, router)
+        link.ready()
+        assert until_marker(link, router) == [Kind.READY]
+        assert link.disconnect("drained")
+        assert until_marker(link, router) == [Kind.DISCONNECT]
+        assert link.beat(t + 10 * HB) is True
+        assert Kind.READY not in until_marker(link, router)
+    finally:
+        link.close()
+
+
+def test_misuse_is_refused_clearly(ctx, router):
+    link, _ = make_link(ctx, router)
+    with pytest.raises(RuntimeError, match="already open"):
+        link.open()
+    link.close()
+    link.close()  # idempotent
+    with pytest.raises(RuntimeError, match="not open"):
+        link.ready()
+    with pytest.raises(RuntimeError, match="not open"):
+        link.reply(Job("j1", Heartbeat(peer_id="x")), Heartbeat(peer_id="x"))
+
+
+def test_advertised_tasks():
+    assert advertised_tasks(["math", "code", "math"]) == ["code", "math"]
+    assert advertised_tasks(["math", "*"]) == []  # '*' serves any task
+    assert advertised_tasks([]) == []
+    assert advertised_tasks([f"t{i}" for i in range(300)]) == []  # more than READY carries: anything
+    assert advertised_tasks(["x" * 200]) == []
