@@ -292,3 +292,15 @@ def task_refusal(pool: Pool, service: str, task: str) -> str | None:
     served = sorted({t for w in workers for t in w.tasks})
     return (f"no worker of service {service!r} serves task {task[:128]!r}; its workers serve "
             f"{served[:20]}{' ...' if len(served) > 20 else ''}")
+
+
+def stats(pool: Pool) -> dict:
+    """The figures a Stats answer carries: workers with their load, queue lengths, sessions, counters."""
+    return {
+        "workers": {w.worker_id: {"service": w.service, "capacity": w.capacity, "in_flight": len(w.in_flight),
+                                  "tasks": sorted(w.tasks)} for w in pool.workers.values()},
+        "queued": {s: len(q) for s, q in pool.queues.items()},
+        "in_flight": sum(1 for j in pool.jobs.values() if j.worker is not None),
+        "sessions": len(pool.sticky.routes), "sticky_waiting": pool.sticky.parked_count(),
+        "counters": dict(pool.counters),
+    }

@@ -321,14 +321,7 @@ class JobBroker:
             self.log.info("broker.send_failed", peer=ident.hex(), error=str(exc))
 
     def stats(self) -> dict:
-        return {
-            "workers": {w.worker_id: {"service": w.service, "capacity": w.capacity, "in_flight": len(w.in_flight),
-                                      "tasks": sorted(w.tasks)} for w in self.workers.values()},
-            "queued": {s: len(q) for s, q in self.queues.items()},
-            "in_flight": sum(1 for j in self.jobs.values() if j.worker is not None),
-            "sessions": len(self.sticky.routes), "sticky_waiting": self.sticky.parked_count(),
-            "counters": dict(self.counters),
-        }
+        return dispatch.stats(self.pool)
 
     def close(self) -> None:
         self.sock.close(0)
