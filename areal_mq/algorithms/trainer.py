@@ -288,8 +288,16 @@ class Trainer:
 
     def _reduce(self, sums: "torch.Tensor", counts: np.ndarray, weight_max: "torch.Tensor",
                 norms: list["torch.Tensor"]) -> tuple[np.ndarray, float, list[float]]:
-        """Sum the metric sums and take the max weight over ranks (on the device: NCCL refuses CPU tensors),
-        then read everything back in one copy: the step's only host sync."""
+        """Reduce over ranks (`_all_reduce`), then read everything back in one copy: the step's only host sync.
+        Returns the sums ordered as _SUMS, the largest behaviour weight and the gradient norms."""
+        host = self._all_reduce(sums, counts, weight_max, norms).cpu().numpy()
+        n = len(_SUMS)
+        return host[:n], float(host[n]), host[n + 1:].tolist()
+
+    def _all_reduce(self, sums: "torch.Tensor", counts: np.ndarray, weight_max: "torch.Tensor",
+                    norms: list["torch.Tensor"]) -> "torch.Tensor":
+        """[sums (_SUMS order) summed over ranks, max weight over ranks, norms...] as one float64 tensor on
+        the device (NCCL refuses CPU tensors; the norms are those of the all-reduced gradient already)."""
         import torch
 
         total = torch.cat([sums, torch.as_tensor(counts, dtype=torch.float64).to(self.device)])
@@ -299,9 +307,7 @@ class Trainer:
 
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
             dist.all_reduce(weight_max, op=dist.ReduceOp.MAX)
-        host = torch.cat([total, weight_max, torch.stack(norms).double()]).cpu().numpy()
-        n = len(_SUMS)
-        return host[:n], float(host[n]), host[n + 1:].tolist()
+        return torch.cat([total, weight_max, torch.stack(norms).double()])
 
     def _metrics(self, seqs, samples, sums, weight_max, norms, n_minis) -> dict[str, float]:
         s = dict(zip(_SUMS, sums))
