@@ -3,7 +3,9 @@
 A Role on the shared loop (areal_mq/actor/roles.py; one thread drives the engine, the runtime's I/O thread keeps
 heartbeats going):
 
-    on_signal(WeightsReady) ──► at the next step boundary (the newest of those queued): load in place, continue in-flight
+    on_signal(WeightsReady) ──► the newest of those queued: fetched on a thread while the engine decodes (a
+                                 delta when it holds the base, areal_mq/weights_catchup.py), then applied at a step
+                                 boundary (the engine pauses only for update_weights); idle: fetched and applied at once
     on_job(GenerateRequest) ──► engine.submit  (held until the engine reaches `min_version`)
     on_tick ──► engine.step() ──► finished sequences ──► GenerateResult to the controller
     paused (Control pause) ──► Engine.pause: in-flight sequences wait; the broker sends nothing new
@@ -14,6 +16,10 @@ taking jobs, finishes what it runs within the drain timeout, and hands the rest 
 A worker that joins late loads the retained weights before it announces READY.
 - a sequence the engine could not finish properly (a broken vLLM stream: an error, versions < 0, NaN
   logprobs) is answered Error(job_failed), never as a result the store would take;
+- weights are never silently wrong: deltas and full tensors are checked against the trainer's checksums; a
+  mismatch, a missing or corrupt delta, or a base it does not hold makes it take another way (full), logged
+  as rollout.weights_fallback with the reason; rollout.weights_updated carries engine_pause_s (the engine
+  stopped) and transfer_s (announcement taken up to applied) separately;
 - a failed weight load is retried WEIGHTS_LOAD_ATTEMPTS times with doubling pauses (generation goes on
   meanwhile); when it still fails, the requests held for that version are answered
   Error(weights_unavailable) (retryable: the controller resubmits) instead of waiting for ever;
@@ -24,6 +30,7 @@ A worker that joins late loads the retained weights before it announces READY.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -32,6 +39,7 @@ import numpy as np
 from areal_mq.errors import ArealError, EngineRequestError, WeightsRefused
 from areal_mq.messages import GenerateRequest, GenerateResult, WeightsReady
 from areal_mq.actor.roles import Role, RoleLoop
+from areal_mq.weights_catchup import WeightCatchup
 
 # A failed weight load is tried again after 0.5, 1, 2 s (doubling, at most WEIGHTS_RETRY_MAX_S) up to
 # WEIGHTS_LOAD_ATTEMPTS tries in all; then the requests held for that version get Error(weights_unavailable).
@@ -67,33 +75,75 @@ class RolloutWorker(Role):
         self.retry_load: tuple[WeightsReady, int, float] | None = None  # (ready, next attempt, due at)
         self.unloadable: WeightsReady | None = None  # the last announcement whose load finally failed
         self.announced: WeightsReady | None = None  # the newest announcement not loaded yet
+        self.fetching: _Fetch | None = None  # a fetch running on a thread while the engine decodes
+        self.catchup = WeightCatchup(cfg.run.run_dir, cfg.trainer, cfg.rollout.weights_timeout_s, runtime.keys)
 
     # ------------------------------------------------------------ weights
     def load(self, ready: WeightsReady, attempt: int = 1) -> None:
+        """Fetch and apply `ready` now (at start-up, on a retry, or when the engine is idle)."""
+        if not self._wanted(ready):
+            return
+        t0 = time.perf_counter()
+        try:
+            update = self.catchup.prepare(ready)
+        except ArealError as exc:
+            self._fetch_failed(ready, attempt, exc)
+            return
+        self.apply(ready, update, t0, attempt)
+
+    def _wanted(self, ready: WeightsReady) -> bool:
         # "base" = nothing published yet, or a restarted bus's replay: never a version going back.
         # A lower real version is loaded: the trainer resumed from a checkpoint.
         if ready.mode == "base" or ready.version == self.engine.version:
-            return
-        from areal_mq.weights import resolve
-
+            return False
         self.retry_load = None  # this announcement supersedes a pending retry of an older one
-        t0 = time.perf_counter()
-        running = len(self.jobs)
-        try:
-            weights = resolve(ready, self.cfg.run.run_dir, self.cfg.trainer, self.cfg.rollout.weights_timeout_s,
-                              self.rt.keys)
-            timings = self.engine.update_weights(ready.version, **weights)
-        except WeightsRefused as exc:  # the bus checks this too; a worker never reads outside its run
+        return True
+
+    def start_fetch(self, ready: WeightsReady, attempt: int = 1) -> None:
+        """Fetch `ready` on a thread while the engine keeps decoding; on_tick applies it once it is there."""
+        if self._wanted(ready):
+            self.fetching = _Fetch(self.catchup, ready, attempt)
+
+    def finish_fetch(self) -> None:
+        fetch = self.fetching
+        if fetch is None or not fetch.done.is_set():
+            return
+        self.fetching = None
+        if fetch.error is not None:
+            self._fetch_failed(fetch.ready, fetch.attempt, fetch.error)
+        else:
+            self.apply(fetch.ready, fetch.update, fetch.t0, fetch.attempt)
+
+    def _fetch_failed(self, ready: WeightsReady, attempt: int, exc: BaseException) -> None:
+        if isinstance(exc, WeightsRefused):  # the bus checks this too; a worker never reads outside its run
             self.log.error("rollout.weights_refused", version=ready.version, error=str(exc))
             self.fail_held(ready.version, str(exc))
-            return
+        elif isinstance(exc, ArealError):
+            self._load_failed(ready, attempt, str(exc))
+        else:
+            raise exc
+
+    def apply(self, ready: WeightsReady, update: Any, t0: float, attempt: int = 1) -> None:
+        """Load a fetched update into the engine: the only part that pauses decoding."""
+        running = len(self.jobs)
+        if update.fallback:
+            self.log.warning("rollout.weights_fallback", version=ready.version, base=ready.base, route=update.route,
+                             reason=update.fallback.split(":", 1)[0], detail=update.fallback[:500],
+                             failures=[f[:300] for f in update.failures])
+        t1 = time.perf_counter()
+        try:
+            timings = self.engine.update_weights(ready.version, **update.kwargs)
         except ArealError as exc:
             self._load_failed(ready, attempt, str(exc))
             return
+        t2 = time.perf_counter()
+        self.catchup.commit(update)
         self.unloadable = None
         fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in timings.items()}
-        fields.update(version=ready.version, mode=ready.mode, running=running,
-                      total_s=round(time.perf_counter() - t0, 3))
+        fields.update(version=ready.version, mode=ready.mode, running=running, route=update.route,
+                      fetched_bytes=update.fetched_bytes, full_bytes=update.full_bytes,
+                      fetch_s=round(update.fetch_s, 4), engine_pause_s=round(t2 - t1, 4),
+                      transfer_s=round(t2 - t0, 4), total_s=round(t2 - t0, 3))
         self.log.info("rollout.weights_updated", **fields)
 
     def _load_failed(self, ready: WeightsReady, attempt: int, error: str) -> None:
@@ -108,9 +158,16 @@ class RolloutWorker(Role):
         self.fail_held(ready.version, error)
 
     def retry_load_if_due(self) -> None:
-        if self.retry_load is not None and self.clock() >= self.retry_load[2]:
+        if self.retry_load is not None and self.fetching is None and self.clock() >= self.retry_load[2]:
             ready, attempt, _ = self.retry_load
             self.retry_load = None
+            self.take(ready, attempt)
+
+    def take(self, ready: WeightsReady, attempt: int = 1) -> None:
+        """Load `ready`: on a thread while the engine has sequences to decode, else at once."""
+        if self.engine.has_work() and ready.mode in ("disk", "zmq"):
+            self.start_fetch(ready, attempt)
+        else:
             self.load(ready, attempt)
 
     def fail_held(self, version: int, error: str) -> None:
@@ -188,9 +245,10 @@ class RolloutWorker(Role):
 
     # ------------------------------------------------------------ loop hooks
     def on_tick(self) -> bool:
-        if self.announced is not None:
+        self.finish_fetch()
+        if self.announced is not None and self.fetching is None:
             ready, self.announced = self.announced, None
-            self.load(ready)
+            self.take(ready)
         self.retry_load_if_due()
         self.release_held()
         if self.paused or not self.engine.has_work():
@@ -199,7 +257,7 @@ class RolloutWorker(Role):
         return True
 
     def busy(self) -> bool:
-        return bool(self.jobs)
+        return bool(self.jobs) or self.fetching is not None
 
     def on_pause(self, paused: bool) -> None:
         self.engine.pause() if paused else self.engine.resume()
@@ -208,6 +266,26 @@ class RolloutWorker(Role):
         for rid in list(self.jobs):  # left over: abort here, the broker requeues them on DISCONNECT
             self.engine.abort(rid)
         self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held))
+
+
+class _Fetch:
+    """One WeightCatchup.prepare on a daemon thread (zstd, blake2b and socket waits release the GIL, so decoding
+    goes on). The thread only fetches and decodes; the worker's thread applies and commits."""
+
+    def __init__(self, catchup: WeightCatchup, ready: WeightsReady, attempt: int):
+        self.ready, self.attempt, self.t0 = ready, attempt, time.perf_counter()
+        self.update: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(catchup,), name=f"weights-v{ready.version}", daemon=True).start()
+
+    def _run(self, catchup: WeightCatchup) -> None:
+        try:
+            self.update = catchup.prepare(self.ready)
+        except BaseException as exc:  # handed to the worker's thread, which logs or re-raises it
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
