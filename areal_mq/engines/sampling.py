@@ -74,6 +74,10 @@ def sample_tokens(
         rows = _rows(greedy, n, device)
         tokens[rows] = logits[rows].argmax(dim=-1)
     if sampled:
+        bad = [i for i in sampled if generators[i] is not None and generators[i].device != device]
+        if bad:
+            raise ValueError(f"row {bad[0]}'s generator is on {generators[bad[0]].device}, the logits on {device}; "
+                             f"make each request's torch.Generator on the logits' device")
         u = torch.stack([torch.rand((), generator=generators[i], device=device) for i in sampled])
         host_tp = torch.tensor([float(top_ps[i]) for i in sampled], dtype=torch.float32)
         tk_list = [int(top_ks[i]) for i in sampled]
