@@ -98,6 +98,30 @@ def arg_parser(doc: str, quick_help: str = QUICK_HELP) -> argparse.ArgumentParse
     return parser
 
 
+def add_device_arg(parser: argparse.ArgumentParser) -> None:
+    """--device (default cpu): where a benchmark puts the model; cpu, cuda, cuda:N or auto (areal_mq/devices.py)."""
+    from areal_mq.devices import check_device_spec
+
+    def spec(text: str) -> str:
+        try:
+            return check_device_spec(text)
+        except Exception as exc:  # ConfigError -> an argparse usage error naming the choices
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    parser.add_argument("--device", type=spec, default="cpu",
+                        help="Where the model runs: cpu (default), cuda, cuda:N or auto (docs/gpu.md).")
+
+
+def device_name(spec: str) -> str:
+    """The resolved device and, on CUDA, the GPU's name, for the machine record: 'cuda:0 (NVIDIA H100 ...)'."""
+    import torch
+
+    from areal_mq.devices import resolve_device
+
+    device = resolve_device(spec)
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+
+
 def command(script: str) -> str:
     """How this run was started, for the table's last line: `python benchmarks/SCRIPT ARGS...`."""
     return "python " + " ".join([f"benchmarks/{script}", *sys.argv[1:]])

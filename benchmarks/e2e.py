@@ -21,7 +21,9 @@ mean of the two sync rates: a load that rises or falls linearly over the run the
 accuracy and batch reward against wall time for every run.
 
     python benchmarks/e2e.py [--quick] [--json PATH] [--out DIR] [--plot PNG] [--eval-n N]
-                             [--eval-versions 12,24] [--keep-weights] [--reuse-runs]
+                             [--eval-versions 12,24] [--keep-weights] [--reuse-runs] [--device cpu|cuda|cuda:N]
+
+--device sets model.device for every role and the evaluations (default cpu; benchmarks/gpu/run.sh stage f).
 
 --quick runs the tiny random Llama for 3 steps per mode and evaluates its last two versions on 8 problems
 (same code path, nothing is learnt). It cannot finish in 60 s: each `areal-mq run` spends ~25-35 s starting
@@ -81,16 +83,17 @@ def threads_arg(text: str) -> dict[str, int]:
 log = common.logger("e2e")
 
 
-def size_overrides(quick: bool) -> dict:
-    """Overrides shared by the runs and the evaluations (quick: the tiny model, fewer/shorter steps)."""
-    return dict(QUICK) if quick else {}
+def size_overrides(quick: bool, device: str = "cpu") -> dict:
+    """Overrides shared by the runs and the evaluations (quick: the tiny model, fewer/shorter steps; device:
+    model.device, so every role and the evaluation run there)."""
+    return {**(QUICK if quick else {}), "model.device": device}
 
 
-def run_overrides(mode: tuple, quick: bool, run_dir: Path, steps: int) -> dict:
+def run_overrides(mode: tuple, quick: bool, run_dir: Path, steps: int, device: str = "cpu") -> dict:
     _, _, run_mode, eta, threads = mode
     job, bus_in, bus_out, store = free_ports(4)
     keep_versions = steps + 1
-    return {**size_overrides(quick), "controller.total_steps": steps, "run.run_dir": str(run_dir), "run.mode": run_mode,
+    return {**size_overrides(quick, device), "controller.total_steps": steps, "run.run_dir": str(run_dir), "run.mode": run_mode,
             "controller.max_staleness": eta, "launcher.threads": json.dumps(threads),
             "trainer.keep_weight_versions": keep_versions, "brokers.job_port": job, "brokers.bus_in_port": bus_in,
             "brokers.bus_out_port": bus_out, "brokers.store_port": store, "events.console": "json"}
@@ -104,14 +107,14 @@ def count_lines(path: Path) -> int:
         return 0
 
 
-def launch(mode: tuple, quick: bool, run_dir: Path, total_steps: int) -> dict:
+def launch(mode: tuple, quick: bool, run_dir: Path, total_steps: int, device: str = "cpu") -> dict:
     """One `areal-mq run` in a subprocess, with a step progress bar; returns timing and load figures."""
     from tqdm import tqdm
 
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a leftover checkpoint would make the trainer resume instead of starting fresh
     run_dir.mkdir(parents=True)
-    sets = run_overrides(mode, quick, run_dir, total_steps)
+    sets = run_overrides(mode, quick, run_dir, total_steps, device)
     cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(CONFIG), "--skip-eval", "--quiet",
            *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]]
     err_path = run_dir / "launcher.stderr.log"
@@ -151,24 +154,25 @@ def prune(run_dir: Path, keep: set[int]) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def eval_config(quick: bool, run_dir: Path):
+def eval_config(quick: bool, run_dir: Path, device: str = "cpu"):
     from areal_mq.config import load_config
 
-    sets = {**size_overrides(quick), "run.run_dir": str(run_dir), "rollout.engine.threads": 2}
+    sets = {**size_overrides(quick, device), "run.run_dir": str(run_dir), "rollout.engine.threads": 2}
     return load_config(CONFIG, [f"{k}={v}" for k, v in sets.items()])
 
 
-def evaluate_all(results: list[dict], versions: list[int], n: int, quick: bool, out: Path) -> dict:
+def evaluate_all(results: list[dict], versions: list[int], n: int, quick: bool, out: Path,
+                 device: str = "cpu") -> dict:
     """Base model once (greedy: the same for every mode), then each mode's kept versions, same n problems."""
     from areal_mq.evaluation.heldout import base_eval_cached, evaluate
 
-    cfg = eval_config(quick, out)  # the base model never changes: reuse its cached result when n is the config's
+    cfg = eval_config(quick, out, device)  # the base model never changes: reuse its cached result when n is the config's
     base = base_eval_cached(cfg) if n == cfg.eval.size else evaluate(cfg, weights=None, n=n, version=0)
     log(f"base model: strict {base['strict']:.1%} lenient {base['lenient']:.1%} (n={base['n']}, {base['seconds']} s)")
     for r in results:
         r["evals"] = []
         for v in versions:
-            e = evaluate(eval_config(quick, Path(r["run_dir"])), weights=str(Path(r["run_dir"]) / "weights" / f"v{v}"),
+            e = evaluate(eval_config(quick, Path(r["run_dir"]), device), weights=str(Path(r["run_dir"]) / "weights" / f"v{v}"),
                          n=n, version=v)
             t = e2e_report.version_time(r, v)
             r["evals"].append({"version": v, "t": t, "strict": e["strict"], "lenient": e["lenient"], "n": e["n"],
@@ -191,7 +195,7 @@ def run_mode(mode: tuple, args: argparse.Namespace, run_dir: Path, steps: int, v
     if args.reuse_runs and saved.exists() and all((run_dir / "weights" / f"v{v}").is_dir() for v in versions):
         log(f"{mode[1]}: reusing {saved}")
         return json.loads(saved.read_text())
-    timing = launch(mode, args.quick, run_dir, steps)
+    timing = launch(mode, args.quick, run_dir, steps, args.device)
     summary = e2e_report.summarize_run(run_dir, timing["started_ts"], timing["wall_s"])
     prune(run_dir, set(versions))
     result = {"kind": "mode", "name": mode[0], "label": mode[1], "mode": mode[2], "eta": mode[3], "threads": mode[4],
@@ -207,7 +211,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from areal_mq.config import load_config
 
-    cfg = load_config(CONFIG, [f"{k}={v}" for k, v in size_overrides(args.quick).items()])
+    cfg = load_config(CONFIG, [f"{k}={v}" for k, v in size_overrides(args.quick, args.device).items()])
     c = cfg.controller
     steps = args.steps or c.total_steps
     versions = args.eval_versions or default_versions(steps, args.quick)
@@ -220,7 +224,7 @@ def run(args: argparse.Namespace) -> dict:
     modes = [(*m[:4], {**m[4], **(args.async_threads if m[2] == "async" else args.sync_threads)}) for m in MODES]
     results = [run_mode(mode, args, out / mode[0], steps, versions)
                for mode in tqdm(modes, desc="modes", unit="run", file=sys.stderr)]
-    base = evaluate_all(results, versions, n, args.quick, out)
+    base = evaluate_all(results, versions, n, args.quick, out, args.device)
     if not args.keep_weights:
         for r in results:
             shutil.rmtree(Path(r["run_dir"]) / "weights", ignore_errors=True)
@@ -233,8 +237,8 @@ def run(args: argparse.Namespace) -> dict:
              "batch_groups": c.batch_groups, "group_size": c.group_size, "max_new_tokens": c.max_new_tokens,
              "eval_n": n, "eval_versions": versions, "base": base, "plot": str(plot_path),
              "throughput_window": "first to last training step: samples of steps 2..N / (t_N - t_1)",
-             "sync_samples_per_s_mean": sync_rate}
-    return {"benchmark": "e2e", "quick": args.quick, "machine": common.torch_machine(), "results": [setup, *results],
+             "sync_samples_per_s_mean": sync_rate, "device": args.device}
+    return {"benchmark": "e2e", "quick": args.quick, "machine": common.torch_machine(device=common.device_name(args.device)), "results": [setup, *results],
             "ratios": ratios, "targets": dict(TARGETS)}
 
 
@@ -253,6 +257,7 @@ def main() -> None:
     parser.add_argument("--sync-threads", type=threads_arg, default={},
                         help=f"Thread split of the sync modes (default {SYNC_THREADS}).")
     parser.add_argument("--reuse-runs", action="store_true", help="Reuse runs saved in OUT (evaluate only).")
+    common.add_device_arg(parser)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = common.timed(run, args)

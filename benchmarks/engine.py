@@ -24,7 +24,11 @@ RUNNERS; each runner gets the same Workload (prompts, lengths, arrival times).
 same workloads plus its update timings, with ratios vllm_vs_hf_generate_{uniform,longtail} and
 vllm_vs_torch_engine_longtail. Opt-in: a vLLM start alone takes 1-4 min here (beyond --quick's minute).
 
+--device cuda (or cuda:N) puts both engines' weights, KV cache and sampling on that GPU (default cpu);
+benchmarks/gpu/run.sh stage b runs the long tail at 64 and 256 concurrent on it (docs/gpu.md).
+
     python benchmarks/engine.py [--quick] [--json PATH] [--dtype bfloat16|float32] [--threads N] [--vllm]
+                                [--device cpu|cuda|cuda:N]
 """
 from __future__ import annotations
 
@@ -129,10 +133,10 @@ def run_hf_generate(ctx: Context, wl: Workload) -> float:
         if wait > 0:  # a fixed batch starts once its last member has arrived
             time.sleep(wait)
         width = max(len(wl.prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), tok.pad_token_id, dtype=torch.long)
+        ids = torch.full((len(idx), width), tok.pad_token_id, dtype=torch.long, device=model.device)
         mask = torch.zeros_like(ids)
         for row, i in enumerate(idx):  # left padding
-            ids[row, width - len(wl.prompts[i]):] = torch.tensor(wl.prompts[i])
+            ids[row, width - len(wl.prompts[i]):] = torch.tensor(wl.prompts[i], device=model.device)
             mask[row, width - len(wl.prompts[i]):] = 1
         longest = max(wl.lengths[i] for i in idx)
         with torch.no_grad():
@@ -218,7 +222,8 @@ def make_prompt(ctx: Context, i: int) -> list[int]:
 def machine(args) -> dict:
     import torch
 
-    return common.torch_machine(threads=torch.get_num_threads(), model=args.model, dtype=args.dtype)
+    return common.torch_machine(threads=torch.get_num_threads(), model=args.model, dtype=args.dtype,
+                                device=common.device_name(args.device))
 
 
 def setup(args, q: int) -> Context:
@@ -234,9 +239,9 @@ def setup(args, q: int) -> Context:
     tokenizer = load_tokenizer(model_dir)
     slots = SIZES["slots"][q]
     cfg = EngineConfig(max_concurrent=slots, dtype=args.dtype, seed=0)
-    engine = TorchEngine(model_dir, cfg, dtype=args.dtype, tokenizer=tokenizer)
-    hf_model = load_causal_lm(model_dir, args.dtype)
-    log(f"engine loaded the model in {engine.load_s:.2f}s; threads={torch.get_num_threads()}")
+    engine = TorchEngine(model_dir, cfg, dtype=args.dtype, tokenizer=tokenizer, device=args.device)
+    hf_model = load_causal_lm(model_dir, args.dtype, engine.device)
+    log(f"engine loaded the model in {engine.load_s:.2f}s on {engine.device}; threads={torch.get_num_threads()}")
     vllm = None
     if args.vllm:
         from areal_mq.engines.vllm.engine import VllmEngine
@@ -324,10 +329,11 @@ def main() -> None:
                              "thread mostly waits for a busy core; measured up to 10x slower under load).")
     parser.add_argument("--vllm", action="store_true",
                         help="Also run vLLM in process (bash docker/install-vllm.sh; its start takes 1-4 min).")
+    common.add_device_arg(parser)
     args = parser.parse_args()
     report = common.timed(run, args)
     extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),
-                                                ("threads", args.threads)) if v)
+                                                ("threads", args.threads), ("device", args.device)) if v)
     extra += " --vllm" if args.vllm else ""
     common.finish(report, args.json, table(report, "python benchmarks/engine.py" + (" --quick" if args.quick else "") + extra))
 

@@ -20,7 +20,10 @@ One torch thread by default: on an oversubscribed machine a descheduled OpenMP t
 parallel kernel, which makes step time track the number of kernels rather than the work and hides
 the difference being measured; pass --threads 2 on an idle machine.
 
-    python benchmarks/trainer.py [--quick] [--json PATH] [--threads N]
+--device cuda (or cuda:N) trains on that GPU (trainer.precision auto: bf16 autocast over fp32 master weights
+there); default cpu. benchmarks/gpu/run.sh stage c compares the trainer with a plain fwd+bwd+AdamW loop.
+
+    python benchmarks/trainer.py [--quick] [--json PATH] [--threads N] [--device cpu|cuda|cuda:N]
 
 `--quick` uses fewer, shorter sequences and one alternation (same code path, same long-tail shape); it
 finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
     log(f"{len(lengths)} sequences, {sum(lengths)} tokens (median {int(np.median(lengths))}, max {max(lengths)}); "
         f"packed budget {size['budget']} tokens, padded {mb_size} seqs/micro-batch")
     t0 = time.perf_counter()
-    trainer = Trainer(base, resolve_model("smollm2-135m-instruct"))
+    trainer = Trainer(base, resolve_model("smollm2-135m-instruct"), device=args.device)
     load_s = time.perf_counter() - t0
     trainer.train_step(longtail_batch(1, 1, 2, (8, 9), 8, 16))  # warm-up: allocator, kernels
     steps: dict[str, list[dict]] = {m: [] for m in MODES}
@@ -119,8 +122,9 @@ def run(args: argparse.Namespace) -> dict:
               "shared_vs_dynamic_tokens_per_s": by["shared"]["tokens_per_s"] / by["packed"]["tokens_per_s"]}
     setup = {"name": "setup", "sequences": len(lengths), "tokens": sum(lengths), "median_len": float(np.median(lengths)),
              "max_len": max(lengths), "prompt_len": list(prompt_len), "budget": size["budget"], "padded_mb_size": mb_size, "model_load_s": load_s,
-             "threads": args.threads, "precision": base.precision}
-    return {"benchmark": "trainer", "quick": args.quick, "machine": common.torch_machine(), "results": [setup, *results],
+             "threads": args.threads, "precision": trainer.precision, "device": str(trainer.device)}
+    machine = common.torch_machine(device=common.device_name(args.device))
+    return {"benchmark": "trainer", "quick": args.quick, "machine": machine, "results": [setup, *results],
             "ratios": ratios, "targets": dict(TARGETS)}
 
 
@@ -151,6 +155,7 @@ def main() -> None:
     parser = common.arg_parser(__doc__, quick_help="Fewer, shorter sequences; about a minute on 2 cores.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (see module docstring).")
     parser.add_argument("--prompt-len", type=int, default=0, help="Fixed prompt length (default: the size's range).")
+    common.add_device_arg(parser)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = common.timed(run, args)
