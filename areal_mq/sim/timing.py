@@ -15,8 +15,9 @@ Sources and how each figure was obtained (read this before quoting a simulated t
   989 TFLOP/s dense bf16), with the efficiencies stated next to each term. Decode is memory bound: a step
   reads the weights once plus the KV cache of every running sequence; prefill and training are compute bound
   (2 and 8 FLOPs per parameter per token: forward; forward + backward + the proximal recompute forward).
-- `h100-measured` is a SLOT for measured H100 figures (the GPU issue, blocked): selecting it raises until
-  they are filled in. No H100 number here is invented.
+- `h100-measured` is a SLOT for measured H100 figures: filled from areal_mq/sim/h100_measured.json, which
+  benchmarks/gpu/fit_sim.py --install writes from a GPU run's stages b, c and d (its `name` and `source` say
+  which model and GPU were measured). Without that file selecting it raises. No H100 number here is invented.
 - `constant` is a synthetic model for the simulator's correctness test (closed-form throughput).
 - Length distributions: the issue asks for a long-tailed law "e.g. lognormal fitted to reasoning traces with a
   max cap". There are no traces in this repository to fit, so the lognormal parameters below are CHOSEN, not
@@ -29,8 +30,10 @@ Sources and how each figure was obtained (read this before quoting a simulated t
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import numpy as np
 
@@ -96,8 +99,24 @@ TIMING_MODELS: dict[str, TimingModel | None] = {
         decode_fixed_s=0.01, weight_bytes=0.0, kv_bytes_per_token=0.0, mem_bw_bytes_per_s=0.0,
         prefill_s_per_token=0.0, update_pause_s=0.0, train_fixed_s=0.0, train_s_per_token=1e-4,
     ),
-    "h100-measured": None,  # slot: measured H100 figures from the GPU issue, once they exist
+    "h100-measured": None,  # slot: filled below from h100_measured.json (benchmarks/gpu/fit_sim.py) when it exists
 }
+MEASURED_FILE = Path(__file__).with_name("h100_measured.json")
+
+
+def load_measured(path: Path) -> TimingModel | None:
+    """A TimingModel from a fit_sim.py JSON file (None when the file does not exist; ConfigError when it is bad)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return TimingModel(**{f.name: data[f.name] for f in fields(TimingModel)})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path} is not a timing model written by benchmarks/gpu/fit_sim.py ({exc!r}); "
+                          "re-run the fit or delete the file") from exc
+
+
+TIMING_MODELS["h100-measured"] = load_measured(MEASURED_FILE)
 
 
 def timing_model(name: str) -> TimingModel:
@@ -106,8 +125,9 @@ def timing_model(name: str) -> TimingModel:
                           "(areal_mq/sim/timing.py names each one's source)")
     model = TIMING_MODELS[name]
     if model is None:
-        raise ConfigError(f"timing model {name!r} is a slot for measured figures that do not exist yet (the GPU "
-                          "issue is blocked); use 'r1-1.5b-h800-roofline' (derived) or fill it in from measurements")
+        raise ConfigError(f"timing model {name!r} is a slot for measured figures that do not exist yet; use "
+                          "'r1-1.5b-h800-roofline' (derived), or fill it from a GPU run (bash benchmarks/gpu/run.sh "
+                          "b/c/d, then benchmarks/gpu/fit_sim.py --install; docs/gpu.md)")
     return model
 
 

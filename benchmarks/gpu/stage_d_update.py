@@ -1,0 +1,141 @@
+"""Stage d: the colocated weight update — trainer and engine on one device, pause -> new weights live -> decode
+resumes — for each publish mode this tree has.
+
+What it measures, on SmolLM2-135M's exact config with random weights (random_model.py): an engine with C
+sequences mid-generation (full: 64) and a "trainer" copy of the model (fp32 master weights, on the same device)
+publish a new version, as the trainer does (areal_mq/weights.py: bf16 CPU snapshot via unique_tensors, then):
+  disk      publish_disk -> engine.update_weights(path=...)
+  zmq       WeightServer.publish -> fetch_weights over loopback -> engine.update_weights(tensors=...)
+  cuda_ipc  GPU-to-GPU copy from shared buffers (trainer.publish_mode: cuda_ipc, issue 25 item 4): a row that
+            says "not built" when this tree's TrainerConfig has no such mode; when it has, this stage must be
+            taught to drive it (the row then says so: a TODO, not a figure).
+Per mode (median of rounds): publish_s (trainer side), fetch_s (zmq), then the engine's pause: load_s (weights
+into the live model) + resume_s (pause bookkeeping, KV recompute of the in-flight rows, until the first token
+under the new version). engine_pause_s = load_s + resume_s is what decoding loses; total_s adds publish and fetch.
+Target (issue 25): the colocated (cuda_ipc) engine pause < 100 ms for SmolLM2-135M, disk and zmq beside it.
+
+    python benchmarks/gpu/stage_d_update.py [--device cuda] [--quick] [--out DIR]
+"""
+from __future__ import annotations
+
+import shutil
+import statistics
+import typing
+
+import report
+from report import common
+
+SIZES = {"in_flight": (4, 64), "tokens_before": (4, 32), "prompt": (12, 150), "rounds": (1, 3)}  # quick, full
+TARGET_S = 0.1
+log = common.logger("gpu-d")
+
+
+def cuda_ipc_built() -> bool:
+    from areal_mq.algorithms.config import TrainerConfig
+
+    return "cuda_ipc" in typing.get_args(TrainerConfig.model_fields["publish_mode"].annotation)
+
+
+def start_requests(engine, n: int, prompt: int, steps: int, tag: str) -> list[str]:
+    import numpy as np
+
+    from areal_mq.engines.base import EngineRequest
+    from areal_mq.messages import SamplingSpec
+
+    rng = np.random.default_rng(n)
+    ids = [f"upd-{tag}-{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        sp = SamplingSpec(temperature=1.0, max_new_tokens=steps * 4, ignore_eos=True, seed=i)
+        engine.submit(EngineRequest(rid, rng.integers(100, 49000, prompt).tolist(), sp))
+    for _ in range(steps + 4):  # prefill, then decode a while
+        engine.step()
+    return ids
+
+
+def one_update(engine, trainer_model, mode: str, version: int, args, work, s: dict) -> dict:
+    from areal_mq.weights import WeightServer, fetch_weights, publish_disk, unique_tensors
+
+    clock = report.timer(args.device)
+    ids = start_requests(engine, s["in_flight"], s["prompt"], s["tokens_before"], f"{mode}{version}")
+    t0 = clock()
+    tensors = unique_tensors(trainer_model.state_dict(), "bfloat16")
+    server = None
+    if mode == "disk":
+        ready = publish_disk(work / "weights", version, tensors, keep=2)
+        t1 = t2 = clock()
+        timings = engine.update_weights(version, path=ready.path)
+    else:
+        server = WeightServer(keep=2)
+        ready = server.publish(version, tensors)
+        t1 = clock()
+        fetched = fetch_weights(ready, timeout_s=120.0)
+        t2 = clock()
+        timings = engine.update_weights(version, tensors=fetched)
+    t3, before, steps = clock(), engine.stats()["generated_tokens"], 0
+    while engine.stats()["generated_tokens"] == before:
+        engine.step()
+        steps += 1
+    resume = timings["pause_s"] + clock() - t3
+    if server is not None:
+        server.close()
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_work():
+        engine.step()
+    return {"publish_s": t1 - t0, "fetch_s": t2 - t1, "load_s": timings["load_s"], "resume_s": resume,
+            "engine_pause_s": timings["load_s"] + resume, "total_s": clock() - t0,
+            "recompute_tokens": int(timings["recompute_tokens"]), "steps_to_first_token": steps}
+
+
+def run(args) -> dict:
+    from areal_mq.engines.models import load_causal_lm
+    from random_model import build, describe
+    from stage_b_engine import make_engine
+
+    q = 0 if args.quick else 1
+    s = {k: v[q] for k, v in SIZES.items()}
+    model_dir = build(args.work / ("smollm2-random-quick" if args.quick else "smollm2-random"), args.quick,
+                      report.PACK / "smollm2")
+    work = args.work / "stage_d"
+    shutil.rmtree(work, ignore_errors=True)
+    engine = make_engine(model_dir, args, s["in_flight"], s["prompt"] + s["tokens_before"] * 4 + 16)
+    trainer_model = load_causal_lm(model_dir, "float32", engine.device)
+    rows, version = [], 0
+    for mode in ("disk", "zmq"):
+        one_update(engine, trainer_model, mode, version := version + 1, args, work, s)  # warm-up
+        runs = [one_update(engine, trainer_model, mode, version := version + 1, args, work, s)
+                for _ in range(s["rounds"])]
+        row = {"mode": mode, **{k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}}
+        rows.append(row)
+        log(f"{mode}: engine pause {row['engine_pause_s'] * 1e3:.0f} ms, total {row['total_s'] * 1e3:.0f} ms")
+    engine.close()
+    shutil.rmtree(work, ignore_errors=True)
+    ipc = {"mode": "cuda_ipc", "todo": "cuda_ipc: not built (trainer.publish_mode has no cuda_ipc in this tree)"
+           if not cuda_ipc_built() else "cuda_ipc: built, but this stage does not drive it yet (TODO)"}
+    return {"title": "colocated weight update", "quick": args.quick, "machine": report.machine(args.device),
+            "model": describe(model_dir, args.quick), "in_flight": s["in_flight"], "kv_on_update": engine.cfg.kv_on_update,
+            "updates": [*rows, ipc], "target_engine_pause_s": TARGET_S}
+
+
+def markdown(r: dict) -> str:
+    head = ("mode", "engine pause ms (load + resume)", "publish ms", "fetch ms", "load ms", "resume ms", "total ms")
+    rows = [head]
+    for u in r["updates"]:
+        if "todo" in u:
+            rows.append((u["mode"], f"TODO — {u['todo']}", "", "", "", "", ""))
+        else:
+            ms = {k: f"{u[k] * 1e3:.1f}" for k in ("engine_pause_s", "publish_s", "fetch_s", "load_s", "resume_s", "total_s")}
+            rows.append((u["mode"], ms["engine_pause_s"], ms["publish_s"], ms["fetch_s"], ms["load_s"], ms["resume_s"],
+                         ms["total_s"]))
+    return (report.table(rows) + f"\n\n{r['in_flight']} sequences in flight, kv_on_update={r['kv_on_update']}; target: "
+            f"the colocated (cuda_ipc) engine pause < {r['target_engine_pause_s'] * 1e3:.0f} ms")
+
+
+def main() -> None:
+    args = report.parse(__doc__)
+    r = common.timed(run, args)
+    report.write(args.out, "d", r, markdown(r))
+
+
+if __name__ == "__main__":
+    main()
