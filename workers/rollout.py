@@ -235,7 +235,9 @@ class RolloutWorker(Role):
                 finish_reason=out.finish_reason, text=out.text, worker_id=self.rt.worker_id,
                 group_id=job.msg.group_id, sample_index=job.msg.sample_index, stats=out.stats))
             self.log.debug("rollout.request_finished", job=job.id, tokens=len(out.output_ids),
-                           reason=out.finish_reason, versions=np.unique(out.versions).tolist())  # 30x a set
+                           reason=out.finish_reason, versions=np.unique(out.versions).tolist(),  # 30x a set
+                           group=job.msg.group_id, sample=job.msg.sample_index,
+                           version_counts=np.unique(out.versions, return_counts=True)[1].tolist())
 
     def stats(self) -> dict:
         fields = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
@@ -289,6 +291,7 @@ class _Fetch:
 
 
 def main(cfg: Any, worker_id: str | None = None) -> int:
+    from areal_mq.devices import role_device
     from areal_mq.engines import build_engine
     from areal_mq.actor.runtime import WorkerRuntime
     from areal_mq.actor.threads import apply_thread_budget
@@ -299,7 +302,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     engine = None
     try:
         t0 = time.perf_counter()
-        engine = build_engine(cfg.rollout.engine, cfg.model, seed=cfg.run.seed)
+        engine = build_engine(cfg.rollout.engine, cfg.model, seed=cfg.run.seed, device=role_device(cfg, "rollout"))
         rt.log.info("rollout.engine_ready", engine=cfg.rollout.engine.kind, model=cfg.model.name,
                     load_s=round(time.perf_counter() - t0, 2))
         worker = RolloutWorker(cfg, engine, rt)
