@@ -115,8 +115,9 @@ def test_a_dying_worker_s_jobs_go_to_another_and_its_late_reply_is_dropped():
     broker = StubBroker()
     doomed = broker.worker("generate", capacity=2)
     client = broker.client()
-    first, second = client.submit(_gen()), client.submit(_gen())
-    queued = client.submit(_gen())
+    # ids chosen: the broker requeues a lost worker's in-flight jobs in id order (uuid4 ids by default)
+    first, second = client.submit(_gen(), job_id="j1"), client.submit(_gen(), job_id="j2")
+    queued = client.submit(_gen(), job_id="j3")
     assert doomed.take()[0] == first  # taken, never answered
     doomed.die()
     assert not doomed.alive and doomed.take() is None
