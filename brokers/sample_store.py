@@ -309,6 +309,7 @@ class SampleStore:
         batch = SampleBatch(batch_id=batch_id, samples=[self.samples[s] for s in ids], dropped_stale=dropped)
         self._send(waiter.client, protocol.encode(batch, reply_to=waiter.req_id))
         self.counters["served"] += len(ids)
+        self.log.debug("store.leased", batch=batch_id, samples=ids, version=msg.version)
         return True
 
     def _reply_empty(self, waiter: Waiter) -> None:

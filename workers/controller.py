@@ -146,6 +146,7 @@ class Controller(Role):
         self.ledger.admit(group_id)
         group = Group(group_id, problem, self.formatter.ids(problem))
         self.groups[group_id] = group
+        self.log.info("controller.group_admitted", group=group_id, problem=problem.id, version=self.version)
         for i in range(self.ctl_cfg.group_size):
             self._submit_sample(group, i)
 
@@ -239,6 +240,7 @@ class Controller(Role):
             completions=[r.text for r in ordered], reference=group.problem.answer,
             truncated=[r.finish_reason == "length" for r in ordered]), service="reward")
         self.by_job[job] = ("reward", group.group_id, 0)
+        self.log.debug("controller.reward_submitted", group=group.group_id, job=job)
 
     def _store(self, group: Group, seqs: list[SeqSample], meta: dict) -> None:
         """The one store path of a complete, scored group (single answers or episodes): its rewards join the

@@ -73,6 +73,9 @@ class RewardServer(Role):
         self.answered += 1
         self.log.debug("reward.job_done", job=job.id, task=job.msg.task, n=len(result.rewards),
                        cached=result.cached, ms=round((time.monotonic() - started) * 1000, 1))
+        self.log.debug("reward.completions", job=job.id, prompt_id=job.msg.prompt_id, rewards=result.rewards,
+                       reasons=[str((d or {}).get("reason", "")) for d in result.details] or None,
+                       errors=result.errors or None)
 
     def busy(self) -> bool:
         return self.rt.in_flight > 0
