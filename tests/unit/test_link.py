@@ -10,6 +10,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from structlog.testing import CapturingLogger
 
 from areal_mq import protocol
 from areal_mq.actor.link import Job, WorkerLink, advertised_tasks
@@ -19,17 +20,9 @@ from areal_mq.messages import Error, Heartbeat, Kind, RewardJob
 HB = 10.0  # heartbeat_s: far longer than anything the test does in real time
 
 
-class Log:
-    def __init__(self):
-        self.records: list[tuple[str, dict]] = []
-
-    def warning(self, event, **fields):
-        self.records.append((event, fields))
-
-    info = error = debug = warning
-
-    def events(self, name):
-        return [f for e, f in self.records if e == name]
+def events(log: CapturingLogger, name: str) -> list[dict]:
+    """The fields of every `name` event the link logged."""
+    return [c.kwargs for c in log.calls if c.args == (name,)]
 
 
 @pytest.fixture
@@ -51,13 +44,13 @@ def router(ctx):
 
 @pytest.fixture
 def make_link(ctx, router):
-    """make_link(liveness=2, **WorkerLink kwargs) -> (open link to the router, its Log); closed at the end."""
+    """make_link(liveness=2, **WorkerLink kwargs) -> (open link to the router, its CapturingLogger); closed at the end."""
     port = int(router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
     made = []
 
     def make(liveness=2, **kw):
         brokers = BrokerConfig(job_port=port, heartbeat_s=HB, liveness=liveness, reconnect_max_s=4 * HB)
-        log = Log()
+        log = CapturingLogger()
         link = WorkerLink(ctx, brokers, None, "w-1", role="reward", service="reward", capacity=3, log=log, **kw)
         made.append(link)
         link.open()
@@ -109,16 +102,16 @@ def test_ready_job_reply_and_fail(make_link, router):
         ("reward", 3, "w-1", ["code", "math"])
     answer(router, ident, RewardJob(task="math", completions=["4"]), id="j1")
     answer(router, ident, Error(code="forbidden", message="not you"))  # a broker error: logged, not a job
-    (job,) = received(link, lambda jobs: jobs and log.events("reward.broker_error"))
+    (job,) = received(link, lambda jobs: jobs and events(log, "reward.broker_error"))
     assert (job.id, type(job.msg)) == ("j1", RewardJob)
     assert link.fail(job, "bad_request", "no grader for math")
     _, env = recv(router)
     assert (env.reply_to, env.msg.code, env.msg.ref_id) == ("j1", "bad_request", "j1")
-    assert log.events("reward.job_failed") == [{"job": "j1", "code": "bad_request", "error": "no grader for math"}]
+    assert events(log, "reward.job_failed") == [{"job": "j1", "code": "bad_request", "error": "no grader for math"}]
     link.ready(capacity=0)
     _, env = recv(router)
     assert (env.kind, env.msg.capacity, env.msg.tasks) == (Kind.READY, 0, ["code", "math"])
-    assert log.events("reward.broker_error")[0]["code"] == "forbidden"
+    assert events(log, "reward.broker_error")[0]["code"] == "forbidden"
 
 
 def test_an_undecodable_job_with_an_id_is_answered_and_garbage_is_dropped(make_link, router):
@@ -130,8 +123,8 @@ def test_an_undecodable_job_with_an_id_is_answered_and_garbage_is_dropped(make_l
     router.send_multipart([ident, b"\xc1 not msgpack"])
     router.send_multipart([ident, bad])
     deadline = time.monotonic() + 10
-    while len(log.events("swarm.bad_job")) < 2:
-        assert time.monotonic() < deadline, log.records
+    while len(events(log, "swarm.bad_job")) < 2:
+        assert time.monotonic() < deadline, log.calls
         if link.sock.poll(100):
             assert link.receive() == []
     _, env = recv(router)  # only the one with an id is answered
@@ -153,7 +146,7 @@ def test_ready_again_at_a_windows_end_only_while_the_broker_answers(make_link, r
     recv(router)
     assert [link.beat(t + k * HB) for k in beats] == [False] * 3  # beat 0.5 is not due: nothing sent
     assert until_marker(link, router) == sent
-    assert link.reconnects == 0 and not log.records
+    assert link.reconnects == 0 and not log.calls
 
 
 def test_a_silent_broker_gets_a_new_socket_then_ready_and_a_longer_wait(make_link, router):
@@ -167,7 +160,7 @@ def test_a_silent_broker_gets_a_new_socket_then_ready_and_a_longer_wait(make_lin
     old = link.sock
     assert link.beat(t + 2.5 * HB) is True  # silent 25 s > liveness 2 x 10 s: lost
     assert link.sock is not old and link.reconnects == 1 and rejoined == [1]
-    (lost,) = log.events("reward.broker_lost")
+    (lost,) = events(log, "reward.broker_lost")
     assert lost["backoff_s"] == HB and HB / 2 <= lost["retry_in_s"] <= HB
     ident, env = recv(router)
     while env.kind != Kind.READY or ident == first:  # what the old socket had queued may still arrive
@@ -177,7 +170,7 @@ def test_a_silent_broker_gets_a_new_socket_then_ready_and_a_longer_wait(make_lin
     # after liveness (20 s) + the backoff drawn above (5..10 s), and doubles the backoff
     assert link.beat(t + 2.4 * HB) is False
     assert link.beat(t + 3.5 * HB) is True
-    assert [f["backoff_s"] for f in log.events("reward.broker_lost")] == [HB, 2 * HB]
+    assert [f["backoff_s"] for f in events(log, "reward.broker_lost")] == [HB, 2 * HB]
 
 
 def test_a_restarted_broker_is_rejoined_at_once(make_link, router):
@@ -191,7 +184,7 @@ def test_a_restarted_broker_is_rejoined_at_once(make_link, router):
     answer(router, ident, Heartbeat(peer_id="boot-2"))  # same connection, a new boot id: a restart
     received(link, lambda jobs: rejoined == [1])
     assert until_marker(link, router) == [Kind.READY]
-    assert log.events("reward.broker_restarted") == [{"broker": "boot-2"}] and link.reconnects == 0
+    assert events(log, "reward.broker_restarted") == [{"broker": "boot-2"}] and link.reconnects == 0
 
 
 def test_no_ready_after_disconnect_nor_before_the_first_ready(make_link, router):
