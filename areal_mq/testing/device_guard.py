@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -31,6 +32,16 @@ class HostSync(RuntimeError):
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item", "_assert_async"}
 
 
+class _TolistGuard(TorchFunctionMode):
+    """`.tolist()` reads the data in C++ without dispatching an aten op, so the dispatch mode never sees it;
+    it is caught one level up, where Tensor methods are called (on a device tensor: a CPU one needs no wait)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.tolist and args and args[0].device.type != "cpu":
+            raise HostSync(".tolist() makes the host wait for the device inside a region that must not sync")
+        return func(*args, **(kwargs or {}))
+
+
 class DeviceGuard(TorchDispatchMode):
     """Fail on an op mixing devices (and, optionally, on host syncs). `ops` counts the ops checked."""
 
@@ -40,6 +51,18 @@ class DeviceGuard(TorchDispatchMode):
         self.allow_cpu_scalars = allow_cpu_scalars
         self.ops = 0
         self.seen_devices: set[str] = set()
+        self._tolist = _TolistGuard() if forbid_syncs else None
+
+    def __enter__(self) -> "DeviceGuard":
+        super().__enter__()
+        if self._tolist is not None:
+            self._tolist.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        if self._tolist is not None:
+            self._tolist.__exit__(*exc)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
