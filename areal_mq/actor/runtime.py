@@ -248,14 +248,17 @@ class WorkerRuntime:
             if link.beat(time.monotonic()):
                 poller.unregister(old)
                 poller.register(link.sock, zmq.POLLIN)
-                # the bus link went down with it (same host, same network): a fresh subscription is replayed
-                # the retained WeightsReady at once, instead of waiting for TCP to notice the old one is dead
-                if self._sub is not None:
-                    poller.unregister(self._sub)
-                    self._sub.close(0)
-                self._sub = self._subscribe()
-                if self._sub is not None:
-                    poller.register(self._sub, zmq.POLLIN)
+                self._resubscribe(poller)
+
+    def _resubscribe(self, poller: zmq.Poller) -> None:
+        """The job broker link was replaced: the bus link went down with it (same host, same network). A fresh
+        subscription is replayed the retained WeightsReady at once, instead of waiting for TCP to notice."""
+        if self._sub is not None:
+            poller.unregister(self._sub)
+            self._sub.close(0)
+        self._sub = self._subscribe()
+        if self._sub is not None:
+            poller.register(self._sub, zmq.POLLIN)
 
     def _flush_outbox(self, link: WorkerLink) -> None:
         while True:
