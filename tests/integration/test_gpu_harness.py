@@ -1,0 +1,66 @@
+"""`bash benchmarks/gpu/run.sh all --device cpu --quick` once, so the GPU harness cannot rot while no GPU is
+around (issue 25 item 8; slow: it runs every stage, e2e's four whole-system runs included).
+
+Checks that every stage wrote its JSON and its section of results.md, the figures the docs and fit_sim.py read
+are there, the cuda_ipc row is present (a TODO until it is built), and the fit of the simulator's slot loads.
+No speed is asserted: on this CPU the sizes are tiny; the harness only keeps its code path alive. Also the
+refusal paths of run.sh itself (an unknown stage or argument) which need no run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from areal_mq.sim.timing import load_measured
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "benchmarks" / "gpu" / "run.sh"
+
+
+def run_sh(*args: str, tmp: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WORK": str(tmp / "work"), "PYTHON": os.environ.get("PYTHON", "python")}
+    env.pop("OUT", None)
+    return subprocess.run(["bash", str(RUN), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_unknown_stage_and_argument_are_refused(tmp_path):
+    bad = run_sh("z", tmp=tmp_path, timeout=60)
+    assert bad.returncode == 2 and "unknown stage 'z'" in bad.stderr
+    bad = run_sh("b", "--gpu", tmp=tmp_path, timeout=60)
+    assert bad.returncode == 2 and "unknown argument --gpu" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_all_stages_quick_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    done = run_sh("all", "--device", "cpu", "--quick", "--out", str(out), tmp=tmp_path, timeout=2300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    stages = {s: json.loads((out / f"stage_{s}.json").read_text()) for s in "abcdef"}
+    assert all(r["stage"] == s and r["quick"] is True for s, r in stages.items())
+    assert all(r["machine"]["device"] == "cpu" for r in stages.values())
+    md = (out / "results.md").read_text()
+    assert all(f"## Stage {s}:" in md for s in "abcdef")
+
+    assert stages["a"]["ratios"]["failed"] == 0
+    b = stages["b"]
+    assert [r["concurrency"] for r in b["longtail"]] == [4, 8]
+    assert all(r["engine_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0 for r in b["longtail"])
+    assert len(b["decode_sweep"]) == 6 and b["prefill_tokens_per_s"] > 0
+    assert set(stages["c"]["tokens_per_s"]) == {"trainer_shared", "trainer_dynamic", "plain"}
+    modes = [u["mode"] for u in stages["d"]["updates"]]
+    assert modes == ["disk", "zmq", "cuda_ipc"]
+    assert all(u["engine_pause_s"] > 0 for u in stages["d"]["updates"][:2])
+    e = stages["e"]
+    assert e["run"]["steps"] == e["total_steps"] == 2
+    assert [h["version"] for h in e["heldout"]][-1] == 2
+    assert stages["f"]["benchmark"] == "e2e" and "async_vs_sync_samples_per_s" in stages["f"]["ratios"]
+
+    fit = load_measured(out / "sim_timing.json")
+    assert fit.name == "smollm2-135m-quick-shape-cpu-measured"
+    assert fit.decode_step_s(4, 32) > 0 and fit.update_pause_s > 0
