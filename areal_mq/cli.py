@@ -4,6 +4,8 @@
     areal-mq broker --config FILE [--only job,bus,store]
     areal-mq worker ROLE --config FILE [--set a.b=v]  # ROLE: rollout, reward, trainer, controller, agent, echo
     areal-mq config show FILE [--set a.b=v]
+    areal-mq trace RUN_DIR GROUP_ID [--json]            # one group's journey: generated, rewarded, trained
+    areal-mq top RUN_DIR [--once]                      # live view of a running job (docs/operating.md)
     areal-mq events tail [RUN_DIR] [--follow] [--bus tcp://... --keys DIR] [--role R] [--event 'glob'] [KEY=VALUE ...]
     areal-mq keys generate DIR [--name rollout-host7]  # CURVE keys for multi-host runs and external workers
     areal-mq serve-openai --config FILE [--host 127.0.0.1] [--port 8000]  # OpenAI-compatible endpoint (docs/openai.md)
@@ -204,6 +206,48 @@ def events_tail(run_dir: Optional[str] = typer.Argument(None, help="Run director
         emit(records, keep, as_json, limit=limit)
     except KeyboardInterrupt:
         pass
+
+
+@app.command()
+def trace(run_dir: str = typer.Argument(..., help="Run directory (reads run_dir/events/*.jsonl and the store log)."),
+          ident: str = typer.Argument(..., metavar="SAMPLE_OR_GROUP_ID", help="A group id (g0000003-...), or one "
+                                      "sample of it: GROUP-eN or GROUP:N."),
+          as_json: bool = typer.Option(False, "--json", help="The timeline as one JSON object.")) -> None:
+    """The journey of one group or sample: admitted, generated, rewarded, stored, leased, trained."""
+    from pathlib import Path
+
+    from areal_mq.telemetry.trace import TraceError
+    from areal_mq.telemetry.trace_view import load, render, to_json
+
+    try:
+        timeline = load(Path(run_dir), ident)
+    except (FileNotFoundError, TraceError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if as_json:
+        typer.echo(to_json(timeline))
+    else:
+        render(timeline)
+
+
+@app.command()
+def top(target: str = typer.Argument(..., help="A run directory (its config.yaml and keys/) or a YAML run config."),
+        set_: Optional[List[str]] = SetOpt,
+        once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+        interval: float = typer.Option(2.0, help="Seconds between frames."),
+        listen: float = typer.Option(3.0, help="--once: seconds to listen to the bus before printing."),
+        insecure: bool = InsecureOpt) -> None:
+    """A live view of a running job: roles and workers, queues, throughput, staleness, warnings."""
+    from areal_mq.errors import ArealError
+    from areal_mq.telemetry.top import run_top, top_config
+
+    try:
+        cfg = top_config(target, [*(set_ or []), *(["security.insecure=true"] if insecure else [])])
+        code = run_top(cfg, once=once, interval_s=interval, listen_s=listen)
+    except (ArealError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 def _observer_keys(keys_dir: Optional[str], run_dir: Optional[str], insecure: bool):
