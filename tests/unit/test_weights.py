@@ -146,3 +146,20 @@ def test_publisher_serves_a_snapshot_not_the_live_tensors(tmp_path):
     finally:
         publisher.close()
     assert list(got) == ["w"] and torch.equal(got["w"], torch.zeros(4, 4))
+
+
+def test_deltas_are_on_by_default_for_zmq_and_off_for_disk(tmp_path):
+    from areal_mq.algorithms.config import TrainerConfig
+    from areal_mq.weights import WeightPublisher
+
+    state = _tensors(1)
+    for mode, want in (("zmq", True), ("disk", False)):
+        publisher = WeightPublisher(TrainerConfig(publish_mode=mode), tmp_path / mode)
+        try:
+            publisher.publish(1, state)
+            state = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+            ready = publisher.publish(2, state)
+        finally:
+            publisher.close()
+        assert (ready.base == 1 and bool(ready.links)) is want, mode
+    assert [p.name for p in (tmp_path / "disk" / "weights" / "v2").iterdir()] == ["model.safetensors"]  # as before
