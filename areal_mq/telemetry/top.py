@@ -7,8 +7,8 @@ the slowest in-flight generation request, and the recent warnings.
 Why: "is anything stuck, where is the backlog, how stale is what we train on?" answered in one screen
 while the run goes on, instead of reading JSONL files by hand.
 How: the observer key (run_dir/keys, made for tools like this) asks the job broker and the sample store for
-their Stats and subscribes to the bus topic "events"; when the run directory is on this host, the tail of its
-event files fills the first frame. Worker liveness: registered at the job broker (the broker drops workers
+their Stats; events come from the run's event files when the run directory is on this host (their tail fills
+the first frame), else from the bus topic "events". Worker liveness: registered at the job broker (the broker drops workers
 that stop beating), or an event within LIVE_S. The slowest in-flight request needs the rollout's debug events
 (`--set events.level=debug`).
 How to run: areal-mq top runs/quickstart            # live, Ctrl-C to leave
@@ -142,6 +142,7 @@ def _num(value: Any) -> str:
 def render(state: TopState, job: dict | None, store: dict | None, bound: int, title: str, now: float) -> Any:
     """One frame as a rich renderable."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
     head = Table.grid(padding=(0, 2))
@@ -157,9 +158,9 @@ def render(state: TopState, job: dict | None, store: dict | None, bound: int, ti
                         "-" if r.get("version") is None else f"v{r['version']}", r.get("last", ""))
     warn = ["[bold]recent warnings[/bold]"]
     for rec in list(state.warnings)[-6:]:
-        warn.append(f"  {time.strftime('%H:%M:%S', time.localtime(rec.get('ts', 0)))} {rec.get('level')} "
+        warn.append("  " + escape(f"{time.strftime('%H:%M:%S', time.localtime(rec.get('ts', 0)))} {rec.get('level')} "
                      f"{rec.get('role')}/{rec.get('worker_id')} {rec.get('event')} "
-                    f"{str(rec.get('error') or rec.get('reason') or '')[:100]}")
+                    f"{str(rec.get('error') or rec.get('reason') or '')[:100]}"))
     if not state.warnings:
         warn.append("  none")
     return Group(f"[bold]areal-mq top[/bold] {title} · {time.strftime('%H:%M:%S', time.localtime(now))}",
@@ -181,29 +182,31 @@ def top_config(target: str, overrides: list[str]) -> Any:
     return load_config(path, overrides)
 
 
-def seed_from_files(state: TopState, run_dir: Path, tail_bytes: int = TAIL_BYTES) -> None:
-    """Feed the last `tail_bytes` of every event file (a run on this host), oldest first."""
-    import json
+class EventFiles:
+    """New records of a local run's event files: the tail of each at the start, then what is appended.
+    Preferred to the bus when the run directory is on this host: no gap between the first frame and the
+    live ones, so a request that finished in between is never left looking in flight."""
 
-    folder = run_dir / "events"
-    records = []
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - tail_bytes))
-            lines = f.read().splitlines()[1:] if path.stat().st_size > tail_bytes else f.read().splitlines()
-        for line in lines:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    for rec in sorted(records, key=lambda r: r.get("ts", 0.0)):
-        state.feed(rec)
+    def __init__(self, run_dir: Path, tail_bytes: int = TAIL_BYTES):
+        self.folder = run_dir / "events"
+        self.tail_bytes = tail_bytes
+        self.offsets: dict[Path, int] = {}
+
+    def poll(self) -> list[dict]:
+        from areal_mq.telemetry.tail import read_new_lines
+
+        out: list[dict] = []
+        for path in sorted(self.folder.glob("*.jsonl")):
+            if path not in self.offsets:  # a partial first line is skipped by read_new_lines
+                self.offsets[path] = max(0, path.stat().st_size - self.tail_bytes)
+            out.extend(read_new_lines(path, self.offsets))
+        return sorted(out, key=lambda r: r.get("ts", 0.0))
 
 
 class Probe:
     """The observer's sockets: Stats from the job broker and the sample store, events from the bus."""
 
-    def __init__(self, cfg: Any, stats_timeout_s: float = 2.0):
+    def __init__(self, cfg: Any, stats_timeout_s: float = 2.0, files: EventFiles | None = None):
         from areal_mq.client import JobClient, SignalSubscriber, StoreClient
         from areal_mq.security import Keyring
 
@@ -212,11 +215,18 @@ class Probe:
         self.timeout = stats_timeout_s
         self.jobs = JobClient(b.job_addr, keys=keys, heartbeat_s=b.heartbeat_s)
         self.store = StoreClient(b.store_addr, keys=keys, heartbeat_s=b.heartbeat_s)
-        self.bus = SignalSubscriber(b.bus_out_addr, topics=("events",), keys=keys)
+        self.files = files
+        self.bus = None if files else SignalSubscriber(b.bus_out_addr, topics=("events",), keys=keys)
 
     def listen(self, state: TopState, seconds: float) -> None:
+        """Feed `state` the events of the next `seconds` (from the local files, else from the bus)."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
+            if self.files is not None:
+                for rec in self.files.poll():
+                    state.feed(rec)
+                time.sleep(min(0.2, left))
+                continue
             got = self.bus.recv(timeout=min(0.2, left))
             if got is not None:
                 state.feed(got[1].msg.record)
@@ -240,7 +250,8 @@ class Probe:
 
     def close(self) -> None:
         for sock in (self.jobs, self.store, self.bus):
-            sock.close()
+            if sock is not None:
+                sock.close()
 
 
 def run_top(cfg: Any, once: bool = False, interval_s: float = 2.0, listen_s: float = 3.0) -> int:
@@ -249,12 +260,12 @@ def run_top(cfg: Any, once: bool = False, interval_s: float = 2.0, listen_s: flo
     from rich.live import Live
 
     state, console = TopState(), Console()
-    seed_from_files(state, Path(cfg.run.run_dir))
-    probe = Probe(cfg)
+    local = Path(cfg.run.run_dir) / "events"
+    probe = Probe(cfg, files=EventFiles(local.parent) if local.is_dir() else None)
     title = f"{cfg.run.name} · {cfg.run.run_dir}"
     try:
         if once:
-            probe.listen(state, listen_s)
+            probe.listen(state, listen_s if probe.bus is not None else 0.3)
             job, store = probe.stats()
             console.print(render(state, job, store, cfg.staleness_bound, title, time.time()))
             return 0 if job is not None or store is not None else 1
