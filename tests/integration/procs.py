@@ -6,12 +6,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
 from areal_mq.security import Keyring, generate_keys
+from areal_mq.testing import wait_for  # re-exported: integration tests import it from here or conftest
 
 
 def free_ports(n: int) -> list[int]:
@@ -82,13 +82,3 @@ class Procs:
     def stop_all(self) -> None:
         for proc, _ in reversed(self.procs):
             self.stop(proc, timeout=5)
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -18,36 +18,16 @@ from areal_mq import protocol
 from areal_mq.brokers.job_broker import JobBroker, JobState, reply_problem
 from areal_mq.messages import (Error, GenerateRequest, GenerateResult, Heartbeat, Kind, Ready, RewardJob,
                                RewardResult, StatsRequest)
+from areal_mq.testing import RecordingLog
 
 from .procs import free_ports
-
-
-class Log:
-    """A structured logger that keeps what it is given."""
-
-    def __init__(self):
-        self.lines: list[tuple[str, str, dict]] = []
-
-    def _add(self, level, event, **fields):
-        self.lines.append((level, event, fields))
-
-    def info(self, event, **fields):
-        self._add("info", event, **fields)
-
-    def warning(self, event, **fields):
-        self._add("warning", event, **fields)
-
-    error = debug = info
-
-    def named(self, event):
-        return [f for _, e, f in self.lines if e == event]
 
 
 class Harness:
     def __init__(self, **kw):
         self.ctx = zmq.Context()
         self.addr = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-        self.log = Log()
+        self.log = RecordingLog()
         opts = dict(heartbeat_s=1.0, liveness=5, max_queue=100, max_frame_bytes=10_000, log=self.log)
         self.broker = JobBroker(self.ctx, self.addr, **{**opts, **kw})
         self.socks: list[zmq.Socket] = []
@@ -81,7 +61,7 @@ class Harness:
         sock.send_multipart(protocol.encode(Ready(service=service, capacity=capacity, worker_id=worker_id,
                                                   tasks=list(tasks))))
         self.pump()
-        assert worker_id in self.broker.stats()["workers"], self.log.lines[-3:]
+        assert worker_id in self.broker.stats()["workers"], self.log.records[-3:]
         return sock
 
     def close(self):

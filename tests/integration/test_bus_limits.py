@@ -9,21 +9,15 @@ import zmq
 from areal_mq import protocol
 from areal_mq.brokers.signal_bus import SignalBus
 from areal_mq.messages import Event
+from areal_mq.testing import RecordingLog
 
 from .procs import free_ports
-
-
-class Log:
-    def info(self, *a, **k):
-        pass
-
-    warning = error = debug = info
 
 
 def test_a_publication_over_the_socket_limit_never_reaches_subscribers():
     ctx = zmq.Context()
     bus_in, bus_out = (f"tcp://127.0.0.1:{p}" for p in free_ports(2))
-    bus = SignalBus(ctx, bus_in, bus_out, max_frame_bytes=10_000, log=Log())
+    bus = SignalBus(ctx, bus_in, bus_out, max_frame_bytes=10_000, log=RecordingLog())
     pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
     for s in (pub, sub):
         s.setsockopt(zmq.LINGER, 0)

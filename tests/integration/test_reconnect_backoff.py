@@ -10,21 +10,9 @@ from areal_mq.client import Backoff, JobClient
 from areal_mq.config import load_config
 from areal_mq.messages import RewardJob
 from areal_mq.actor.runtime import WorkerRuntime
+from areal_mq.testing import RecordingLog, wait_for
 
-from .procs import keys, wait_for, write_config
-
-
-class Log:
-    def __init__(self):
-        self.warnings: list[tuple[str, dict]] = []
-
-    def warning(self, event, **fields):
-        self.warnings.append((event, fields))
-
-    def info(self, *a, **k):
-        pass
-
-    error = debug = info
+from .procs import keys, write_config
 
 
 def test_backoff_doubles_to_the_cap_with_jitter_and_resets():
@@ -43,12 +31,12 @@ def test_backoff_doubles_to_the_cap_with_jitter_and_resets():
 def test_worker_backoff_grows_while_the_broker_stays_away(tmp_path):
     path = write_config(tmp_path, {"brokers": {"heartbeat_s": 0.05, "liveness": 2, "reconnect_max_s": 0.4}})
     cfg = load_config(path)  # nothing listens on its job port: the broker is down for the whole test
-    log = Log()
+    log = RecordingLog()
     rt = WorkerRuntime(cfg, role="echo", service="echo", capacity=1, topics=(), log=log, install_signals=False,
                        keys=keys(cfg, "echo"))
     rt.start()
     try:
-        lost = lambda: [f for e, f in log.warnings if e == "echo.broker_lost"]  # noqa: E731
+        lost = lambda: [f for e, f in log.at("warning") if e == "echo.broker_lost"]  # noqa: E731
         wait_for(lambda: len(lost()) >= 6, 15, what="six reconnect attempts")
     finally:
         rt.close(drain_timeout=0)

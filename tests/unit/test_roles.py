@@ -2,41 +2,10 @@
 back), stats as middleware, drain on stop, and a loop without a runtime (a trainer rank > 0)."""
 from __future__ import annotations
 
-import types
-
 from areal_mq.messages import Control, RewardJob, WeightsReady
 from areal_mq.actor.link import Job
 from areal_mq.actor.roles import PauseControl, Role, RoleLoop, StatsReport
-
-
-class Log:
-    def __init__(self):
-        self.records: list[tuple[str, dict]] = []
-
-    def info(self, event, **kw):
-        self.records.append((event, kw))
-
-    warning = error = debug = info
-
-
-class FakeRuntime:
-    service = "svc"
-
-    def __init__(self, signals=(), jobs=()):
-        self.log, self.capacity, self.stopping = Log(), 4, False
-        self.signals = [types.SimpleNamespace(msg=m) for m in signals]
-        self.jobs = list(jobs)
-        self.readies: list[int] = []
-
-    def next_signal(self, timeout=0.0):
-        return self.signals.pop(0) if self.signals else None
-
-    def next_job(self, timeout=0.0):
-        return self.jobs.pop(0) if self.jobs else None
-
-    def ready(self, capacity=None, tasks=None):
-        self.capacity = capacity if capacity is not None else self.capacity
-        self.readies.append(self.capacity)
+from areal_mq.testing import FakeRuntime
 
 
 class Counting(Role):
@@ -92,7 +61,7 @@ def test_pause_and_resume_are_the_loops_and_tell_the_broker():
     # the role sees each signal after the middleware: paused by the first, untouched by the other role's
     assert role.calls[:3] == ["signal:Control:paused", "signal:Control:paused", "signal:Control:running"]
     assert rt.readies == [0, 4] and not role.paused
-    assert [kw["action"] for e, kw in rt.log.records if e == "echo.control"] == ["pause", "resume"]
+    assert [kw["action"] for kw in rt.log.named("echo.control")] == ["pause", "resume"]
 
 
 def test_stats_middleware_logs_role_stats_on_schedule():
@@ -101,7 +70,7 @@ def test_stats_middleware_logs_role_stats_on_schedule():
     role.stats = lambda: {"answered": 3}
     stats = StatsReport(every_s=0.0)
     RoleLoop(rt, role, [stats]).round(accept=True)
-    assert ("echo.stats", {"answered": 3}) in rt.log.records
+    assert ("echo.stats", {"answered": 3}) in rt.log.events
 
 
 def test_a_loop_without_a_runtime_only_ticks():

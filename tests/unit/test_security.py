@@ -15,6 +15,7 @@ from areal_mq.config import config_from_dict
 from areal_mq.errors import ConfigError, SecurityError, WeightsFetchError
 from areal_mq.messages import WeightsReady
 from areal_mq.security import (AllowList, Keyring, RateLimited, ZapHandler, generate_keys, is_loopback, refusal)
+from areal_mq.testing import RecordingLog
 from areal_mq.weights import WeightServer, check_ready, fetch_weights
 
 
@@ -104,16 +105,12 @@ def test_allow_list_rereads_the_directory(tmp_path):
 
 
 def test_rate_limited_log_counts_what_it_suppressed():
-    lines = []
-
-    class Log:
-        def warning(self, event, **kw):
-            lines.append((event, kw))
-
-    limited = RateLimited(Log(), every_s=60)
+    log = RecordingLog()
+    limited = RateLimited(log, every_s=60)
     for _ in range(50):
         limited.warning("x.refused", key="a")
     limited.warning("x.refused", key="b")
+    lines = log.at("warning")
     assert len(lines) == 2 and lines[0][1]["suppressed"] == 0
 
 

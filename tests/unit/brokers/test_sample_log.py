@@ -21,21 +21,11 @@ from areal_mq.brokers.sample_store import SampleLog, SampleStore
 from areal_mq.client import StoreClient
 from areal_mq.errors import JobFailed
 from areal_mq.messages import GetBatch, Sample, SeqSample
+from areal_mq.testing import RecordingLog
 
 from .test_sample_store import Running, _sample
 
 PUT_HEAD = b"\x82\xa2op\xa3put"  # how every put record's payload begins, in either log format
-
-
-class Events:
-    def __init__(self):
-        self.seen: list[tuple[str, str, dict]] = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.seen.append((level, event, kw))
-
-    def named(self, event):
-        return [kw for _, e, kw in self.seen if e == event]
 
 
 @pytest.fixture
@@ -70,7 +60,7 @@ def test_a_damaged_record_in_the_middle_costs_only_that_record(ctx, tmp_path):
         at = data.index(PUT_HEAD, at + 1)
     data[at] = 0xC1  # never valid msgpack
     path.write_bytes(bytes(data))
-    events = Events()
+    events = RecordingLog()
     store = SampleStore(ctx, "inproc://d1", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=events)
     try:
         assert _pending_ids(store) == [f"s{i}" for i in range(20) if i != 9]  # 19 survive, not 9
@@ -79,7 +69,7 @@ def test_a_damaged_record_in_the_middle_costs_only_that_record(ctx, tmp_path):
         assert (tmp_path / "bad-records").is_dir()  # the damaged bytes are kept, not destroyed
     finally:
         store.close()
-    store = SampleStore(ctx, "inproc://d2", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=Events())
+    store = SampleStore(ctx, "inproc://d2", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=RecordingLog())
     try:  # and stay readable after the rewrite
         assert len(store.pending) == 19
     finally:
@@ -95,14 +85,14 @@ def test_a_record_the_protocol_cannot_decode_is_skipped_not_fatal(ctx, tmp_path)
     log.append({"op": "put", "frames": [msgpack.packb(header), *[bytes(f) for f in frames[1:]]]})
     log.append({"op": "ack", "ids": ["s0"]})  # a record after the bad one still counts
     log.close()
-    events = Events()
+    events = RecordingLog()
     store = SampleStore(ctx, "inproc://p1", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=events)
     try:
         assert _pending_ids(store) == ["s1", "s2"] and "s0" in store.done
         assert len(events.named("store.log_record_bad")) == 1
     finally:
         store.close()
-    events = Events()  # a lowered frame limit: the store starts, the too-large records are reported
+    events = RecordingLog()  # a lowered frame limit: the store starts, the too-large records are reported
     store = SampleStore(ctx, "inproc://p2", tmp_path, lease_s=60, max_frame_bytes=4, log=events)
     try:
         assert _pending_ids(store) == [] and len(events.named("store.log_record_bad")) == 2
@@ -116,7 +106,7 @@ def test_torn_tail_is_cut_and_a_torn_write_before_good_records_is_skipped(ctx, t
     size = path.stat().st_size
     with open(path, "ab") as f:
         f.write(b"SLOG\x50\x00\x00\x00torn")
-    events = Events()
+    events = RecordingLog()
     SampleStore(ctx, "inproc://t1", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=events).close()
     assert path.stat().st_size == size and len(events.named("store.log_tail_cut")) == 1
     assert not events.named("store.log_record_bad")
@@ -130,7 +120,7 @@ def test_old_logs_without_checksums_are_still_read(ctx, tmp_path):
                     {"op": "ack", "ids": ["s0"]}):
             blob = msgpack.packb(rec, use_bin_type=True)
             f.write(len(blob).to_bytes(4, "little") + blob)
-    store = SampleStore(ctx, "inproc://v1", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=Events())
+    store = SampleStore(ctx, "inproc://v1", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=RecordingLog())
     try:
         assert _pending_ids(store) == ["s1"] and "s0" in store.done
     finally:
@@ -156,7 +146,7 @@ def test_a_full_store_refuses_puts_until_the_trainer_takes_some(ctx, tmp_path):
 
 
 def test_waits_and_waiters_are_bounded(ctx, tmp_path):
-    store = SampleStore(ctx, "inproc://w", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=Events(),
+    store = SampleStore(ctx, "inproc://w", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=RecordingLog(),
                         max_waiters=2, max_wait_ms=100)
     try:
         for i in range(3):
@@ -186,7 +176,7 @@ def test_done_ids_are_bounded_and_the_log_is_compacted(ctx, tmp_path):
         client.close()
         run.stop()
     assert not list(tmp_path.glob("*.tmp"))
-    store = SampleStore(ctx, "inproc://c2", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=Events(),
+    store = SampleStore(ctx, "inproc://c2", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=RecordingLog(),
                         max_done_ids=50)
     try:
         assert sorted(store.pending) == sorted(["s110", "s111", "s112", "s113", "s114", "s115", "s116", "s117",
@@ -208,7 +198,7 @@ def test_replay_streams_the_log_record_by_record(ctx, tmp_path):
     assert (tmp_path / "samples.log").stat().st_size > 70 << 20
     tracemalloc.start()
     try:
-        store = SampleStore(ctx, "inproc://r", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=Events())
+        store = SampleStore(ctx, "inproc://r", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=RecordingLog())
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -227,13 +217,13 @@ def test_stats_name_the_recent_drops_and_they_survive_a_restart(ctx, tmp_path):
     finally:
         client.close()
         run.stop()
-    store = SampleStore(ctx, "inproc://dr2", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=Events())
+    store = SampleStore(ctx, "inproc://dr2", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=RecordingLog())
     try:
         assert store.stats()["dropped_recent"] == [["s1", "stale"]]
         store.compact()
     finally:
         store.close()
-    store = SampleStore(ctx, "inproc://dr3", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=Events())
+    store = SampleStore(ctx, "inproc://dr3", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=RecordingLog())
     try:
         assert store.stats()["dropped_recent"] == [["s1", "stale"]]
         assert list(store.pending) == [] and store.stats()["leased"] == 1  # s2 was served: its lease survives
@@ -271,7 +261,7 @@ def test_an_acked_batch_leaves_no_lease_behind_after_a_restart(ctx, tmp_path):
     finally:
         client.close()
         run.stop()
-    store = SampleStore(ctx, "inproc://al2", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=Events())
+    store = SampleStore(ctx, "inproc://al2", tmp_path, lease_s=60, max_frame_bytes=1 << 26, log=RecordingLog())
     try:
         assert store.stats()["leased"] == 0 and store.leases == {}
     finally:

@@ -11,11 +11,7 @@ from hypothesis import strategies as st
 from areal_mq.brokers.sample_store import SampleStore
 from areal_mq.client import StoreClient
 from areal_mq.messages import Sample, SeqSample
-
-
-class _Log:
-    def __getattr__(self, name):
-        return lambda *a, **k: None
+from areal_mq.testing import RecordingLog
 
 
 class Running:
@@ -23,7 +19,7 @@ class Running:
 
     def __init__(self, ctx, addr, store_dir, lease_s=60.0, log=None, **kw):
         kw.setdefault("max_frame_bytes", 1 << 26)
-        self.store = SampleStore(ctx, addr, store_dir, lease_s=lease_s, log=log or _Log(), **kw)
+        self.store = SampleStore(ctx, addr, store_dir, lease_s=lease_s, log=log or RecordingLog(), **kw)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()

@@ -14,6 +14,7 @@ import pytest
 from areal_mq.config import load_config
 from areal_mq.errors import ConfigError
 from areal_mq.telemetry.metrics import JsonlSink, MetricsSinks
+from areal_mq.testing import RecordingLog
 
 STEPS = [
     {"loss": 0.5, "reward": 0.25, "version": 1, "note": "text", "grad": float("nan"), "ids": [1, 2]},
@@ -30,16 +31,6 @@ def write_all(sinks: MetricsSinks) -> None:
     for step, metrics in enumerate(STEPS, start=1):
         sinks.write(step, metrics)
     sinks.close()
-
-
-class Recorder:
-    """A logger that keeps its warnings."""
-
-    def __init__(self):
-        self.warnings: list[tuple[str, dict]] = []
-
-    def warning(self, event: str, **fields):
-        self.warnings.append((event, fields))
 
 
 class Broken:
@@ -153,18 +144,18 @@ def test_missing_package_is_a_config_error_naming_the_extra(tmp_path, monkeypatc
 
 
 def test_a_failing_sink_is_dropped_with_one_warning_and_the_others_go_on(tmp_path):
-    log, broken = Recorder(), Broken()
+    log, broken = RecordingLog(), Broken()
     sinks = MetricsSinks([broken, JsonlSink(tmp_path / "m.jsonl")], "trainer", log)
     for step, metrics in enumerate(STEPS, start=1):
         sinks.write(step, metrics)
     assert broken.calls == 1 and [s.name for s in sinks.sinks] == ["jsonl"]
     sinks.close()
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3
-    assert log.warnings == [("metrics.sink_disabled",
+    assert log.at("warning") == [("metrics.sink_disabled",
                              {"sink": "broken", "during": "write", "error": "OSError: disk full"})]
     broken_at_close = MetricsSinks([Broken()], "trainer", log)
     broken_at_close.sinks[0].write = lambda step, metrics: None
     broken_at_close.close()
     broken_at_close.close()
-    assert log.warnings[1:] == [("metrics.sink_disabled",
+    assert log.at("warning")[1:] == [("metrics.sink_disabled",
                                  {"sink": "broken", "during": "close", "error": "OSError: still full"})]
