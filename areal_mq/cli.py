@@ -216,11 +216,12 @@ def trace(run_dir: str = typer.Argument(..., help="Run directory (reads run_dir/
     """The journey of one group or sample: admitted, generated, rewarded, stored, leased, trained."""
     from pathlib import Path
 
+    from areal_mq.brokers.sample_log_reader import read_sample
     from areal_mq.telemetry.trace import TraceError
     from areal_mq.telemetry.trace_view import load, render, to_json
 
     try:
-        timeline = load(Path(run_dir), ident)
+        timeline = load(Path(run_dir), ident, read_sample)
     except (FileNotFoundError, TraceError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

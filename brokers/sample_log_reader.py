@@ -1,4 +1,5 @@
-"""Read one sample from the sample store's log without touching it, for `areal-mq trace`.
+"""Read one sample from the sample store's log without touching it, for `areal-mq trace` (the CLI passes
+`read_sample` to areal_mq/telemetry/trace.py: the core library never imports a broker).
 
 What: `read_sample(path, sample_id)` -> the Sample last put under that id, or None (never stored, or gone in a
 compaction after it was trained or dropped; trained samples stay readable until then). Why: per-token versions, loss masks and per-completion reward details live only

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from areal_mq.errors import ArealError
 
@@ -231,11 +231,10 @@ def _trained(rec: dict, token_versions: list[tuple[int, int]]) -> Step:
                                                    **_pick(rec, "loss", "n_samples", "step_s")})
 
 
-def stored_seqs(run_dir: Path, group: str) -> list[dict] | None:
-    """The group's sequences as the sample store last holds them (None: not in the log any more)."""
-    from areal_mq.telemetry.trace_store import read_sample
-
-    sample = read_sample(run_dir / "store" / "samples.log", group)
+def stored_seqs(run_dir: Path, group: str, read_sample: Callable[[Path, str], Any] | None) -> list[dict] | None:
+    """The group's sequences as the sample store's log holds them (None: not there, or no `read_sample`,
+    brokers/sample_log_reader.py's, which the CLI passes in)."""
+    sample = read_sample(run_dir / "store" / "samples.log", group) if read_sample else None
     if sample is None:
         return None
     return [{"index": i, "reward": s.reward, "finish": s.finish_reason, "tokens": int(len(s.output_ids)),

@@ -7,18 +7,19 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from areal_mq.telemetry.trace import Step, Timeline, build_timeline, resolve, stored_seqs
 
 
-def load(run_dir: Path, ident: str) -> Timeline:
-    """The timeline of `ident` in the run at `run_dir` (FileNotFoundError / TraceError on bad input)."""
+def load(run_dir: Path, ident: str, read_sample: Callable[[Path, str], Any] | None = None) -> Timeline:
+    """The timeline of `ident` in the run at `run_dir` (FileNotFoundError / TraceError on bad input);
+    `read_sample(log path, sample id)` adds the stored sequences (brokers/sample_log_reader.py)."""
     from areal_mq.telemetry.tail import iter_files
 
     records = list(iter_files(Path(run_dir), follow=False))
     group, sample = resolve(records, ident)
-    return build_timeline(records, group, sample, stored_seqs(Path(run_dir), group))
+    return build_timeline(records, group, sample, stored_seqs(Path(run_dir), group, read_sample))
 
 
 def mask_runs(mask: list[int] | None) -> str:
