@@ -1,6 +1,6 @@
 """The controller's staleness throttle never exceeds its bound, whatever order jobs complete in.
 
-The real Controller runs against in-memory stand-ins for its job client and sample store (passed in, not
+The real Controller runs against the test kit's InMemoryJobs and InMemoryStore (areal_mq.testing; passed in, not
 patched); hypothesis drives random completion orders and trainer progress.
 """
 from __future__ import annotations
@@ -14,32 +14,8 @@ from areal_mq.config import load_config
 from areal_mq.data.loaders import Problem
 from areal_mq.messages import GenerateRequest, GenerateResult, RewardJob, RewardResult
 from areal_mq.workers.controller import Controller
+from areal_mq.testing import InMemoryJobs, InMemoryStore, RecordingLog
 from areal_mq.workers.controller_admission import can_admit
-
-
-class InMemoryJobs:
-    def __init__(self):
-        self.pending: dict[str, object] = {}
-        self.answers: list = []
-        self.n = 0
-
-    def submit(self, msg, service=""):
-        self.n += 1
-        job_id = f"j{self.n}"
-        self.pending[job_id] = msg
-        return job_id
-
-    def poll(self, timeout=0.0):
-        out, self.answers = self.answers, []
-        return out
-
-
-class InMemoryStore:
-    def __init__(self):
-        self.samples = []
-
-    def put(self, sample):
-        self.samples.append(sample)
 
 
 class Formatter:
@@ -62,19 +38,14 @@ class _Data:
         return {}
 
 
-class _Log:
-    def __getattr__(self, name):
-        return lambda *a, **k: None
-
-
 def _answer(jobs: InMemoryJobs, job_id: str, version: int, rewards=lambda n: [1.0] * n):
-    msg = jobs.pending.pop(job_id)
+    msg = jobs.pending[job_id]
     if isinstance(msg, GenerateRequest):
         reply = GenerateResult(output_ids=[5], logprobs=[-0.1], versions=[version], finish_reason="stop", text="x")
     else:
         assert isinstance(msg, RewardJob)
         reply = RewardResult(rewards=rewards(len(msg.completions)))
-    jobs.answers.append((job_id, reply))
+    jobs.answer(job_id, reply)
 
 
 @given(eta=st.integers(0, 3), batch=st.integers(1, 4), group=st.integers(1, 3), cap=st.integers(1, 12),
@@ -85,7 +56,7 @@ def test_admission_never_exceeds_the_bound(tmp_path_factory, eta, batch, group, 
                              f"controller.group_size={group}", f"controller.max_concurrent_groups={cap}",
                              f"run.run_dir={tmp_path_factory.mktemp('run')}"])
     jobs, store = InMemoryJobs(), InMemoryStore()
-    ctl = Controller(cfg, _Data(), Formatter(), jobs, store, _Log())
+    ctl = Controller(cfg, _Data(), Formatter(), jobs, store, RecordingLog())
     rng = random.Random(seed)
     trained = 0
     for _ in range(steps):
@@ -114,7 +85,7 @@ def test_dropped_uniform_groups_are_replaced_without_breaking_the_bound(tmp_path
                              "controller.group_size=2", "controller.max_concurrent_groups=4",
                              "controller.drop_uniform_groups=true", f"run.run_dir={tmp_path_factory.mktemp('run')}"])
     jobs, store = InMemoryJobs(), InMemoryStore()
-    ctl = Controller(cfg, _Data(), Formatter(), jobs, store, _Log())
+    ctl = Controller(cfg, _Data(), Formatter(), jobs, store, RecordingLog())
     rng = random.Random(seed)
     rewards = lambda n: [1.0] * n if rng.random() < uniform_share else [0.0] + [1.0] * (n - 1)  # noqa: E731
     trained = 0

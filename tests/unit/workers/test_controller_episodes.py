@@ -3,7 +3,7 @@
 EpisodePath submits each sample of a group as an EpisodeJob; a complete group of EpisodeResults goes through
 the same `_store` as a rewarded group of GenerateResults: the same reward stats, policy versions (an episode's
 environment tokens, version -1, are not a policy version), uniform-group drop, ledger outcome and put. The
-real Controller runs against the in-memory stand-ins of test_admission.py (passed in, not patched).
+real Controller runs against the test kit's InMemoryJobs and InMemoryStore (areal_mq.testing; passed in, not patched).
 Run: pytest tests/unit/workers/test_controller_episodes.py -q
 """
 from __future__ import annotations
@@ -15,29 +15,16 @@ from areal_mq.messages import (EpisodeJob, EpisodeResult, Error, GenerateRequest
                                RewardResult, SeqSample)
 from areal_mq.workers.controller import Controller, request_seed
 from areal_mq.workers.controller_episodes import EpisodePath
+from areal_mq.testing import InMemoryJobs, InMemoryStore, RecordingLog
 
-from .test_admission import Formatter, InMemoryJobs, InMemoryStore, _Data
-from .test_controller_guards import _Log
-
-
-class ServiceJobs(InMemoryJobs):
-    """InMemoryJobs that also remembers which service each job was submitted to."""
-
-    def __init__(self):
-        super().__init__()
-        self.services: dict[str, str] = {}
-
-    def submit(self, msg, service=""):
-        job_id = super().submit(msg, service)
-        self.services[job_id] = service
-        return job_id
+from .test_admission import Formatter, _Data
 
 
 def _controller(tmp_path, *sets, workflow="multi_turn_retry"):
     cfg = load_config(None, ["controller.batch_groups=1", "controller.group_size=2", "controller.max_retries=1",
                              "controller.max_concurrent_groups=1", f"run.run_dir={tmp_path}",
                              f"agent.workflow={workflow}", *sets])
-    jobs, store, log = ServiceJobs(), InMemoryStore(), _Log()
+    jobs, store, log = InMemoryJobs(), InMemoryStore(), RecordingLog()
     return Controller(cfg, _Data(), Formatter(), jobs, store, log), jobs, store, log
 
 
@@ -51,7 +38,7 @@ def _episode(reward: float, version: int = 0) -> EpisodeResult:
 def _answer(ctl, jobs, episode_rewards=(0.0, 1.0), answer_rewards=(0.0, 1.0)):
     """Answer every pending job once: episodes with `episode_rewards` (by sample index), generations, rewards."""
     for job_id in sorted(jobs.pending):
-        msg = jobs.pending.pop(job_id)
+        msg = jobs.pending[job_id]
         if isinstance(msg, EpisodeJob):
             reply = _episode(episode_rewards[msg.sample_index])
         elif isinstance(msg, GenerateRequest):
@@ -60,7 +47,7 @@ def _answer(ctl, jobs, episode_rewards=(0.0, 1.0), answer_rewards=(0.0, 1.0)):
         else:
             assert isinstance(msg, RewardJob)
             reply = RewardResult(rewards=list(answer_rewards))
-        jobs.answers.append((job_id, reply))
+        jobs.answer(job_id, reply)
     ctl.step(timeout=0.0)
 
 
@@ -112,8 +99,8 @@ def test_a_failed_episode_is_retried_as_an_episode_then_fails_the_group(tmp_path
     ctl, jobs, store, log = _controller(tmp_path)
     ctl.step(timeout=0.0)
     first = sorted(jobs.pending)[0]
-    index = jobs.pending.pop(first).sample_index
-    jobs.answers.append((first, Error(code="job_failed", message="workflow raised", ref_id=first)))
+    index = jobs.pending[first].sample_index
+    jobs.answer(first, Error(code="job_failed", message="workflow raised", ref_id=first))
     ctl.step(timeout=0.0)
     assert log.named("controller.retry")[0]["stage"] == "episode"
     ctl.retry_at = [(0.0, *r[1:]) for r in ctl.retry_at]  # due now
@@ -121,8 +108,7 @@ def test_a_failed_episode_is_retried_as_an_episode_then_fails_the_group(tmp_path
     again = [j for j, m in jobs.pending.items() if m.sample_index == index]
     assert len(again) == 1 and isinstance(jobs.pending[again[0]], EpisodeJob) and jobs.services[again[0]] == "agent"
     retried = again[0]
-    jobs.pending.pop(retried)
-    jobs.answers.append((retried, Error(code="job_failed", message="workflow raised", ref_id=retried)))
+    jobs.answer(retried, Error(code="job_failed", message="workflow raised", ref_id=retried))
     ctl.step(timeout=0.0)
     assert ctl.ledger.balance()["failed"] == 1 and not store.samples
     assert log.named("controller.group_failed")[0]["stage"] == "episode"

@@ -2,7 +2,7 @@
 sees them), reward results whose every completion failed to score (a failed reward job), and a bus replay of
 "base" taken as the policy version going back (a real older version from a resumed trainer is followed).
 
-The real Controller runs against the in-memory stand-ins of test_admission.py (passed in, not patched).
+The real Controller runs against the test kit's InMemoryJobs and InMemoryStore (areal_mq.testing), passed in.
 Run: pytest tests/unit/workers/test_controller_guards.py -q
 """
 from __future__ import annotations
@@ -14,39 +14,29 @@ import pytest
 from areal_mq.config import load_config
 from areal_mq.messages import GenerateRequest, GenerateResult, RewardResult, WeightsReady
 from areal_mq.workers.controller import Controller, nonfinite_reason
+from areal_mq.testing import InMemoryJobs, InMemoryStore, RecordingLog
 
-from .test_admission import Formatter, InMemoryJobs, InMemoryStore, _Data
-
-
-class _Log:
-    def __init__(self):
-        self.events: list[tuple[str, dict]] = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((event, kw))
-
-    def named(self, event):
-        return [kw for e, kw in self.events if e == event]
+from .test_admission import Formatter, _Data
 
 
 def _controller(tmp_path, *sets):
     cfg = load_config(None, ["controller.batch_groups=1", "controller.group_size=2", "controller.max_retries=0",
                              "controller.max_concurrent_groups=1", f"run.run_dir={tmp_path}", *sets])
-    jobs, store, log = InMemoryJobs(), InMemoryStore(), _Log()
+    jobs, store, log = InMemoryJobs(), InMemoryStore(), RecordingLog()
     return Controller(cfg, _Data(), Formatter(), jobs, store, log), jobs, store, log
 
 
 def _answer_all(ctl, jobs, logprob=-0.1, rewards=None, errors=None):
     """Answer every pending job once (generation with `logprob`, reward with `rewards`/`errors`)."""
     for job_id in sorted(jobs.pending):
-        msg = jobs.pending.pop(job_id)
+        msg = jobs.pending[job_id]
         if isinstance(msg, GenerateRequest):
             reply = GenerateResult(output_ids=[5, 6], logprobs=[-0.2, logprob], versions=[0, 0],
                                    finish_reason="stop", text="x")
         else:
             n = len(msg.completions)
             reply = RewardResult(rewards=rewards or [0.0, 1.0][:n], errors=errors or [])
-        jobs.answers.append((job_id, reply))
+        jobs.answer(job_id, reply)
     ctl.step(timeout=0.0)
 
 

@@ -3,7 +3,7 @@
 Before the ledger, a group that failed after max_retries, or that the store dropped as stale, kept its place
 in the bound forever: once the losses exceeded η · batch_groups the controller admitted nothing more and the
 trainer waited forever (sync mode, η = 0: after one failure). The real Controller runs against in-memory
-stand-ins (as in test_admission.py); hypothesis drives random failures, stale drops and uniform drops.
+stand-ins (areal_mq.testing's InMemoryJobs); hypothesis drives random failures, stale drops and uniform drops.
 Run: pytest tests/unit/workers/test_ledger.py -q
 """
 from __future__ import annotations
@@ -18,8 +18,9 @@ from areal_mq.config import load_config
 from areal_mq.workers.controller_admission import AdmissionLedger
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, RewardResult
 from areal_mq.workers.controller import Controller
+from areal_mq.testing import InMemoryJobs, RecordingLog
 
-from .test_admission import Formatter, InMemoryJobs, _Data, _Log
+from .test_admission import Formatter, _Data
 
 
 class StoreWithDrops:
@@ -72,7 +73,7 @@ def test_losses_never_deadlock_nor_exceed_the_bound(tmp_path_factory, eta, batch
                              "controller.max_retries=0", "controller.drop_uniform_groups=true",
                              f"run.run_dir={tmp_path_factory.mktemp('run')}"])
     jobs, store, rng = InMemoryJobs(), StoreWithDrops(), random.Random(seed)
-    ctl = Controller(cfg, _Data(), Formatter(), jobs, store, _Log())
+    ctl = Controller(cfg, _Data(), Formatter(), jobs, store, RecordingLog())
     version, idle = 0, 0
     for _ in range(20_000):
         if version >= 12:
@@ -97,16 +98,16 @@ def test_losses_never_deadlock_nor_exceed_the_bound(tmp_path_factory, eta, batch
                              f"ledger {ctl.ledger.balance()}"
             continue
         job_id = rng.choice(sorted(jobs.pending))
-        msg = jobs.pending.pop(job_id)
+        msg = jobs.pending[job_id]
         if rng.random() < p_fail:
-            jobs.answers.append((job_id, Error(code="job_failed", message="boom", ref_id=job_id)))
+            jobs.answer(job_id, Error(code="job_failed", message="boom", ref_id=job_id))
         elif isinstance(msg, GenerateRequest):
-            jobs.answers.append((job_id, GenerateResult(output_ids=[5], logprobs=[-0.1], versions=[version],
-                                                        finish_reason="stop", text="x")))
+            jobs.answer(job_id, GenerateResult(output_ids=[5], logprobs=[-0.1], versions=[version],
+                                                        finish_reason="stop", text="x"))
         else:
             uniform = rng.random() < p_uniform
             rewards = [1.0] * len(msg.completions) if uniform else [float(i) for i in range(len(msg.completions))]
-            jobs.answers.append((job_id, RewardResult(rewards=rewards)))
+            jobs.answer(job_id, RewardResult(rewards=rewards))
     assert version >= 12, "training did not progress"
     b = ctl.ledger.balance()
     assert b["admitted"] == b["stored"] + b["dropped_uniform"] + b["failed"] + b["in_flight"]
@@ -117,16 +118,15 @@ def test_sync_mode_survives_a_failed_group(tmp_path):
     cfg = load_config(None, ["run.mode=sync", "controller.batch_groups=2", "controller.group_size=1",
                              "controller.max_retries=0", f"run.run_dir={tmp_path}"])
     jobs, store = InMemoryJobs(), StoreWithDrops()
-    ctl = Controller(cfg, _Data(), Formatter(), jobs, store, _Log())
+    ctl = Controller(cfg, _Data(), Formatter(), jobs, store, RecordingLog())
     ctl.step(timeout=0.0)
     first = sorted(jobs.pending)[0]
-    jobs.pending.pop(first)
-    jobs.answers.append((first, Error(code="job_failed", message="reward task raised", ref_id=first)))
+    jobs.answer(first, Error(code="job_failed", message="reward task raised", ref_id=first))
     for _ in range(10):
         ctl.step(timeout=0.0)
         for job_id in sorted(jobs.pending):
-            msg = jobs.pending.pop(job_id)
-            jobs.answers.append((job_id, GenerateResult(output_ids=[5], logprobs=[-0.1], versions=[0],
+            msg = jobs.pending[job_id]
+            jobs.answer(job_id, GenerateResult(output_ids=[5], logprobs=[-0.1], versions=[0],
                                                         finish_reason="stop", text="x")
-                                 if isinstance(msg, GenerateRequest) else RewardResult(rewards=[1.0])))
+                                 if isinstance(msg, GenerateRequest) else RewardResult(rewards=[1.0]))
     assert len(store.pending) == 2, "a replacement for the failed group was admitted and stored"
