@@ -2,7 +2,7 @@
 
 - JobClient.forget, on a real JobClient against an in-process ROUTER on 127.0.0.1: a forgotten job is never
   resubmitted and its late answer is dropped (also one that wait() had set aside); an unknown id is a no-op;
-- JobFutures with a stand-in client passed in: answers resolve futures (an Error as a value), a deadline fails
+- JobFutures on the test kit's InMemoryJobs: answers resolve futures (an Error as a value), a deadline fails
   the future with TimeoutError and forgets the job, a cancelled future's job is forgotten before the next poll,
   fail_all fails what still waits, a caller's own future is resolved;
 - AsyncJobFutures on an event loop: call() returns the answer, a cancelled call forgets its job, call() before
@@ -22,39 +22,7 @@ from areal_mq import protocol
 from areal_mq.actor.job_futures import AsyncJobFutures, JobFutures
 from areal_mq.client import JobClient
 from areal_mq.messages import Ack, Error, Kind, StatsRequest
-
-
-class ScriptedJobClient:
-    """JobClient's surface (submit, poll, forget, close); the test answers jobs with `answer(job_id, msg)`."""
-
-    def __init__(self):
-        self.pending: dict[str, object] = {}
-        self.inbox: list[tuple[str, object]] = []
-        self.forgotten: list[str] = []
-        self.polled_pending: list[set[str]] = []  # the pending ids at each poll
-        self.closed = False
-        self.submitted = 0
-
-    def submit(self, msg, service=""):
-        job_id, self.submitted = f"j{self.submitted}-{service}", self.submitted + 1
-        self.pending[job_id] = msg
-        return job_id
-
-    def answer(self, job_id, msg):
-        self.inbox.append((job_id, msg))
-
-    def poll(self, timeout):
-        self.polled_pending.append(set(self.pending))
-        out = [(j, m) for j, m in self.inbox if self.pending.pop(j, None) is not None]
-        self.inbox = []
-        return out
-
-    def forget(self, job_id):
-        self.forgotten.append(job_id)
-        return self.pending.pop(job_id, None) is not None
-
-    def close(self):
-        self.closed = True
+from areal_mq.testing import InMemoryJobs
 
 
 # --- JobClient.forget on a real socket --------------------------------------------------------------------------
@@ -144,7 +112,7 @@ def test_forget_drops_an_answer_that_wait_set_aside(router):
 # --- JobFutures ---------------------------------------------------------------------------------------------------
 
 def test_answers_resolve_their_futures_and_an_error_is_a_value():
-    client = ScriptedJobClient()
+    client = InMemoryJobs()
     jobs = JobFutures(client)
     a, fut_a = jobs.submit(StatsRequest(), "generate")
     b, fut_b = jobs.submit(StatsRequest(), "reward")
@@ -157,7 +125,7 @@ def test_answers_resolve_their_futures_and_an_error_is_a_value():
 
 
 def test_a_passed_deadline_fails_the_future_and_forgets_the_job():
-    client = ScriptedJobClient()
+    client = InMemoryJobs()
     jobs = JobFutures(client)
     late, fut_late = jobs.submit(StatsRequest(), "generate", deadline=time.monotonic() - 1.0)
     ok, fut_ok = jobs.submit(StatsRequest(), "generate", deadline=time.monotonic() + 600.0)
@@ -168,7 +136,7 @@ def test_a_passed_deadline_fails_the_future_and_forgets_the_job():
 
 
 def test_a_cancelled_future_is_forgotten_before_the_client_polls_again():
-    client = ScriptedJobClient()
+    client = InMemoryJobs()
     jobs = JobFutures(client)
     job_id, fut = jobs.submit(StatsRequest(), "generate")
     jobs.pump()
@@ -181,7 +149,7 @@ def test_a_cancelled_future_is_forgotten_before_the_client_polls_again():
 
 
 def test_a_callers_own_future_is_resolved_and_fail_all_fails_the_rest():
-    client = ScriptedJobClient()
+    client = InMemoryJobs()
     jobs = JobFutures(client)
     mine: Future = Future()
     job_id, fut = jobs.submit(StatsRequest(), "generate", future=mine)
@@ -199,7 +167,7 @@ def test_a_callers_own_future_is_resolved_and_fail_all_fails_the_rest():
 # --- AsyncJobFutures ----------------------------------------------------------------------------------------------
 
 def test_async_call_returns_the_answer_and_a_cancelled_call_forgets_its_job():
-    client = ScriptedJobClient()
+    client = InMemoryJobs()
 
     async def scenario():
         jobs = AsyncJobFutures(lambda: client, poll_s=0.001)
@@ -212,7 +180,7 @@ def test_async_call_returns_the_answer_and_a_cancelled_call_forgets_its_job():
         assert (await asyncio.wait_for(answered, 20.0)).ref_id == job_id
         with pytest.raises(asyncio.TimeoutError):  # an episode's timeout cancels its call
             await asyncio.wait_for(jobs.call(StatsRequest(), "reward"), 0.05)
-        assert client.pending == {} and len(jobs.jobs) == 0 and client.forgotten[-1].endswith("-reward")
+        assert client.pending == {} and len(jobs.jobs) == 0 and client.services[client.forgotten[-1]] == "reward"
         await jobs.close()
 
     asyncio.run(scenario())
@@ -221,4 +189,4 @@ def test_async_call_returns_the_answer_and_a_cancelled_call_forgets_its_job():
 
 def test_async_call_before_start_is_a_clear_error():
     with pytest.raises(RuntimeError, match="before start"):
-        asyncio.run(AsyncJobFutures(ScriptedJobClient).call(StatsRequest(), "generate"))
+        asyncio.run(AsyncJobFutures(InMemoryJobs).call(StatsRequest(), "generate"))

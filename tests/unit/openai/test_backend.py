@@ -1,66 +1,17 @@
-"""OpenAIBackend (the OpenAI endpoint's JobClient owner thread) with a stand-in client passed in: answers reach
+"""OpenAIBackend (the OpenAI endpoint's JobClient owner thread) on the kit's InMemoryJobs: answers reach
 their callers, broker errors map to HTTP statuses, a silent broker fails calls at once (503), a deadline gives 504
 and the job is forgotten (no resubmission), a failed choice's unanswered siblings are forgotten too.
 
 Run: pytest tests/unit/openai/test_backend.py -q   (~3 s)
 """
 import threading
-import time
 
 import pytest
 
 from areal_mq.messages import Error, GenerateResult, SamplingSpec
 from areal_mq.openai.api import ApiError
 from areal_mq.openai.backend import OpenAIBackend
-
-
-class Link:
-    def __init__(self):
-        self.silent, self.delay = 0.0, 0.0
-
-    def silent_s(self, now):
-        return self.silent
-
-
-class FakeClient:
-    """JobClient's surface: submit, poll, forget, link; `answer` decides what each job gets (None = nothing)."""
-
-    address = "tcp://127.0.0.1:1"
-
-    def __init__(self, answer):
-        self.answer, self.link, self.pending, self.lock = answer, Link(), {}, threading.Lock()
-        self.submitted = []
-
-    def submit(self, msg, service=""):
-        job_id = f"j{len(self.submitted)}"
-        self.submitted.append(msg)
-        self.pending[job_id] = msg
-        return job_id
-
-    def poll(self, timeout):
-        out = []
-        for job_id, msg in list(self.pending.items()):
-            reply = self.answer(msg)
-            if reply is not None:
-                del self.pending[job_id]
-                out.append((job_id, reply))
-        threading.Event().wait(timeout)
-        return out
-
-    def forget(self, job_id):
-        return self.pending.pop(job_id, None) is not None
-
-    def close(self):
-        pass
-
-
-def wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+from areal_mq.testing import InMemoryJobs, wait_for
 
 
 def ok(msg):
@@ -68,7 +19,7 @@ def ok(msg):
 
 
 def run(answer, n=1, timeout_s=5.0, silent=False):
-    client = FakeClient(answer)
+    client = InMemoryJobs(answerer=answer)
     client.link.silent = 100.0 if silent else 0.0
     backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
     backend.start()
@@ -101,14 +52,14 @@ def test_a_silent_broker_is_503_without_waiting_for_the_deadline():
 
 
 def test_a_missed_deadline_is_504_and_the_job_is_forgotten():
-    client = FakeClient(lambda msg: None)
+    client = InMemoryJobs(answerer=lambda msg: None)
     backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
     backend.start()
     try:
         with pytest.raises(ApiError) as info:
             backend.generate([1, 2], [SamplingSpec(), SamplingSpec()], ["", ""], 0.3)
         assert info.value.status == 504
-        assert wait_until(lambda: client.pending == {})  # the owner thread's next step forgets both jobs
+        wait_for(lambda: client.pending == {}, 10, what="both jobs forgotten")  # by the owner thread's next step
         assert len(client.submitted) == 2
     finally:
         backend.close()
@@ -118,20 +69,20 @@ def test_a_failed_choice_forgets_its_unanswered_siblings():
     def refuse_first(msg):
         return Error(code="bad_request", message="no") if msg.sampling.seed == 0 else None
 
-    client = FakeClient(refuse_first)
+    client = InMemoryJobs(answerer=refuse_first)
     backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
     backend.start()
     try:
         with pytest.raises(ApiError) as info:
             backend.generate([1, 2], [SamplingSpec(seed=0), SamplingSpec(seed=1)], ["", ""], 60.0)
         assert info.value.status == 400
-        assert wait_until(lambda: client.pending == {})  # seed 1 is cancelled, then forgotten: no resubmission
+        wait_for(lambda: client.pending == {}, 10, what="seed 1 forgotten")  # cancelled, then forgotten: no resubmission
     finally:
         backend.close()
 
 
 def test_calls_still_waiting_at_close_get_503():
-    client = FakeClient(lambda msg: None)
+    client = InMemoryJobs(answerer=lambda msg: None)
     backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
     backend.start()
     errors = []
@@ -144,7 +95,7 @@ def test_calls_still_waiting_at_close_get_503():
 
     caller = threading.Thread(target=call)
     caller.start()
-    assert wait_until(lambda: len(client.submitted) == 1)
+    wait_for(lambda: len(client.submitted) == 1, 10, what="the call's job")
     backend.close()
     caller.join(10.0)
     assert [e.code for e in errors] == ["shutting_down"] and errors[0].status == 503

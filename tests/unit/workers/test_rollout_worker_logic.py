@@ -21,6 +21,7 @@ from areal_mq.messages import Error, GenerateRequest, GenerateResult, SamplingSp
 from areal_mq.workers import rollout
 from areal_mq.workers.rollout import RolloutWorker
 from areal_mq.actor.link import Job
+from areal_mq.testing import FakeRuntime
 
 
 class FakeEngine:
@@ -55,37 +56,6 @@ class FakeEngine:
         return {}
 
 
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((event, kw))
-
-    def named(self, event):
-        return [kw for e, kw in self.events if e == event]
-
-
-class FakeRuntime:
-    worker_id, keys, capacity, stopping = "rollout-test", None, 4, False
-
-    def __init__(self):
-        self.log, self.replies = _Log(), {}
-
-    def reply(self, job, msg):
-        assert job.id not in self.replies, "a job answered twice"
-        self.replies[job.id] = msg
-
-    def fail(self, job, code, message):
-        self.reply(job, Error(code=code, message=message, ref_id=job.id))
-
-    def next_signal(self):
-        return None
-
-    def next_job(self, timeout=0.0):
-        return None
-
-
 @pytest.fixture
 def clock():
     """The worker's monotonic clock, moved by the test (the backoff would otherwise take seconds)."""
@@ -94,7 +64,7 @@ def clock():
 
 def _worker(tmp_path, engine, clock=None):
     cfg = load_config(None, [f"run.run_dir={tmp_path}"])
-    return RolloutWorker(cfg, engine, FakeRuntime(), clock=(lambda: clock[0]) if clock else time.monotonic)
+    return RolloutWorker(cfg, engine, FakeRuntime("generate", "rollout-test", role="rollout"), clock=(lambda: clock[0]) if clock else time.monotonic)
 
 
 def _ready(tmp_path, version):
@@ -214,8 +184,6 @@ def test_control_pause_pauses_the_engine_and_the_loop_stops_stepping(tmp_path):
 
     engine = PausableEngine()
     w = _worker(tmp_path, engine)
-    w.rt.service, w.rt.capacity, w.rt.readies = "generate", 4, []
-    w.rt.ready = lambda capacity=None, tasks=None: w.rt.readies.append(capacity)
     loop = RoleLoop(w.rt, w, [PauseControl()])
     pause = loop.middleware[0]
     pause.signal(loop, Control(action="pause", target_role="rollout"))
