@@ -14,16 +14,9 @@ import pytest
 from areal_mq.brokers.stub import StubBroker
 from areal_mq.errors import BrokerUnavailable, JobFailed
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, RewardJob, RewardResult
+from areal_mq.testing import ManualClock
 
 T = 5.0  # generous: a loaded 2-core machine; a passing test never waits this long
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _gen(session: str = "", prompt=(1, 2, 3)) -> GenerateRequest:
@@ -94,7 +87,7 @@ def test_reward_jobs_go_only_to_workers_serving_their_task_and_unserved_tasks_ar
 
 
 def test_a_session_sticks_to_its_worker_and_a_parked_turn_expires_to_another():
-    clock = Clock()
+    clock = ManualClock(100.0)
     broker = StubBroker(sticky_wait_s=1.0, clock=clock)
     a = broker.worker("generate", capacity=1, worker_id="a")
     b = broker.worker("generate", capacity=1, worker_id="b")
@@ -106,7 +99,7 @@ def test_a_session_sticks_to_its_worker_and_a_parked_turn_expires_to_another():
     assert a.take()[0] == t2  # a has credit again: the session's turn returns to it
     t3 = client.submit(_gen("s"))  # a is full: t3 waits for it although b is free
     assert b.take() is None and broker.stats()["sticky_waiting"] == 1
-    clock.now += 1.0
+    clock.advance(1.0)
     broker.tick()
     assert b.take()[0] == t3 and broker.stats()["counters"]["sticky_expired"] == 1
 

@@ -16,18 +16,11 @@ from areal_mq.sim.engine import SimEngine
 from areal_mq.errors import ConfigError, EngineRequestError
 from areal_mq.messages import SamplingSpec, WeightsReady
 from areal_mq.sim.timing import LENGTH_MODELS, TIMING_MODELS, length_model, timing_model
+from areal_mq.testing import ManualClock
 from areal_mq.weights import check_ready, resolve
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def engine(clock: Clock, lengths: str = "constant-1k", capacity: int = 4, timing: str = "constant") -> SimEngine:
+def engine(clock: ManualClock, lengths: str = "constant-1k", capacity: int = 4, timing: str = "constant") -> SimEngine:
     return SimEngine(timing_model(timing), length_model(lengths), capacity, clock=clock, seed=1)
 
 
@@ -36,15 +29,15 @@ def req(rid: str, max_new: int = 4096, prompt: int = 8) -> EngineRequest:
 
 
 def test_constant_decode_finishes_at_length_times_step_with_right_shapes():
-    clock = Clock()
+    clock = ManualClock()
     eng = engine(clock)
     eng.submit(req("a"))
     assert eng.next_due() == pytest.approx(0.0)  # admission is due now
     assert eng.step() == []
     assert eng.next_due() == pytest.approx(10.0)  # 1,000 tokens x 10 ms
-    clock.t = 9.99
+    clock.now = 9.99
     assert eng.step() == []
-    clock.t = 10.0
+    clock.now = 10.0
     (out,) = eng.step()
     assert out.finish_reason == "stop" and len(out.output_ids) == len(out.logprobs) == len(out.versions) == 1000
     assert out.output_ids.dtype == np.int32 and out.logprobs.dtype == np.float32 and out.versions.dtype == np.int32
@@ -53,16 +46,16 @@ def test_constant_decode_finishes_at_length_times_step_with_right_shapes():
 
 
 def test_weight_update_mid_sequence_stamps_later_tokens_and_models_the_pause():
-    clock = Clock()
+    clock = ManualClock()
     eng = engine(clock, timing="r1-1.5b-h800-roofline")
     eng.submit(req("a", max_new=300, prompt=100))
     eng.step()
-    clock.t = 0.5
+    clock.now = 0.5
     eng.step()
     timings = eng.update_weights(3)
     assert timings["pause_s"] == TIMING_MODELS["r1-1.5b-h800-roofline"].update_pause_s
     assert timings["recompute_s"] > 0  # kv_on_update=recompute: the in-flight context is prefilled again
-    clock.t = 100.0
+    clock.now = 100.0
     (out,) = eng.step()
     first = int(np.argmax(out.versions == 3))
     assert len(out.output_ids) == 300 and out.finish_reason == "length"
@@ -75,22 +68,22 @@ def test_lengths_are_capped_long_tailed_and_reproducible():
     a = lm.sample(np.random.default_rng(0), 20_000)
     assert a.max() == lm.cap and a.min() >= 1 and a.mean() > np.median(a)  # a right tail that reaches the cap
     assert (a == lm.sample(np.random.default_rng(0), 20_000)).all()
-    clock = Clock()
+    clock = ManualClock()
     e1, e2 = engine(clock, "lognormal-8k", 64), engine(clock, "lognormal-8k", 64)
     for e in (e1, e2):
         for i in range(10):
             e.submit(req(f"r{i}", max_new=2000))
-    clock.t = 1e6
+    clock.now = 1e6
     lens1 = sorted(len(o.output_ids) for o in e1.step())
     assert lens1 == sorted(len(o.output_ids) for o in e2.step()) and max(lens1) <= 2000
 
 
 def test_capacity_queues_and_abort_returns_partial_output():
-    clock = Clock()
+    clock = ManualClock()
     eng = engine(clock, capacity=1)
     eng.submit(req("a"))
     eng.submit(req("b"))
-    clock.t = 5.0
+    clock.now = 5.0
     eng.step()
     assert eng.stats()["running"] == 1 and eng.stats()["waiting"] == 1
     out = eng.abort("a")
@@ -99,7 +92,7 @@ def test_capacity_queues_and_abort_returns_partial_output():
 
 
 def test_bad_requests_and_bad_config_are_named():
-    eng = engine(Clock())
+    eng = engine(ManualClock())
     with pytest.raises(EngineRequestError, match="prompt_ids is empty"):
         eng.submit(EngineRequest("x", [], SamplingSpec()))
     with pytest.raises(EngineRequestError, match="max_new_tokens"):

@@ -9,6 +9,7 @@ import pytest
 
 from areal_mq.errors import ConfigError
 from areal_mq.messages import SamplingSpec
+from areal_mq.testing import ScriptedModel
 from areal_mq.workflows.builtin import BUILTINS, pending_call
 from areal_mq.workflows.calc import CalcError, calc
 from areal_mq.workflows.context import EpisodeContext, Problem, WorkflowError
@@ -72,41 +73,26 @@ def test_builtins_run_end_to_end_on_the_tiny_model(make_engine, tiny_tokenizer, 
         assert outcome.turns == 3 and seq.reward <= 0.0
 
 
-class FakeBackend:
-    """Answers every turn with fixed text (a tokenizer round trip), version 2."""
-
-    def __init__(self, tokenizer, texts):
-        self.tok, self.texts, self.prompts = tokenizer, list(texts), []
-
-    async def generate(self, req):
-        from areal_mq.messages import GenerateResult
-
-        self.prompts.append(req)
-        ids = self.tok.encode(self.texts.pop(0), add_special_tokens=False)
-        return GenerateResult(output_ids=ids, logprobs=[-0.1] * len(ids), versions=[2] * len(ids),
-                              finish_reason="stop", text=self.tok.decode(ids))
-
-
-def fake_ctx(tokenizer, texts, **kw) -> EpisodeContext:
-    ctx = EpisodeContext(PROBLEM, [1, 2, 3], tokenizer, FakeBackend(tokenizer, texts),
+def scripted_ctx(tokenizer, texts, **kw) -> EpisodeContext:
+    ctx = EpisodeContext(PROBLEM, [1, 2, 3], tokenizer, ScriptedModel(tokenizer, texts),
                          sampling=SamplingSpec(max_new_tokens=16), episode_id="ep-9", **kw)
     return ctx
 
 
 def test_multi_turn_retry_discounts_a_second_try_success(tiny_tokenizer):
-    ctx = fake_ctx(tiny_tokenizer, ["It is \\boxed{6}.", "Sorry: 2 + 3 = \\boxed{5}."])
+    ctx = scripted_ctx(tiny_tokenizer, ["It is \\boxed{6}.", "Sorry: 2 + 3 = \\boxed{5}."])
     outcome = asyncio.run(run_episode(BUILTINS["multi_turn_retry"], ctx, PROBLEM, 10))
     assert outcome.seq.reward == 0.5 and ctx.info == {"attempts": 2, "correct_at": 2}
-    assert all(r.session == "ep-9" for r in ctx.backend.prompts)  # every turn carries the episode's session
+    assert all(r.session == "ep-9" for r in ctx.backend.requests)  # every turn carries the episode's session
 
 
 def test_tool_calc_evaluates_the_call_and_appends_the_result(tiny_tokenizer):
-    ctx = fake_ctx(tiny_tokenizer, ["<calc>2 + 3</calc>", " so \\boxed{5}."])
+    ctx = scripted_ctx(tiny_tokenizer, ["<calc>2 + 3</calc>", " so \\boxed{5}."])
     outcome = asyncio.run(run_episode(BUILTINS["tool_calc"], ctx, PROBLEM, 10))
     assert outcome.seq.reward == 1.0 and ctx.info["tool_calls"] == 1
     env = tiny_tokenizer.decode(outcome.seq.output_ids[outcome.seq.loss_mask == 0])
     assert env == "<result>5</result>"  # the model closed the tag itself: only the result is appended
-    assert ctx.backend.prompts[0].sampling.stop_strings == ["</calc>"]
+    assert ctx.backend.requests[0].sampling.stop_strings == ["</calc>"]
 
 
 @pytest.mark.parametrize("expr, value", [("3*(4+5)", "27"), ("7/2", "3.5"), ("2**10 // 3", "341"), ("-5 % 3", "1"),
@@ -152,13 +138,13 @@ async def _rewrites_history(ctx, problem):
 @pytest.mark.parametrize("fn, why", [(_raises, "RuntimeError: workflow bug"), (_hangs, "timeout"),
                                      (_nan, "not a finite reward"), (_rewrites_history, "must extend")])
 def test_a_bad_workflow_fails_its_episode_with_a_reason(tiny_tokenizer, fn, why):
-    ctx = fake_ctx(tiny_tokenizer, ["a", "b"])
+    ctx = scripted_ctx(tiny_tokenizer, ["a", "b"])
     outcome = asyncio.run(run_episode(fn, ctx, PROBLEM, 0.5))
     assert outcome.seq is None and why in outcome.error
 
 
 def test_too_many_turns_is_a_workflow_error(tiny_tokenizer):
-    ctx = fake_ctx(tiny_tokenizer, ["a", "b"], max_turns=1)
+    ctx = scripted_ctx(tiny_tokenizer, ["a", "b"], max_turns=1)
 
     async def two(ctx, problem):
         await ctx.generate(ctx.prompt_ids)
