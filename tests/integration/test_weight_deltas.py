@@ -25,6 +25,7 @@ import torch
 
 from areal_mq.config import load_config
 from areal_mq.messages import GenerateRequest, SamplingSpec, WeightsReady
+from areal_mq.testing.fakes import FakeRuntime
 from areal_mq.workers.rollout import RolloutWorker
 
 pytestmark = pytest.mark.slow
@@ -65,30 +66,6 @@ sys.stdin.readline()  # hold the server until the test is done
 """
 
 
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((event, kw))
-
-    def named(self, event):
-        return [kw for e, kw in self.events if e == event]
-
-
-class _Runtime:
-    worker_id, keys, capacity, stopping = "rollout-deltas", None, 4, False
-
-    def __init__(self):
-        self.log, self.replies = _Log(), {}
-
-    def reply(self, job, msg):
-        self.replies[job.id] = msg
-
-    def fail(self, job, code, message):
-        self.replies[job.id] = (code, message)
-
-
 @pytest.fixture
 def trainers(tmp_path):
     started = []
@@ -122,7 +99,7 @@ def _worker(tmp_path):
     cfg = load_config(None, [f"run.run_dir={tmp_path}", "model.name=tiny-random-llama",
                              "rollout.weights_timeout_s=5"])
     engine = build_engine(cfg.rollout.engine, cfg.model, seed=1)
-    worker = RolloutWorker(cfg, engine, _Runtime())
+    worker = RolloutWorker(cfg, engine, FakeRuntime("generate", "rollout-deltas", role="rollout"))
 
     def verified(sums):
         held = worker.catchup.held
