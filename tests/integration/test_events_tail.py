@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
+import time
 
 from areal_mq.client import JobClient
 from areal_mq.messages import RewardJob
@@ -24,30 +27,52 @@ def test_tail_from_files_and_bus_with_filters(broker, procs, config_path, cfg):
                     {"AREAL_ECHO_CAPACITY": "1", "AREAL_ECHO_DELAY_S": "0.05"})
     wait_for(lambda: worker_count(cfg, "echo") == 2, 30, what="echo workers")
     live = subprocess.Popen([sys.executable, "-m", "areal_mq.cli", "events", "tail", "--bus", cfg.brokers.bus_out_addr,
-                             "--event", "echo.job_done", "--json", "--duration", "12", "--keys", cfg.run.run_dir + "/keys"],
+                             "--event", "echo.job_done", "--json", "--duration", "120", "--keys", cfg.run.run_dir + "/keys"],
                             stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in live.stdout], daemon=True).start()
+    live_records: list[dict] = []
+
+    def read_live() -> list[dict]:
+        while not lines.empty():
+            line = lines.get()
+            if line.strip():
+                live_records.append(json.loads(line))
+        return live_records
+
+    client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"))
+    warmup: list[str] = []
+
+    def one_job_seen_live() -> bool:  # a subscriber sees nothing published before it connected: probe until it does
+        job = client.submit(RewardJob(task="t", completions=["a"]), service="echo")
+        client.wait(job, 20)
+        warmup.append(job)
+        deadline = time.monotonic() + 1.0  # its event follows the answer: give it a moment, then probe again
+        while not read_live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return bool(live_records)
+
     try:
-        import time
-        time.sleep(2.5)  # let the live subscriber connect before events flow
-        client = JobClient(cfg.brokers.job_addr, keys=keys(cfg, "controller"))
+        wait_for(one_job_seen_live, 60, interval=0.2, what="the live tail's first event")
         ids = [client.submit(RewardJob(task="t", completions=["a"]), service="echo") for _ in range(6)]
         got = []
         wait_for(lambda: got.extend(client.poll(0.2)) or len(got) == 6, 30, what="jobs")
-        client.close()
-        live_out, _ = live.communicate(timeout=30)
+        wait_for(lambda: set(ids) <= {r["job"] for r in read_live()}, 30, what="the six jobs' events, live")
     finally:
+        client.close()
         if live.poll() is None:
-            live.kill()
-            live.wait()
-    live_records = [json.loads(line) for line in live_out.splitlines() if line.strip()]
-    assert len(live_records) == 6 and {r["event"] for r in live_records} == {"echo.job_done"}
+            live.terminate()
+        live.wait(10)
+    assert {r["event"] for r in live_records} == {"echo.job_done"}
+    assert {r["job"] for r in live_records} <= set(ids) | set(warmup)  # only what this test submitted, once each
+    assert len(live_records) == len({r["job"] for r in live_records})
 
     run_dir = cfg.run.run_dir
     every = _tail(run_dir, "--json")
     assert {"broker", "echo"} <= {r["role"] for r in every}
     assert len({(r["role"], r["worker_id"]) for r in every}) >= 3  # three processes wrote events
     done = _tail(run_dir, "--json", "--role", "echo", "--event", "echo.*", "event=echo.job_done")
-    assert len(done) == 6 and {r["worker_id"] for r in done} == {"echo-0", "echo-1"}
+    assert len(done) == 6 + len(warmup) and {r["worker_id"] for r in done} == {"echo-0", "echo-1"}
     only_one = _tail(run_dir, "--json", "worker_id=echo-1", "--event", "echo.job_done")
     assert only_one and all(r["worker_id"] == "echo-1" for r in only_one)
     pretty = subprocess.run([sys.executable, "-m", "areal_mq.cli", "events", "tail", run_dir, "--role", "broker"],
