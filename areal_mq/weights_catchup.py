@@ -152,7 +152,8 @@ class WeightCatchup:
         return left
 
     def _full(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> dict[str, Any]:
-        from areal_mq.weights import fetch_weights, read_disk
+        from areal_mq.weights import fetch_weights
+        from areal_mq.weights_disk import read_disk
 
         if ready.mode == "disk":
             where = Path(ready.path).parent / f"v{piece.version}"
@@ -168,7 +169,8 @@ class WeightCatchup:
         return fetch_weights(at, self._left(deadline, f"full v{piece.version}"), keys=self.keys)
 
     def _delta(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> list[Any]:
-        from areal_mq.weights import DELTA_FILE, DiskDelta, fetch_delta
+        from areal_mq.weights import fetch_delta
+        from areal_mq.weights_disk import DELTA_FILE, DiskDelta
 
         if ready.mode == "disk":
             return DiskDelta.read(Path(ready.path).parent / f"v{piece.version}" / DELTA_FILE, piece.version,

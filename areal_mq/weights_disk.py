@@ -1,0 +1,168 @@
+"""Disk publishing of policy weights: version directories under run_dir/weights, full snapshots and deltas.
+
+What:
+- `publish_disk(weights_dir, version, tensors, keep)` writes weights_dir/v{N}/model.safetensors (+ config.json
+  when given, so the directory also loads with from_pretrained) under a temporary name and renames it into
+  place — a reader never sees half a version — then prunes all but the last `keep` versions.
+  Returns WeightsReady(mode="disk", path=...).
+- With deltas (trainer.weight_deltas on): a version directory holds model.delta (`DiskDelta`: the delta from
+  the previous version) and, every `full_every` versions, a full model.safetensors too; `prune_disk` keeps the
+  last `keep` versions and everything back to the full snapshot they start from; `disk_links` lists the pieces
+  for WeightsReady.links; the full file's metadata carries each tensor's checksum (`read_disk(verify_checksums)`).
+- `disk_versions(dir)`: the version numbers present; `read_disk(path)`: a version directory's tensors.
+Why apart from areal_mq/weights.py: the zmq server and the trainer-side facade live there; this module is only
+files (safetensors), so the periodic evaluator and the CLI read versions without the zmq half.
+
+How to run: tests/unit/test_weights.py, tests/unit/test_weights_delta.py (disk round trips, pruning, corrupt
+delta files).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from areal_mq.errors import WeightsFetchError
+from areal_mq.messages import WeightsLink, WeightsReady
+from areal_mq.weights_delta import DeltaError, TensorDelta
+
+if TYPE_CHECKING:
+    import torch
+
+VERSION_DIR = re.compile(r"^v(\d+)$")
+FULL_FILE, DELTA_FILE = "model.safetensors", "model.delta"
+
+def publish_disk(weights_dir: str | Path, version: int, tensors: Mapping[str, "torch.Tensor"], keep: int = 2,
+                 hf_config_json: str | None = None, delta: "DiskDelta | None" = None, full: bool = True,
+                 digests: Mapping[str, str] | None = None) -> WeightsReady:
+    """Write version `version` atomically under weights_dir/v{version} (model.safetensors when `full`,
+    model.delta when a `delta` from version-1 is given); prune to the last `keep` and their chain.
+    `digests` (the tensors' checksums, given when deltas are on) go into the full file's metadata, and the
+    announcement then lists the pieces on disk (WeightsReady.links)."""
+    from safetensors.torch import save_file
+
+    if not full and delta is None:
+        raise ValueError(f"version {version}: a disk version needs full weights, a delta, or both")
+    root = Path(weights_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"v{version}", root / f".v{version}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        if full:
+            meta = {"format": "pt", "version": str(version)}
+            if digests is not None:
+                meta["checksums"] = json.dumps(dict(digests))
+            save_file(dict(tensors), str(tmp / FULL_FILE), metadata=meta)
+            if hf_config_json is not None:
+                (tmp / "config.json").write_text(hf_config_json)
+        if delta is not None:
+            delta.write(tmp / DELTA_FILE, version)
+        if final.exists():  # republishing a version (e.g. after a resume): swap it out
+            old = root / f".v{version}.old-{os.getpid()}"
+            final.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    prune_disk(root, keep)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    links = disk_links(root, version) if digests is not None else []
+    return WeightsReady(version=version, mode="disk", path=str(final.resolve()), meta={"bytes": int(nbytes)},
+                        base=version - 1 if delta is not None else -1, links=links)
+
+
+class DiskDelta:
+    """A version's delta as the file model.delta: the safetensors format (header + raw bytes), one uint8
+    tensor per payload, and the metadata "delta" = JSON {"version", "base", "tensors": [{name, dtype, shape,
+    encoding, count, checksum}]}. Not *.safetensors: engines loading a directory never mistake it for weights."""
+
+    def __init__(self, base: int, deltas: list[TensorDelta]):
+        self.base, self.deltas = base, deltas
+
+    def write(self, path: Path, version: int) -> None:
+        from safetensors.numpy import save_file
+
+        info = [{"name": d.name, "dtype": d.dtype, "shape": d.shape, "encoding": d.encoding, "count": d.count,
+                 "checksum": d.checksum} for d in self.deltas]
+        save_file({f"{i}": d.payload for i, d in enumerate(self.deltas)}, str(path),
+                  metadata={"format": "areal-mq-delta", "delta": json.dumps(
+                      {"version": version, "base": self.base, "tensors": info})})
+
+    @staticmethod
+    def read(path: Path, version: int, base: int) -> list[TensorDelta]:
+        """The deltas of `path`; DeltaError("missing"/"corrupt") when absent or not a delta version->base."""
+        from safetensors import safe_open
+
+        if not path.is_file():
+            raise DeltaError("missing", f"no delta file {path} (pruned, or never written)")
+        try:
+            with safe_open(str(path), framework="numpy") as fh:
+                head = json.loads((fh.metadata() or {})["delta"])
+                if head["version"] != version or head["base"] != base:
+                    raise DeltaError("corrupt", f"{path} is the delta {head['base']}->{head['version']}, "
+                                                f"expected {base}->{version}")
+                return [TensorDelta(t["name"], t["dtype"], list(t["shape"]), t["encoding"], int(t["count"]),
+                                    t["checksum"], fh.get_tensor(str(i))) for i, t in enumerate(head["tensors"])]
+        except DeltaError:
+            raise
+        except Exception as exc:  # safetensors / json / key errors on a damaged file
+            raise DeltaError("corrupt", f"cannot read delta file {path}: {type(exc).__name__}: {exc}") from None
+
+
+def disk_links(weights_dir: str | Path, upto: int) -> list[WeightsLink]:
+    """The pieces on disk up to version `upto`: full versions (model.safetensors) and deltas (model.delta)."""
+    root, links = Path(weights_dir), []
+    for v in disk_versions(root):
+        if v > upto:
+            continue
+        for name, base in ((FULL_FILE, -1), (DELTA_FILE, v - 1)):
+            f = root / f"v{v}" / name
+            if f.is_file() and base < v:
+                links.append(WeightsLink(version=v, base=base, bytes=f.stat().st_size))
+    return links
+
+
+def disk_versions(weights_dir: str | Path) -> list[int]:
+    root = Path(weights_dir)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := VERSION_DIR.match(p.name)))
+
+
+def prune_disk(weights_dir: str | Path, keep: int) -> None:
+    """Keep the last `keep` versions and every version back to the newest full snapshot at or before the
+    oldest of them (its deltas lead there): a snapshot and its deltas go together."""
+    root = Path(weights_dir)
+    versions = disk_versions(root)
+    if len(versions) <= keep:
+        return
+    oldest = versions[-keep]
+    full = [v for v in versions if v <= oldest and (root / f"v{v}" / FULL_FILE).is_file()]
+    start = full[-1] if full else oldest
+    for v in versions:
+        if v < start:
+            shutil.rmtree(root / f"v{v}", ignore_errors=True)
+
+
+def read_disk(path: str | Path, verify_checksums: bool = False) -> dict[str, "torch.Tensor"]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from areal_mq.weights_delta import verify
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightsFetchError(f"no *.safetensors in {path}; the version may have been pruned — "
+                                "wait for the next WeightsReady or raise trainer.keep_weight_versions")
+    out: dict[str, Any] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+        if verify_checksums:
+            with safe_open(str(f), framework="pt") as fh:
+                digests = json.loads((fh.metadata() or {}).get("checksums", "{}"))
+            verify({k: out[k] for k in digests if k in out}, digests)
+    return out
