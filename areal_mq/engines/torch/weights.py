@@ -4,6 +4,8 @@ What: `load_weights_in_place(model, tensors=... | path=...)` copies new values i
 existing parameter tensors (no module re-construction, so the engine's fused views and KV cache stay
 valid). Sources: a mapping name -> torch.Tensor / numpy array, or a safetensors file or a directory
 of *.safetensors files (read tensor by tensor, so peak memory stays about one tensor).
+Each copy lands on the parameter's own device (CPU sources are copied onto a CUDA engine) and into the
+same storage, so the fused views and a captured CUDA graph (graphs.py) see the new values.
 
 Why validate first: a bad update (unknown name, wrong shape, missing parameter) must leave the
 engine serving the old weights intact, with an error that names the offending tensors.
