@@ -141,8 +141,7 @@ class RawWorker:
         if self.sock is not None:
             self.send(pack("ready", {"service": "reward", "capacity": 0, "worker_id": self.worker_id}))
             self.send(pack("disconnect", {"reason": f"sigterm after {self.served} jobs"}))
-            time.sleep(0.1)  # let the I/O thread put both on the wire before the socket closes
-            self.sock.close(0)
+            self.sock.close(linger=2000)  # sends both before closing (up to 2 s), instead of a fixed sleep
         self.ctx.term()
 
 

@@ -227,11 +227,9 @@ def test_reward_serve_finds_the_bus_from_the_broker_address_alone(procs, tmp_pat
     wait_for(lambda: worker_count(cfg, "reward") == 1, 60, what="reward serve")
     assert f"signal bus tcp://127.0.0.1:{job + 1} (in) / tcp://127.0.0.1:{job + 2} (out)" in procs.log(server)
     pub = SignalPublisher(cfg.brokers.bus_in_addr, keys=keys(cfg, "controller"))
-    try:
-        deadline = time.monotonic() + 60
-        while server.poll() is None and time.monotonic() < deadline:  # PUB drops until the bus link is up
-            pub.publish("control", Control(action="shutdown", reason="test done"))
-            time.sleep(0.5)
+    try:  # PUB drops until the bus link is up: publish until the server has exited
+        wait_for(lambda: pub.publish("control", Control(action="shutdown", reason="test done"))
+                 or server.poll() is not None, 60, interval=0.5, what="reward serve stopped by Control(shutdown)")
     finally:
         pub.close()
     assert server.poll() == 0, procs.log(server)[-3000:]
@@ -253,14 +251,9 @@ def test_control_pause_stops_a_reward_worker_taking_jobs_until_resume(procs, tmp
     try:
         first = client.submit(RewardJob(task="arith", completions=["\\boxed{4}"], reference=4), service="reward")
         assert client.wait(first, 30).rewards == [1.0]  # the bus link is up once a job went through
-        paused = False
-        for _ in range(20):  # PUB drops until the subscriber's link is up: send until the worker says so
-            pub.publish("control", Control(action="pause", target_role="reward", reason="test"))
-            if "reward.control" in procs.log(worker):
-                paused = True
-                break
-            time.sleep(0.5)
-        assert paused, "the worker never logged reward.control"
+        # PUB drops until the subscriber's link is up: send until the worker says it paused
+        wait_for(lambda: pub.publish("control", Control(action="pause", target_role="reward", reason="test"))
+                 or "reward.control" in procs.log(worker), 30, interval=0.5, what="the worker logged reward.control")
         job = client.submit(RewardJob(task="arith", completions=["\\boxed{5}"], reference=5), service="reward")
         assert client.poll(2.0) == [], "a paused worker took a job"
         pub.publish("control", Control(action="resume", target_role="reward", reason="test"))

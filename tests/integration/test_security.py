@@ -17,7 +17,7 @@ import zmq
 from areal_mq import protocol
 from areal_mq.client import JobClient, SignalPublisher, SignalSubscriber, StoreClient
 from areal_mq.errors import BrokerUnavailable, JobFailed
-from areal_mq.messages import Control, Error, Ready, RewardJob, Sample, SeqSample, WeightsReady
+from areal_mq.messages import Control, Error, Event, Ready, RewardJob, Sample, SeqSample, WeightsReady
 from areal_mq.security import Keyring, generate_keys
 
 from areal_mq.config import load_config
@@ -36,6 +36,17 @@ def stranger(tmp_path) -> Keyring:
     d = tmp_path / "other-keys"
     generate_keys(d, ["controller", "trainer", "broker"])
     return Keyring.load(d, "controller")
+
+
+def _through_the_bus(pub: SignalPublisher, events: SignalSubscriber) -> bool:
+    """Publish a sentinel event after what `pub` sent; True once `events` (subscribed to "events") receives it.
+    The bus reads each publisher's messages in order, so everything `pub` sent before has been handled by then
+    (a condition to wait on, instead of a sleep; PUB drops what it sends before its link is up)."""
+    pub.publish("events", Event(record={"event": "test.sentinel"}))
+    while (got := events.recv(0.1)) is not None:
+        if got[1].msg.record.get("event") == "test.sentinel":
+            return True
+    return False
 
 
 def _with_server_key(stranger: Keyring, cfg) -> Keyring:
@@ -101,33 +112,42 @@ def test_unkeyed_and_unknown_publishers_cannot_stop_a_worker(cfg, echo, stranger
 def test_worker_key_cannot_publish_weights_or_control(cfg, echo):
     rollout = keys(cfg, "rollout")
     sub = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights", "control"), keys=keys(cfg))
+    events = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("events",), keys=keys(cfg))
     pub = SignalPublisher(cfg.brokers.bus_in_addr, keys=rollout)
     try:
         wait_for(lambda: sub.recv(0.2), 10, what="the retained base WeightsReady")
         inside = str(Path(cfg.run.run_dir, "weights", "v9").resolve())
-        for _ in range(10):
+
+        def hostile_ones_handled():
             pub.publish("weights", WeightsReady(version=9, path=inside))
             pub.publish("control", Control(action="shutdown", reason="rollout says so"))
-            time.sleep(0.1)
+            return _through_the_bus(pub, events)
+
+        wait_for(hostile_ones_handled, 30, what="the rollout's publications read by the bus")
         assert sub.recv(1.0) is None  # nothing was forwarded
         assert echo.poll() is None
     finally:
-        pub.close(), sub.close()
+        pub.close(), sub.close(), events.close()
     logged = "".join(p.read_text() for p in Path(cfg.run.run_dir, "events").glob("broker-*.jsonl"))
     assert "bus.refused" in logged and "may not publish:weights" in logged
 
 
 def test_weights_outside_the_run_are_refused_and_never_retained(cfg, broker):
     pub = SignalPublisher(cfg.brokers.bus_in_addr, keys=keys(cfg, "trainer"))
-    try:
-        time.sleep(0.5)
-        for bad in (WeightsReady(version=5, path="/etc"),
-                    WeightsReady(version=5, path=str(Path(cfg.run.run_dir, "weights", "..", "store").resolve())),
-                    WeightsReady(version=5, mode="zmq", endpoint="tcp://10.9.9.9:4444")):
+    events = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("events",), keys=keys(cfg))
+    bad_ones = (WeightsReady(version=5, path="/etc"),
+                WeightsReady(version=5, path=str(Path(cfg.run.run_dir, "weights", "..", "store").resolve())),
+                WeightsReady(version=5, mode="zmq", endpoint="tcp://10.9.9.9:4444"))
+
+    def bad_ones_handled():
+        for bad in bad_ones:
             pub.publish("weights", bad)
-        time.sleep(0.5)
+        return _through_the_bus(pub, events)
+
+    try:
+        wait_for(bad_ones_handled, 30, what="the bad WeightsReady read by the bus")
     finally:
-        pub.close()
+        pub.close(), events.close()
     late = SignalSubscriber(cfg.brokers.bus_out_addr, topics=("weights",), keys=keys(cfg))
     try:
         got = wait_for(lambda: late.recv(0.2), 10, what="retained weights")

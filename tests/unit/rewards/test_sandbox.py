@@ -4,13 +4,13 @@ Run: pytest tests/unit/rewards/test_sandbox.py -q   (~15 s; namespace tests skip
 """
 import os
 import random
-import time
 
 import pytest
 
 from areal_mq.rewards.code_reward import code_reward, extract_program
 from areal_mq.rewards.config import SandboxConfig
 from areal_mq.rewards.sandbox.runner import CodeSandbox, namespaces_available
+from areal_mq.testing import wait_for
 
 LIMITS = dict(timeout_s=8.0, cpu_s=2, memory_mb=256, max_processes=12, max_output_bytes=8192)
 HAS_NS = namespaces_available()
@@ -63,16 +63,20 @@ def test_sleeping_program_hits_the_wall_clock_limit_and_its_children_die():
             "time.sleep(60)\n") if box.isolation == "namespaces" else "import time\ntime.sleep(60)\n"
     r = box.run(prog, "assert True")
     assert r.reason == "timeout" and "wall-clock" in r.message and r.duration_s < 10
-    time.sleep(0.2)
-    leftovers = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    leftovers.append(pid)
-        except OSError:
-            pass
-    assert leftovers == []
+
+    def leftovers() -> list[str]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    # killed at once, gone from /proc when reaped: wait for that, not a fixed 0.2 s
+    wait_for(lambda: leftovers() == [], 10, what="the sandbox's children gone from /proc")
 
 
 def test_memory_bomb(sandbox):
