@@ -1,7 +1,8 @@
 """Config of the trainer (owned by areal_mq.algorithms).
 
 What: `TrainerConfig` holds every knob of the decoupled-PPO trainer — optimisation, the loss
-(clipping, behaviour-policy correction, KL), advantages, micro-batch packing, weight publishing and
+(clipping, behaviour-policy correction and the off-policy corrections — TIS, IcePop masking, CISPO — each
+with its source in its field description, KL), advantages, micro-batch packing, weight publishing and
 checkpoints. `validate_off_policy(max_staleness, cfg)` is the cross-section rule the root RunConfig
 calls: asynchronous training (max_staleness > 0) without the behaviour correction is refused unless
 the user opts in explicitly.
@@ -69,10 +70,26 @@ class TrainerConfig(BaseModel):
         "the training forward already gives the same numbers; default reuses it and saves a forward)."
     )
     behav_weight_cap: float | None = Field(
-        5.0, gt=0, description="Cap of the behaviour importance weight exp(prox - behaviour) (null: no cap)."
+        5.0, ge=1, description="Cap of the behaviour importance weight w = exp(prox - behaviour) (null: no cap; "
+        ">= 1, since on-policy tokens have w = 1). With behav_cap_mode truncate this IS truncated importance "
+        "sampling (TIS: min(w, C); Yao et al. 2025, 'Your efficient RL framework secretly brings you off-policy "
+        "RL training', verl's rollout_is=token/truncate; they use C = 2)."
     )
     behav_cap_mode: Literal["truncate", "mask"] = Field(
-        "truncate", description="truncate: use min(w, cap); mask: tokens with w > cap contribute no loss."
+        "truncate", description="truncate: use min(w, cap) (TIS); mask: tokens with w > cap contribute no loss "
+        "(one-sided masked importance sampling, verl's MIS)."
+    )
+    offpolicy_mask_k: float | None = Field(
+        None, gt=1, description="Two-sided token masking (IcePop, Ling team 2025 'Small leak can sink a great "
+        "ship', AReaL 2.0's KPop): tokens whose behaviour weight exp(prox - behaviour) leaves [1/k, k] contribute "
+        "no loss (and no gradient); kept tokens keep their weight (capped as above). null: off; k > 1 "
+        "(e.g. 2). Needs behav_correction (without it the weight is 1 everywhere)."
+    )
+    policy_loss: Literal["ppo", "cispo"] = Field(
+        "ppo", description="ppo: the clipped surrogate min(r*A, clip(r)*A), which drops the gradient of clipped "
+        "tokens. cispo: CISPO (MiniMax-M1, arXiv 2506.13585; AReaL 2.0): -sg(clip(r, 1-eps_clip_low, "
+        "1+eps_clip_high)) * A * logp, every token keeps a gradient, its IS ratio is clipped instead. Both are "
+        "weighted by the behaviour weight and masks above; r = exp(logp - prox)."
     )
     allow_uncorrected_off_policy: bool = Field(
         False, description="Allow max_staleness > 0 with behav_correction off (biased; you must opt in)."
@@ -127,6 +144,10 @@ class TrainerConfig(BaseModel):
     def _check(self) -> "TrainerConfig":
         if self.behav_cap_mode == "mask" and self.behav_weight_cap is None:
             raise ValueError("behav_cap_mode 'mask' needs a behav_weight_cap; set one (e.g. 5.0) or use 'truncate'")
+        if self.offpolicy_mask_k is not None and not self.behav_correction:
+            raise ValueError("offpolicy_mask_k masks tokens by the behaviour weight exp(prox - behaviour), which is 1 "
+                             "everywhere with behav_correction=false (nothing would ever be masked); set "
+                             "behav_correction=true or drop offpolicy_mask_k")
         return self
 
 

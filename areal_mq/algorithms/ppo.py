@@ -5,13 +5,16 @@ engine), proximal logprob p (recomputed with the trainer's weights when the batc
 current logprob θ:
 
     r = exp(θ - p)                       # PPO ratio against the proximal policy
-    w = exp(p - b)                       # behaviour importance weight, capped (truncate) or masked
-    loss_token = -w * min(r*A, clip(r, 1-eps_low, 1+eps_high) * A)
+    w = exp(p - b)                       # behaviour importance weight, capped (truncate = TIS) or masked
+    w = 0 where w ∉ [1/k, k]             # IcePop masking (trainer.offpolicy_mask_k = k; off by default)
+    loss_token = -w * min(r*A, clip(r, 1-eps_low, 1+eps_high) * A)     # policy_loss "ppo"
+    loss_token = -w * sg(clip(r, 1-eps_low, 1+eps_high)) * A * θ        # policy_loss "cispo" (sg: no gradient)
 
 The batch loss is sum(loss_token) / total_tokens where `total_tokens` is the number of generated
 tokens of the WHOLE optimizer step (every micro-batch, every data-parallel rank), so accumulating
-micro-batch gradients gives exactly the gradient of the token mean. Tokens masked out by the
-behaviour cap (mode "mask") contribute zero but stay in the denominator.
+micro-batch gradients gives exactly the gradient of the token mean. Tokens masked out (behaviour cap in
+mode "mask", or outside [1/k, k]) contribute zero but stay in the denominator. Where each correction comes
+from: the field descriptions in areal_mq/algorithms/config.py.
 The statistics stay 0-dim tensors on the loss's device: the trainer sums them over micro-batches and reads
 them back once per step (a `float()` per micro-batch would make the host wait for the GPU every time).
 Why here: kept free of models and distributed code so it can be checked by hand (tests/unit/algorithms).
@@ -35,6 +38,7 @@ class LossStats:
     weight_sum: torch.Tensor  # sum of the behaviour weight (before cap) over tokens
     weight_max: torch.Tensor  # 0 when there is no token
     capped: torch.Tensor  # tokens whose weight exceeded the cap (truncated or masked)
+    masked: torch.Tensor  # tokens that contribute no loss: over the cap in mode "mask", or outside [1/k, k]
     kl_sum: torch.Tensor
 
 
@@ -44,13 +48,29 @@ def behaviour_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cfg: Tra
     ones = torch.ones_like(raw, dtype=torch.bool)
     if not cfg.behav_correction:
         return torch.ones_like(raw), raw, ones, ~ones
+    weight, keep, capped = raw, ones, ~ones
     cap = cfg.behav_weight_cap
-    if cap is None:
-        return raw, raw, ones, ~ones
-    capped = raw > cap
-    if cfg.behav_cap_mode == "truncate":
-        return torch.clamp(raw, max=cap), raw, ones, capped
-    return torch.where(capped, torch.zeros_like(raw), raw), raw, ~capped, capped
+    if cap is not None:
+        capped = raw > cap
+        if cfg.behav_cap_mode == "truncate":
+            weight = torch.clamp(raw, max=cap)
+        else:
+            keep = ~capped
+    k = cfg.offpolicy_mask_k
+    if k is not None:
+        keep = keep & (raw >= 1.0 / k) & (raw <= k)
+    if (cap is not None and cfg.behav_cap_mode == "mask") or k is not None:
+        weight = torch.where(keep, weight, torch.zeros_like(weight))
+    return weight, raw, keep, capped
+
+
+def surrogate(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, cfg: TrainerConfig):
+    """(per-token policy loss before the behaviour weight, clipped-mask) of trainer.policy_loss."""
+    clipped_ratio = torch.clamp(ratio, 1.0 - cfg.eps_clip_low, 1.0 + cfg.eps_clip_high)
+    if cfg.policy_loss == "cispo":  # the clipped ratio is a constant weight of the logprob's gradient
+        return -clipped_ratio.detach() * advantages * logp, clipped_ratio.detach() != ratio.detach()
+    surr, surr_clipped = ratio * advantages, clipped_ratio * advantages
+    return -torch.minimum(surr, surr_clipped), (surr_clipped < surr).detach()
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -79,11 +99,8 @@ def ppo_loss(
         raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
     prox_logp = prox_logp.detach()
     weight, raw, keep, capped = behaviour_weight(prox_logp, behav_logp.detach(), cfg)
-    ratio = torch.exp(logp - prox_logp)
-    surr = ratio * advantages
-    clipped_ratio = torch.clamp(ratio, 1.0 - cfg.eps_clip_low, 1.0 + cfg.eps_clip_high)
-    surr_clipped = clipped_ratio * advantages
-    per_token = -weight * torch.minimum(surr, surr_clipped)
+    policy, clipped = surrogate(logp, torch.exp(logp - prox_logp), advantages, cfg)
+    per_token = weight * policy
     kl_sum = logp.new_zeros((), dtype=torch.float32)
     if cfg.kl_coef > 0 and ref_logp is not None:
         kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
@@ -93,10 +110,11 @@ def ppo_loss(
     with torch.no_grad():
         stats = LossStats(
             n_tokens=logp.numel(),
-            clipped=((surr_clipped < surr) & keep).sum().float(),
+            clipped=(clipped & keep).sum().float(),
             weight_sum=raw.sum().float(),
             weight_max=raw.max().float() if raw.numel() else raw.new_zeros((), dtype=torch.float32),
             capped=capped.sum().float(),
+            masked=(~keep).sum().float(),
             kl_sum=kl_sum,
         )
     return loss, stats

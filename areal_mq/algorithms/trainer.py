@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from areal_mq.messages import Sample
 
 # order of the summed metrics vector reduced over ranks: the first _N_DEVICE_SUMS are summed on the device
-_SUMS = ("loss", "clipped", "weight_sum", "capped", "kl_sum", "entropy_sum", "n_gen", "fwd_tokens")
-_N_DEVICE_SUMS = 6
+_SUMS = ("loss", "clipped", "weight_sum", "capped", "masked", "kl_sum", "entropy_sum", "n_gen", "fwd_tokens")
+_N_DEVICE_SUMS = 7
 
 
 def compute_precision(cfg: TrainerConfig, device: "torch.device", model_dtype: str) -> str:
@@ -230,7 +230,7 @@ class Trainer:
                     prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
                 loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, gen_tokens, self.cfg, mb.ref_logp)
                 self.accelerator.backward(loss * self.world_size)
-            sums += torch.stack([loss.detach().float(), st.clipped, st.weight_sum, st.capped, st.kl_sum,
+            sums += torch.stack([loss.detach().float(), st.clipped, st.weight_sum, st.capped, st.masked, st.kl_sum,
                                  entropy.sum().float()]).double()
             counts += [st.n_tokens, mb.n_tokens]
             weight_max = torch.maximum(weight_max, st.weight_max.double())
@@ -317,7 +317,9 @@ class Trainer:
         out = {
             "loss": s["loss"] / n_minis, "clip_frac": s["clipped"] / n, "entropy": s["entropy_sum"] / n,
             "behav_weight_mean": s["weight_sum"] / n, "behav_weight_max": weight_max,
-            "behav_capped_frac": s["capped"] / n, "grad_norm": float(np.mean(norms)),
+            "behav_capped_frac": s["capped"] / n,
+            # tokens that gave no loss (behaviour cap in mode mask, or outside [1/k, k]: offpolicy_mask_k)
+            "masked_frac": s["masked"] / n, "grad_norm": float(np.mean(norms)),
             "grad_norm_max": float(np.max(norms)), "staleness_mean": float(stale.mean()),
             "staleness_max": int(stale.max()), "n_samples": len(samples), "n_seqs": len(seqs),
             # generated tokens trained at staleness 0, 1, 2, ... versions (index = staleness)

@@ -75,6 +75,19 @@ def test_metrics_report_staleness_weights_and_throughput(tiny_model_dir):
     assert sum(k * c for k, c in enumerate(hist)) / sum(hist) == pytest.approx(m["staleness_mean"])
     assert 0 < m["behav_capped_frac"] < 1 and m["behav_weight_max"] > trainer.cfg.behav_weight_cap
     assert m["n_microbatches"] > 1 and m["version"] == 6
+    assert m["masked_frac"] == 0.0  # truncate mode: nothing masked
+
+
+def test_masked_frac_reports_the_tokens_icepop_masked(tiny_model_dir):
+    """offpolicy_mask_k: the tokens of the group whose behaviour is far off (w >> k) are masked, the rest
+    (behaviour = noise around -3, so some weights also leave [1/k, k]) in part; the fraction is per token."""
+    trainer = Trainer(TrainerConfig(max_tokens_per_mb=64, offpolicy_mask_k=2.0), tiny_model_dir)
+    batch = make_samples(4, version=0, staleness=0)
+    for seq in batch[0].seqs:
+        seq.logprobs = seq.logprobs - 40.0
+    m = trainer.train_step(batch)
+    far = sum(len(s.output_ids) for s in batch[0].seqs) / m["n_gen_tokens"]
+    assert far <= m["masked_frac"] <= 1.0 and np.isfinite(m["loss"])
 
 
 def test_empty_batch_is_refused(tiny_model_dir):
