@@ -81,6 +81,22 @@ class BrokerConfig(_Section):
         256.0, gt=0, description="Sample store log size, MiB, past which it is compacted (rewritten with only held "
         "samples and remembered ids) once at least half of it is acked or dropped samples.")
     job_retry_s: float = Field(600.0, gt=0, description="Client resubmits a job unanswered this long.")
+    job_deadline_s: float = Field(
+        300.0, ge=0, description="Job broker: the lease of a job on its worker. A job not answered this long after "
+        "it was assigned is taken back (the worker's slot freed) and requeued for another worker, or failed with "
+        "Error job_failed after job_max_attempts assignments. 0: no deadline. Per service: job_deadlines.")
+    job_deadlines: dict[str, float] = Field(
+        default_factory=lambda: {"agent": 1800.0}, description="Per-service job leases, seconds, overriding "
+        "job_deadline_s (e.g. {reward: 120}; an agent's whole episode gets 1800 by default). 0: none.")
+    job_max_attempts: int = Field(3, ge=1, description="Assignments of a job whose lease ended before the broker "
+                                  "fails it (Error job_failed) instead of requeuing it.")
+
+    @model_validator(mode="after")
+    def _leases_not_negative(self) -> "BrokerConfig":
+        bad = {k: v for k, v in self.job_deadlines.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"brokers.job_deadlines: leases are seconds >= 0 (0: none), got {bad}")
+        return self
 
     def addr(self, port: int, host: str | None = None) -> str:
         return f"tcp://{host or self.host}:{port}"

@@ -21,7 +21,10 @@ Rules (the broker's invariants rest on them):
   session, worker gone or of another service, parked once already) the freest worker takes it;
 - jobs put back (a lost worker's in flight, parked ones that expired or whose worker drains) go to the
   front of their queue, oldest first; a lost worker's in-flight jobs go before its parked ones;
-- every job is at any time queued, parked, or assigned to one worker; each assignment is returned once.
+- every job is at any time queued, parked, or assigned to one worker; each assignment is returned once;
+- a job assigned holds a lease (`Leases`: brokers.job_deadline_s, per service); one not answered when its
+  lease ends is taken back (`overdue`): its worker's slot is freed and it goes to the front of its queue,
+  for another worker of the service when one has credit; after `max_attempts` assignments it fails instead.
 """
 from __future__ import annotations
 
@@ -32,6 +35,17 @@ from typing import Any, NamedTuple
 from .sticky import StickySessions
 
 TASK_SCAN = 1024  # queued jobs one dispatch looks through for a task a free worker serves (then they wait)
+
+
+@dataclass(frozen=True)
+class Leases:
+    """How long a worker may hold a job of each service before the broker takes it back (0: for ever)."""
+    default_s: float = 0.0
+    per_service: dict[str, float] = field(default_factory=dict)
+    max_attempts: int = 3  # assignments before an overdue job fails instead of being requeued
+
+    def of(self, service: str) -> float:
+        return self.per_service.get(service, self.default_s)
 
 
 @dataclass
@@ -65,6 +79,8 @@ class JobState:
     attempts: int = 0
     session: str = ""  # generate_request: routes to the session's last worker (sticky.py)
     waited: bool = False  # parked once for its session's worker already: now any worker
+    due: float = 0.0  # while assigned: when its lease ends (0: never)
+    avoid: bytes | None = None  # the worker it was taken back from (overdue): another one first
 
 
 class Assignment(NamedTuple):
@@ -83,6 +99,14 @@ class Pool:
     queues: dict[str, collections.deque[str]] = field(default_factory=dict)  # job ids, oldest first
     jobs: dict[str, JobState] = field(default_factory=dict)  # queued, parked and in flight
     counters: collections.Counter = field(default_factory=collections.Counter)
+    leases: Leases = field(default_factory=Leases)
+
+
+class Overdue(NamedTuple):
+    """A job taken back from `worker` when its lease ended: requeued, or `failed` (tried max_attempts times)."""
+    job: JobState
+    worker: WorkerState
+    failed: bool
 
 
 # ------------------------------------------------------------ choices
@@ -112,9 +136,11 @@ def sticky_choice(pool: Pool, job: JobState, best: WorkerState, now: float) -> W
     return best
 
 
-def assign(pool: Pool, job: JobState, worker: WorkerState) -> Assignment:
-    """Record `job` as in flight on `worker` (one more attempt; its session now lives there)."""
+def assign(pool: Pool, job: JobState, worker: WorkerState, now: float) -> Assignment:
+    """Record `job` as in flight on `worker` (one more attempt, a new lease; its session now lives there)."""
     job.worker, job.attempts = worker.ident, job.attempts + 1
+    lease = pool.leases.of(job.service)
+    job.due = now + lease if lease > 0 else 0.0
     worker.in_flight.add(job.id)
     if job.session:
         pool.sticky.remember(job.session, worker.ident)
@@ -129,7 +155,7 @@ def dispatch(pool: Pool, service: str, now: float) -> list[Assignment]:
     if not queue or not candidates:
         return []
     if pool.restricted.get(service):
-        return dispatch_by_task(pool, queue, candidates)
+        return dispatch_by_task(pool, queue, candidates, now)
     out = []
     jobs = pool.jobs
     while queue:
@@ -140,11 +166,11 @@ def dispatch(pool: Pool, service: str, now: float) -> list[Assignment]:
         if job is not None and job.session:
             best = sticky_choice(pool, job, best, now)
         if job is not None and best is not None:
-            out.append(assign(pool, job, best))
+            out.append(assign(pool, job, elsewhere(candidates.values(), job, best), now))
     return out
 
 
-def dispatch_by_task(pool: Pool, queue: collections.deque, candidates: dict[bytes, WorkerState]
+def dispatch_by_task(pool: Pool, queue: collections.deque, candidates: dict[bytes, WorkerState], now: float
                      ) -> list[Assignment]:
     """Some workers serve only some tasks: give each job, in queue order, the freest worker serving it.
 
@@ -162,9 +188,16 @@ def dispatch_by_task(pool: Pool, queue: collections.deque, candidates: dict[byte
         if best is None:
             kept.append(job.id)
         else:
-            out.append(assign(pool, job, best))
+            out.append(assign(pool, job, elsewhere(free, job, best), now))
     queue.extendleft(reversed(kept))
     return out
+
+
+def elsewhere(workers, job: JobState, best: WorkerState) -> WorkerState:
+    """`best`, unless the job was taken back from it (overdue) and another worker serving it has credit."""
+    if job.avoid is None or best.ident != job.avoid:
+        return best
+    return least_loaded([w for w in workers if w.ident != job.avoid], job.task) or best
 
 
 def freed(pool: Pool, worker: WorkerState, now: float) -> list[Assignment]:
@@ -180,7 +213,7 @@ def freed(pool: Pool, worker: WorkerState, now: float) -> list[Assignment]:
         job = pool.jobs.get(job_id)
         if job is not None:
             pool.counters["sticky_hits"] += 1
-            out.append(assign(pool, job, worker))
+            out.append(assign(pool, job, worker, now))
     out += dispatch(pool, worker.service, now)
     return out
 
@@ -198,6 +231,38 @@ def expire_parked(pool: Pool, now: float) -> list[Assignment]:
         requeue_front(pool, service, job_ids)
         out += dispatch(pool, service, now)
     return out
+
+
+def overdue(pool: Pool, now: float) -> tuple[list[Assignment], list[Overdue]]:
+    """Take back every in-flight job whose lease ended before `now`: its worker's slot is freed, and the job
+    goes to the front of its queue (for another worker when one has credit: `avoid`), or, assigned
+    `max_attempts` times already, is forgotten and reported `failed` (the caller answers its client).
+    Returns the new assignments and the overdue jobs, for the caller to log (and answer the failed ones)."""
+    late: list[Overdue] = []
+    for worker in list(pool.workers.values()):
+        for job_id in sorted(worker.in_flight):
+            job = pool.jobs.get(job_id)
+            if job is None or not 0 < job.due <= now:
+                continue
+            worker.in_flight.discard(job_id)
+            failed = job.attempts >= pool.leases.max_attempts
+            if failed:
+                del pool.jobs[job_id]
+            else:
+                job.worker, job.due, job.avoid = None, 0.0, worker.ident
+            pool.counters["deadline_failed" if failed else "deadline_requeued"] += 1
+            late.append(Overdue(job, worker, failed))
+    out: list[Assignment] = []
+    by_service: dict[str, list[str]] = {}
+    for o in late:
+        if not o.failed:
+            by_service.setdefault(o.job.service, []).append(o.job.id)
+    for service, job_ids in by_service.items():
+        requeue_front(pool, service, job_ids)
+    for worker in {id(o.worker): o.worker for o in late}.values():
+        if worker.ident in pool.workers:
+            out += freed(pool, worker, now)
+    return out, late
 
 
 def requeue_front(pool: Pool, service: str, job_ids: list[str]) -> None:
@@ -258,7 +323,7 @@ def remove_worker(pool: Pool, ident: bytes) -> tuple[WorkerState, int] | None:
     for job_id in sorted(worker.in_flight, reverse=True):
         job = pool.jobs.get(job_id)
         if job is not None:
-            job.worker = None
+            job.worker, job.due = None, 0.0
             pool.queues.setdefault(job.service, collections.deque()).appendleft(job_id)
             requeued += 1
     if not pool.by_service[service]:  # forget a service nobody serves and nothing waits for (max_services)

@@ -13,6 +13,10 @@ Invariants:
   front of their service queue;
 - a reply is checked against its job (kind, lengths, finite numbers; reply_problem); a reply that fails
   to decode or makes no sense frees the worker's slot and reaches the client as Error(bad_reply);
+- a job holds a lease while assigned (brokers.job_deadline_s, per service: dispatch.Leases): one not
+  answered in time is taken back (the worker's slot freed, event broker.job_overdue) and requeued at the front
+  for another worker, or after brokers.job_max_attempts assignments answered Error(job_failed); so a worker
+  that never answers, or answers with a wrong reply_to, cannot wedge a client;
 - a reward_job goes only to a worker whose READY `tasks` include its task (or that lists none); one no
   registered worker of its service can serve is answered Error(no_service) at once;
 - a queue holds at most `max_queue` jobs, and at most `max_services` services exist at once (queued jobs or
@@ -49,7 +53,7 @@ from areal_mq.messages import Error, Heartbeat, Kind, Message, Stats
 from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
 from . import dispatch
-from .dispatch import Assignment, JobState, Pool, WorkerState
+from .dispatch import Assignment, JobState, Leases, Pool, WorkerState
 from .sticky import StickySessions
 
 DEFAULT_SERVICE = {Kind.GENERATE_REQUEST: "generate", Kind.REWARD_JOB: "reward", Kind.EPISODE_JOB: "agent"}
@@ -87,7 +91,8 @@ class JobBroker:
 
     def __init__(self, ctx: zmq.Context, address: str, *, heartbeat_s: float, liveness: int, max_queue: int,
                  max_frame_bytes: int, log: Any, keys: Keyring | None = None, max_capacity: int = 4096,
-                 max_services: int = 64, max_sessions: int = 100_000, sticky_wait_s: float = 1.0):
+                 max_services: int = 64, max_sessions: int = 100_000, sticky_wait_s: float = 1.0,
+                 leases: Leases | None = None):
         self.sock = ctx.socket(zmq.ROUTER)
         self.secure = keys is not None and keys.secure
         if keys is not None:
@@ -107,10 +112,10 @@ class JobBroker:
         self.max_frame_bytes = max_frame_bytes
         self.log = log
         # the dispatch policy's tables (brokers/dispatch.py decides over them); the names below are the same objects
-        self.pool = pool = Pool(StickySessions(max_sessions, sticky_wait_s))
+        self.pool = pool = Pool(StickySessions(max_sessions, sticky_wait_s), leases=leases or Leases())
         self.workers, self.by_service, self.restricted = pool.workers, pool.by_service, pool.restricted
         self.queues, self.jobs, self.counters, self.sticky = pool.queues, pool.jobs, pool.counters, pool.sticky
-        self._next_check = 0.0
+        self._next_check = self._next_lease_check = 0.0
 
     # ------------------------------------------------------------ input
     def handle(self) -> None:
@@ -303,12 +308,30 @@ class JobBroker:
     def tick(self, now: float) -> None:
         if self.sticky.due(now):  # parked jobs that waited sticky_wait_s: front of their queue, any worker
             self._deliver(dispatch.expire_parked(self.pool, now))
+        if now >= self._next_lease_check:  # a lease is seconds to minutes: a check per 0.25 s is precise enough
+            self._next_lease_check = now + 0.25
+            self._take_back_overdue(now)
         if now < self._next_check:
             return
         self._next_check = now + self.heartbeat_s
         deadline = now - self.heartbeat_s * self.liveness
         for ident in [i for i, w in self.workers.items() if w.last_seen < deadline]:
             self._drop_worker(ident, f"no heartbeat for {self.heartbeat_s * self.liveness:.1f}s")
+
+    def _take_back_overdue(self, now: float) -> None:
+        """Jobs held past their lease: requeued for another worker, or failed to their client."""
+        sent, late = dispatch.overdue(self.pool, now)
+        for job, worker, failed in late:
+            lease = self.pool.leases.of(job.service)
+            self.refusals.warning("broker.job_overdue", key=f"{worker.worker_id}:overdue", job=job.id,
+                                  worker=worker.worker_id, service=job.service, lease_s=lease,
+                                  attempts=job.attempts, action="failed" if failed else "requeued")
+            if failed:
+                self._error(job.client, job.id, "job_failed", (
+                    f"no worker answered job {job.id} (service {job.service!r}) within its lease of {lease:g}s, "
+                    f"{job.attempts} time(s); last worker {worker.worker_id!r}. Check that workers answer every "
+                    "job with reply_to = the job id, or raise brokers.job_deadline_s / brokers.job_deadlines"))
+        self._deliver(sent)
 
     def _send(self, ident: bytes, frames: list) -> None:
         try:

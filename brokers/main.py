@@ -25,6 +25,7 @@ class BrokerHost:
     """Polls the sockets of the components it hosts and gives each its `tick` every loop."""
 
     def __init__(self, cfg: Any, only: set[str] | None = None, log: Any = None, keys: Keyring | None = None):
+        from areal_mq.brokers.dispatch import Leases
         from areal_mq.brokers.job_broker import JobBroker
         from areal_mq.brokers.sample_store import SampleStore
         from areal_mq.brokers.signal_bus import SignalBus
@@ -49,7 +50,8 @@ class BrokerHost:
             self.job = JobBroker(self.ctx, b.job_addr, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
                                  max_queue=b.max_queue, max_frame_bytes=max_frame, log=log, keys=keys,
                                  max_capacity=b.max_worker_capacity, max_services=b.max_services,
-                                 max_sessions=b.max_sessions, sticky_wait_s=b.sticky_wait_s)
+                                 max_sessions=b.max_sessions, sticky_wait_s=b.sticky_wait_s,
+                                 leases=Leases(b.job_deadline_s, dict(b.job_deadlines), b.job_max_attempts))
             self._add(self.job, [self.job.sock], lambda s: self.job.handle())
         if "store" in only:
             self.store = SampleStore.from_config(self.ctx, b, Path(cfg.run.run_dir) / "store", log=log, keys=keys)
