@@ -11,7 +11,9 @@ Invariants:
   trainer that trained a batch acks it later; it is neither served again nor dropped as stale meanwhile);
 - an acked sample is never served again (acks are in the log and replayed);
 - a sample whose oldest generated token is older than `version - max_staleness` is never served: it is
-  dropped, logged with the reason, and counted by length bucket;
+  dropped, logged with the reason, and counted by length bucket; every drop is reported exactly once to the
+  trainer, in the `dropped_stale` of the next batch served (drops while no batch is ready wait for one; the
+  count is not durable: a store restart forgets the unreported ones);
 - with CURVE keys only the controller puts samples and only the trainer takes and acks them (anyone
   authenticated may ask for stats); others get Error(forbidden);
 - memory is bounded: at most `max_samples` held (a put beyond: Error store_full), `max_waiters` parked
@@ -84,6 +86,7 @@ class SampleStore:
         self.waiters: list[Waiter] = []
         self.counters: collections.Counter = collections.Counter()
         self.drops_by_bucket: collections.Counter = collections.Counter()
+        self.unreported_stale = 0  # stale drops not yet reported in a served batch's dropped_stale
         self.log_file = SampleLog(Path(store_dir) / "samples.log", fsync, log=log)
         self._replay()
 
@@ -299,14 +302,16 @@ class SampleStore:
 
     def _try_serve(self, waiter: Waiter) -> bool:
         msg = waiter.msg
-        dropped = self._drop_stale(msg.version, msg.max_staleness)
+        self.unreported_stale += self._drop_stale(msg.version, msg.max_staleness)
         if len(self.pending) < msg.n_samples:
             return False
         ids = [self.pending.popleft() for _ in range(msg.n_samples)]
         batch_id = protocol.new_id()
         self.leases[batch_id] = Lease(batch_id, ids, waiter.client, time.monotonic() + self.lease_s)
         self.log_file.append({"op": "lease", "batch": batch_id, "ids": ids})  # durable: see _apply
-        batch = SampleBatch(batch_id=batch_id, samples=[self.samples[s] for s in ids], dropped_stale=dropped)
+        batch = SampleBatch(batch_id=batch_id, samples=[self.samples[s] for s in ids],
+                            dropped_stale=self.unreported_stale)
+        self.unreported_stale = 0
         self._send(waiter.client, protocol.encode(batch, reply_to=waiter.req_id))
         self.counters["served"] += len(ids)
         self.log.debug("store.leased", batch=batch_id, samples=ids, version=msg.version)

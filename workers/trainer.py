@@ -19,6 +19,11 @@ Invariants:
   Control(shutdown) / SIGTERM finish the current step, checkpoint, and exit;
 - a sample with a non-finite reward or behaviour logprob is never trained: it is dropped and named
   (trainer.nonfinite_dropped) instead of turning the loss into NaN;
+- η is a checked, exported invariant: every step's metrics (metrics.jsonl and every sink) carry
+  `staleness_max` (the oldest generated token it trained on, in versions behind the trained policy),
+  `staleness_violations` (tokens older than v - η: must stay 0, logged as trainer.staleness_violation) and
+  `dropped_stale` / `dropped_stale_total` (samples the store dropped as too stale since the last step / since
+  this process started; the store reports each drop once, in the next batch it serves);
 - samples of a batch are trained in sample_id order, so the same samples give the same step whatever order
   they reached the store in (this is what makes η = 0 reproduce sync mode exactly).
 Under `accelerate launch`, rank 0 talks to the store and the bus; the batch is broadcast to every rank.
@@ -39,6 +44,11 @@ from areal_mq.actor.roles import Role, RoleLoop
 
 STORE_UNACKED = "store_unacked"  # checkpoint extra: ids trained into it whose ack follows the save
 ACK_CHUNK = 10_000  # ids per BatchAck when a resumed trainer acks them (far below the 4 MiB header limit)
+
+
+def staleness_violations(staleness_hist: list[int], max_staleness: int) -> int:
+    """Generated tokens trained more than η versions behind the policy (`staleness_hist[k]`: tokens k behind)."""
+    return int(sum(staleness_hist[max_staleness + 1:]))
 
 
 def nonfinite_part(sample: Any) -> str | None:
@@ -71,6 +81,8 @@ class TrainerWorker(Role):
         self.ckpt_root = self.run_dir / "checkpoints"
         self.ckpt_requested = False
         self.waited_since = time.perf_counter()
+        self.stale_unreported = 0  # stale drops the store reported that no step's metrics carried yet
+        self.stale_total = 0
 
     @property
     def is_main(self) -> bool:
@@ -106,6 +118,7 @@ class TrainerWorker(Role):
                                        self.cfg.staleness_bound, wait_s=1.0,
                                        release_leases=self.first_get)  # resume() acked what we trained
             self.first_get = False
+            self.stale_unreported += got.dropped_stale
             if got.dropped_stale:
                 self.log_info("trainer.stale_dropped", count=got.dropped_stale, version=self.trainer.version)
             batch = self._fresh(got) if got.samples else None
@@ -156,8 +169,7 @@ class TrainerWorker(Role):
         self.unacked.append(batch)
         t0 = time.perf_counter()
         self.publish()
-        metrics.update(publish_s=time.perf_counter() - t0, wait_s=waited_s, time=time.time(),
-                       dropped_stale=batch.dropped_stale)
+        metrics.update(publish_s=time.perf_counter() - t0, wait_s=waited_s, time=time.time(), **self._bound(metrics))
         if self.is_main:
             self.sinks.write(self.trainer.version, metrics)
         self.log_info("trainer.step", sample_ids=[s.sample_id for s in samples],  # what the chaos audit reads
@@ -168,6 +180,18 @@ class TrainerWorker(Role):
         elif self.trainer.version % every == 0 or self._checkpoint_due():
             self.checkpoint()
         return metrics
+
+    def _bound(self, metrics: dict) -> dict:
+        """The staleness invariant of this step (see the module docstring)."""
+        eta = self.cfg.staleness_bound
+        violations = staleness_violations(metrics.get("staleness_hist", []), eta)
+        if violations and self.is_main and self.log:
+            self.log.warning("trainer.staleness_violation", tokens=violations, max_staleness=eta,
+                          staleness_max=metrics.get("staleness_max"), version=self.trainer.version)
+        dropped, self.stale_unreported = self.stale_unreported, 0
+        self.stale_total += dropped
+        return {"staleness_bound": eta, "staleness_violations": violations, "dropped_stale": dropped,
+                "dropped_stale_total": self.stale_total}
 
     def publish(self) -> None:
         if not self.is_main:
