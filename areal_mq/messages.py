@@ -419,7 +419,9 @@ class WeightsReady(Message):
 
     mode "disk": safetensors dir at `path`; "zmq": fetch from `endpoint` with WeightsFetch;
     "base": the initial model, nothing to fetch; "sim": a simulated trainer's version (trainer.sim), no weights
-    exist: a simulated engine models the load pause, any other engine refuses it.
+    exist: a simulated engine models the load pause, any other engine refuses it. "cuda_ipc": the trainer's shared
+    buffers (handle set `ipc_set`, described once in run_dir/ipc/<ipc_set>.json) now hold `version`; a colocated
+    worker copies them device to device (areal_mq/weights_ipc.py).
     Deltas (trainer.weight_deltas, areal_mq/weights_delta.py): `base` >= 0 says a delta from version `base`
     (= version - 1) exists: `delta_chunks` chunks (zmq) or `path`/model.delta (disk). `links` lists every piece
     the trainer still holds that leads to `version` — full versions (base -1) and the chain of deltas after the
@@ -435,8 +437,9 @@ class WeightsReady(Message):
     kind: ClassVar[Kind] = Kind.WEIGHTS_READY
     direction: ClassVar[str] = "trainer -> rollout workers"
     version: int = Field(ge=0)
-    mode: Literal["disk", "zmq", "base", "sim"] = "disk"
+    mode: Literal["disk", "zmq", "base", "sim", "cuda_ipc"] = "disk"
     path: str = ""
+    ipc_set: str = Field("", pattern=r"^([0-9a-f]{32})?$")  # cuda_ipc: run_dir/ipc/<ipc_set>.json (weights_ipc.py)
     endpoint: str = ""
     num_chunks: int = 0
     base: int = Field(-1, ge=-1)  # the version this version's delta applies to; -1: no delta
