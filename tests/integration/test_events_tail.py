@@ -27,7 +27,8 @@ def test_tail_from_files_and_bus_with_filters(broker, procs, config_path, cfg):
                     {"AREAL_ECHO_CAPACITY": "1", "AREAL_ECHO_DELAY_S": "0.05"})
     wait_for(lambda: worker_count(cfg, "echo") == 2, 30, what="echo workers")
     live = subprocess.Popen([sys.executable, "-m", "areal_mq.cli", "events", "tail", "--bus", cfg.brokers.bus_out_addr,
-                             "--event", "echo.job_done", "--json", "--duration", "120", "--keys", cfg.run.run_dir + "/keys"],
+                             "--event", "echo.job_done", "--json", "--duration", "120",
+                             "--keys", cfg.run.run_dir + "/keys"],
                             stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in live.stdout], daemon=True).start()

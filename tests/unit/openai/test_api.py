@@ -21,7 +21,7 @@ MODEL = "tiny-random-llama"
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
-class FakeBackend:
+class SeededBackend:
     """Answers each sampling with its seed's tokens; records what it was asked."""
 
     def __init__(self, error: ApiError | None = None):
@@ -50,7 +50,7 @@ def start(tokenizer, backend, **cfg):
 
 @pytest.fixture
 def endpoint(tokenizer):
-    backend = FakeBackend()
+    backend = SeededBackend()
     server, thread = start(tokenizer, backend)
     yield server, backend
     server.shutdown()
@@ -131,7 +131,7 @@ def test_malformed_and_oversized_bodies_and_unknown_routes(endpoint):
 
 
 def test_a_too_long_prompt_is_refused_before_the_broker(tokenizer):
-    backend = FakeBackend()
+    backend = SeededBackend()
     server, thread = start(tokenizer, backend, max_context=64)
     try:
         with pytest.raises(openai.BadRequestError, match="exceeds the context"):
@@ -143,7 +143,7 @@ def test_a_too_long_prompt_is_refused_before_the_broker(tokenizer):
 
 def test_backend_errors_pass_through_and_a_slow_client_does_not_stop_the_server(tokenizer):
     down = ApiError(503, "the job broker is not answering", None, "broker_unavailable", "server_error")
-    server, thread = start(tokenizer, FakeBackend(down), read_timeout_s=0.5)
+    server, thread = start(tokenizer, SeededBackend(down), read_timeout_s=0.5)
     try:
         idle = socket.create_connection(server.server_address[:2])  # says nothing: cut at the read timeout
         with pytest.raises(openai.InternalServerError) as info:
@@ -157,7 +157,7 @@ def test_backend_errors_pass_through_and_a_slow_client_does_not_stop_the_server(
 
 
 def test_an_api_key_is_checked_when_set(tokenizer):
-    server, thread = start(tokenizer, FakeBackend(), api_key="s3cret")
+    server, thread = start(tokenizer, SeededBackend(), api_key="s3cret")
     try:
         with pytest.raises(openai.AuthenticationError):
             client(server, api_key="wrong").models.list()

@@ -76,7 +76,7 @@ def test_a_failed_choice_forgets_its_unanswered_siblings():
         with pytest.raises(ApiError) as info:
             backend.generate([1, 2], [SamplingSpec(seed=0), SamplingSpec(seed=1)], ["", ""], 60.0)
         assert info.value.status == 400
-        wait_for(lambda: client.pending == {}, 10, what="seed 1 forgotten")  # cancelled, then forgotten: no resubmission
+        wait_for(lambda: client.pending == {}, 10, what="seed 1 forgotten")  # cancelled, forgotten: not resubmitted
     finally:
         backend.close()
 

@@ -64,7 +64,8 @@ def clock():
 
 def _worker(tmp_path, engine, clock=None):
     cfg = load_config(None, [f"run.run_dir={tmp_path}"])
-    return RolloutWorker(cfg, engine, FakeRuntime("generate", "rollout-test", role="rollout"), clock=(lambda: clock[0]) if clock else time.monotonic)
+    rt = FakeRuntime("generate", "rollout-test", role="rollout")
+    return RolloutWorker(cfg, engine, rt, clock=(lambda: clock[0]) if clock else time.monotonic)
 
 
 def _ready(tmp_path, version):
