@@ -124,7 +124,10 @@ class TrainerConfig(BaseModel):
     padded_mb_size: int = Field(4, ge=1, description="Sequences per micro-batch when packing == padded.")
 
     # ---------------------------------------------------------------- weights and checkpoints
-    publish_mode: Literal["disk", "zmq"] = Field("disk", description="How new weights reach rollout workers.")
+    publish_mode: Literal["disk", "zmq", "cuda_ipc"] = Field(
+        "disk", description="How new weights reach rollout workers: disk (run_dir/weights), zmq (the trainer's weight "
+        "server), cuda_ipc (colocated: shared buffers on the trainer's device, one device copy; on cpu the same "
+        "protocol on shared memory; trainer and rollout on one device, areal_mq/weights_ipc.py).")
     publish_dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="dtype of published weights.")
     keep_weight_versions: int = Field(2, ge=1, description="Published versions kept (disk dirs / zmq server).")
     weight_server_host: str = Field("127.0.0.1", description="Interface the zmq weight server binds to.")
