@@ -150,6 +150,15 @@ class MetricsConfig(_Section):
         False, description="Also log to an offline Weights & Biases run in run_dir/wandb/, uploaded later with "
         "`wandb sync` (needs `pip install 'areal-mq[wandb]'`).")
     wandb_project: str = Field("areal-mq", description="W&B project of the offline run.")
+    prometheus: bool = Field(
+        False, description="Serve Prometheus metrics from every process, each on its own port (needs `pip install "
+        "'areal-mq[prometheus]'`; areal_mq/telemetry/prometheus.py, dashboard in docker/grafana/).")
+    prometheus_port: int = Field(
+        9400, ge=1, le=65535, description="First port of the block the launcher hands out, one port per process "
+        "in start order (it prints which process serves where); a process started alone serves on this port.")
+    prometheus_host: str = Field(
+        "127.0.0.1", description="Interface the metrics endpoints bind (loopback unless set; 0.0.0.0 for a "
+        "Prometheus on another host or in a container).")
 
 
 class ModelConfig(_Section):

@@ -79,6 +79,7 @@ class JobState:
     attempts: int = 0
     session: str = ""  # generate_request: routes to the session's last worker (sticky.py)
     waited: bool = False  # parked once for its session's worker already: now any worker
+    queued_at: float = 0.0  # when the broker accepted it (`now` of enqueue): queue wait, dispatch latency
     due: float = 0.0  # while assigned: when its lease ends (0: never)
     avoid: bytes | None = None  # the worker it was taken back from (overdue): another one first
 
@@ -285,6 +286,7 @@ def enqueue(pool: Pool, job: JobState, max_queue: int, now: float) -> list[Assig
         return None
     pool.jobs[job.id] = job
     queue.append(job.id)
+    job.queued_at = now
     pool.counters["accepted"] += 1
     return dispatch(pool, job.service, now)
 
@@ -326,6 +328,7 @@ def remove_worker(pool: Pool, ident: bytes) -> tuple[WorkerState, int] | None:
             job.worker, job.due = None, 0.0
             pool.queues.setdefault(job.service, collections.deque()).appendleft(job_id)
             requeued += 1
+    pool.counters["requeued"] += requeued
     if not pool.by_service[service]:  # forget a service nobody serves and nothing waits for (max_services)
         del pool.by_service[service]
         pool.restricted.pop(service, None)

@@ -116,6 +116,7 @@ class JobBroker:
         self.workers, self.by_service, self.restricted = pool.workers, pool.by_service, pool.restricted
         self.queues, self.jobs, self.counters, self.sticky = pool.queues, pool.jobs, pool.counters, pool.sticky
         self._next_check = self._next_lease_check = 0.0
+        self.metrics: Any = None  # telemetry.prometheus.BrokerMetrics when metrics.prometheus is on
 
     # ------------------------------------------------------------ input
     def handle(self) -> None:
@@ -278,6 +279,8 @@ class JobBroker:
             return
         dispatch.finish(self.pool, worker, job)
         self.counters["answered"] += 1
+        if self.metrics is not None:
+            self.metrics.answered(job, now)
         self._send(job.client, frames)
         self._deliver(dispatch.freed(self.pool, worker, now))
 
@@ -293,6 +296,8 @@ class JobBroker:
     # ------------------------------------------------------------ dispatch and liveness
     def _deliver(self, assignments: list[Assignment]) -> None:
         """Send each job the dispatch policy (brokers/dispatch.py) gave a worker to that worker."""
+        if self.metrics is not None and assignments:
+            self.metrics.delivered(assignments, time.monotonic())
         for job, worker in assignments:
             self._send(worker.ident, job.frames)
 

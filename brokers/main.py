@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from areal_mq.errors import SecurityError
+from areal_mq.errors import ConfigError, SecurityError
 from areal_mq.telemetry.log import make_logger
 from areal_mq.security import Keyring, start_zap, warn_if_insecure
 
@@ -56,6 +56,12 @@ class BrokerHost:
         if "store" in only:
             self.store = SampleStore.from_config(self.ctx, b, Path(cfg.run.run_dir) / "store", log=log, keys=keys)
             self._add(self.store, [self.store.sock], lambda s: self.store.handle())
+        from areal_mq.telemetry.prometheus import broker_metrics  # None unless metrics.prometheus
+
+        self.metrics = broker_metrics(cfg, "-".join(sorted(only)), getattr(self, "job", None),
+                                      getattr(self, "bus", None), getattr(self, "store", None), log)
+        if self.metrics is not None and "job" in only:
+            self.job.metrics = self.metrics  # the dispatch latency and job time histograms
         self._stop = False
 
     def _add(self, component: Any, sockets: list, handler: Any) -> None:
@@ -73,11 +79,15 @@ class BrokerHost:
                 tick = getattr(c, "tick", None)
                 if tick:
                     tick(now)
+            if self.metrics is not None:
+                self.metrics.tick(now)  # snapshots the components' stats at most once a second
 
     def stop(self, *_: Any) -> None:
         self._stop = True
 
     def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.exporter.close()
         for c in self.components:
             c.close()
         if self.zap is not None:
@@ -104,6 +114,10 @@ def main(cfg: Any, only: set[str] | None = None) -> int:
         host.run()
         log.info("broker.stopped")
         return 0
+    except ConfigError as exc:  # metrics.prometheus: the package missing or the port taken
+        log.error("broker.config_error", error=str(exc))
+        print(f"error: {exc}", flush=True)
+        return 2
     except zmq.ZMQError as exc:
         log.error("broker.bind_failed", error=str(exc), hint="is another broker using these ports? "
                   "change brokers.*_port with --set")

@@ -357,7 +357,10 @@ class Controller(Role):
                 "dropped": self.dropped, "dropped_by_length": dict(self.dropped_by_length),
                 "ledger": self.ledger.balance(),
                 "in_flight": len(self.groups), "gen_tokens": self.gen_tokens, "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
-                "reward_mean": round(sum(recent) / len(recent), 4) if recent else None}
+                "reward_mean": round(sum(recent) / len(recent), 4) if recent else None,
+                # 1 while η alone stops admission (no concurrency cap in the question)
+                "eta_blocked": int(not can_admit(self.submitted, self.version, self.cfg.staleness_bound,
+                                                 self.ctl_cfg.batch_groups, 0, 1))}
 
     # ------------------------------------------------------------ loop
     def step(self, timeout: float = 0.05) -> None:

@@ -28,6 +28,7 @@ from areal_mq.messages import RewardJob
 from areal_mq.rewards.config import RewardConfig, TaskConfig
 from areal_mq.rewards.executor import RewardExecutor
 from areal_mq.rewards.registry import RewardRegistry
+from areal_mq.rewards.sandbox.runner import REFUSALS as SANDBOX_REFUSALS
 from areal_mq.actor.roles import Role, RoleLoop
 
 DRAIN_TIMEOUT_S = 30.0
@@ -43,6 +44,7 @@ class RewardServer(Role):
         super().__init__(runtime)
         self.ex = executor
         self.answered = 0
+        self.sandbox_refusals = 0  # completions the code sandbox stopped (network, write, syscall, ... refused)
 
     def run(self) -> None:
         self.rt.ready(self.ex.capacity, tasks=sorted(self.ex.cfg.tasks))  # '*' = any task: advertises none
@@ -71,6 +73,7 @@ class RewardServer(Role):
         result = fut.result()
         self.rt.reply(job, result)
         self.answered += 1
+        self.sandbox_refusals += sum(str((d or {}).get("reason", "")) in SANDBOX_REFUSALS for d in result.details)
         self.log.debug("reward.job_done", job=job.id, task=job.msg.task, n=len(result.rewards),
                        cached=result.cached, ms=round((time.monotonic() - started) * 1000, 1))
         self.log.debug("reward.completions", job=job.id, prompt_id=job.msg.prompt_id, rewards=result.rewards,
@@ -81,7 +84,8 @@ class RewardServer(Role):
         return self.rt.in_flight > 0
 
     def stats(self) -> dict:
-        return {"answered": self.answered, "in_flight": self.rt.in_flight}
+        return {**self.ex.stats(), "answered": self.answered, "in_flight": self.rt.in_flight,
+                "sandbox_refusals": self.sandbox_refusals}
 
     def on_stop(self) -> None:
         self.log.info("reward.stats", answered=self.answered, **self.ex.stats())

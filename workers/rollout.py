@@ -72,6 +72,8 @@ class RolloutWorker(Role):
         self.jobs: dict[str, Any] = {}  # request id -> Job
         self.held: list[Any] = []  # jobs waiting for min_version
         self.tokens = 0
+        # weight updates: count, engine pause seconds (sum), sequences interrupted, KV tokens recomputed
+        self.updates = {"weight_updates": 0, "update_pause_s": 0.0, "interrupted_seqs": 0, "recompute_tokens": 0}
         self.retry_load: tuple[WeightsReady, int, float] | None = None  # (ready, next attempt, due at)
         self.unloadable: WeightsReady | None = None  # the last announcement whose load finally failed
         self.announced: WeightsReady | None = None  # the newest announcement not loaded yet
@@ -145,6 +147,9 @@ class RolloutWorker(Role):
                       fetch_s=round(update.fetch_s, 4), engine_pause_s=round(t2 - t1, 4),
                       transfer_s=round(t2 - t0, 4), total_s=round(t2 - t0, 3))
         self.log.info("rollout.weights_updated", **fields)
+        for key, add in (("weight_updates", 1), ("update_pause_s", t2 - t1), ("interrupted_seqs", running),
+                         ("recompute_tokens", int(timings.get("recompute_tokens", 0)))):
+            self.updates[key] += add
 
     def _load_failed(self, ready: WeightsReady, attempt: int, error: str) -> None:
         if attempt < WEIGHTS_LOAD_ATTEMPTS:
@@ -242,7 +247,7 @@ class RolloutWorker(Role):
     def stats(self) -> dict:
         fields = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
         fields.update(running=len(self.jobs), held=len(self.held), tokens=self.tokens,
-                      occupancy=round(len(self.jobs) / max(1, self.capacity), 3))
+                      occupancy=round(len(self.jobs) / max(1, self.capacity), 3), **self.updates)
         return fields
 
     # ------------------------------------------------------------ loop hooks

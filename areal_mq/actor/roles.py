@@ -18,7 +18,8 @@ Why middleware (dramatiq's): cross-cutting concerns are written once, as hooks, 
   calls role.on_pause(paused). What a paused role stops doing itself is its own: the rollout worker pauses its
   engine (Engine.pause: in-flight sequences keep their state; vLLM stops generating in the background too), the
   trainer takes no batch, the controller admits no prompt (answers are still collected).
-- `StatsReport`: every `every_s`, `role.stats()` as one `{role}.stats` event (and to the metrics sinks).
+- `StatsReport`: every `every_s`, `role.stats()` as one `{role}.stats` event (and to the metrics sinks:
+  TensorBoard, W&B, and with `metrics.prometheus` this process's /metrics endpoint).
 - drain on SIGTERM / Control(shutdown): the runtime sets `stopping`; the loop drains as above, then the
   caller closes the runtime (DISCONNECT: the broker requeues whatever was not answered).
 A new concern subclasses `Middleware` and is passed in: `RoleLoop(rt, role, middleware=[...])`.
@@ -141,15 +142,15 @@ class StatsReport(Middleware):
             self.sinks.close()
 
 
-def stats_sinks(cfg: Any, role: str, log: Any) -> Any:
-    """Metrics sinks for a role's periodic stats when the config asks for TensorBoard or W&B (else None: the
-    `{role}.stats` events already carry them)."""
+def stats_sinks(cfg: Any, role: str, log: Any, worker_id: str = "") -> Any:
+    """Metrics sinks for a role's periodic stats when the config asks for TensorBoard, W&B or Prometheus (else
+    None: the `{role}.stats` events already carry them)."""
     metrics = getattr(cfg, "metrics", None)
-    if metrics is None or not (metrics.tensorboard or metrics.wandb):
+    if metrics is None or not (metrics.tensorboard or metrics.wandb or metrics.prometheus):
         return None
     from areal_mq.telemetry.metrics import MetricsSinks
 
-    return MetricsSinks.from_config(cfg, role, log)
+    return MetricsSinks.from_config(cfg, role, log, worker_id)
 
 
 class RoleLoop:
@@ -159,7 +160,8 @@ class RoleLoop:
     def __init__(self, rt: Any, role: Role, middleware: Iterable[Middleware] | None = None):
         self.rt, self.role = rt, role
         if middleware is None:
-            sinks = stats_sinks(getattr(rt, "cfg", None), role.name, role.log) if role.stats_every_s else None
+            sinks = (stats_sinks(getattr(rt, "cfg", None), role.name, role.log, getattr(rt, "worker_id", ""))
+                     if role.stats_every_s else None)
             middleware = [PauseControl(), StatsReport(role.stats_every_s or 5.0, sinks)]
         self.middleware = list(middleware)
 

@@ -8,6 +8,9 @@ the log's path; it is restarted (`launcher.on_child_death: restart`, up to `max_
 included) or the run stops.
 Ctrl-C (SIGINT) asks the trainer to checkpoint (Control "checkpoint" then "shutdown") and waits for it.
 The run ends when the trainer exits after `controller.total_steps` versions.
+Metrics: with `metrics.prometheus: true` each child serves /metrics on its own port of the block starting at
+`metrics.prometheus_port` (in start order: broker, reward, rollout, trainer, controller), checked before anything
+starts (inside 1-65535, clear of the broker ports, free) and printed one line per process.
 Security: `prepare` creates the run's CURVE key set in run_dir/keys (0700) unless it exists or
 `security.keys_dir` names another; every child finds its key there through the config it is given.
 """
@@ -36,6 +39,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    metrics_port: int = 0  # its Prometheus endpoint (metrics.prometheus), 0: none
 
 
 def port_free(host: str, port: int) -> bool:
@@ -78,6 +82,29 @@ def free_port_block(host: str, n: int) -> int:
     raise ConfigError(f"no block of {n} free consecutive ports on {host}; set brokers.job_port and the others")
 
 
+def assign_metrics_ports(cfg: RunConfig, names: list[str], check_free: bool = True) -> dict[str, int]:
+    """Each process (in start order) its Prometheus port of the block from `metrics.prometheus_port`.
+    ConfigError when the block runs past 65535, overlaps a broker or weight server port, or a port is taken."""
+    m, b = cfg.metrics, cfg.brokers
+    base, n = m.prometheus_port, len(names)
+    move = "move the block with --set metrics.prometheus_port=N"
+    if base + n - 1 > 65535:
+        raise ConfigError(f"metrics.prometheus_port {base} + {n} processes runs past port 65535; {move}")
+    block = range(base, base + n)
+    ports = {f"brokers.{name}": getattr(b, name) for name in PORT_NAMES}
+    if cfg.trainer.weight_server_port:
+        ports["trainer.weight_server_port"] = cfg.trainer.weight_server_port
+    clash = {k: v for k, v in ports.items() if v in block}
+    if clash:
+        raise ConfigError(f"the Prometheus port block {base}-{base + n - 1} (one port for each of {n} processes) "
+                          f"overlaps {', '.join(f'{k}={v}' for k, v in clash.items())}; {move}")
+    busy = [p for p in block if check_free and not port_free(m.prometheus_host, p)]
+    if busy:
+        raise ConfigError(f"Prometheus port(s) {', '.join(map(str, busy[:5]))} on {m.prometheus_host} are in use "
+                          f"(block {base}-{base + n - 1} for {n} processes); {move}")
+    return dict(zip(names, block))
+
+
 class Launcher:
     def __init__(self, cfg: RunConfig, console: Any = None):
         self.cfg = cfg
@@ -101,6 +128,8 @@ class Launcher:
         self.keys = Keyring.from_config(self.cfg, "launcher")
         path = self.run_dir / "config.yaml"
         path.write_text(dump_config(self.cfg))
+        if self.cfg.metrics.prometheus:
+            self.plan(path)  # a bad Prometheus port block stops the run here, before anything starts
         return path
 
     def plan(self, config_path: Path) -> list[Child]:
@@ -119,6 +148,11 @@ class Launcher:
                     env = {"OMP_NUM_THREADS": str(lc.threads[role]), "MKL_NUM_THREADS": str(lc.threads[role])}
                 kids.append(Child(name, role, [*base, "worker", role, "--config", str(config_path), "--worker-id",
                                                name], self.run_dir / "logs" / f"{name}.log", env))
+        if cfg.metrics.prometheus:  # each process its own port of the block
+            ports = assign_metrics_ports(cfg, [k.name for k in kids])
+            for kid in kids:
+                kid.metrics_port = ports[kid.name]
+                kid.args += ["--set", f"metrics.prometheus_port={kid.metrics_port}"]
         self.children = kids
         return kids
 
@@ -133,6 +167,9 @@ class Launcher:
         from areal_mq.client import JobClient
 
         for child in self.children:
+            if self.cfg.metrics.prometheus:
+                self.say(f"prometheus: {child.name:<12} http://{self.cfg.metrics.prometheus_host}:"
+                         f"{child.metrics_port}/metrics")
             self.start(child)
             if child.role == "broker":
                 probe = JobClient(self.cfg.brokers.job_addr, keys=self.keys)

@@ -9,6 +9,8 @@ What: `MetricsSinks.from_config(cfg, role, log)` builds the sinks of the config'
     the finite numeric values tagged "<role>/<key>" at `step`;
   - Weights & Biases (`metrics.wandb: true`, extra `wandb`): an offline run in run_dir/wandb/ (nothing goes
     over the network; `wandb sync` uploads it later).
+  - Prometheus (`metrics.prometheus: true`, extra `prometheus`): this process's /metrics endpoint on
+    `metrics.prometheus_host:prometheus_port`, fed by every write (areal_mq/telemetry/prometheus.py).
 Why: a sink switched on without its package fails at startup with a ConfigError naming the pip extra,
 never silently; a sink that raises while writing is logged once and switched off, so a full disk or a broken
 writer never stops training.
@@ -120,18 +122,26 @@ class MetricsSinks:
         self.log = log
 
     @classmethod
-    def from_config(cls, cfg: Any, role: str, log: Any = None) -> "MetricsSinks":
-        """The sinks `cfg.metrics` (a RunConfig's) asks for; ConfigError when one's package is missing."""
+    def from_config(cls, cfg: Any, role: str, log: Any = None, worker_id: str = "") -> "MetricsSinks":
+        """The sinks `cfg.metrics` (a RunConfig's) asks for; ConfigError when one's package is missing or the
+        Prometheus port cannot be bound. `worker_id` names the process on its Prometheus endpoint."""
         run_dir = Path(cfg.run.run_dir)
         wandb = require("wandb", "wandb") if cfg.metrics.wandb else None
         if cfg.metrics.tensorboard:
             require("tensorboard", "tensorboard")
+        prometheus = None
+        if cfg.metrics.prometheus:
+            from areal_mq.telemetry.prometheus import PrometheusSink
+
+            prometheus = PrometheusSink(cfg, role, worker_id, log)  # binds its port now: a clash stops us here
         run_dir.mkdir(parents=True, exist_ok=True)
         sinks: list[Any] = [JsonlSink(jsonl_path(run_dir, role))]
         if cfg.metrics.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard", role))
         if wandb is not None:
             sinks.append(WandbSink(wandb, cfg, role))
+        if prometheus is not None:
+            sinks.append(prometheus)
         return cls(sinks, role, log)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:

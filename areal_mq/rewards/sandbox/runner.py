@@ -77,6 +77,10 @@ MESSAGES = {
 }
 
 
+# the reasons (of MESSAGES) that mean the sandbox refused something the program tried
+REFUSALS = frozenset({"process_limit", "network_blocked", "write_blocked", "read_blocked", "syscall_blocked"})
+
+
 class SandboxRefused(RewardError):
     """The sandbox would not isolate the program on this machine, so it runs nothing (fails closed)."""
 
