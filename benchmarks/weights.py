@@ -72,7 +72,8 @@ def quickstart_batch(model: str, prompts: int, max_new_tokens: int, seed: int = 
     group = cfg.controller.group_size
     tok = AutoTokenizer.from_pretrained(resolve_model(model))
     fmt = ChatFormatter(tok, cfg.data.system_prompt, cfg.data.examples)
-    problems = [next(build_dataset(cfg.data)) for _ in range(prompts)]
+    data = build_dataset(cfg.data)
+    problems = [next(data) for _ in range(prompts)]
     engine = build_engine(cfg.rollout.engine, cfg.model, seed=seed, device="cpu")
     for p, problem in enumerate(problems):
         ids = fmt.ids(problem)

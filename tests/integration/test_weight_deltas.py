@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from areal_mq.testing.fakes import FakeRuntime
 from areal_mq.workers.rollout import RolloutWorker
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 
 TRAINER = r"""
 import json, sys, torch
@@ -178,3 +180,81 @@ def test_a_killed_trainer_fails_the_fetch_then_a_restarted_one_is_loaded(tmp_pat
     worker.load(ready)
     verified(sums)
     assert worker.log.named("rollout.weights_updated")[-1]["route"] == "full"
+
+
+# ---------------------------------------------------------------- elastic catch-up (issue 26 item 5)
+def _run_config(tmp_path, steps: int):
+    """configs/tiny.yaml on loopback with CURVE keys: disk publishing with deltas on and a single full snapshot
+    (full_every past the run), bf16 at lr 1e-6, so that a worker starting at version N needs v1 + N-1 deltas."""
+    import yaml
+
+    from tests.integration.procs import write_config
+
+    base = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    run_dir = tmp_path / "run"
+    extra = {**base,
+             "run": {"seed": 0, "mode": "async"},
+             "security": {"keys_dir": str(run_dir / "keys")},
+             "rollout": {"engine": {"max_concurrent": 4, "step_delay_s": 0.05}, "weights_timeout_s": 30.0},
+             "controller": {**base["controller"], "total_steps": steps},
+             "trainer": {**base["trainer"], "publish_mode": "disk", "weight_deltas": "on", "full_every": 1000,
+                         "publish_dtype": "bfloat16", "lr": 1e-6, "keep_weight_versions": 2,
+                         "checkpoint_every": 1000},
+             "launcher": {"threads": {"rollout": 1, "trainer": 1, "reward": 1, "controller": 1}}}
+    return write_config(tmp_path, extra)
+
+
+def _events(run_dir, name, **match):
+    from tests.integration.test_chaos import _events as read
+
+    return [e for e in read(run_dir, name) if all(e.get(k) == v for k, v in match.items())]
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_started_mid_run_catches_up_from_the_last_full_version(tmp_path):
+    """A rollout worker started mid-run, with a key made for it then, loads the current version as v1 (the only
+    full snapshot) plus the chain of deltas since, verified, before its first job; its tokens carry that version."""
+    from areal_mq.config import load_config
+    from tests.integration.procs import Procs, wait_for
+
+    cfg_path = _run_config(tmp_path, steps=60)
+    cfg = load_config(cfg_path)
+    run_dir = Path(cfg.run.run_dir)
+    procs = Procs(tmp_path)
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+    def worker(role, wid, *sets):
+        args = ["worker", role, "--config", str(cfg_path), "--worker-id", wid]
+        for s in sets:
+            args += ["--set", s]
+        return procs.start(args, wid, env=one)
+
+    try:
+        procs.start(["broker", "--config", str(cfg_path)], "broker", env=one)
+        worker("reward", "reward-0")
+        worker("trainer", "trainer")
+        worker("controller", "controller")
+        worker("rollout", "rollout-1")
+        wait_for(lambda: any(e["version"] >= 4 for e in _events(run_dir, "trainer.step")), 300, interval=0.5,
+                 what="version 4 on disk")
+        subprocess.run([sys.executable, "-m", "areal_mq.cli", "keys", "generate", cfg.security.keys_dir,
+                        "--name", "rollout-late"], check=True, capture_output=True, timeout=60)
+        at_start = max(e["version"] for e in _events(run_dir, "trainer.step"))
+        worker("rollout", "rollout-late", "security.key_name=rollout-late", "events.level=debug")
+        first = wait_for(lambda: (_events(run_dir, "rollout.request_finished", worker_id="rollout-late") or [None])[0],
+                         240, interval=0.5, what="the late worker's first finished sequence")
+    finally:
+        procs.stop_all()
+    loaded = _events(run_dir, "rollout.weights_updated", worker_id="rollout-late")[0]
+    started = _events(run_dir, "rollout.request_started", worker_id="rollout-late")[0]
+    assert loaded["version"] >= at_start >= 4 and loaded["ts"] <= started["ts"]
+    assert loaded["route"] == "full+chain", loaded  # v1 in full, then the deltas 2..N: no other full exists
+    assert 0 < loaded["fetched_bytes"] and loaded["full_bytes"] > 0
+    fallback = _events(run_dir, "rollout.weights_fallback", worker_id="rollout-late")
+    assert fallback and fallback[0]["reason"] == "base" and fallback[0]["version"] == loaded["version"]
+    assert not _events(run_dir, "rollout.weights_retry", worker_id="rollout-late")
+    # its first tokens carry the version it caught up to (or a newer one loaded since: never an older one)
+    assert started["version"] >= loaded["version"]
+    assert min(first["versions"]) >= loaded["version"], (first, loaded)
+    assert (run_dir / "weights" / "v1" / "model.safetensors").is_file()
+    assert not (run_dir / "weights" / f"v{loaded['version']}" / "model.safetensors").exists()
