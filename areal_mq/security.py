@@ -12,6 +12,9 @@ What (the ZeroMQ guide's Ironhouse pattern, on every socket, loopback included):
 - `ZapHandler(ctx, AllowList(DIR))`: the ZAP handler of a process that binds: a client whose public key
   is not a `*.key` file of the key directory is refused during the handshake, so it cannot send a single
   frame. An accepted client's messages carry its role as ZeroMQ's "User-Id" property (`peer_role`).
+- `HandshakeWatch(sock, log)`: what the ZAP handler never sees. A plaintext client (mechanism mismatch) or
+  one holding a wrong server key (its HELLO does not decrypt) fails before ZAP; ZeroMQ reports it only on
+  the server socket's monitor. The watch logs both as `security.peer_refused`, rate-limited like ZAP's.
 - `refusal(role, action)`: the permission table. A message a role does not own is answered with
   Error(code="forbidden") (or dropped, where there is nobody to answer) and logged, rate-limited.
 
@@ -291,7 +294,7 @@ class ZapHandler:
             self.denied += 1
             self.log.warning("security.peer_refused", key=address.decode(errors="replace"),
                              address=address.decode(errors="replace"), mechanism=mechanism.decode(errors="replace"),
-                             hint="its public key is not in the run's key directory")
+                             reason="unknown_key", hint="its public key is not in the run's key directory")
             return [version, request_id, b"400", b"unknown key", b"", b""]
         self.accepted += 1
         return [version, request_id, b"200", b"OK", role.encode(), b""]
@@ -299,6 +302,61 @@ class ZapHandler:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2.0)
+
+
+class HandshakeWatch:
+    """Logs `security.peer_refused` for CURVE handshakes a bound socket failed before ZAP was asked.
+
+    ZeroMQ's socket monitor reports them as EVENT_HANDSHAKE_FAILED_PROTOCOL with the ZMTP error code; it does
+    not say who the peer was (the event names our own endpoint). Unknown client keys are ZAP's to log (their
+    EVENT_HANDSHAKE_FAILED_AUTH is not watched, so nothing is logged twice). With `on_closed`, each closed
+    connection's file descriptor is passed to it too (the job broker names the worker it was: a frame over
+    the socket's ZMQ_MAXMSGSIZE closes the connection without any other sign). The owner polls `sock` and
+    calls `handle()` when it is readable; `close()` before the watched socket closes.
+    """
+
+    def __init__(self, watched: Any, log: Any, name: str, on_closed: Any = None):
+        import zmq
+
+        self.name, self.log, self.refused = name, RateLimited(log), 0
+        self._watched, self.on_closed = watched, on_closed
+        events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | (zmq.EVENT_DISCONNECTED if on_closed else 0)
+        self.sock = watched.get_monitor_socket(events)
+        self.sock.linger = 0
+        self._why = {
+            zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: (
+                "plaintext", "the client speaks plaintext (NULL) to a CURVE server: set its CURVE keys "
+                "(docs/protocol.md §1.1), or run every process with security.insecure"),
+            zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: (
+                "wrong_server_key", "the client's HELLO does not decrypt: its ZMQ_CURVE_SERVERKEY is not this "
+                "server's public key (broker.key, or trainer.key for the weight server)"),
+        }
+
+    def handle(self) -> None:
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                event = parse_monitor_message(self.sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.on_closed(event["value"])
+                continue
+            reason, hint = self._why.get(event["value"], ("handshake", "the ZMTP handshake failed "
+                                                          f"(protocol error {event['value']:#x})"))
+            self.refused += 1
+            self.log.warning("security.peer_refused", key=f"{self.name}:{reason}", socket=self.name,
+                             endpoint=event["endpoint"].decode(errors="replace"), mechanism="CURVE",
+                             reason=reason, hint=hint)
+
+    def close(self) -> None:
+        try:
+            self._watched.disable_monitor()
+        except Exception:  # the watched socket is already closed
+            pass
+        self.sock.close(0)
 
 
 def start_zap(ctx: Any, keys: Keyring, log: Any = None) -> ZapHandler | None:

@@ -116,6 +116,7 @@ class JobBroker:
         self.workers, self.by_service, self.restricted = pool.workers, pool.by_service, pool.restricted
         self.queues, self.jobs, self.counters, self.sticky = pool.queues, pool.jobs, pool.counters, pool.sticky
         self._next_check = self._next_lease_check = 0.0
+        self._worker_fds: dict[int, bytes] = {}  # a registered worker's connection (ZMQ_SRCFD) -> its ident
         self.metrics: Any = None  # telemetry.prometheus.BrokerMetrics when metrics.prometheus is on
 
     # ------------------------------------------------------------ input
@@ -151,15 +152,16 @@ class JobBroker:
                 self._on_refused_reply(ident, frames, exc)
             self._refuse(ident, exc)
             return
-        self._dispatch_kind(ident, env, frames, peer_role(raw[0], self.secure))
+        self._dispatch_kind(ident, env, frames, peer_role(raw[0], self.secure), raw[0])
 
-    def _dispatch_kind(self, ident: bytes, env: protocol.Envelope, frames: list, role: str | None = None) -> None:
+    def _dispatch_kind(self, ident: bytes, env: protocol.Envelope, frames: list, role: str | None = None,
+                       frame0: Any = None) -> None:
         kind = env.kind
         why = self._not_allowed(env, role)
         if why:
             self._forbid(ident, env, role, why)
         elif kind == Kind.READY:
-            self._on_ready(ident, env)
+            self._on_ready(ident, env, frame0)
         elif kind == Kind.DISCONNECT:
             self._drop_worker(ident, f"disconnect: {env.msg.reason}")
         elif kind in REPLY_KINDS and env.reply_to and ident in self.workers:
@@ -210,17 +212,39 @@ class JobBroker:
     def _error(self, ident: bytes, ref_id: str, code: str, message: str) -> None:
         self._send(ident, protocol.encode(Error(code=code, message=message, ref_id=ref_id), reply_to=ref_id))
 
-    def _on_ready(self, ident: bytes, env: protocol.Envelope) -> None:
+    def _remember_fd(self, frame: Any, ident: bytes) -> None:
+        try:
+            self._worker_fds[frame.get(zmq.SRCFD)] = ident
+        except (AttributeError, zmq.ZMQError):  # a plain bytes frame (tests), or no fd (inproc)
+            pass
+
+    def connection_closed(self, fd: int) -> None:
+        """The socket monitor saw connection `fd` close; if a registered worker used it, say so now (its
+        registration goes when its heartbeats stop: the liveness rule, unchanged)."""
+        ident = self._worker_fds.pop(fd, None)
+        worker = self.workers.get(ident) if ident is not None else None
+        if worker is None:
+            return
+        self.refusals.warning(
+            "broker.worker_connection_closed", key=f"{worker.worker_id}:closed", worker=worker.worker_id,
+            in_flight=len(worker.in_flight), hint="its process died or closed its socket without DISCONNECT, or it "
+            f"sent a frame over brokers.max_frame_mb + 4 MiB ({self.max_frame_bytes + protocol.MAX_HEADER_BYTES} "
+            "bytes; ZeroMQ closes such a connection unread and does not say which); its jobs are requeued when "
+            "its heartbeats stop")
+
+    def _on_ready(self, ident: bytes, env: protocol.Envelope, frame0: Any = None) -> None:
         msg = env.msg
         tasks = frozenset(msg.tasks)
         worker = self.workers.get(ident)
         if worker is None:
-            why = dispatch.service_refusal(self.pool, msg.service, self.max_services)
+            why = (dispatch.service_refusal(self.pool, msg.service, self.max_services)
+                   or self._worker_id_taken(msg.worker_id))
             if why:
-                self._error(ident, env.id, "no_service", why)
+                self._error(ident, env.id, "bad_request" if why.startswith("worker_id") else "no_service", why)
                 return
             worker = WorkerState(ident, msg.worker_id, msg.service, msg.capacity, time.monotonic(), tasks)
             dispatch.add_worker(self.pool, worker)
+            self._remember_fd(frame0, ident)
             self.log.info("broker.worker_ready", worker=msg.worker_id, service=msg.service, capacity=msg.capacity,
                           tasks=sorted(tasks)[:20])
         elif msg.service != worker.service:
@@ -233,6 +257,20 @@ class JobBroker:
                 self.log.info("broker.worker_capacity", worker=msg.worker_id, capacity=msg.capacity)
             dispatch.update_worker(self.pool, worker, msg.capacity, tasks, time.monotonic())
         self._deliver(dispatch.freed(self.pool, worker, time.monotonic()))
+
+    def _worker_id_taken(self, worker_id: str) -> str | None:
+        """Why a new connection may not register as `worker_id` (None: it may). A registration of that id
+        heard from within 2 heartbeats is another live worker: refused. One silent longer is taken to be the
+        same worker reconnecting on a new socket: dropped (its jobs requeued) so the new one takes its place."""
+        same = next((w for w in self.workers.values() if w.worker_id == worker_id), None)
+        if same is None:
+            return None
+        if time.monotonic() - same.last_seen > 2 * self.heartbeat_s:
+            self._drop_worker(same.ident, "replaced: its worker_id registered again from a new connection")
+            return None
+        self.counters["duplicate_worker_ids"] += 1
+        return (f"worker_id {worker_id[:128]!r} is already registered by another live connection (service "
+                f"{same.service!r}); give every worker a unique worker_id")
 
     def _on_job(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
         service = env.service or DEFAULT_SERVICE.get(env.kind, "")
@@ -306,6 +344,7 @@ class JobBroker:
         if dropped is None:
             return
         worker, requeued = dropped
+        self._worker_fds = {fd: i for fd, i in self._worker_fds.items() if i != ident}
         self.counters["workers_lost"] += 1 if not reason.startswith("disconnect") else 0
         self.log.warning("broker.worker_removed", worker=worker.worker_id, reason=reason, requeued=requeued)
         self._deliver(dispatch.dispatch(self.pool, worker.service, time.monotonic()))

@@ -18,7 +18,7 @@ import zmq
 
 from areal_mq.errors import ConfigError, SecurityError
 from areal_mq.telemetry.log import make_logger
-from areal_mq.security import Keyring, start_zap, warn_if_insecure
+from areal_mq.security import HandshakeWatch, Keyring, start_zap, warn_if_insecure
 
 
 class BrokerHost:
@@ -56,6 +56,14 @@ class BrokerHost:
         if "store" in only:
             self.store = SampleStore.from_config(self.ctx, b, Path(cfg.run.run_dir) / "store", log=log, keys=keys)
             self._add(self.store, [self.store.sock], lambda s: self.store.handle())
+        # plaintext clients and wrong server keys fail before ZAP: only the sockets' monitors see them
+        job_sock = self.job.sock if "job" in only else None
+        self.watches = [HandshakeWatch(s, log, s.getsockopt_string(zmq.LAST_ENDPOINT),
+                                       self.job.connection_closed if s is job_sock else None)
+                        for s in list(self._owner) if keys.secure or s is job_sock]
+        for w in self.watches:
+            self.poller.register(w.sock, zmq.POLLIN)
+            self._owner[w.sock] = lambda s, w=w: w.handle()
         from areal_mq.telemetry.prometheus import broker_metrics  # None unless metrics.prometheus
 
         self.metrics = broker_metrics(cfg, "-".join(sorted(only)), getattr(self, "job", None),
@@ -88,6 +96,8 @@ class BrokerHost:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.exporter.close()
+        for w in self.watches:
+            w.close()
         for c in self.components:
             c.close()
         if self.zap is not None:

@@ -252,6 +252,33 @@ def test_a_ready_naming_another_service_is_answered(h):
     assert h.broker.stats()["workers"]["w"] == {"service": "reward", "capacity": 1, "in_flight": 0, "tasks": []}
 
 
+def test_a_second_live_registration_of_one_worker_id_is_refused_naming_it(h):
+    """Two registrations with one worker_id used to merge silently (stats showed one of them)."""
+    h.worker(service="reward", worker_id="twin")
+    other = h.dealer()
+    other.send_multipart(protocol.encode(Ready(service="reward", capacity=2, worker_id="twin")))
+    answer = h.recv(other)
+    assert isinstance(answer.msg, Error) and answer.msg.code == "bad_request"
+    assert "worker_id 'twin' is already registered" in answer.msg.message and "unique" in answer.msg.message
+    assert len(h.broker.workers) == 1 and h.broker.counters["duplicate_worker_ids"] == 1
+
+
+def test_a_worker_id_registering_again_after_its_old_connection_went_silent_replaces_it(h):
+    """A worker that reconnects on a new socket keeps its worker_id: the silent old registration goes."""
+    old = h.worker(service="reward", worker_id="again")
+    client = h.dealer()
+    client.send_multipart(protocol.encode(RewardJob(task="t", completions=["a"]), service="reward"))
+    job = h.recv(old)
+    assert job.kind == Kind.REWARD_JOB
+    for w in h.broker.workers.values():
+        w.last_seen -= 3 * h.broker.heartbeat_s  # silent for 3 heartbeats
+    new = h.dealer()
+    new.send_multipart(protocol.encode(Ready(service="reward", capacity=1, worker_id="again")))
+    again = h.recv(new)
+    assert again.kind == Kind.REWARD_JOB and again.id == job.id  # its job requeued to the new connection
+    assert len(h.broker.workers) == 1 and h.broker.counters.get("duplicate_worker_ids", 0) == 0
+
+
 def test_an_empty_message_is_a_bad_header_and_a_req_socket_hears_nothing(h):
     client = h.dealer()
     client.send(b"")

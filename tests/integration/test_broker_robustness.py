@@ -17,7 +17,7 @@ import zmq
 from areal_mq import protocol
 from areal_mq.client import JobClient, SignalPublisher, SignalSubscriber, StoreClient
 from areal_mq.config import load_config
-from areal_mq.messages import Error, RewardJob, RewardResult, Sample, SeqSample, WeightsReady
+from areal_mq.messages import Error, Ready, RewardJob, RewardResult, Sample, SeqSample, WeightsReady
 from areal_mq.actor.runtime import WorkerRuntime
 
 from .conftest import broker_up, wait_for, worker_count
@@ -269,3 +269,30 @@ def test_reward_worker_advertises_its_configured_tasks(procs, tmp_path):
         assert good.rewards == [1.0]
     finally:
         client.close()
+
+
+def test_a_worker_s_oversized_frame_is_logged_by_the_broker_naming_the_worker(procs, small_frames):
+    """ZeroMQ closes a connection that sends a frame over the socket limit without reading it; the broker's
+    socket monitor sees the close and names the registered worker that used it (issue 28 item 5h)."""
+    cfg = load_config(small_frames)
+    procs.start(["broker", "--config", str(small_frames)], "broker")
+    broker_up(cfg)
+    sock = keys(cfg, "echo").client(zmq.Context.instance().socket(zmq.DEALER))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cfg.brokers.job_addr)
+    try:
+        sock.send_multipart(protocol.encode(Ready(service="echo", capacity=1, worker_id="big-sender")))
+        wait_for(lambda: worker_count(cfg, "echo") == 1, 30, what="the worker registered")
+        big = int(cfg.brokers.max_frame_mb * 1024 * 1024) + protocol.MAX_HEADER_BYTES + 1
+        sock.send_multipart(protocol.encode(RewardResult(rewards=[1.0], worker_id="big-sender"), reply_to="x")
+                            + [b"\x00" * big])
+        log = pathlib.Path(cfg.run.run_dir, "events")
+
+        def logged():
+            return "".join(p.read_text() for p in log.glob("broker-*.jsonl"))
+
+        wait_for(lambda: "broker.worker_connection_closed" in logged(), 30, what="the closed connection logged")
+        line = next(x for x in logged().splitlines() if "broker.worker_connection_closed" in x)
+        assert "big-sender" in line and "max_frame_mb" in line
+    finally:
+        sock.close(0)
