@@ -9,6 +9,8 @@ What:
   only by areal_mq.protocol. `fetch_weights(ready, timeout_s)` pulls every chunk (two in flight) and
   raises WeightsFetchError — never hangs — when the server does not answer within the deadline
   (e.g. the trainer died), refuses the version, or sends something malformed.
+- cuda_ipc (colocated: trainer and engine on one device): areal_mq/weights_ipc.py — shared buffers, one device
+  copy per version; WeightPublisher hands it the live parameters, check_ready checks the announcement.
 - `load_published(ready, timeout_s)` -> {name: tensor} for any mode ("base": {} — nothing to load).
 - `resolve(ready, run_dir, cfg, timeout_s, keys)` -> what an engine's update_weights takes: {"path": dir}
   for disk (each engine reads it its own way), {"tensors": {...}} for zmq; checked with check_ready first.
@@ -44,6 +46,7 @@ import numpy as np
 from areal_mq.errors import ProtocolError, WeightsFetchError, WeightsRefused
 from areal_mq.messages import Error, WeightsChunk, WeightsFetch, WeightsLink, WeightsReady
 from areal_mq.weights_delta import DeltaError, TensorDelta, checksum, encode_version
+from areal_mq.weights_ipc import IpcPublisher, check_ready_ipc
 from areal_mq.security import Keyring, peer_role, refusal, start_zap
 from areal_mq.weights_disk import (  # noqa: F401  (re-exported: the disk half's public names)
     DELTA_FILE, FULL_FILE, VERSION_DIR, DiskDelta, disk_links, disk_versions, prune_disk, publish_disk, read_disk)
@@ -384,8 +387,8 @@ def resolve(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig", time
         raise WeightsRefused(why)
     if ready.mode == "disk":
         return {"path": ready.path}
-    if ready.mode == "sim":
-        return {}  # a simulated trainer's version: nothing to fetch (only a simulated engine accepts it)
+    if ready.mode in ("sim", "cuda_ipc"):  # sim: nothing exists (only a simulated engine accepts it); cuda_ipc:
+        return {}  # nothing to fetch, the worker copies the shared buffers (weights_ipc.IpcReceiver)
     return {"tensors": load_published(ready, timeout_s, keys)}
 
 
@@ -396,6 +399,8 @@ def check_ready(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig") 
     """None when `ready` points where this run's trainer publishes, else what is wrong with it."""
     if ready.mode == "base":
         return None if not ready.path and not ready.endpoint else "a 'base' WeightsReady names no path or endpoint"
+    if ready.mode == "cuda_ipc":
+        return check_ready_ipc(ready, cfg.publish_mode)
     if ready.mode == "sim":
         if not cfg.sim.enabled:
             return "a 'sim' WeightsReady comes only from a simulated trainer (trainer.sim.enabled) and this run has none"
@@ -447,6 +452,7 @@ class WeightPublisher:
         self.weights_dir = Path(run_dir) / "weights"
         self.deltas = deltas_on(cfg)
         self.server = None
+        self.ipc = IpcPublisher(run_dir, cfg.publish_dtype) if cfg.publish_mode == "cuda_ipc" else None
         self._last: tuple[int, Mapping[str, Any]] | None = None  # disk: the previous version, the delta's base
         if cfg.publish_mode == "zmq":
             self.server = WeightServer(cfg.weight_server_host, cfg.weight_server_port, cfg.keep_weight_versions,
@@ -456,7 +462,10 @@ class WeightPublisher:
     def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"], hf_config_json: str | None = None,
                 snapshot: bool = False) -> WeightsReady:
         """Publish `tensors` as `version`. They are copied first (unique_tensors in cfg.publish_dtype) unless
-        `snapshot` says they already are such a copy (Trainer.publish_tensors)."""
+        `snapshot` says they already are such a copy (Trainer.publish_tensors). cuda_ipc takes the live parameters
+        and copies them on their device into the shared buffers (weights_ipc.py)."""
+        if self.ipc is not None:
+            return self.ipc.publish(version, tensors)
         if not snapshot:
             tensors = unique_tensors(tensors, self.cfg.publish_dtype)
         if self.server is not None:
@@ -475,3 +484,5 @@ class WeightPublisher:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.ipc is not None:
+            self.ipc.close()

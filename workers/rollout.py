@@ -5,7 +5,9 @@ heartbeats going):
 
     on_signal(WeightsReady) ──► the newest of those queued: fetched on a thread while the engine decodes (a
                                  delta when it holds the base, areal_mq/weights_catchup.py), then applied at a step
-                                 boundary (the engine pauses only for update_weights); idle: fetched and applied at once
+                                 boundary (the engine pauses only for update_weights); idle: fetched and applied at once;
+                                 cuda_ipc (colocated): nothing to fetch, one device copy from the trainer's shared
+                                 buffers at a step boundary (areal_mq/weights_ipc.py)
     on_job(GenerateRequest) ──► engine.submit  (held until the engine reaches `min_version`)
     on_tick ──► engine.step() ──► finished sequences ──► GenerateResult to the controller
     paused (Control pause) ──► Engine.pause: in-flight sequences wait; the broker sends nothing new
@@ -40,6 +42,7 @@ from areal_mq.errors import ArealError, EngineRequestError, WeightsRefused
 from areal_mq.messages import GenerateRequest, GenerateResult, WeightsReady
 from areal_mq.actor.roles import Role, RoleLoop
 from areal_mq.weights_catchup import WeightCatchup
+from areal_mq.weights_ipc import IpcReceiver
 
 # A failed weight load is tried again after 0.5, 1, 2 s (doubling, at most WEIGHTS_RETRY_MAX_S) up to
 # WEIGHTS_LOAD_ATTEMPTS tries in all; then the requests held for that version get Error(weights_unavailable).
@@ -79,6 +82,7 @@ class RolloutWorker(Role):
         self.announced: WeightsReady | None = None  # the newest announcement not loaded yet
         self.fetching: _Fetch | None = None  # a fetch running on a thread while the engine decodes
         self.catchup = WeightCatchup(cfg.run.run_dir, cfg.trainer, cfg.rollout.weights_timeout_s, runtime.keys)
+        self.ipc = IpcReceiver(cfg.run.run_dir, cfg.rollout.weights_timeout_s)  # trainer.publish_mode cuda_ipc
 
     # ------------------------------------------------------------ weights
     def load(self, ready: WeightsReady, attempt: int = 1) -> None:
@@ -134,7 +138,10 @@ class RolloutWorker(Role):
                              failures=[f[:300] for f in update.failures])
         t1 = time.perf_counter()
         try:
-            timings = self.engine.update_weights(ready.version, **update.kwargs)
+            if ready.mode == "cuda_ipc":  # colocated: one device copy from the trainer's shared buffers
+                timings = self.ipc.update(self.engine, ready)
+            else:
+                timings = self.engine.update_weights(ready.version, **update.kwargs)
         except ArealError as exc:
             self._load_failed(ready, attempt, str(exc))
             return

@@ -196,8 +196,11 @@ class TrainerWorker(Role):
     def publish(self) -> None:
         if not self.is_main:
             return
-        ready = self.publisher.publish(self.trainer.version, self.trainer.publish_tensors(), self.trainer.hf_config_json,
-                                       snapshot=True)
+        if self.cfg.trainer.publish_mode == "cuda_ipc":  # the live parameters, copied on their device (weights_ipc.py)
+            tensors, snapshot = self.trainer.unwrapped.state_dict(), False
+        else:
+            tensors, snapshot = self.trainer.publish_tensors(), True
+        ready = self.publisher.publish(self.trainer.version, tensors, self.trainer.hf_config_json, snapshot=snapshot)
         self.bus.publish("weights", ready)
 
     def checkpoint(self) -> None:
