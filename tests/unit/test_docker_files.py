@@ -5,7 +5,9 @@ What: every service's `areal-mq ...` command line is parsed by the command tree 
 loaded with its `--set` overrides by areal_mq.config.load_config (an unknown key fails), and the services are
 checked to be wired like a multi-host run: shared run dir and key dir, brokers on 0.0.0.0 and found by service
 name, weights over ZeroMQ from the trainer's service name. The Dockerfile must install the CPU torch that
-pyproject pins, the project's packages and the offline model, with `areal-mq` as its entry point.
+pyproject pins, the project's packages and the offline model, with `areal-mq` as its entry point. The Prometheus
+service scrapes every areal-mq process where its config says it serves, and every query of the Grafana dashboard
+names a series that areal_mq/telemetry/prometheus.py defines.
 Why: the development machines and CI have no Docker daemon, so the compose file is never run there; this is what
 keeps it from rotting when an option or a config key is renamed.
 Run: python -m pytest tests/unit/test_docker_files.py -q
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 COMPOSE = yaml.safe_load((DOCKER / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
+AREAL = {s for s, spec in SERVICES.items() if spec.get("image") == "areal-mq:cpu"}  # the rest: Prometheus, Grafana
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Keys of the quickstart job that a layout over hosts changes; everything else of these sections must match it.
 QUICKSTART_SECTIONS = ("model", "data", "rollout", "reward", "controller", "trainer")
@@ -118,14 +121,14 @@ def service_config(cli, service: str) -> RunConfig | None:
 def roles(cli) -> dict[str, str]:
     """service -> what it runs: 'broker', 'keys generate', or the worker's role."""
     out = {}
-    for service in SERVICES:
+    for service in sorted(AREAL):
         ctx = parse(cli, argv(service)[1:])
         command = ctx.command_path.split()[1:]
         out[service] = arguments(ctx)[0] if command == ["worker"] else " ".join(command)
     return out
 
 
-@pytest.mark.parametrize("service", sorted(SERVICES))
+@pytest.mark.parametrize("service", sorted(AREAL))
 def test_service_command_and_config_exist(cli, service):
     words = argv(service)
     assert words[0] == "areal-mq", f"{service} runs {words[0]!r}, not the areal-mq command line"
@@ -164,7 +167,7 @@ def test_keys_service_makes_the_key_dir_the_others_read(cli):
     cfg = service_config(cli, broker)
     assert arguments(parse(cli, argv(keys)[1:])) == [cfg.security.keys_dir]
     assert mounts(keys)[cfg.security.keys_dir] == mounts(broker)[cfg.security.keys_dir]
-    for service in SERVICES:
+    for service in AREAL:
         if service != keys:
             assert SERVICES[service]["depends_on"][keys]["condition"] == "service_completed_successfully"
 
@@ -189,6 +192,66 @@ def test_checks_catch_a_renamed_option_or_key(cli):
         parse(cli, ["workers", "rollout"])
     with pytest.raises(ConfigError, match="brokers.hots"):
         load_config(DOCKER / "compose-run.yaml", ["brokers.hots=broker"])
+
+
+# ---------------------------------------------------------------- Prometheus and Grafana
+def compose_file(service: str, target: str) -> Path:
+    """The host file of docker/ that `service` mounts at `target` (it must exist)."""
+    path = Path(mounts(service)[target])
+    assert path.exists(), f"{service}: {target} comes from {path}, which does not exist"
+    return path
+
+
+def test_prometheus_scrapes_every_areal_process_where_it_serves(cli):
+    by_role = roles(cli)
+    spec = SERVICES["prometheus"]
+    config = [w for w in spec["command"] if w.startswith("--config.file=")][0].split("=", 1)[1]
+    scrape = yaml.safe_load(compose_file("prometheus", config).read_text())
+    targets = {}
+    for job in scrape["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            targets.update({name: sd["port"] for name in sd["names"]})
+        for static in job.get("static_configs", []):
+            targets.update(dict(t.rsplit(":", 1) for t in static["targets"]))
+    processes = {s for s, r in by_role.items() if r != "keys generate"}
+    assert set(targets) == processes, "every areal-mq process (and nothing else) is scraped"
+    for service in processes:
+        m = service_config(cli, service).metrics
+        assert m.prometheus and m.prometheus_host == "0.0.0.0", f"{service}: not serving to the compose network"
+        assert int(targets[service]) == m.prometheus_port, service
+    assert all(p.startswith("127.0.0.1:") for p in spec["ports"]), "Prometheus is published on loopback only"
+    assert "prometheus" in (ROOT / "docker" / "Dockerfile").read_text(), "the image installs the prometheus extra"
+
+
+def dashboard_exprs() -> list[str]:
+    prov = compose_file("grafana", "/etc/grafana/provisioning")
+    (provider,) = yaml.safe_load((prov / "dashboards" / "areal-mq.yaml").read_text())["providers"]
+    folder = compose_file("grafana", provider["options"]["path"])
+    (dash,) = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def test_grafana_dashboard_queries_name_series_the_exporter_serves():
+    from areal_mq.telemetry.prometheus import series_names
+
+    known = series_names()
+    used = {name for expr in dashboard_exprs() for name in re.findall(r"\bareal_mq_[a-z_]+", expr)}
+    assert used and used <= known, f"dashboard names unknown series: {sorted(used - known)}"
+    for part in ("broker", "bus", "store", "controller", "rollout", "trainer", "reward"):
+        assert any(n.startswith(f"areal_mq_{part}_") for n in used), f"no panel for the {part}"
+    for required in ("areal_mq_broker_dispatch_latency_seconds_bucket", "areal_mq_trainer_staleness_versions_bucket",
+                     "areal_mq_controller_admission_blocked_by_eta", "areal_mq_rollout_update_pause_seconds_sum"):
+        assert required in used, required
+    source = yaml.safe_load((compose_file("grafana", "/etc/grafana/provisioning") / "datasources" /
+                             "prometheus.yaml").read_text())["datasources"][0]
+    assert source["url"] == "http://prometheus:9090" and "prometheus" in SERVICES
+
+
+def test_the_dashboard_check_catches_an_unknown_series():
+    from areal_mq.telemetry.prometheus import series_names
+
+    assert "areal_mq_broker_queue_depthh" not in series_names()
+    assert "areal_mq_trainer_step_seconds_bucket" in series_names()
 
 
 # ---------------------------------------------------------------- the Dockerfile
@@ -240,6 +303,7 @@ def test_dockerfile_installs_every_package_dir_after_torch():
     copied = {source for c in copies if c[-1].rstrip("/").startswith(src) for source in c[:-1]}
     assert set(pyproject()["tool"]["setuptools"]["package-dir"].values()) <= copied
     commands = [words for run in runs() for words in run]
-    install = [i for i, w in enumerate(commands) if w[:2] == ["pip", "install"] and src in w]
+    install = [i for i, w in enumerate(commands) if w[:2] == ["pip", "install"]
+               and any(x == src or x.startswith(f"{src}[") for x in w)]
     torch = [i for i, w in enumerate(commands) if any(x.startswith("torch==") for x in w)]
     assert install and torch and torch[0] < install[0], "torch (CPU index) must be installed before the project"
