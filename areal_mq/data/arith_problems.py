@@ -68,7 +68,7 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
-class Pool:
+class KeyPool:
     """One op at one level: its key space, how many keys are held out (one test problem each) and how many
     training problems are drawn from the remaining keys."""
 
@@ -104,13 +104,13 @@ def _two_step_keys() -> list[Key]:
 # products, rarely two-digit subtraction in words. Held-out sizes weight the easy pools up so overall lenient
 # accuracy sits in the 20-50% band RL learns from, and total 220 (>= 200 for the report, with slack).
 # L1 has only 45 keys per op, so at most half are held out.
-POOLS: tuple[Pool, ...] = (
-    Pool(1, "+", lambda: _add_keys(1, 9), n_test=22, n_train=300),
-    Pool(1, "-", lambda: _sub_keys(1, 9), n_test=22, n_train=300),
-    Pool(2, "+", lambda: _add_keys(10, 99), n_test=50, n_train=700),
-    Pool(2, "-", lambda: _sub_keys(10, 99), n_test=36, n_train=500),
-    Pool(3, "*", _mul_keys, n_test=24, n_train=400),
-    Pool(3, "+-", _two_step_keys, n_test=66, n_train=800),
+POOLS: tuple[KeyPool, ...] = (
+    KeyPool(1, "+", lambda: _add_keys(1, 9), n_test=22, n_train=300),
+    KeyPool(1, "-", lambda: _sub_keys(1, 9), n_test=22, n_train=300),
+    KeyPool(2, "+", lambda: _add_keys(10, 99), n_test=50, n_train=700),
+    KeyPool(2, "-", lambda: _sub_keys(10, 99), n_test=36, n_train=500),
+    KeyPool(3, "*", _mul_keys, n_test=24, n_train=400),
+    KeyPool(3, "+-", _two_step_keys, n_test=66, n_train=800),
 )
 
 
@@ -143,7 +143,7 @@ def _record(key: Key, question: str, level: int) -> dict:
     return {"question": question, "answer": answer_of(key), "level": level, "op": op, "operands": xs}
 
 
-def _pool_split(pool: Pool, seed: int) -> tuple[list[dict], list[dict]]:
+def _pool_split(pool: KeyPool, seed: int) -> tuple[list[dict], list[dict]]:
     # A separate generator per pool: changing one pool's sizes leaves every other pool's problems unchanged.
     rng = random.Random(f"{seed}/{pool.level}/{pool.op}")
     keys = pool.keys()
@@ -158,7 +158,7 @@ def _pool_split(pool: Pool, seed: int) -> tuple[list[dict], list[dict]]:
     return train, test
 
 
-def generate_splits(seed: int = SEED, pools: tuple[Pool, ...] = POOLS) -> tuple[list[dict], list[dict]]:
+def generate_splits(seed: int = SEED, pools: tuple[KeyPool, ...] = POOLS) -> tuple[list[dict], list[dict]]:
     """(train, test) records, deterministic in `seed`; ids "arith-train-00000", "arith-test-00000", ..."""
     train: list[dict] = []
     test: list[dict] = []
@@ -172,7 +172,7 @@ def generate_splits(seed: int = SEED, pools: tuple[Pool, ...] = POOLS) -> tuple[
     return _with_ids(train, "train"), _with_ids(test, "test")
 
 
-def generate_large_test(seed: int = SEED, pools: tuple[Pool, ...] = POOLS) -> list[dict]:
+def generate_large_test(seed: int = SEED, pools: tuple[KeyPool, ...] = POOLS) -> list[dict]:
     """The large held-out set (issue 27): the shipped test split unchanged (same ids), then LARGE_FACTOR - 1 times
     as many new problems per pool, so levels keep the test split's proportions. New problems take keys no training
     problem uses (a pool's keys beyond the ones the training file cycles over) first; where a pool has too few

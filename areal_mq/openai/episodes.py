@@ -58,7 +58,7 @@ class Choice:
 
 
 @dataclass
-class Turn:
+class RecordedTurn:
     """One chat completion call: its prompt (chat-templated)  # [P] int32, and its n choices."""
 
     prompt_ids: np.ndarray
@@ -74,9 +74,9 @@ class Turn:
 
 
 @dataclass
-class Episode:
+class RecordedEpisode:
     episode_id: str
-    turns: list[Turn] = field(default_factory=list)
+    turns: list[RecordedTurn] = field(default_factory=list)
     dropped_turns: int = 0
     touched: float = 0.0
 
@@ -122,7 +122,7 @@ class Episode:
                 "sequence_starts": [seq[0]["turn"] for seq in seqs]}
 
 
-def _continued_choice(turn: Turn, next_prompt: np.ndarray | None) -> Choice:
+def _continued_choice(turn: RecordedTurn, next_prompt: np.ndarray | None) -> Choice:
     if next_prompt is not None:
         for c in turn.choices:
             full = np.concatenate([turn.prompt_ids, c.output_ids])
@@ -144,22 +144,22 @@ def _generated(turn: int, c: Choice) -> dict:
 
 
 class EpisodeRecorder:
-    """Thread-safe, bounded map episode id -> Episode (HTTP handler threads record; a workflow pops)."""
+    """Thread-safe, bounded map episode id -> RecordedEpisode (HTTP handler threads record; a workflow pops)."""
 
     def __init__(self, limits: RecorderLimits | None = None, clock=time.monotonic):
         self.limits = limits or RecorderLimits()
         self._clock = clock
-        self._episodes: OrderedDict[str, Episode] = OrderedDict()  # least recently touched first
+        self._episodes: OrderedDict[str, RecordedEpisode] = OrderedDict()  # least recently touched first
         self._tokens = 0
         self._lock = threading.Lock()
         self.evicted = 0
 
-    def record(self, episode_id: str, turn: Turn) -> int:
+    def record(self, episode_id: str, turn: RecordedTurn) -> int:
         """Append `turn`; returns its index, or -1 when a cap refused it (counted in dropped_turns)."""
         lim, now = self.limits, self._clock()
         with self._lock:
             self._expire(now)
-            ep = self._episodes.pop(episode_id, None) or Episode(episode_id)
+            ep = self._episodes.pop(episode_id, None) or RecordedEpisode(episode_id)
             ep.touched = now
             self._episodes[episode_id] = ep
             n = turn.tokens()
@@ -174,12 +174,12 @@ class EpisodeRecorder:
                 self._drop(next(iter(self._episodes)))
             return len(ep.turns) - 1
 
-    def get(self, episode_id: str) -> Episode | None:
+    def get(self, episode_id: str) -> RecordedEpisode | None:
         with self._lock:
             self._expire(self._clock())
             return self._episodes.get(episode_id)
 
-    def pop(self, episode_id: str) -> Episode | None:
+    def pop(self, episode_id: str) -> RecordedEpisode | None:
         """Take the episode out (a workflow finished it); None when unknown, expired or evicted."""
         with self._lock:
             self._expire(self._clock())

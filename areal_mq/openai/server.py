@@ -30,7 +30,7 @@ import numpy as np
 
 from areal_mq.openai.api import ApiError, ApiLimits, chat_response, models_response, parse_chat
 from areal_mq.openai.backend import OpenAIBackend
-from areal_mq.openai.episodes import Choice, EpisodeRecorder, RecorderLimits, Turn
+from areal_mq.openai.episodes import Choice, EpisodeRecorder, RecorderLimits, RecordedTurn
 from areal_mq.security import RateLimited
 
 EPISODE_PATH = re.compile(r"^/v1/episodes/([A-Za-z0-9_.:@-]{1,128})$")
@@ -89,7 +89,7 @@ class ChatService:
         sessions = [call.episode_id] + [""] * (len(call.samplings) - 1)
         results = self.backend.generate(prompt, call.samplings, sessions, self.cfg.request_timeout_s)
         if call.episode_id:
-            turn = Turn(np.asarray(prompt, dtype=np.int32),
+            turn = RecordedTurn(np.asarray(prompt, dtype=np.int32),
                         [Choice(r.output_ids, r.logprobs, r.versions, r.finish_reason) for r in results])
             if self.recorder.record(call.episode_id, turn) < 0 and self._limited:  # one key: bounded log state
                 self._limited.warning("openai.turn_not_recorded", "turn_not_recorded", episode=call.episode_id,

@@ -68,7 +68,7 @@ class Call:
 
 
 @dataclass
-class JobState:
+class RewardJobState:
     job_id: str
     job: RewardJob
     plan: TaskPlan
@@ -92,7 +92,7 @@ class RewardExecutor:
         self._on_error = on_error
         self._lock = threading.Lock()
         self._plans: dict[str, TaskPlan] = {}
-        self._jobs: dict[str, JobState] = {}
+        self._jobs: dict[str, RewardJobState] = {}
         self._done = LRU(max(cfg.cache_size, 1024))
         self._cache = LRU(cfg.cache_size)
         self._pending: deque[Call] = deque()
@@ -223,7 +223,7 @@ class RewardExecutor:
             fut: Future = Future()
             fut.set_result(done.model_copy())
             return fut
-        st = JobState(job_id, job, plan, Future(), [None] * n, [{} for _ in range(n)], [None] * n)
+        st = RewardJobState(job_id, job, plan, Future(), [None] * n, [{} for _ in range(n)], [None] * n)
         with self._lock:
             self._jobs[job_id] = st
             self.counters["jobs"] += 1
@@ -236,19 +236,19 @@ class RewardExecutor:
         """Blocking submit()."""
         return self.submit(job, job_id).result(timeout)
 
-    def _meta(self, st: JobState, truncated) -> dict:
+    def _meta(self, st: RewardJobState, truncated) -> dict:
         """Keyword arguments of a call. A job's `meta` comes off the wire: it reaches only a function's `**meta`.
         It may not set a parameter the function declares (e.g. the code reward's `sandbox` limits, arith's reward
         values), a configured kwarg or a name the call passes itself; such keys are dropped, not errors."""
         job_meta = {k: v for k, v in st.job.meta.items() if k not in st.plan.protected}
         return {**job_meta, "prompt_id": st.job.prompt_id, "truncated": truncated, **st.plan.kwargs}
 
-    def _cache_key(self, st: JobState, payload) -> tuple:
+    def _cache_key(self, st: RewardJobState, payload) -> tuple:
         prompt_key = st.job.prompt_id or hashlib.sha1(
             (st.job.prompt + "\x00" + repr(st.job.reference)).encode()).hexdigest()
         return (st.job.task, prompt_key, payload)
 
-    def _enqueue(self, st: JobState) -> None:
+    def _enqueue(self, st: RewardJobState) -> None:
         job, n = st.job, len(st.job.completions)
         flags = list(job.truncated) or [False] * n
         groups = [list(range(n))] if st.plan.group else [[i] for i in range(n)]
@@ -279,7 +279,7 @@ class RewardExecutor:
         else:
             self._pool.wake()
 
-    def _submit_http(self, st: JobState) -> Future:
+    def _submit_http(self, st: RewardJobState) -> Future:
         if self._http is None:
             with self._lock:
                 if self._http is None:
@@ -339,7 +339,7 @@ class RewardExecutor:
         self._fail(st, call.indices, kind, error, tb, call.attempts)
         self._call_done(st)
 
-    def _call_done(self, st: JobState) -> None:
+    def _call_done(self, st: RewardJobState) -> None:
         with self._lock:
             st.left -= 1
             finished = st.left == 0
@@ -347,12 +347,12 @@ class RewardExecutor:
             self._complete(st)
 
     # ------------------------------------------------------------------ results
-    def _store(self, st: JobState, indices: list[int], out: list) -> None:
+    def _store(self, st: RewardJobState, indices: list[int], out: list) -> None:
         for i, (reward, details) in zip(indices, out):
             st.rewards[i] = reward
             st.details[i] = details
 
-    def _fail(self, st: JobState, indices, kind, error, tb, attempts) -> None:
+    def _fail(self, st: RewardJobState, indices, kind, error, tb, attempts) -> None:
         record = {"job": st.job_id, "task": st.job.task, "prompt_id": st.job.prompt_id, "indices": indices,
                   "kind": kind, "error": error, "attempts": attempts, "traceback": tb}
         text = f"{kind}: {error} (job {st.job_id}, {attempts} attempt{'s' * (attempts != 1)})"
@@ -366,7 +366,7 @@ class RewardExecutor:
             except Exception:  # a broken logging hook must not lose the job
                 pass
 
-    def _complete(self, st: JobState) -> None:
+    def _complete(self, st: RewardJobState) -> None:
         result = RewardResult(rewards=st.rewards, details=st.details, errors=st.errors,
                               cached=st.all_cached, worker_id=self.worker_id)
         with self._lock:

@@ -152,13 +152,13 @@ def _multi_turn(sid, oldest):
 
 def _openai(sid, oldest):
     """An episode recorded through the OpenAI endpoint (openai/episodes.py): its segments -> one SeqSample."""
-    from areal_mq.openai.episodes import Choice, EpisodeRecorder, Turn
+    from areal_mq.openai.episodes import Choice, EpisodeRecorder, RecordedTurn
 
     arr = lambda xs, t: np.asarray(xs, dtype=t)  # noqa: E731
     rec = EpisodeRecorder()
-    rec.record("e", Turn(arr([1, 2], np.int32), [Choice(arr([5, 6], np.int32), arr([-0.5, -0.4], np.float32),
+    rec.record("e", RecordedTurn(arr([1, 2], np.int32), [Choice(arr([5, 6], np.int32), arr([-0.5, -0.4], np.float32),
                                                         arr([oldest, oldest + 1], np.int32), "stop")]))
-    rec.record("e", Turn(arr([1, 2, 5, 6, 9], np.int32), [Choice(arr([7], np.int32), arr([-0.3], np.float32),
+    rec.record("e", RecordedTurn(arr([1, 2, 5, 6, 9], np.int32), [Choice(arr([7], np.int32), arr([-0.3], np.float32),
                                                                   arr([V], np.int32), "stop")]))
     prompt, *rest = rec.pop("e").to_segments()
     seq = SeqSample(prompt_ids=prompt["tokens"], output_ids=[t for s in rest for t in s["tokens"]],

@@ -89,7 +89,7 @@ def test_write_splits_and_cli(tmp_path, capsys):
 
 
 def test_pool_cannot_hold_out_all_keys():
-    pool = arith.Pool(1, "+", lambda: arith._add_keys(1, 2), n_test=3, n_train=1)
+    pool = arith.KeyPool(1, "+", lambda: arith._add_keys(1, 2), n_test=3, n_train=1)
     with pytest.raises(ValueError, match="cannot hold out"):
         arith.generate_splits(0, (pool,))
 

@@ -1,11 +1,11 @@
-"""Episode recording of the OpenAI endpoint: segments with the loss mask, single-sequence detection, bounds.
+"""RecordedEpisode recording of the OpenAI endpoint: segments with the loss mask, single-sequence detection, bounds.
 
 Run: pytest tests/unit/test_openai_episodes.py -q   (< 1 s)
 """
 import numpy as np
 import pytest
 
-from areal_mq.openai.episodes import Choice, EpisodeRecorder, NotOneSequence, RecorderLimits, Turn
+from areal_mq.openai.episodes import Choice, EpisodeRecorder, NotOneSequence, RecorderLimits, RecordedTurn
 
 
 def choice(ids, version, reason="stop"):
@@ -14,7 +14,7 @@ def choice(ids, version, reason="stop"):
 
 
 def turn(prompt, *choices):
-    return Turn(np.asarray(prompt, np.int32), list(choices))
+    return RecordedTurn(np.asarray(prompt, np.int32), list(choices))
 
 
 def test_three_turns_make_one_sequence_with_generated_tokens_only_trained():
