@@ -84,12 +84,19 @@ def broker(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt
     raise typer.Exit(broker_main(cfg, parts))
 
 
+def _builtin_workflows() -> list[str]:
+    from areal_mq.workflows.builtin import BUILTINS  # the registry: help text never keeps a second list
+
+    return list(BUILTINS)
+
+
 @app.command()
 def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, reward, trainer, controller."),
            config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = SetOpt,
            worker_id: Optional[str] = typer.Option(None, help="Stable id (default: role-host-pid)."),
-           workflow: Optional[str] = typer.Option(None, help="agent only: a built-in workflow (single, "
-                                                  "multi_turn_retry, tool_calc) or module:function (= agent.workflow)."),
+           workflow: Optional[str] = typer.Option(None, help="agent only: a built-in workflow "
+                                                  f"({', '.join(_builtin_workflows())}) or module:function "
+                                                  "(= agent.workflow)."),
            insecure: bool = InsecureOpt) -> None:
     """Start one worker process of ROLE, connected to the brokers in the config."""
     import importlib

@@ -5,6 +5,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from areal_mq.workflows.builtin import BUILTINS
+
 
 class AgentConfig(BaseModel):
     """Multi-turn episodes (docs/workflows.md). With `workflow` set, the controller sends each admitted group as
@@ -12,8 +14,8 @@ class AgentConfig(BaseModel):
     `launcher.agent_workers` agent processes."""
 
     model_config = ConfigDict(extra="forbid")
-    workflow: str = Field("", description="'' = single-turn (no agent role); a built-in (single, multi_turn_retry, "
-                          "tool_calc) or 'module:function' importable code the operator names (never from the wire).")
+    workflow: str = Field("", description=f"'' = single-turn (no agent role); a built-in ({', '.join(BUILTINS)}) "
+                          "or 'module:function' importable code the operator names (never from the wire).")
     workflow_args: dict[str, Any] = Field(default_factory=dict, description="Keyword settings the workflow reads as "
                                           "ctx.args, e.g. {attempts: 2} for multi_turn_retry.")
     max_episodes: int = Field(16, ge=1, le=4096, description="Episodes one agent process runs at once (its capacity).")

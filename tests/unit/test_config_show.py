@@ -21,3 +21,13 @@ def test_config_show_every_shipped_config(path, plain):
     shown = yaml.safe_load(result.output)  # documented output is YAML too (descriptions are comments)
     source = yaml.safe_load(path.read_text()).get("reward", {}).get("tasks", {})
     assert set(shown["reward"]["tasks"]) >= set(source)
+
+
+def test_built_in_workflow_names_in_the_help_and_config_come_from_the_registry():
+    """CLI help and the agent.workflow description name exactly the registry's workflows (STYLE 15)."""
+    from areal_mq.cli import _builtin_workflows
+    from areal_mq.workflows.builtin import BUILTINS
+    from areal_mq.workflows.config import AgentConfig
+
+    assert _builtin_workflows() == list(BUILTINS)
+    assert f"a built-in ({', '.join(BUILTINS)})" in AgentConfig.model_fields["workflow"].description
