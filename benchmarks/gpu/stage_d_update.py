@@ -6,21 +6,28 @@ sequences mid-generation (full: 64) and a "trainer" copy of the model (fp32 mast
 publish a new version, as the trainer does (areal_mq/weights.py: bf16 CPU snapshot via unique_tensors, then):
   disk      publish_disk -> engine.update_weights(path=...)
   zmq       WeightServer.publish -> fetch_weights over loopback -> engine.update_weights(tensors=...)
-  cuda_ipc  GPU-to-GPU copy from shared buffers (trainer.publish_mode: cuda_ipc, issue 25 item 4): a row that
-            says "not built" when this tree's TrainerConfig has no such mode; when it has, this stage must be
-            taught to drive it (the row then says so: a TODO, not a figure).
+  cuda_ipc  trainer.publish_mode cuda_ipc (areal_mq/weights_ipc.py): the "trainer" is a second process on the same
+            device (CUDA IPC handles cannot be opened by the process that made them) holding the fp32 model;
+            its IpcPublisher copies the parameters into the shared bf16 buffers (publish_s, its own clock,
+            synchronized), and the engine's IpcReceiver copies them into the live model (load_s: the copy, the
+            device sync and the seqlock check). The warm-up round allocates the buffers and opens the handles
+            (shared once); the measured rounds are what every later version costs. On the CPU the same protocol
+            runs on shared memory.
 Per mode (median of rounds): publish_s (trainer side), fetch_s (zmq), then the engine's pause: load_s (weights
 into the live model) + resume_s (pause bookkeeping, KV recompute of the in-flight rows, until the first token
-under the new version). engine_pause_s = load_s + resume_s is what decoding loses; total_s adds publish and fetch.
+under the new version). engine_pause_s = load_s + resume_s is what decoding loses; total_s adds publish and fetch
+(for cuda_ipc also the pipe that asks the trainer process to publish and brings back its WeightsReady).
 Target (issue 25): the colocated (cuda_ipc) engine pause < 100 ms for SmolLM2-135M, disk and zmq beside it.
 
     python benchmarks/gpu/stage_d_update.py [--device cuda] [--quick] [--out DIR]
 """
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
-import typing
+import subprocess
+import sys
 
 import report
 from report import common
@@ -30,10 +37,55 @@ TARGET_S = 0.1
 log = common.logger("gpu-d")
 
 
-def cuda_ipc_built() -> bool:
-    from areal_mq.algorithms.config import TrainerConfig
+PUBLISHER = r"""
+import json, sys, time, torch
+from areal_mq.engines.models import load_causal_lm
+from areal_mq.weights_ipc import IpcPublisher
 
-    return "cuda_ipc" in typing.get_args(TrainerConfig.model_fields["publish_mode"].annotation)
+model_dir, run_dir, device = sys.argv[1:4]
+model = load_causal_lm(model_dir, "float32", torch.device(device))
+pub = IpcPublisher(run_dir, "bfloat16")
+print("ready", flush=True)
+for line in sys.stdin:
+    t0 = time.perf_counter()
+    ready = pub.publish(int(line), model.state_dict())  # synchronizes the device before it returns
+    print(json.dumps({"ready": ready.model_dump(mode="json"), "publish_s": time.perf_counter() - t0}), flush=True)
+pub.close()
+"""
+
+
+class IpcTrainer:
+    """The trainer side of cuda_ipc in its own process on the same device: publish(version) -> (ready, publish_s)."""
+
+    def __init__(self, model_dir, run_dir, device):
+        from areal_mq.weights_ipc import IpcReceiver
+
+        self.proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(model_dir), str(run_dir), str(device)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError("the cuda_ipc publisher process did not start (see its stderr above)")
+        self.receiver = IpcReceiver(run_dir, timeout_s=120.0)
+
+    def publish(self, version: int):
+        from areal_mq.messages import WeightsReady
+
+        self.proc.stdin.write(f"{version}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the cuda_ipc publisher process exited (rc {self.proc.poll()})")
+        got = json.loads(line)
+        return WeightsReady.model_validate(got["ready"]), got["publish_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc.stdout.close()
 
 
 def start_requests(engine, n: int, prompt: int, steps: int, tag: str) -> list[str]:
@@ -52,19 +104,25 @@ def start_requests(engine, n: int, prompt: int, steps: int, tag: str) -> list[st
     return ids
 
 
-def one_update(engine, trainer_model, mode: str, version: int, args, work, s: dict) -> dict:
+def one_update(engine, trainer_model, mode: str, version: int, args, work, s: dict, ipc=None) -> dict:
     from areal_mq.weights import WeightServer, fetch_weights, publish_disk, unique_tensors
 
     clock = report.timer(args.device)
     ids = start_requests(engine, s["in_flight"], s["prompt"], s["tokens_before"], f"{mode}{version}")
     t0 = clock()
-    tensors = unique_tensors(trainer_model.state_dict(), "bfloat16")
-    server = None
-    if mode == "disk":
+    server, publish_s = None, None
+    if mode == "cuda_ipc":
+        ready, publish_s = ipc.publish(version)
+        t1 = t2 = clock()
+        timings = ipc.receiver.update(engine, ready)
+        timings["load_s"] = timings["ipc_copy_s"] - timings["pause_s"]  # the copy, its sync and the seqlock check
+    elif mode == "disk":
+        tensors = unique_tensors(trainer_model.state_dict(), "bfloat16")
         ready = publish_disk(work / "weights", version, tensors, keep=2)
         t1 = t2 = clock()
         timings = engine.update_weights(version, path=ready.path)
     else:
+        tensors = unique_tensors(trainer_model.state_dict(), "bfloat16")
         server = WeightServer(keep=2)
         ready = server.publish(version, tensors)
         t1 = clock()
@@ -82,7 +140,7 @@ def one_update(engine, trainer_model, mode: str, version: int, args, work, s: di
         engine.abort(rid)
     while engine.has_work():
         engine.step()
-    return {"publish_s": t1 - t0, "fetch_s": t2 - t1, "load_s": timings["load_s"], "resume_s": resume,
+    return {"publish_s": t1 - t0 if publish_s is None else publish_s, "fetch_s": t2 - t1, "load_s": timings["load_s"], "resume_s": resume,
             "engine_pause_s": timings["load_s"] + resume, "total_s": clock() - t0,
             "recompute_tokens": int(timings["recompute_tokens"]), "steps_to_first_token": steps}
 
@@ -101,20 +159,22 @@ def run(args) -> dict:
     engine = make_engine(model_dir, args, s["in_flight"], s["prompt"] + s["tokens_before"] * 4 + 16)
     trainer_model = load_causal_lm(model_dir, "float32", engine.device)
     rows, version = [], 0
-    for mode in ("disk", "zmq"):
-        one_update(engine, trainer_model, mode, version := version + 1, args, work, s)  # warm-up
-        runs = [one_update(engine, trainer_model, mode, version := version + 1, args, work, s)
-                for _ in range(s["rounds"])]
-        row = {"mode": mode, **{k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}}
-        rows.append(row)
-        log(f"{mode}: engine pause {row['engine_pause_s'] * 1e3:.0f} ms, total {row['total_s'] * 1e3:.0f} ms")
+    ipc = IpcTrainer(model_dir, work / "ipc-run", engine.device)
+    try:
+        for mode in ("disk", "zmq", "cuda_ipc"):
+            one_update(engine, trainer_model, mode, version := version + 1, args, work, s, ipc)  # warm-up
+            runs = [one_update(engine, trainer_model, mode, version := version + 1, args, work, s, ipc)
+                    for _ in range(s["rounds"])]
+            row = {"mode": mode, **{k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}}
+            rows.append(row)
+            log(f"{mode}: engine pause {row['engine_pause_s'] * 1e3:.0f} ms, total {row['total_s'] * 1e3:.0f} ms")
+    finally:
+        ipc.close()
     engine.close()
     shutil.rmtree(work, ignore_errors=True)
-    ipc = {"mode": "cuda_ipc", "todo": "cuda_ipc: not built (trainer.publish_mode has no cuda_ipc in this tree)"
-           if not cuda_ipc_built() else "cuda_ipc: built, but this stage does not drive it yet (TODO)"}
     return {"title": "colocated weight update", "quick": args.quick, "machine": report.machine(args.device),
             "model": describe(model_dir, args.quick), "in_flight": s["in_flight"], "kv_on_update": engine.cfg.kv_on_update,
-            "updates": [*rows, ipc], "target_engine_pause_s": TARGET_S}
+            "updates": rows, "target_engine_pause_s": TARGET_S}
 
 
 def markdown(r: dict) -> str:
