@@ -21,12 +21,16 @@ the bottleneck, as on real accelerators) goes through, in order:
 1. one rollout host: generated tokens/s over a window;
 2. a second rollout host starts (item 4), with a key made for it mid-run (`areal-mq keys generate --name`):
    time from its process start to its first job, the weights it loaded before that job, tokens/s with two;
-3. the first rollout host's link is cut for 10 s and healed, then the trainer's: time from each heal to the
-   next training step (and to the rollout host's re-registration and next job);
+3. the first rollout host's link is cut for 10 s (and until three versions were trained without it) and
+   healed, then the trainer's: time from each heal to the next training step (and to the rollout host's
+   re-registration and next job);
 4. during the trainer's outage (it needs only the brokers), an intruder in its own namespace, with an unknown
    CURVE key and in plaintext, tries the job broker, the sample store and the bus: no answer, no
    registration, no job queued, no Control obeyed (checked with the operator's key on the bridge);
 5. the first rollout host gets SIGTERM: it drains and the run goes on.
+Weights travel as deltas (issue 26 item 5: bf16 publishing at lr 1e-6, zmq deltas on by default): the host that
+joins late holds nothing and takes the current version in full; the host whose link was cut catches up through the
+chain of the deltas it missed (fewer bytes than the full version), both read from their rollout.weights_updated.
 The run must reach total_steps, and test_chaos's audit must hold (nothing lost, nothing trained twice). The
 figures are printed and written to TMP/netns_hosts.json (benchmarks/RESULTS.md, "Many hosts").
 
@@ -58,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 36
 ETA, BATCH_GROUPS = 2, 2
 STEP_DELAY_S = 0.1  # per decoding step: a rollout host (4 sequences) makes < 40 tokens/s, however idle the CPU
-CUT_S = 10.0  # how long each link is cut
+CUT_S = 10.0  # how long each link is cut (at least)
+CUT_VERSIONS = 3  # a rollout host's link stays cut until this many versions were trained without it
 WINDOW_S = 10.0  # throughput measurement window
 
 
@@ -209,7 +214,7 @@ def _config(tmp_path: Path, net: Network) -> Path:
              "controller": {**base["controller"], "total_steps": STEPS, "max_staleness": ETA,
                             "batch_groups": BATCH_GROUPS, "max_concurrent_groups": 8},
              "trainer": {**base["trainer"], "publish_mode": "zmq", "weight_server_host": net.hosts["trn"].addr,
-                         "checkpoint_every": 5},
+                         "checkpoint_every": 5, "publish_dtype": "bfloat16", "lr": 1e-6},  # deltas: a few %
              "launcher": {"threads": {"rollout": 1, "trainer": 1, "reward": 1, "controller": 1}}}
     return write_config(tmp_path, extra)
 
@@ -257,20 +262,27 @@ def _join_second_host(procs: NetnsProcs, host: Host, cfg_path: Path, cfg, run_di
         "the joining rollout host took a job before loading the published weights"
     assert loaded["version"] >= max(1, version_at_start), (loaded, version_at_start)
     assert first_job["version"] >= loaded["version"], first_job
-    return {"version_at_start": version_at_start, "weights_version_loaded": loaded["version"],
+    # it holds nothing: the server's full current version is the cheapest way (a full + deltas costs more)
+    assert loaded["route"] == "full" and loaded["fetched_bytes"] == loaded["full_bytes"], loaded
+    return {"route": loaded["route"], "fetched_bytes": loaded["fetched_bytes"],
+            "version_at_start": version_at_start, "weights_version_loaded": loaded["version"],
             "weights_load_s": loaded.get("total_s"),
             "start_to_engine_ready_s": round(ready["ts"] - t_start, 2) if ready else None,
             "start_to_registered_s": round(registered["ts"] - t_start, 2) if registered else None,
             "start_to_first_job_s": round(first_job["ts"] - t_start, 2), "first_job_version": first_job["version"]}
 
 
-def _cut_and_heal(net: Network, host: Host, run_dir: Path, worker_id: str | None = None) -> tuple[dict, float]:
-    """Pull the host's cable for CUT_S, plug it back, and time the recovery. Returns (figures, heal time)."""
+def _cut_and_heal(net: Network, host: Host, run_dir: Path, worker_id: str | None = None,
+                  versions: int = 0) -> tuple[dict, float]:
+    """Pull the host's cable for CUT_S (and until `versions` more versions were trained), plug it back, and time
+    the recovery. Returns (figures, heal time)."""
     v_cut = _version(run_dir)
     t_cut = time.time()
     net.cut(host)
     try:
         time.sleep(CUT_S)  # the outage itself has a fixed length: that is the experiment, not a wait
+        wait_for(lambda: _version(run_dir) >= v_cut + versions, 180, interval=0.5,
+                 what=f"{versions} versions trained while {host.name} is cut off")
     finally:
         net.heal(host)
     t_heal = time.time()
@@ -289,11 +301,26 @@ def _cut_and_heal(net: Network, host: Host, run_dir: Path, worker_id: str | None
         job = wait_for(lambda: _first(run_dir, "rollout.request_started", after=back["ts"], worker_id=worker_id),
                        120, interval=0.5, what=f"{worker_id} to take a job again after the heal")
         lost = _first(run_dir, "broker.worker_removed", after=t_cut, worker=worker_id)
+        out["catch_up"] = _caught_up(run_dir, worker_id, t_cut, t_heal)
         out.update(broker_dropped_host_after_s=round(lost["ts"] - t_cut, 2) if lost else None,
                    jobs_requeued=lost.get("requeued") if lost else None,
                    heal_to_reregistered_s=round(back["ts"] - t_heal, 2),
                    heal_to_next_job_s=round(job["ts"] - t_heal, 2))
     return out, t_heal
+
+
+def _caught_up(run_dir: Path, worker_id: str, t_cut: float, t_heal: float) -> dict:
+    """The healed rollout host's first weight update: from the version it held when its link was cut, at least
+    CUT_VERSIONS behind, through the chain of deltas (fewer bytes than the full version), checksums verified."""
+    held = max((e["version"] for e in _events(run_dir, "rollout.weights_updated")
+                if e.get("worker_id") == worker_id and e["ts"] < t_cut), default=-1)
+    update = wait_for(lambda: _first(run_dir, "rollout.weights_updated", after=t_heal, worker_id=worker_id), 120,
+                      interval=0.5, what=f"{worker_id} to load the weights it missed")
+    assert update["version"] - held >= CUT_VERSIONS, (held, update)
+    assert update["route"] == "chain" and update["fetched_bytes"] < update["full_bytes"], (held, update)
+    return {"held": held, "version": update["version"], "route": update["route"],
+            "fetched_bytes": update["fetched_bytes"], "full_bytes": update["full_bytes"],
+            "heal_to_caught_up_s": round(update["ts"] - t_heal, 2)}
 
 
 def _after_heal(run_dir: Path, worker_id: str, t_heal: float, span_s: float = 20.0) -> dict:
@@ -494,7 +521,8 @@ def test_run_across_network_namespaces(tmp_path, monkeypatch):
         time.sleep(max(0.0, t0 + WINDOW_S - time.time()))
 
         _headroom(run_dir, "cutting a rollout host", need=10)
-        figures["cut_rollout_host"], t_heal_ro1 = _cut_and_heal(net, hosts["ro1"], run_dir, worker_id="rollout-h1")
+        figures["cut_rollout_host"], t_heal_ro1 = _cut_and_heal(net, hosts["ro1"], run_dir, worker_id="rollout-h1",
+                                                                    versions=CUT_VERSIONS)
 
         _headroom(run_dir, "cutting the trainer", need=6)
         t_intruder = time.time()  # the intruder needs only the brokers: it tries them during the trainer's outage
