@@ -25,7 +25,10 @@ app.add_typer(config_app, name="config")
 app.add_typer(events_app, name="events")
 app.add_typer(keys_app, name="keys")
 
-SetOpt = typer.Option(None, "--set", "-s", help="Override a config field: section.key=value (repeatable).")
+SET_HELP = ("Override a config field: section.key=value (repeatable; values are YAML). A key inside a dict "
+            "field merges into it (--set reward.tasks.mine.fn=pkg:f adds a task, the others stay); setting the "
+            "dict itself (--set 'reward.tasks={mine: {fn: pkg:f}}') replaces it. `config show` prints the result.")
+SetOpt = typer.Option(None, "--set", "-s", help=SET_HELP)
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML run config (defaults if omitted).")
 InsecureOpt = typer.Option(False, "--insecure", help="Unauthenticated plaintext sockets (debugging only; loopback "
                            "only; warns at every start). Same as --set security.insecure=true.")

@@ -2,13 +2,17 @@
 
 What: `RunConfig` composes the component configs (each component owns its model in its own package);
 `load_config(path, overrides)` reads YAML, applies `--set a.b=value` overrides and validates. Unknown keys
-are rejected with their full dotted path and a did-you-mean suggestion.
+are rejected with their full dotted path and a did-you-mean suggestion. An override of a key inside a dict field
+(`--set reward.tasks.mine.fn=pkg:f`) merges into the file's dict or the field's default; `--set reward.tasks={..}`
+replaces the dict (apply_overrides).
 How: `areal-mq config show configs/quickstart.yaml --set trainer.lr=1e-5` prints the resolved config
 with every field's documentation.
 """
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -318,18 +322,48 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `--set a.b=value` overrides to raw config data, in order.
+
+    A key INSIDE a dict-valued field (reward.tasks.NAME, brokers.job_deadlines.SERVICE, launcher.threads.ROLE)
+    merges into that field: the config file's dict when it gives one, else the field's default, so
+    `--set reward.tasks.mine.fn=pkg:f` adds a task and the default tasks stay. Setting the field itself
+    (`--set reward.tasks={mine: {fn: pkg:f}}`) replaces the whole dict."""
     for item in overrides:
         path, value = parse_override(item)
-        node = data
+        node: dict = data
+        model: type[BaseModel] | None = RunConfig
         for part in path[:-1]:
             child = node.get(part)
             if child is None:
-                child = node[part] = {}
+                child = node[part] = _starting_value(model, part)
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-            node = child
+            node, model = child, _field_model(model, part)
         node[path[-1]] = value
     return data
+
+
+def _field_model(model: type[BaseModel] | None, name: str) -> type[BaseModel] | None:
+    """The section model of field `name` of `model` (Optional[Model] included), None when it is no section."""
+    field = model.model_fields.get(name) if model is not None else None
+    if field is None:
+        return None
+    ann = field.annotation
+    union = typing.get_origin(ann) in (typing.Union, types.UnionType)
+    for ann in (typing.get_args(ann) if union else (ann,)):
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            return ann
+    return None
+
+
+def _starting_value(model: type[BaseModel] | None, name: str) -> dict:
+    """What an override below field `name` starts from when the config does not give it: the field's default
+    when it is a dict (merge into the defaults), else {} (a section: pydantic fills in its defaults)."""
+    field = model.model_fields.get(name) if model is not None else None
+    if field is None or _field_model(model, name) is not None:
+        return {}
+    default = field.get_default(call_default_factory=True)
+    return _plain(default) if isinstance(default, dict) else {}
 
 
 def _model_at(path: tuple, root: type[BaseModel] = None) -> type[BaseModel] | None:

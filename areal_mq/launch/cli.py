@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import typer
 
+from areal_mq.cli import SET_HELP
+
 
 def register(app: typer.Typer) -> None:
     app.command("run")(run)
@@ -38,7 +40,7 @@ def _cfg(path: Optional[str], overrides: Optional[List[str]], resume: Optional[s
 
 
 def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g. configs/quickstart.yaml)."),
-        set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: section.key=value."),
+        set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
         resume: Optional[str] = typer.Option(None, help="Continue the run in this run directory."),
         skip_eval: bool = typer.Option(False, "--skip-eval", help="No held-out evaluation before/after."),
         quiet: bool = typer.Option(False, help="No live display (logs only)."),
@@ -153,7 +155,7 @@ def _plot_and_summary(cfg, console) -> None:
 
 
 def eval_cmd(config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML run config."),
-             set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: section.key=value."),
+             set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
              weights: Optional[str] = typer.Option(None, help="Published weights dir or checkpoint (default: base)."),
              n: Optional[int] = typer.Option(None, help="Number of held-out problems."),
              version: Optional[int] = typer.Option(None, help="Policy version these weights are (recorded)."),

@@ -102,7 +102,10 @@ class RewardConfig(BaseModel):
         "closures but is unsafe in a process with threads.",
     )
     tasks: dict[str, TaskConfig] = Field(
-        default_factory=dict,
+        default_factory=lambda: {"arith": TaskConfig(fn="arith")},
         description="Task name -> how to score it; the key '*' catches every other task. A job naming a task "
-        "that is not listed (and no '*') is refused: a job's task never names code to load.",
+        "that is not listed (and no '*') is refused: a job's task never names code to load. Default: arith (the "
+        "default controller.reward_task). `--set reward.tasks.NAME.fn=...` adds a task to these (the config's "
+        "tasks, else the default); a `reward: {tasks: ...}` in the YAML file or `--set reward.tasks={...}` "
+        "replaces them.",
     )

@@ -75,6 +75,45 @@ def test_the_controllers_reward_task_is_configured_at_load_time(tmp_path):
     assert set(load_config(named).reward.tasks) == {"gsm8k"}
 
 
+def test_set_inside_a_dict_field_merges_into_the_defaults(tmp_path):
+    """issue 28 item 6: `--set reward.tasks.X.fn=...` on a config without a reward: section adds task X; the
+    default tasks stay (also when the controller's task becomes X). Other dict fields merge the same way."""
+    cfg = load_config(None, ["reward.tasks.mine.fn=tests.integration.varied_reward:varied",
+                             "controller.reward_task=mine"])
+    assert set(cfg.reward.tasks) == {"arith", "mine"} and cfg.reward.tasks["arith"].fn == "arith"
+    assert load_config(None, ["brokers.job_deadlines.reward=120"]).brokers.job_deadlines == {"agent": 1800.0,
+                                                                                           "reward": 120.0}
+    # a key of a default entry: that entry is kept and changed, not replaced by a bare {kwargs: ...}
+    arith = load_config(None, ["reward.tasks.arith.kwargs.penalty=-1"]).reward.tasks["arith"]
+    assert (arith.fn, arith.kwargs) == ("arith", {"penalty": -1})
+    # the config file's dict, when it has one, is what --set merges into
+    own = tmp_path / "own.yaml"
+    own.write_text("reward: {tasks: {gsm8k: {fn: math}}}\ncontroller: {reward_task: gsm8k}\n")
+    assert set(load_config(own, ["reward.tasks.fmt.fn=format"]).reward.tasks) == {"gsm8k", "fmt"}
+
+
+def test_setting_a_whole_dict_field_replaces_it():
+    cfg = load_config(None, ["reward.tasks={mine: {fn: 'tests.integration.varied_reward:varied'}}",
+                             "controller.reward_task=mine"])
+    assert set(cfg.reward.tasks) == {"mine"}
+    assert load_config(None, ["brokers.job_deadlines={}"]).brokers.job_deadlines == {}
+    with pytest.raises(ConfigError, match="'tasks' is not a section"):
+        load_config(None, ["reward.tasks=3", "reward.tasks.mine.fn=x:y"])
+
+
+def test_config_show_prints_the_merged_tasks():
+    import yaml
+    from typer.testing import CliRunner
+
+    from areal_mq.cli import app
+
+    result = CliRunner().invoke(app, ["config", "show", "--plain", "--set", "reward.tasks.mine.fn=format"])
+    assert result.exit_code == 0, result.output
+    tasks = yaml.safe_load(result.output)["reward"]["tasks"]
+    assert {name: task["fn"] for name, task in tasks.items()} == {"arith": "arith", "mine": "format"}
+    assert "merges into it" in CliRunner().invoke(app, ["config", "show", "--help"]).output
+
+
 def test_moved_keys_are_refused_with_their_new_names(tmp_path):
     """issue 14 item 4: rollout: holds an engine: section; eval_* left controller: for eval:. An old config
     gets one error naming each key's new place (nothing is guessed or silently dropped)."""
