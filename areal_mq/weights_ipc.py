@@ -320,7 +320,7 @@ def open_cuda(buf: CudaBuffer, device: "torch.device", nbytes: int) -> "torch.Te
     return rebuild_cuda_tensor(torch.Tensor, (nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8,
                                device.index or 0, bytes.fromhex(buf.handle), buf.size, buf.offset, False,
                                bytes.fromhex(buf.ref_counter_handle), buf.ref_counter_offset,
-                               bytes.fromhex(buf.event_handle) or None, buf.event_sync_required)
+                               bytes.fromhex(buf.event_handle), buf.event_sync_required)
 
 
 # ---------------------------------------------------------------- rollout side

@@ -252,3 +252,36 @@ def test_config_needs_one_device_for_trainer_and_rollout(trainer, rollout, ok):
 def test_config_refuses_deltas_with_cuda_ipc():
     with pytest.raises(ConfigError, match="weight_deltas"):
         load_config(None, ["trainer.publish_mode=cuda_ipc", "model.device=cpu", "trainer.weight_deltas=on"])
+
+
+def test_the_bus_rule_and_the_trainer_worker_publish_live_parameters(tmp_path):
+    from areal_mq.algorithms.config import TrainerConfig
+    from areal_mq.weights import WeightPublisher, check_ready, resolve
+    from areal_mq.workers.trainer import TrainerWorker
+
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "trainer.publish_mode=cuda_ipc", "model.device=cpu"])
+    sent = []
+
+    class Trainer:
+        is_main, version, hf_config_json, unwrapped = True, 1, "{}", Net()
+
+        def publish_tensors(self):
+            raise AssertionError("cuda_ipc publishes the live parameters, not a CPU snapshot")
+
+    class Bus:
+        def publish(self, topic, msg):
+            sent.append((topic, msg))
+
+    publisher = WeightPublisher(cfg.trainer, tmp_path)
+    worker = TrainerWorker(cfg, Trainer(), None, Bus(), publisher, rt=None)
+    worker.publish()
+    (topic, ready), = sent
+    assert topic == "weights" and ready.mode == "cuda_ipc" and ready.version == 1
+    assert check_ready(ready, tmp_path, cfg.trainer) is None and resolve(ready, tmp_path, cfg.trainer) == {}
+    assert "publish_mode cuda_ipc" in check_ready(ready, tmp_path, TrainerConfig(publish_mode="zmq"))
+    engine = Engine(Net())
+    IpcReceiver(tmp_path).update(engine, ready)
+    _equal_bf16(engine, Trainer.unwrapped.state_dict())
+    worker.sinks.close()
+    publisher.close()
+    assert not list((tmp_path / "ipc").iterdir())
