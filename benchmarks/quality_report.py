@@ -1,0 +1,203 @@
+"""The quality study's statistics, figure and table (used by benchmarks/quality.py; not a benchmark itself).
+
+From the runs' JSON lines (one per mode and seed):
+- per mode: mean and sample std over seeds of the final held-out strict accuracy (equal trained samples:
+  every mode trains the same number of steps of the same size);
+- per mode but sync: the PAIRED difference (mode - sync) per seed, its mean and 95 % t-interval
+  (mean ± t(0.975, n-1) · sd / √n, n = seeds both have; none for n = 1): the seeds share the data order and
+  the sampling seeds, so pairing removes the seed-to-seed spread from the comparison;
+- accuracy at equal wall time: each run's latest evaluation at or before T, T the earliest final-evaluation
+  time over all runs (so every run has been evaluated by then), paired the same way;
+- per step: entropy, the fractions of tokens clipped and masked, staleness (max, histogram summed over
+  steps), the invariant counters (violations must be 0) and the samples dropped as too stale.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import common
+
+TARGETS = {"async_eta2_vs_sync_strict": None,  # set per report: within 2 points of sync (issue 27)
+           "async_eta2_vs_sync_strict_at_equal_wall_time": 1.0, "decoupled_vs_naive_eta4_strict": 1.0}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def t_interval(xs: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The two-sided t-interval of the mean of xs (None with fewer than 2 values)."""
+    from scipy import stats
+
+    n = len(xs)
+    if n < 2:
+        return None
+    mean = sum(xs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _sd(xs):
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def at_time(run: dict, t: float) -> float:
+    """Strict accuracy of the latest evaluation at or before wall time t (version 0 = the base model at t = 0)."""
+    before = [e for e in run["evals"] if e["t_s"] <= t]
+    return (before or run["evals"][:1])[-1]["strict"]
+
+
+def paired(by_mode: dict, value) -> dict:
+    """mode -> {n, diffs, mean, ci95} of value(mode's run) - value(sync's run) over the seeds both have."""
+    sync = {r["seed"]: r for r in by_mode.get("sync", [])}
+    out = {}
+    for mode, runs in by_mode.items():
+        if mode == "sync":
+            continue
+        diffs = [value(r) - value(sync[r["seed"]]) for r in runs if r["seed"] in sync]
+        if diffs:
+            out[mode] = {"n": len(diffs), "seeds": [r["seed"] for r in runs if r["seed"] in sync], "diffs": diffs,
+                         "mean": sum(diffs) / len(diffs), "ci95": t_interval(diffs)}
+    return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per-mode figures (the means over its seeds)."""
+    final = [r["evals"][-1]["strict"] for r in runs]
+    steps = lambda k: [x for r in runs for x in r["per_step"].get(k, []) if x is not None]  # noqa: E731
+    hist: list[int] = []
+    for r in runs:
+        h = r["staleness_hist"]
+        hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
+    entropy_last = [r["per_step"]["entropy"][-1] for r in runs if r["per_step"].get("entropy")]
+    return {"label": runs[0]["label"], "seeds": sorted(r["seed"] for r in runs), "n_seeds": len(runs),
+            "strict_mean": sum(final) / len(final), "strict_sd": _sd(final), "strict_by_seed": final,
+            "trained_samples": runs[0]["evals"][-1]["trained_samples"], "wall_s_mean": _mean([r["wall_s"] for r in runs]),
+            "entropy_first": _mean([r["per_step"]["entropy"][0] for r in runs if r["per_step"].get("entropy")]),
+            "entropy_last": _mean(entropy_last), "clip_frac_mean": _mean(steps("clip_frac")),
+            "masked_frac_mean": _mean(steps("masked_frac")), "staleness_hist": hist,
+            "staleness_max": max(steps("staleness_max") or [0]),
+            "staleness_violations": sum(r["staleness_violations"] for r in runs),
+            "dropped_stale": sum(r["dropped_stale"] for r in runs)}
+
+
+def estimate(done: list[dict], guess: dict) -> dict:
+    """Seconds of start-up, of a version and of an evaluated problem: from finished full runs, else the guess."""
+    full = [r for r in done if not r.get("quick") and r["evals"]]
+    if not full:
+        return {**guess, "source": "guessed (no finished run yet)"}
+    version_s = _mean([r["evals"][-1]["t_s"] / r["versions"] for r in full])  # training from ready to the last step
+    eval_s = _mean([e["eval_s"] / e["n"] for r in full for e in r["evals"] if e.get("eval_s")])
+    return {"startup_s": _mean([r.get("startup_s", guess["startup_s"]) for r in full]), "version_s": version_s, "eval_problem_s": eval_s or guess["eval_problem_s"],
+            "source": f"measured on {len(full)} finished runs"}
+
+
+def report(runs: list[dict], quick: bool, plot_path: Path) -> dict:
+    by_mode: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        by_mode[r["mode"]].append(r)
+    modes = {m: summarize(rs) for m, rs in by_mode.items()}
+    t_equal = min(r["evals"][-1]["t_s"] for r in runs)
+    final = paired(by_mode, lambda r: r["evals"][-1]["strict"])
+    timed = paired(by_mode, lambda r: at_time(r, t_equal))
+    for m, s in modes.items():
+        s["strict_at_equal_wall_time_mean"] = _mean([at_time(r, t_equal) for r in by_mode[m]])
+        s["paired_vs_sync"], s["paired_vs_sync_at_equal_wall_time"] = final.get(m), timed.get(m)
+    ratios, targets = {}, {}
+    if "sync" in modes and "async_eta2" in modes and modes["sync"]["strict_mean"] > 0:
+        sync = modes["sync"]
+        ratios["async_eta2_vs_sync_strict"] = modes["async_eta2"]["strict_mean"] / sync["strict_mean"]
+        targets["async_eta2_vs_sync_strict"] = round((sync["strict_mean"] - 0.02) / sync["strict_mean"], 4)
+        if sync["strict_at_equal_wall_time_mean"] > 0:
+            ratios["async_eta2_vs_sync_strict_at_equal_wall_time"] = (
+                modes["async_eta2"]["strict_at_equal_wall_time_mean"] / sync["strict_at_equal_wall_time_mean"])
+            targets["async_eta2_vs_sync_strict_at_equal_wall_time"] = 1.0
+    if "async_eta4" in modes and "naive_eta4" in modes and modes["naive_eta4"]["strict_mean"] > 0:
+        ratios["decoupled_vs_naive_eta4_strict"] = modes["async_eta4"]["strict_mean"] / modes["naive_eta4"]["strict_mean"]
+        targets["decoupled_vs_naive_eta4_strict"] = 1.0
+    png = plot(by_mode, plot_path)
+    setup = {"kind": "setup", "eval_name": runs[0]["eval_name"], "eval_n": runs[0]["eval_n"],
+             "versions": runs[0]["versions"], "equal_wall_time_s": t_equal, "plot": str(png),
+             "pairing": "per seed: same data order, sampling seeds and trainer seed in both modes",
+             "interval": "95 % two-sided t-interval of the mean paired difference (none with 1 seed)"}
+    return {"benchmark": "quality", "quick": quick, "machine": common.machine(device=runs[0]["device"]),
+            "results": [setup, *({"kind": "mode", "mode": m, **s} for m, s in modes.items())],
+            "ratios": ratios, "targets": targets}
+
+
+def plot(by_mode: dict, out: Path) -> Path:
+    """Accuracy vs trained samples (left) and vs wall time (right), all modes on one figure: the mean over
+    seeds at each evaluated version (thick), each seed (thin)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for k, (mode, runs) in enumerate(sorted(by_mode.items())):
+        color = f"C{k}"
+        for r in runs:
+            xs = [(e["trained_samples"], e["t_s"], e["strict"]) for e in r["evals"]]
+            left.plot([x[0] for x in xs], [x[2] for x in xs], color=color, alpha=0.25, lw=0.8)
+            right.plot([x[1] / 60 for x in xs], [x[2] for x in xs], color=color, alpha=0.25, lw=0.8)
+        versions = sorted(set.intersection(*[{e["version"] for e in r["evals"]} for r in runs]))
+        pick = lambda v, key: _mean([next(e[key] for e in r["evals"] if e["version"] == v) for r in runs])  # noqa: E731
+        label = f"{runs[0]['label']} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+        left.plot([pick(v, "trained_samples") for v in versions], [pick(v, "strict") for v in versions],
+                  color=color, lw=2, marker="o", label=label)
+        right.plot([pick(v, "t_s") / 60 for v in versions], [pick(v, "strict") for v in versions],
+                   color=color, lw=2, marker="o")
+    left.set(xlabel="trained samples (sequences)", ylabel="held-out strict accuracy (greedy)",
+             title="at equal trained samples")
+    right.set(xlabel="wall time since the processes were ready (min)", title="at equal wall time")
+    left.legend(fontsize=8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _ci(p: dict | None) -> str:
+    if not p:
+        return "-"
+    ci = p["ci95"]
+    inner = f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else " (1 seed)"
+    return f"{p['mean'] * 100:+.1f}{inner}"
+
+
+def table(report: dict, command: str) -> str:
+    modes = [r for r in report["results"] if r["kind"] == "mode"]
+    setup = report["results"][0]
+    rows = [("mode", "seeds", "strict %", "Δ vs sync (pts, 95% CI)", f"Δ @ {setup['equal_wall_time_s']:.0f} s",
+             "entropy first→last", "clipped", "masked", "stale max", "violations", "dropped")]
+    for s in modes:
+        sd = f" ± {s['strict_sd'] * 100:.1f}" if s["strict_sd"] is not None else ""
+        ent = (f"{s['entropy_first']:.2f}→{s['entropy_last']:.2f}" if s["entropy_last"] is not None else "-")
+        rows.append((s["label"], str(s["n_seeds"]), f"{s['strict_mean'] * 100:.1f}{sd}", _ci(s["paired_vs_sync"]),
+                     _ci(s["paired_vs_sync_at_equal_wall_time"]), ent, f"{(s['clip_frac_mean'] or 0):.3f}",
+                     f"{(s['masked_frac_mean'] or 0):.3f}", str(s["staleness_max"]), str(s["staleness_violations"]),
+                     str(s["dropped_stale"])))
+    lines = [f"held-out strict accuracy on {setup['eval_n']} problems of {setup['eval_name']} after "
+             f"{setup['versions']} versions (equal trained samples); plot {setup['plot']}", *common.align(rows), ""]
+    if report["ratios"]:
+        lines += common.align(common.ratio_rows(report))
+    lines.append(f"command: {command}")
+    return "\n".join(lines)

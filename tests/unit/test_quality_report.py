@@ -1,0 +1,58 @@
+"""benchmarks/quality_report.py's statistics on made-up runs, against numbers worked out by hand."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import quality_report as q  # noqa: E402
+
+T975_2 = 4.302653  # t(0.975, 2 degrees of freedom)
+
+
+def _run(mode, seed, finals, t_final=100.0, label=None):
+    """A results line: evaluations at v0 (0.1), v10 and v20 (finals = (acc at v10, acc at v20))."""
+    evals = [{"version": 0, "strict": 0.1, "trained_samples": 0, "t_s": 0.0},
+             {"version": 10, "strict": finals[0], "trained_samples": 160, "t_s": t_final / 2},
+             {"version": 20, "strict": finals[1], "trained_samples": 320, "t_s": t_final}]
+    return {"mode": mode, "label": label or mode, "seed": seed, "evals": evals, "wall_s": t_final + 30,
+            "versions": 20, "eval_name": "arith:test-large", "eval_n": 1100, "device": "cpu",
+            "per_step": {"entropy": [0.6, 0.3], "clip_frac": [0.1, 0.2], "masked_frac": [0.0, 0.05],
+                         "staleness_max": [0, 2]},
+            "staleness_hist": [3, 2, 1], "staleness_violations": 0, "dropped_stale": seed}
+
+
+def test_t_interval_by_hand():
+    lo, hi = q.t_interval([0.02, 0.04, 0.0])  # mean 0.02, sd 0.02
+    half = T975_2 * 0.02 / 3 ** 0.5
+    assert (lo, hi) == pytest.approx((0.02 - half, 0.02 + half), rel=1e-6)
+    assert q.t_interval([0.3]) is None
+
+
+def test_paired_differences_per_seed_and_at_equal_wall_time(tmp_path):
+    runs = [_run("sync", s, (0.3, a), t_final=200.0) for s, a in enumerate((0.40, 0.50, 0.45))]
+    runs += [_run("async_eta2", s, (0.35, a), t_final=100.0) for s, a in enumerate((0.42, 0.54, 0.45))]
+    rep = q.report(runs, quick=False, plot_path=tmp_path / "q.png")
+    setup, *modes = rep["results"]
+    by = {m["mode"]: m for m in modes}
+    pair = by["async_eta2"]["paired_vs_sync"]
+    assert pair["diffs"] == pytest.approx([0.02, 0.04, 0.0]) and pair["mean"] == pytest.approx(0.02)
+    assert pair["ci95"] == pytest.approx(q.t_interval([0.02, 0.04, 0.0]))
+    # equal wall time = 100 s, the earliest final evaluation: async is at v20, sync at v10 (its t = 100 s)
+    assert setup["equal_wall_time_s"] == 100.0
+    assert by["async_eta2"]["paired_vs_sync_at_equal_wall_time"]["diffs"] == pytest.approx([0.12, 0.24, 0.15])
+    assert by["sync"]["strict_mean"] == pytest.approx(0.45) and by["sync"]["strict_sd"] == pytest.approx(0.05)
+    assert rep["ratios"]["async_eta2_vs_sync_strict"] == pytest.approx(0.47 / 0.45)
+    assert rep["targets"]["async_eta2_vs_sync_strict"] == pytest.approx(0.43 / 0.45, abs=1e-4)
+    assert by["sync"]["staleness_hist"] == [9, 6, 3] and by["sync"]["dropped_stale"] == 3
+    assert (tmp_path / "q.png").stat().st_size > 10_000
+    table = q.table(rep, "python benchmarks/quality.py")
+    assert "+2.0 [" in table and table.splitlines()[-1] == "command: python benchmarks/quality.py"
+
+
+def test_a_mode_without_sync_seeds_is_not_paired(tmp_path):
+    runs = [_run("sync", 0, (0.3, 0.4)), _run("cispo_eta4", 5, (0.3, 0.4))]
+    by = {m.get("mode"): m for m in q.report(runs, quick=True, plot_path=tmp_path / "q.png")["results"]}
+    assert by["cispo_eta4"]["paired_vs_sync"] is None
