@@ -347,6 +347,11 @@ class Attached:
         return [int(self.header[s, VERSION]) for s in range(SLOTS)]
 
 
+class TornWeights(RuntimeError):
+    """Every in-place copy from the shared buffers was torn until the deadline: the engine holds mixed weights.
+    Not an ArealError on purpose: the rollout worker does not retry it, it stops (see IpcReceiver.update)."""
+
+
 class IpcReceiver:
     """Rollout-side cuda_ipc: `update(engine, ready)` -> the engine's timings (see the module docstring).
     Raises WeightsRefused (not this run's set, not colocated, does not fit the engine, a version going back) or
@@ -379,8 +384,12 @@ class IpcReceiver:
                 break
             torn += 1  # the trainer reused the slot during the copy: copy the newest whole version again
             if time.monotonic() > deadline:
-                raise WeightsFetchError(f"every copy of version {ready.version}+ from the shared buffers was torn "
-                                        f"({torn} tries in {self.timeout_s:g}s); the engine must load again")
+                # The engine's parameters now hold a torn copy (it copies in place): never decode on them, not even
+                # until a retry. Stopping the worker is loud and loses nothing (the broker requeues its jobs, the
+                # launcher restarts it, and a new worker copies a whole version before its first job).
+                raise TornWeights(f"every copy of version {ready.version}+ from the shared buffers was torn "
+                                  f"({torn} tries in {self.timeout_s:g}s): the engine holds mixed weights, so this "
+                                  "rollout worker stops rather than generate with them")
         att.loaded = version
         timings.update(ipc_copy_s=time.perf_counter() - t0, torn_retries=torn, loaded_version=version)
         return timings

@@ -110,6 +110,24 @@ def test_a_torn_copy_is_detected_and_the_newest_version_copied_again(tmp_path):
     _equal_bf16(engine, newest)
 
 
+def test_copies_torn_until_the_deadline_stop_the_worker_instead_of_decoding_on_them(tmp_path):
+    from areal_mq.errors import ArealError
+    from areal_mq.weights_ipc import TornWeights
+
+    pub = IpcPublisher(tmp_path)
+    ready = pub.publish(1, _trained(1))
+    versions = iter(range(2, 10_000))
+
+    def trainer_always_publishes_twice_during_a_copy():
+        v = next(versions)
+        pub.publish(v, _trained(v % 5))
+        pub.publish(next(versions), _trained(v % 7))
+    engine = Engine(Net(), on_copy=trainer_always_publishes_twice_during_a_copy)
+    with pytest.raises(TornWeights, match="mixed weights") as info:
+        IpcReceiver(tmp_path, timeout_s=0.2).update(engine, ready)
+    assert not isinstance(info.value, ArealError)  # the rollout worker must not treat it as a retryable fetch error
+
+
 def test_a_slot_being_written_is_never_read(tmp_path):
     pub, engine = IpcPublisher(tmp_path), Engine(Net())
     ready = pub.publish(1, _trained(1))
