@@ -87,7 +87,8 @@ class AgentRole(Role):
         fut.add_done_callback(lambda f: self._done(job, f))
 
     async def _episode(self, msg: EpisodeJob) -> Any:
-        from areal_mq.workflows.context import EpisodeContext, Problem
+        from areal_mq.data.loaders import Problem
+        from areal_mq.workflows.context import EpisodeContext
         from areal_mq.workflows.runner import run_episode
 
         a = self.acfg

@@ -25,7 +25,8 @@ async def _episodes(cfg: Any, workflow: Any, problems: list, tokenizer: Any, fmt
                     sampling: Any, progress: bool) -> list:
     from tqdm import tqdm
 
-    from areal_mq.workflows.context import EpisodeContext, Problem
+    from areal_mq.data.loaders import Problem
+    from areal_mq.workflows.context import EpisodeContext
     from areal_mq.workflows.runner import run_episode
 
     bar = tqdm(total=len(problems), desc="episodes", unit="ep", disable=not progress, leave=False)
@@ -33,7 +34,8 @@ async def _episodes(cfg: Any, workflow: Any, problems: list, tokenizer: Any, fmt
     async def one(p: Any) -> tuple:
         ctx = EpisodeContext(Problem(p.id, p.prompt, str(p.answer), p.level or 0), fmt.ids(p), tokenizer, backend,
                              sampling=sampling, episode_id=f"eval-{p.id}", max_turns=cfg.agent.max_turns,
-                             max_tokens=cfg.agent.max_episode_tokens, args=cfg.agent.workflow_args)
+                             max_tokens=cfg.agent.max_episode_tokens, args=cfg.agent.workflow_args,
+                             reward_task=cfg.controller.reward_task)
         # no episode timeout: all episodes are queued at once, so a late one waits for the engine, not hangs
         outcome = await run_episode(workflow, ctx, ctx.problem, EVAL_TIMEOUT_S)
         bar.update(1)
@@ -49,7 +51,7 @@ def evaluate_workflow(cfg: Any, workflow: str | None = None, weights: str | None
                       temperature: float = 0.0, progress: bool = True) -> dict:
     from areal_mq.evaluation.heldout import eval_setup
     from areal_mq.messages import SamplingSpec
-    from areal_mq.workflows.local import EngineBackend
+    from areal_mq.workflows.local import EngineBackend, LocalRewards
     from areal_mq.workflows.runner import load_workflow
 
     spec = workflow or cfg.agent.workflow or "single"
@@ -60,7 +62,8 @@ def evaluate_workflow(cfg: Any, workflow: str | None = None, weights: str | None
         if weights:
             engine.update_weights(1, path=str(weights))
         sampling = SamplingSpec(temperature=temperature, max_new_tokens=cfg.controller.max_new_tokens, seed=cfg.run.seed)
-        results = asyncio.run(_episodes(cfg, fn, problems, tokenizer, fmt, EngineBackend(engine), sampling, progress))
+        backend = EngineBackend(engine, rewards=LocalRewards(cfg.reward))  # controller.reward_task, in process
+        results = asyncio.run(_episodes(cfg, fn, problems, tokenizer, fmt, backend, sampling, progress))
     finally:
         engine.close()
     return summarize(results, spec, weights, time.perf_counter() - t0)

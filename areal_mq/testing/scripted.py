@@ -3,7 +3,10 @@
 What: `ScriptedModel(tokenizer, texts)` is what an EpisodeContext's backend must be (`await generate(request)`,
 `await reward(job)`): turn k gets `texts[k]`, tokenized with the episode's tokenizer and stamped with policy
 version `version` and logprob `logprob` per token; every GenerateRequest is kept in `requests` (prompt ids,
-sampling, session) and every RewardJob in `reward_jobs`. `reward` answers with `rewards(job)` if given.
+sampling, session) and every RewardJob in `reward_jobs`. `reward` (ctx.score / ctx.reward) answers with
+`rewards(job)`: a float or a dict {"reward": r, "correct": ..., "reason": ...} (one per completion, details as a
+reward function's), a whole RewardResult, or an awaitable of one; `rewards=LocalRewards()`
+(areal_mq.workflows.local) scores with the real task functions (arith), as the built-ins' tests do.
 Why: a workflow's logic (when it retries, what it appends, what reward it returns) is tested without a model,
 an engine or brokers, in milliseconds, the way tests/unit/workflows/ tests the built-ins.
 How (docs/workflows.md, "Testing your workflow"):
@@ -14,6 +17,7 @@ How (docs/workflows.md, "Testing your workflow"):
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Iterable
 
 from areal_mq.messages import GenerateRequest, GenerateResult, RewardJob, RewardResult
@@ -21,7 +25,7 @@ from areal_mq.messages import GenerateRequest, GenerateResult, RewardJob, Reward
 
 class ScriptedModel:
     def __init__(self, tokenizer: Any, texts: Iterable[str], version: int = 2, logprob: float = -0.1,
-                 rewards: Callable[[RewardJob], float] | None = None):
+                 rewards: Callable[[RewardJob], Any] | None = None):
         self.tokenizer, self.texts, self.version, self.logprob = tokenizer, list(texts), version, logprob
         self.rewards = rewards
         self.requests: list[GenerateRequest] = []
@@ -42,4 +46,13 @@ class ScriptedModel:
         self.reward_jobs.append(job)
         if self.rewards is None:
             raise AssertionError("ScriptedModel: the workflow called ctx.reward, but no `rewards=` was given")
-        return RewardResult(rewards=[float(self.rewards(job)) for _ in job.completions])
+        out = self.rewards(job)
+        if inspect.isawaitable(out):
+            out = await out
+        if isinstance(out, RewardResult):
+            return out
+        from areal_mq.rewards.registry import normalize_output
+
+        reward, details = normalize_output(out)
+        n = len(job.completions)
+        return RewardResult(rewards=[reward] * n, details=[dict(details) for _ in range(n)], errors=[None] * n)

@@ -2,8 +2,8 @@
 
 episode.py  the per-token trace (generated vs environment tokens, versions, loss mask) -> one SeqSample
 context.py  `ctx`: generate turns through a backend, append environment text, grade, call the reward service
-builtin.py  single, multi_turn_retry, tool_calc;  calc.py  the tool's safe arithmetic evaluator
+builtin.py  the built-in workflows (BUILTINS, the registry);  calc.py  the tool's safe arithmetic evaluator
 runner.py   load a workflow spec (operator-named code only), run one episode with a timeout
-local.py    an in-process engine backend (evaluations, tests); the agent role is workers/agent.py
+local.py    an in-process engine backend and LocalRewards (evaluations, tests); the agent role is workers/agent.py
 docs/workflows.md shows how to write one.
 """

@@ -1,15 +1,19 @@
-r"""The built-in workflows: `single`, `multi_turn_retry`, `tool_calc` (agent.workflow: single | multi_turn_retry |
-tool_calc, or any `module:function` the operator names).
+r"""The built-in workflows: `single`, `multi_turn_retry`, `tool_calc` (agent.workflow names one of BUILTINS below,
+or any `module:function` the operator names; `areal-mq worker agent --help` lists them).
 
-- `single`: one turn, rewarded like the single-turn arith job (areal_mq.rewards.arith_reward); the same training
-  signal as the classic path, through the agent role.
+Every built-in grades a turn with the reward service, `await ctx.score(text, truncated=...)`, under the run's
+task (controller.reward_task, default arith: 1 for exactly one final correct \boxed{N}, 0 wrong, -0.5 for
+truncation, repeated or malformed boxes; areal_mq.rewards.arith_reward), so a configured task applies to them too.
+- `single`: one turn, rewarded like the single-turn reward job; the same training signal as the classic path,
+  through the agent role.
 - `multi_turn_retry` (AReaL's multi-turn math example): up to `attempts` (agent.workflow_args, default 2)
-  turns; a wrong answer gets the feedback turn "Your answer is wrong. Try again." and the model answers again
-  in the same episode. Reward: `discount ** k` for a correct answer at attempt k (1.0 first try, 0.5 second),
-  else the last attempt's arith reward when it is a penalty (truncation, repeated boxes), else 0.
+  turns; an incorrect answer (the verdict's `correct`) gets the feedback turn "Your answer is wrong. Try again."
+  and the model answers again in the same episode. Reward: `discount ** k` for a correct answer at attempt k
+  (1.0 first try, 0.5 second), else the last attempt's reward when it is a penalty (truncation, repeated
+  boxes), else 0.
 - `tool_calc`: the model may write `<calc>EXPR</calc>`; the workflow evaluates EXPR with the safe calculator
   (workflows/calc.py, never eval), appends `<result>VALUE</result>` as environment tokens and lets the model
-  continue its answer; at most `max_calls` (default 2) calls. Reward: the arith reward of the final text.
+  continue its answer; at most `max_calls` (default 2) calls. Reward: the task's reward of the final text.
   A worked example in the prompt shows the tool (a 135M model does not invent a tag it never saw).
 Each sets ctx.info (attempts, correct_at, tool_calls) which the controller logs and evaluations count.
 """
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_mq.rewards.arith_reward import arith_reward
 from areal_mq.workflows.calc import CalcError, calc
 
 FEEDBACK = "Your answer is wrong. Try again."
@@ -29,15 +32,11 @@ TOOL_EXAMPLE = [{"role": "user", "content": "What is 2 + 30?"},
                                                  "The answer is \\boxed{32}."}]
 
 
-def _score(ctx: Any, text: str, finish_reason: str) -> dict:
-    return arith_reward(ctx.problem.prompt, text, ctx.problem.answer, truncated=finish_reason == "length")
-
-
 async def single(ctx: Any, problem: Any) -> float:
     turn = await ctx.generate(ctx.prompt_ids)
-    verdict = _score(ctx, turn.text, turn.finish_reason)
-    ctx.info.update(attempts=1, correct_at=1 if verdict["correct"] else 0)
-    return float(verdict["reward"])
+    verdict = await ctx.score(turn.text, truncated=turn.finish_reason == "length")
+    ctx.info.update(attempts=1, correct_at=1 if verdict.correct else 0)
+    return verdict.reward
 
 
 async def multi_turn_retry(ctx: Any, problem: Any) -> float:
@@ -45,14 +44,14 @@ async def multi_turn_retry(ctx: Any, problem: Any) -> float:
     discount = float(ctx.args.get("discount", 0.5))
     turn = await ctx.generate(ctx.prompt_ids)
     for k in range(attempts):
-        verdict = _score(ctx, turn.text, turn.finish_reason)
-        ctx.info.update(attempts=k + 1, correct_at=k + 1 if verdict["correct"] else 0)
-        if verdict["correct"]:
+        verdict = await ctx.score(turn.text, truncated=turn.finish_reason == "length")
+        ctx.info.update(attempts=k + 1, correct_at=k + 1 if verdict.correct else 0)
+        if verdict.correct:
             return discount ** k
         if k + 1 < attempts:
             ctx.add_user_turn(str(ctx.args.get("feedback", FEEDBACK)))
             turn = await ctx.generate()
-    return min(0.0, float(verdict["reward"]))
+    return min(0.0, verdict.reward)
 
 
 async def tool_calc(ctx: Any, problem: Any) -> float:
@@ -73,9 +72,9 @@ async def tool_calc(ctx: Any, problem: Any) -> float:
         turn = await ctx.generate(None, sampling if calls < max_calls else ctx.sampling)
         text = turn.text
     ctx.info.update(tool_calls=calls, tool_errors=errors)
-    verdict = _score(ctx, text, turn.finish_reason)
-    ctx.info.update(correct_at=1 if verdict["correct"] else 0)
-    return float(verdict["reward"])
+    verdict = await ctx.score(text, truncated=turn.finish_reason == "length")
+    ctx.info.update(correct_at=1 if verdict.correct else 0)
+    return verdict.reward
 
 
 def pending_call(text: str) -> str | None:

@@ -12,6 +12,9 @@ worker that holds its KV); in evaluations it is an in-process engine (workflows/
             turn = await ctx.generate()                    # continue the whole episode so far
         return 1.0 if ctx.grade(turn.text).strict else 0.0
 
+`await ctx.score(text, truncated=...)` asks the reward service for a RewardVerdict (reward, correct, reason) under
+the configured task (controller.reward_task; in evaluations and tests, local.LocalRewards scores in process);
+`await ctx.reward(text)` is its reward alone. The built-in workflows grade their turns this way.
 `generate(prompt)` takes token ids or chat messages; on later turns a prompt must EXTEND the episode's tokens
 (the extra tokens become environment tokens), or be None (continue as is). Token ids the model wrote are never
 re-tokenized from text: the trace keeps exactly the sampled ids with their logprobs and versions.
@@ -23,9 +26,12 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from areal_mq.data.loaders import Problem  # the dataset's Problem (id, prompt, answer, level, meta): one definition
 from areal_mq.grading import Grade, grade
 from areal_mq.messages import GenerateRequest, GenerateResult, RewardJob, RewardResult, SamplingSpec
 from areal_mq.workflows.episode import Episode, EpisodeTooLong
+
+DEFAULT_REWARD_TASK = "arith"  # = controller.reward_task's default; the agent passes the configured one
 
 
 class WorkflowError(ValueError):
@@ -49,14 +55,29 @@ class Turn:
 
 
 @dataclass
-class Problem:
-    """The problem an episode works on (from the EpisodeJob, or a dataset Problem in evaluations)."""
+class RewardVerdict:
+    """The reward service's answer for one completion (`await ctx.score(text)`).
 
-    id: str
-    prompt: str
-    answer: str
-    level: int = 0
-    meta: dict = field(default_factory=dict)
+    reward   the task's reward (its default_reward when scoring failed: then `error` says why)
+    correct  the function's `correct` detail where it gives one (arith, math do), else reward > 0
+    reason   its `reason` detail ("correct", "wrong", "truncated", ... for arith), "error" when scoring failed
+    details  every detail the function returned (RewardResult.details)
+    """
+
+    reward: float
+    correct: bool
+    reason: str = ""
+    details: dict = field(default_factory=dict)
+    error: str | None = None
+
+    @classmethod
+    def of(cls, result: RewardResult, i: int = 0) -> "RewardVerdict":
+        reward = float(result.rewards[i])
+        details = dict(result.details[i]) if i < len(result.details) else {}
+        error = result.errors[i] if i < len(result.errors) else None
+        correct = bool(details["correct"]) if "correct" in details else (error is None and reward > 0)
+        reason = "error" if error else str(details.get("reason", ""))
+        return cls(reward, correct, reason, details, error)
 
 
 class ChatMarkup:
@@ -96,7 +117,8 @@ class EpisodeContext:
 
     def __init__(self, problem: Problem, prompt_ids: Sequence[int], tokenizer: Any, backend: Backend, *,
                  sampling: SamplingSpec, episode_id: str, group_id: str = "", sample_index: int = 0,
-                 min_version: int = 0, max_turns: int = 8, max_tokens: int = 4096, reward_task: str = "",
+                 min_version: int = 0, max_turns: int = 8, max_tokens: int = 4096,
+                 reward_task: str = DEFAULT_REWARD_TASK,
                  args: dict | None = None):
         self.problem, self.prompt_ids, self.tokenizer, self.backend = problem, list(prompt_ids), tokenizer, backend
         self.sampling, self.episode_id, self.group_id, self.sample_index = sampling, episode_id, group_id, sample_index
@@ -170,10 +192,15 @@ class EpisodeContext:
         """areal_mq.grading's verdict of `text` against the problem's answer (strict and lenient)."""
         return grade(text, self.problem.answer)
 
-    async def reward(self, completion: str, task: str | None = None) -> float:
-        """Score `completion` with the reward service (the configured task: a task name selects a configured
-        task, never code)."""
+    async def score(self, completion: str, *, truncated: bool = False, task: str | None = None) -> RewardVerdict:
+        """The reward service's verdict on `completion` (reward, correct, reason) under the configured task
+        (controller.reward_task; `task` selects another configured task, never code). `truncated`: the turn hit
+        its token cap (pass `turn.finish_reason == "length"`), which arith scores as a penalty."""
         result = await self.backend.reward(RewardJob(
             task=task or self.reward_task, prompt_id=self.problem.id, prompt=self.problem.prompt,
-            completions=[completion], reference=self.problem.answer))
-        return float(result.rewards[0])
+            completions=[completion], reference=self.problem.answer, truncated=[bool(truncated)]))
+        return RewardVerdict.of(result)
+
+    async def reward(self, completion: str, task: str | None = None, *, truncated: bool = False) -> float:
+        """The reward of `completion` from the reward service: `(await ctx.score(...)).reward`."""
+        return (await self.score(completion, truncated=truncated, task=task)).reward

@@ -1,5 +1,6 @@
 """Workflows on the tiny model's real engine (in-process backend): per-token versions across a weight update,
-the built-ins end to end, the safe calculator, bad workflows failing their episode only, bad specs refused."""
+the built-ins end to end and graded by the configured reward task (ctx.score), the safe calculator, bad workflows
+failing their episode only, bad specs refused."""
 from __future__ import annotations
 
 import asyncio
@@ -7,13 +8,16 @@ import asyncio
 import numpy as np
 import pytest
 
-from areal_mq.errors import ConfigError
-from areal_mq.messages import SamplingSpec
+from areal_mq.data.loaders import Problem
+from areal_mq.errors import ConfigError, RewardError
+from areal_mq.messages import RewardResult, SamplingSpec
+from areal_mq.rewards.arith_reward import arith_reward
+from areal_mq.rewards.config import RewardConfig, TaskConfig
 from areal_mq.testing import ScriptedModel
 from areal_mq.workflows.builtin import BUILTINS, pending_call
 from areal_mq.workflows.calc import CalcError, calc
-from areal_mq.workflows.context import EpisodeContext, Problem, WorkflowError
-from areal_mq.workflows.local import EngineBackend
+from areal_mq.workflows.context import EpisodeContext, RewardVerdict, WorkflowError
+from areal_mq.workflows.local import EngineBackend, LocalRewards
 from areal_mq.workflows.runner import load_workflow, run_episode
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,10 +77,10 @@ def test_builtins_run_end_to_end_on_the_tiny_model(make_engine, tiny_tokenizer, 
         assert outcome.turns == 3 and seq.reward <= 0.0
 
 
-def scripted_ctx(tokenizer, texts, **kw) -> EpisodeContext:
-    ctx = EpisodeContext(PROBLEM, [1, 2, 3], tokenizer, ScriptedModel(tokenizer, texts),
-                         sampling=SamplingSpec(max_new_tokens=16), episode_id="ep-9", **kw)
-    return ctx
+def scripted_ctx(tokenizer, texts, rewards=None, **kw) -> EpisodeContext:
+    model = ScriptedModel(tokenizer, texts, rewards=rewards or LocalRewards())  # the real arith task, in process
+    return EpisodeContext(PROBLEM, [1, 2, 3], tokenizer, model, sampling=SamplingSpec(max_new_tokens=16),
+                          episode_id="ep-9", **kw)
 
 
 def test_multi_turn_retry_discounts_a_second_try_success(tiny_tokenizer):
@@ -93,6 +97,74 @@ def test_tool_calc_evaluates_the_call_and_appends_the_result(tiny_tokenizer):
     env = tiny_tokenizer.decode(outcome.seq.output_ids[outcome.seq.loss_mask == 0])
     assert env == "<result>5</result>"  # the model closed the tag itself: only the result is appended
     assert ctx.backend.requests[0].sampling.stop_strings == ["</calc>"]
+
+
+@pytest.mark.parametrize("name, texts", [("single", ["It is \\boxed{5}."]),
+                                         ("multi_turn_retry", ["\\boxed{6} \\boxed{6}", "\\boxed{5}"]),
+                                         ("tool_calc", ["<calc>2 + 3</calc>", " so \\boxed{5}."])])
+def test_builtins_grade_with_the_configured_reward_task(tiny_tokenizer, name, texts):
+    """issue 28 item 6: controller.reward_task applies to the built-ins. They ask ctx.score, which sends one
+    RewardJob per graded turn with the context's task, the problem and the truncation flag; the task's verdict
+    (here a scripted one: reward 0.25, not correct) decides the reward, the retry and ctx.info."""
+    seen = []
+
+    def task_mine(job):
+        seen.append(job)
+        return {"reward": 0.25, "correct": False, "reason": "mine"}
+
+    ctx = scripted_ctx(tiny_tokenizer, texts, rewards=task_mine, reward_task="mine")
+    outcome = asyncio.run(run_episode(BUILTINS[name], ctx, PROBLEM, 10))
+    assert outcome.error is None, outcome.error
+    assert seen and all(j.task == "mine" and j.prompt_id == "p1" and j.reference == "5" and j.truncated == [False]
+                        for j in seen)
+    assert ctx.info["correct_at"] == 0
+    # a positive but incorrect verdict: single/tool_calc pay it, multi_turn_retry retries and then pays only a penalty
+    assert outcome.seq.reward == (0.0 if name == "multi_turn_retry" else 0.25)
+    assert len(seen) == (2 if name == "multi_turn_retry" else 1)
+
+
+def test_a_configured_task_scores_the_builtins_in_process(tiny_tokenizer):
+    """LocalRewards scores under a RewardConfig's tasks like a reward worker: the `format` task pays a boxed
+    answer whatever its number, so multi_turn_retry's first (wrong) answer counts as reward 1, not correct."""
+    rewards = LocalRewards(RewardConfig(tasks={"fmt": TaskConfig(fn="format")}))
+    ctx = scripted_ctx(tiny_tokenizer, ["It is \\boxed{6}."], rewards=rewards, reward_task="fmt")
+    outcome = asyncio.run(run_episode(BUILTINS["single"], ctx, PROBLEM, 10))
+    assert outcome.seq.reward == 1.0 and ctx.info == {"attempts": 1, "correct_at": 1}  # no `correct`: reward > 0
+    with pytest.raises(RewardError, match="unknown reward task .nope."):
+        rewards.score(ctx.backend.reward_jobs[0].model_copy(update={"task": "nope"}))
+
+
+@pytest.mark.parametrize("text, truncated", [("It is \\boxed{5}.", False), ("\\boxed{4}", False),
+                                             ("\\boxed{5} \\boxed{5}", False), ("5", False),
+                                             ("\\boxed{5}", True)])
+def test_the_default_task_gives_exactly_the_arith_reward(tiny_tokenizer, text, truncated):
+    """Default behaviour unchanged: controller.reward_task defaults to arith, and ctx.score's numbers are
+    arith_reward's (the function the built-ins called directly before)."""
+    ctx = scripted_ctx(tiny_tokenizer, [])
+    verdict = asyncio.run(ctx.score(text, truncated=truncated))
+    direct = arith_reward(PROBLEM.prompt, text, PROBLEM.answer, truncated=truncated)
+    assert (verdict.reward, verdict.correct, verdict.reason) == (direct["reward"], direct["correct"], direct["reason"])
+    assert asyncio.run(ctx.reward(text, truncated=truncated)) == direct["reward"]  # the float API stays
+    assert ctx.backend.reward_jobs[0].task == "arith"
+
+
+def test_a_failed_scoring_is_the_default_reward_with_its_error(tiny_tokenizer):
+    verdict = RewardVerdict.of(RewardResult(rewards=[-1.0], details=[{"default_reward": True}],
+                                            errors=["timeout: 10 s"]))
+    assert (verdict.reward, verdict.correct, verdict.reason, verdict.error) == (-1.0, False, "error", "timeout: 10 s")
+    bad = Problem("p2", "What is x?", "not a number")  # arith needs an integer reference: its function raises
+    ctx = EpisodeContext(bad, [1], tiny_tokenizer, ScriptedModel(tiny_tokenizer, [], rewards=LocalRewards()),
+                         sampling=SamplingSpec(), episode_id="ep-2")
+    verdict = asyncio.run(ctx.score("\\boxed{3}"))
+    assert verdict.reward == 0.0 and not verdict.correct and "integer reference" in verdict.error
+
+
+def test_scripted_rewards_may_be_a_result_or_awaitable(tiny_tokenizer):
+    async def later(job):
+        return RewardResult(rewards=[0.75], details=[{"correct": True}])
+
+    ctx = scripted_ctx(tiny_tokenizer, [], rewards=later)
+    assert asyncio.run(ctx.score("x")) == RewardVerdict(0.75, True, "", {"correct": True}, None)
 
 
 @pytest.mark.parametrize("expr, value", [("3*(4+5)", "27"), ("7/2", "3.5"), ("2**10 // 3", "341"), ("-5 % 3", "1"),
