@@ -51,6 +51,11 @@ class BrokerConfig(_Section):
     bus_in_port: int = Field(5556, ge=1, le=65535, description="Signal bus XSUB port (publishers connect here).")
     bus_out_port: int = Field(5557, ge=1, le=65535, description="Signal bus XPUB port (subscribers connect here).")
     store_port: int = Field(5558, ge=1, le=65535, description="Sample store ROUTER port.")
+    auto_ports: bool | None = Field(
+        None, description="What `areal-mq run` does when a broker port is taken (another run on this host): true: "
+        "move all four to free consecutive ports and print them; false: stop at once (exit 2) naming the port, "
+        "what holds it and the --set that moves it; unset: true while all four are at their defaults (5555-5558), "
+        "else false (ports you named are never moved).")
     heartbeat_s: float = Field(1.0, gt=0, description="Heartbeat interval between peers and brokers.")
     liveness: int = Field(5, ge=1, description="Missed heartbeats before a peer is declared dead.")
     reconnect_max_s: float = Field(8.0, gt=0, description="Upper bound of the exponential reconnect backoff.")

@@ -57,7 +57,7 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     from rich.console import Console
 
     from areal_mq.errors import ConfigError
-    from areal_mq.launch.launcher import Launcher, settle_ports
+    from areal_mq.launch.launcher import Launcher
 
     cfg = _cfg(config, [*(set_ or []), *(["security.insecure=true"] if insecure else []),
                         *([f"launcher.backend={backend}"] if backend else [])], resume)
@@ -69,7 +69,7 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
 
         launcher = RayLauncher(cfg, console)
     else:
-        launcher = Launcher(settle_ports(cfg), console)
+        launcher = Launcher(_claim_ports(cfg, console), console)
     try:
         path = launcher.prepare()
     except ConfigError as exc:
@@ -112,6 +112,22 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     _plot_and_summary(cfg, console)
     if outcome == "interrupted":
         raise typer.Exit(130)
+
+
+def _claim_ports(cfg, console):
+    """The broker ports, before any child starts: free, moved (printed), or exit 2 naming the taken port
+    (brokers.auto_ports; areal_mq/launch/ports.py)."""
+    from areal_mq.errors import ConfigError
+    from areal_mq.launch.ports import claim_broker_ports
+
+    try:
+        moved = claim_broker_ports(cfg)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if moved:
+        console.print(moved, markup=False, highlight=False)
+    return cfg
 
 
 def _stop_signals_interrupt() -> None:

@@ -1,7 +1,7 @@
 """`areal-mq run CONFIG`: start brokers, controller, rollout, reward and trainer processes on one host.
 
-What: writes the resolved config into the run directory (picking free loopback ports when the configured
-ones are taken), starts each process with its log in run_dir/logs/, divides CPU threads between them
+What: writes the resolved config into the run directory (the broker ports checked first: a taken one stops the
+run or moves the brokers, brokers.auto_ports, launch/ports.py), starts each process with its log in run_dir/logs/, divides CPU threads between them
 (`launcher.threads`), shows live progress, and stops everything cleanly.
 Why a supervisor: a child that dies is reported by name with its exit status, the reason from its log and
 the log's path; it is restarted (`launcher.on_child_death: restart`, up to `max_restarts`; the broker
@@ -100,8 +100,10 @@ def assign_metrics_ports(cfg: RunConfig, names: list[str], check_free: bool = Tr
                           f"overlaps {', '.join(f'{k}={v}' for k, v in clash.items())}; {move}")
     busy = [p for p in block if check_free and not port_free(m.prometheus_host, p)]
     if busy:
-        raise ConfigError(f"Prometheus port(s) {', '.join(map(str, busy[:5]))} on {m.prometheus_host} are in use "
-                          f"(block {base}-{base + n - 1} for {n} processes); {move}")
+        from areal_mq.launch.ports import held
+
+        raise ConfigError(f"Prometheus port(s) {', '.join(map(str, busy[:5]))} on {m.prometheus_host} are in use"
+                          f"{held(busy[0])} (block {base}-{base + n - 1} for {n} processes); {move}")
     return dict(zip(names, block))
 
 
