@@ -2,8 +2,8 @@
 
 What: writes the resolved config into the run directory (the broker ports checked first: a taken one stops the
 run or moves the brokers, brokers.auto_ports, launch/ports.py), starts each process with its log in
-run_dir/logs/, divides CPU threads between them
-(`launcher.threads`), shows live progress, and stops everything cleanly.
+run_dir/logs/, divides CPU threads between them (`launcher.threads`), shows live progress, and stops everything
+cleanly.
 Why a supervisor: a child that dies is reported by name with its exit status, the reason from its log and
 the log's path; it is restarted (`launcher.on_child_death: restart`, up to `max_restarts`; the broker
 included) or the run stops.
