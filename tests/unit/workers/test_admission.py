@@ -92,13 +92,14 @@ def test_dropped_uniform_groups_are_replaced_without_breaking_the_bound(tmp_path
     for _ in range(300):
         ctl.step(timeout=0)
         assert ctl.submitted <= (eta + ctl.version + 1) * batch
-        if jobs.pending:
-            _answer(jobs, rng.choice(sorted(jobs.pending)), ctl.version, rewards)
+        # a dropped group that still counted against the bound would leave nothing in flight and nothing to train
+        assert jobs.pending, "dropped groups must be replaced, or training starves"
+        _answer(jobs, rng.choice(sorted(jobs.pending)), ctl.version, rewards)
         if len(store.samples) - trained >= batch:
             trained += batch
             ctl.on_weights(ctl.version + 1)
     assert all(len({q.reward for q in s.seqs}) > 1 for s in store.samples), "a uniform group reached the store"
     assert len({s.sample_id for s in store.samples}) == len(store.samples)
     assert ctl.stored + ctl.dropped + len(ctl.groups) == ctl.next_group  # every group accounted for once
-    if uniform_share < 0.9:
+    if uniform_share < 0.5:  # (how far it gets with mostly-uniform rewards is luck: the no-stall check above is the rule)
         assert ctl.version >= 3, "dropped groups must be replaced, or training starves"
