@@ -28,6 +28,8 @@ How:
 """
 from __future__ import annotations
 
+from functools import partialmethod
+
 import threading
 from typing import Any, Callable, Iterable
 
@@ -48,27 +50,17 @@ class RecordingLog:
         """A logger that adds `fields` to each record and keeps them in the same list (as structlog's bind)."""
         return RecordingLog(self.records, self._lock, **{**self._bound, **fields})
 
-    def _add(self, level: str, event: str, fields: dict) -> None:
+    def _add(self, level: str, event: str, **fields: Any) -> None:
         with self._lock:
             self.records.append((level, event, {**self._bound, **fields}))
 
-    def debug(self, event: str, **fields: Any) -> None:
-        self._add("debug", event, fields)
-
-    def info(self, event: str, **fields: Any) -> None:
-        self._add("info", event, fields)
-
-    def warning(self, event: str, **fields: Any) -> None:
-        self._add("warning", event, fields)
-
-    def error(self, event: str, **fields: Any) -> None:
-        self._add("error", event, fields)
-
-    def exception(self, event: str, **fields: Any) -> None:
-        self._add("exception", event, fields)
-
-    def critical(self, event: str, **fields: Any) -> None:
-        self._add("critical", event, fields)
+    # log.debug(event, **fields) ... log.critical(...): one record each, at that level
+    debug = partialmethod(_add, "debug")
+    info = partialmethod(_add, "info")
+    warning = partialmethod(_add, "warning")
+    error = partialmethod(_add, "error")
+    exception = partialmethod(_add, "exception")
+    critical = partialmethod(_add, "critical")
 
     @property
     def events(self) -> list[tuple[str, dict]]:
