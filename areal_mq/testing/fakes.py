@@ -28,9 +28,8 @@ How:
 """
 from __future__ import annotations
 
-from functools import partialmethod
-
 import threading
+from functools import partialmethod
 from typing import Any, Callable, Iterable
 
 from areal_mq.messages import Error, Message
