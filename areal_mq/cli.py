@@ -25,9 +25,8 @@ app.add_typer(config_app, name="config")
 app.add_typer(events_app, name="events")
 app.add_typer(keys_app, name="keys")
 
-SET_HELP = ("Override a config field: section.key=value (repeatable; values are YAML). A key inside a dict "
-            "field merges into it (--set reward.tasks.mine.fn=pkg:f adds a task, the others stay); setting the "
-            "dict itself (--set 'reward.tasks={mine: {fn: pkg:f}}') replaces it. `config show` prints the result.")
+from areal_mq.launch.cli import SET_HELP  # noqa: E402  (typer only: --help stays fast)
+
 SetOpt = typer.Option(None, "--set", "-s", help=SET_HELP)
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML run config (defaults if omitted).")
 InsecureOpt = typer.Option(False, "--insecure", help="Unauthenticated plaintext sockets (debugging only; loopback "

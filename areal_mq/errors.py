@@ -1,6 +1,9 @@
 """The error tree. Every message says what was wrong and what to do about it."""
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 
 class ArealError(Exception):
     """Base of every areal-mq error."""
@@ -53,3 +56,14 @@ class RewardError(ArealError):
 
 class SecurityError(ArealError):
     """Keys are missing or unusable, or a setting would expose a socket without authentication."""
+
+
+def require_extra(module: str, key: str) -> ModuleType:
+    """Import `module` for the sink `metrics.<key>` (whose pip extra has the same name), or say what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(
+            f"metrics.{key} is true but {module!r} cannot be imported ({exc}); install it with "
+            f"`pip install 'areal-mq[{key}]'` (or `pip install -e '.[{key}]'`), or set metrics.{key}: false"
+        ) from None

@@ -14,7 +14,10 @@ from typing import List, Optional
 
 import typer
 
-from areal_mq.cli import SET_HELP
+# the --set help of every command (areal_mq/cli.py imports it from here: this module is light)
+SET_HELP = ("Override a config field: section.key=value (repeatable; values are YAML). A key inside a dict "
+            "field merges into it (--set reward.tasks.mine.fn=pkg:f adds a task, the others stay); setting the "
+            "dict itself (--set 'reward.tasks={mine: {fn: pkg:f}}') replaces it. `config show` prints the result.")
 
 
 def register(app: typer.Typer) -> None:

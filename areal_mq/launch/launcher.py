@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 from areal_mq.config import RunConfig, dump_config
 from areal_mq.errors import ConfigError
+from areal_mq.launch.ports import PORT_NAMES, held, port_free
 
 
 @dataclass
@@ -43,44 +43,7 @@ class Child:
     metrics_port: int = 0  # its Prometheus endpoint (metrics.prometheus), 0: none
 
 
-def port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-PORT_NAMES = ("job_port", "bus_in_port", "bus_out_port", "store_port")
-
-
-def settle_ports(cfg: RunConfig) -> RunConfig:
-    """Keep the configured ports when all four are free; otherwise move all four to a free block of four
-    consecutive ports, so the layout stays job, job+1 (bus in), job+2 (bus out), job+3 (store) and a peer given
-    only the job address (`areal-mq reward serve --broker`) finds the rest (a second run on one host)."""
-    b = cfg.brokers
-    if all(port_free(b.host, getattr(b, name)) for name in PORT_NAMES):
-        return cfg
-    base = free_port_block(b.host, len(PORT_NAMES))
-    for i, name in enumerate(PORT_NAMES):
-        setattr(b, name, base + i)
-    return cfg
-
-
-def free_port_block(host: str, n: int) -> int:
-    """The first of `n` consecutive ports free on `host`."""
-    for _ in range(200):
-        base = free_port(host)
-        if base + n - 1 < 65536 and all(port_free(host, base + i) for i in range(n)):
-            return base
-    raise ConfigError(f"no block of {n} free consecutive ports on {host}; set brokers.job_port and the others")
 
 
 def assign_metrics_ports(cfg: RunConfig, names: list[str], check_free: bool = True) -> dict[str, int]:
@@ -101,7 +64,6 @@ def assign_metrics_ports(cfg: RunConfig, names: list[str], check_free: bool = Tr
                           f"overlaps {', '.join(f'{k}={v}' for k, v in clash.items())}; {move}")
     busy = [p for p in block if check_free and not port_free(m.prometheus_host, p)]
     if busy:
-        from areal_mq.launch.ports import held
 
         raise ConfigError(f"Prometheus port(s) {', '.join(map(str, busy[:5]))} on {m.prometheus_host} are in use"
                           f"{held(busy[0])} (block {base}-{base + n - 1} for {n} processes); {move}")

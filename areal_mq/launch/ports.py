@@ -27,6 +27,43 @@ from areal_mq.errors import ConfigError
 PORT_NAMES = ("job_port", "bus_in_port", "bus_out_port", "store_port")
 
 
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(host: str, n: int) -> int:
+    """The first of `n` consecutive ports free on `host`."""
+    for _ in range(200):
+        base = free_port(host)
+        if base + n - 1 < 65536 and all(port_free(host, base + i) for i in range(n)):
+            return base
+    raise ConfigError(f"no block of {n} free consecutive ports on {host}; set brokers.job_port and the others")
+
+
+def settle_ports(cfg: Any) -> Any:
+    """Keep the configured ports when all four are free; otherwise move all four to a free block of four
+    consecutive ports, so the layout stays job, job+1 (bus in), job+2 (bus out), job+3 (store) and a peer given
+    only the job address (`areal-mq reward serve --broker`) finds the rest (a second run on one host)."""
+    b = cfg.brokers
+    if all(port_free(b.host, getattr(b, name)) for name in PORT_NAMES):
+        return cfg
+    base = free_port_block(b.host, len(PORT_NAMES))
+    for i, name in enumerate(PORT_NAMES):
+        setattr(b, name, base + i)
+    return cfg
+
+
 class PortInUse(ConfigError):
     """A configured port is taken by another process (another run's broker, most often)."""
 
@@ -89,8 +126,6 @@ def auto_wanted(brokers: Any) -> bool:
 def claim_broker_ports(cfg: Any) -> str | None:
     """Check the broker ports before anything starts; see the module docstring. Returns the line to print when
     the ports moved, None when they stay; PortInUse when one is taken and the ports may not move."""
-    from areal_mq.launch.launcher import free_port_block
-
     b = cfg.brokers
     taken = [name for name in PORT_NAMES if port_taken(b.host, getattr(b, name))]
     if not taken:

@@ -45,7 +45,8 @@ from typing import Any
 
 from areal_mq.config import config_from_dict
 from areal_mq.errors import ConfigError
-from areal_mq.launch.launcher import PORT_NAMES, Child, Launcher, describe_exit, settle_ports
+from areal_mq.launch.launcher import Child, Launcher, describe_exit
+from areal_mq.launch.ports import PORT_NAMES, settle_ports
 
 ROLES = ("broker", "controller", "trainer", "rollout", "reward")
 PLACE_TIMEOUT_S = 300.0  # an actor not (re)placed this long stops the run: no node offers what it asks for

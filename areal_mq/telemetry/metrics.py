@@ -20,7 +20,6 @@ How:
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
@@ -30,23 +29,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
 
-from areal_mq.errors import ConfigError
+from areal_mq.errors import require_extra
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The finite numbers of `metrics` as floats (strings, lists, NaN and inf are left out)."""
     return {k: float(v) for k, v in metrics.items() if isinstance(v, numbers.Real) and math.isfinite(v)}
-
-
-def require(module: str, key: str) -> ModuleType:
-    """Import `module` for the sink `metrics.<key>` (whose pip extra has the same name), or say what to install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ConfigError(
-            f"metrics.{key} is true but {module!r} cannot be imported ({exc}); install it with "
-            f"`pip install 'areal-mq[{key}]'` (or `pip install -e '.[{key}]'`), or set metrics.{key}: false"
-        ) from None
 
 
 def jsonl_path(run_dir: str | Path, role: str) -> Path:
@@ -126,9 +114,9 @@ class MetricsSinks:
         """The sinks `cfg.metrics` (a RunConfig's) asks for; ConfigError when one's package is missing or the
         Prometheus port cannot be bound. `worker_id` names the process on its Prometheus endpoint."""
         run_dir = Path(cfg.run.run_dir)
-        wandb = require("wandb", "wandb") if cfg.metrics.wandb else None
+        wandb = require_extra("wandb", "wandb") if cfg.metrics.wandb else None
         if cfg.metrics.tensorboard:
-            require("tensorboard", "tensorboard")
+            require_extra("tensorboard", "tensorboard")
         prometheus = None
         if cfg.metrics.prometheus:
             from areal_mq.telemetry.prometheus import PrometheusSink

@@ -144,10 +144,10 @@ REFUSALS = {"forbidden": "forbidden", "refused": "bad_message", "queue_full": "q
 
 def load() -> Any:
     """The prometheus_client module, or a ConfigError saying which extra to install."""
-    from areal_mq.telemetry.metrics import require
+    from areal_mq.errors import require_extra
 
-    pc = require("prometheus_client", "prometheus")
-    require("prometheus_client.core", "prometheus")  # the metric families custom collectors yield (pc.core)
+    pc = require_extra("prometheus_client", "prometheus")
+    require_extra("prometheus_client.core", "prometheus")  # the metric families custom collectors yield (pc.core)
     return pc
 
 

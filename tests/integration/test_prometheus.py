@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from areal_mq.launch.launcher import free_port_block
+from areal_mq.launch.ports import free_port_block
 
 from .test_e2e import ROOT, _sets
 

@@ -209,7 +209,7 @@ def test_reward_serve_finds_the_bus_from_the_broker_address_alone(procs, tmp_pat
     from areal_mq.client import SignalPublisher
     from areal_mq.messages import Control
 
-    from areal_mq.launch.launcher import free_port_block
+    from areal_mq.launch.ports import free_port_block
 
     job = free_port_block("127.0.0.1", 4)
     path = write_config(tmp_path, {"brokers": {"job_port": job, "bus_in_port": job + 1, "bus_out_port": job + 2,

@@ -8,7 +8,7 @@ import pytest
 
 from areal_mq.config import load_config
 from areal_mq.errors import ConfigError
-from areal_mq.launch.launcher import settle_ports
+from areal_mq.launch.ports import settle_ports
 from areal_mq.workers.reward import build_config, describe_addresses
 
 

@@ -16,7 +16,8 @@ import pytest
 
 from areal_mq.config import BrokerConfig, load_config
 from areal_mq.errors import ConfigError
-from areal_mq.launch.launcher import assign_metrics_ports, free_port_block
+from areal_mq.launch.launcher import assign_metrics_ports
+from areal_mq.launch.ports import free_port_block
 from areal_mq.launch.ports import PORT_NAMES, PortInUse, auto_wanted, claim_broker_ports, port_holder, port_taken
 
 REPO = Path(__file__).resolve().parents[3]

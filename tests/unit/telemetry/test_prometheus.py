@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from areal_mq.client import JobClient  # noqa: E402
 from areal_mq.config import config_from_dict  # noqa: E402
 from areal_mq.errors import ConfigError  # noqa: E402
-from areal_mq.launch.launcher import Launcher, assign_metrics_ports, free_port_block  # noqa: E402
+from areal_mq.launch.launcher import Launcher, assign_metrics_ports  # noqa: E402
+from areal_mq.launch.ports import free_port_block  # noqa: E402
 from areal_mq.messages import GenerateRequest, SamplingSpec  # noqa: E402
 from areal_mq.telemetry.metrics import MetricsSinks  # noqa: E402
 from areal_mq.telemetry.prometheus import (ROLE_SERIES, BrokerMetrics, Exporter, PrometheusSink,  # noqa: E402
