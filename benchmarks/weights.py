@@ -297,7 +297,8 @@ def _mean(values: list[float]) -> float:
 
 
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
-    """Means over the steps per (lr, dtype) and per (mode, route, workers); the ratios."""
+    """Means over the steps per (lr, dtype) (bytes, CPU), medians per (mode, route, workers) (times); the ratios,
+    the time ratios over the updates where both the full and the delta route were measured."""
     out: dict[str, Any] = {}
     for lr in LRS:
         rs = [r for r in rows if r["lr"] == lr]
@@ -311,21 +312,36 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
             for key in [k for k in (rs[0].get(mode) or {}) if k != "publish_s"] + ["full_w1", "full_w4"]:
                 got = [r[mode][key] for r in rs if mode in r and key in r[mode]]
                 if got:
-                    out[f"lr{lr:g}_{mode}_{key}"] = {
+                    out[f"lr{lr:g}_{mode}_{key}"] = {  # medians: one descheduled update must not lead
                         "n": len(got), "route": got[0]["route"],
-                        **{f: _mean([g[f] for g in got]) for f in ("fetched_bytes", "transfer_s", "engine_pause_s",
-                                                                    "end_to_end_s")}}
+                        **{f: float(np.median([g[f] for g in got])) for f in (
+                            "fetched_bytes", "transfer_s", "engine_pause_s", "end_to_end_s")}}
     lo, hi = f"lr{LRS[0]:g}", f"lr{LRS[1]:g}"
+    paired = [r for r in rows if r["lr"] == LRS[0] and "full_w1" in r["zmq"]]  # full and delta on the same updates
+
+    def paired_ratio(field: str, w: int) -> float:
+        return float(np.median([r["zmq"][f"full_w{w}"][field] for r in paired])
+                     / np.median([r["zmq"][f"delta_w{w}"][field] for r in paired]))
+
     ratios = {"full_vs_delta_bytes_bf16": 1 / out[f"{lo}_bfloat16"]["delta_share"],
               "full_vs_delta_bytes_bf16_lr1e-5": 1 / out[f"{hi}_bfloat16"]["delta_share"],
               "full_vs_delta_bytes_fp32": 1 / out[f"{lo}_float32"]["delta_share"],
-              "full_vs_delta_pause_zmq": out[f"{lo}_zmq_full_w1"]["engine_pause_s"]
-              / out[f"{lo}_zmq_delta_w1"]["engine_pause_s"],
-              "full_vs_delta_update_zmq": out[f"{lo}_zmq_full_w1"]["end_to_end_s"]
-              / out[f"{lo}_zmq_delta_w1"]["end_to_end_s"],
-              "full_vs_delta_update_zmq_4_workers": out[f"{lo}_zmq_full_w4"]["end_to_end_s"]
-              / out[f"{lo}_zmq_delta_w4"]["end_to_end_s"]}
+              "full_vs_delta_pause_zmq": paired_ratio("engine_pause_s", 1),
+              "full_vs_delta_update_zmq": paired_ratio("end_to_end_s", 1),
+              "full_vs_delta_update_zmq_4_workers": paired_ratio("end_to_end_s", 4)}
     return out, ratios
+
+
+def resummarize(path: Path, plot_path: Path | None) -> dict:
+    """An earlier report with its summary and ratios computed again from its per-update rows."""
+    import json
+
+    report = json.loads(Path(path).read_text())
+    rows = [r for r in report["results"] if "version" in r]
+    summary, report["ratios"] = summarize(rows)
+    report["results"] = [report["results"][0], {"name": "summary", **summary}, *rows]
+    plot(rows, plot_path)
+    return report
 
 
 def plot(rows: list[dict], path: Path | None) -> None:
@@ -389,9 +405,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads.")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "weights-deltas.png",
                         help="Where the bytes-per-update plot goes (PNG).")
+    parser.add_argument("--from-json", type=Path, help="Summarize the updates of an earlier run's JSON again "
+                        "(table, ratios, plot; nothing is measured).")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.from_json:
+        report = resummarize(args.from_json, args.plot)
+        common.finish(report, args.json, table(report, report.get("command", common.command("weights.py"))))
+        return
     report = common.timed(run, args, tmp_prefix="amq-weights-bench-")
+    report["command"] = common.command("weights.py")
     common.finish(report, args.json, table(report, common.command("weights.py")))
 
 
