@@ -18,11 +18,13 @@ What it measures, in one run, on SmolLM2-135M-Instruct trained by the real Train
 - at lr 1e-5 the zmq delta route with 1 worker.
 Ratios (larger is better): full_vs_delta_bytes_bf16 (lr 1e-6; target 20: a delta <= 5 % of the full bytes),
 full_vs_delta_bytes_bf16_lr1e-5, full_vs_delta_bytes_fp32 (reported as they are), full_vs_delta_pause_zmq (the
-engine pause of a full zmq update over a delta one; target 3). Byte ratios are the mean delta share over the steps.
+engine pause of a full zmq update over a delta one; target 3). Byte ratios are the mean delta share over the steps;
+time ratios are medians over the updates where both routes were measured. The pause ratio is ~1 today: the torch
+engine's update_weights copies the whole state dict whatever changed (benchmarks/RESULTS.md, "Weight deltas").
 The machine's load average is recorded before and after (the CPU is shared: times are noisy, bytes are not).
 A plot of bytes per update over the steps goes to --plot (default docs/weights-deltas.png).
 
-    python benchmarks/weights.py [--quick] [--json PATH] [--plot PATH] [--threads N]
+    python benchmarks/weights.py [--quick] [--json PATH] [--plot PATH] [--threads N] [--from-json PATH]
 
 `--quick`: the tiny random Llama, 3 steps, 2 prompts, 16 tokens (same code path), under 2 minutes on 2 cores.
 benchmarks/RESULTS.md records runs.
