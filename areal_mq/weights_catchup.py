@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal_mq.errors import WeightsFetchError, WeightsRefused
 from areal_mq.messages import WeightsLink, WeightsReady
-from areal_mq.weights_delta import DeltaError, apply_version
+from areal_mq.weights_delta import DeltaError, apply_version, changed_elements
 
 if TYPE_CHECKING:
     from areal_mq.algorithms.config import TrainerConfig
@@ -46,6 +46,10 @@ class Update:
     fallback: str = ""  # why the direct delta was not used ("" when it was, or when there is none)
     failures: list[str] = field(default_factory=list)  # every plan that failed, "reason: detail"
     fetch_s: float = 0.0
+    # only the elements that differ from the weights held at `patch_base`, for engines that take patches=
+    # (Engine.accepts_patches): the engine's pause is then a scatter of what changed, not a copy of everything
+    patches: dict[str, Any] | None = None
+    patch_base: int = -1
 
 
 def plans(ready: WeightsReady, held: int) -> list[tuple[str, list[WeightsLink]]]:
@@ -119,9 +123,15 @@ class WeightCatchup:
                 failed.add(getattr(exc, "piece", (pieces[-1].version, pieces[-1].base)))
                 fallback = fallback or failures[-1]
                 continue
-            return Update(ready.version, {"tensors": tensors}, hold=tensors, route=route,
-                          fetched_bytes=sum(p.bytes for p in pieces), full_bytes=full_bytes,
-                          fallback=fallback, failures=failures)
+            update = Update(ready.version, {"tensors": tensors}, hold=tensors, route=route,
+                            fetched_bytes=sum(p.bytes for p in pieces), full_bytes=full_bytes,
+                            fallback=fallback, failures=failures)
+            if held is not None:  # what changed since the weights the engine holds, found here, off the decode loop
+                try:
+                    update.patches, update.patch_base = changed_elements(held, tensors), held_version
+                except DeltaError:  # another layout than held: the engine gets the full state dict
+                    update.patches = None
+            return update
         raise WeightsFetchError(f"no verified way to version {ready.version}: "
                                 f"{'; '.join(failures) or 'the listed pieces do not lead there'}; "
                                 "waiting for the next WeightsReady (a full version ends any chain)")

@@ -192,6 +192,28 @@ def apply_version(base: Mapping[str, "torch.Tensor"], deltas: list[TensorDelta])
     return {d.name: apply(base[d.name], d) for d in deltas}
 
 
+def changed_elements(old: Mapping[str, "torch.Tensor"], new: Mapping[str, "torch.Tensor"]) -> dict[str, tuple]:
+    """name -> (flat positions, new values) of every element whose bits differ between two versions of the same
+    tensors (bits, so NaN and -0.0 count exactly): what an engine that holds `old` writes to reach `new`
+    (Engine.update_weights(patches=...)). Raises DeltaError when the two do not have the same tensors."""
+    import torch
+
+    if old.keys() != new.keys():
+        raise DeltaError("base", f"the held weights and the new version name different tensors "
+                                 f"({sorted(set(old) ^ set(new))[:5]})")
+    out = {}
+    for name, value in new.items():
+        before = old[name]
+        if before.shape != value.shape or before.dtype != value.dtype:
+            raise DeltaError("base", f"{name}: held {before.dtype} {list(before.shape)}, new {value.dtype} "
+                                     f"{list(value.shape)}")
+        positions = np.flatnonzero(raw(before) != raw(value))
+        if positions.size:
+            out[name] = (torch.from_numpy(positions.astype(np.int64)),
+                         value.detach().reshape(-1)[torch.from_numpy(positions.astype(np.int64))])
+    return out
+
+
 def verify(tensors: Mapping[str, "torch.Tensor"], digests: Mapping[str, str]) -> None:
     """DeltaError("checksum") unless every tensor of a full version has its published checksum."""
     bad = [k for k, t in tensors.items() if k in digests and checksum(t) != digests[k]]

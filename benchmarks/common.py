@@ -174,6 +174,9 @@ def ratio_rows(report: dict) -> list[tuple[str, str, str]]:
     rows = [("ratio", "value", "target")]
     for name, value in report["ratios"].items():
         target = report["targets"].get(name)
+        if value is None:  # not measurable in this run (said where the ratio is computed)
+            rows.append((name, "n/a", "-" if target is None else f">= {target}  not measured"))
+            continue
         verdict = "-" if target is None else f">= {target}  {'met' if value >= target else 'NOT met'}"
         rows.append((name, f"{value:.3f}", verdict))
     return rows

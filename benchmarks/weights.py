@@ -19,8 +19,9 @@ What it measures, in one run, on SmolLM2-135M-Instruct trained by the real Train
 Ratios (larger is better): full_vs_delta_bytes_bf16 (lr 1e-6; target 20: a delta <= 5 % of the full bytes),
 full_vs_delta_bytes_bf16_lr1e-5, full_vs_delta_bytes_fp32 (reported as they are), full_vs_delta_pause_zmq (the
 engine pause of a full zmq update over a delta one; target 3). Byte ratios are the mean delta share over the steps;
-time ratios are medians over the updates where both routes were measured. The pause ratio is ~1 today: the torch
-engine's update_weights copies the whole state dict whatever changed (benchmarks/RESULTS.md, "Weight deltas").
+time ratios are medians over the updates where both routes were measured. A delta's engine pause writes only the
+changed elements (update_weights(patches=...), as the rollout worker does when the engine holds the delta's base);
+a full update copies the whole state dict.
 The machine's load average is recorded before and after (the CPU is shared: times are noisy, bytes are not).
 A plot of bytes per update over the steps goes to --plot (default docs/weights-deltas.png).
 
@@ -151,14 +152,20 @@ def _prepare_all(catchups: list, ready: Any) -> tuple[list, float]:
 def route_row(catchups: list, engine: Any, ready: Any, commit: bool = True) -> dict:
     """Transfer with len(catchups) workers at once, then worker 0's update applied to the engine (the pause)."""
     updates, transfer = _prepare_all(catchups, ready)
+    u = updates[0]
+    # as the rollout worker does: only the changed elements when the engine holds the diff's base (patches carry
+    # the new values, not increments, so rewriting them on an engine already at this version changes nothing;
+    # the rows of one version share one engine)
+    patch = u.patches is not None and engine.version in (u.patch_base, ready.version)
     t0 = time.perf_counter()
-    engine.update_weights(ready.version, **updates[0].kwargs)
+    engine.update_weights(ready.version, **({"patches": u.patches} if patch else u.kwargs))
     pause = time.perf_counter() - t0
     if commit:
         for c, u in zip(catchups, updates):
             c.commit(u)
-    return {"route": updates[0].route, "fetched_bytes": updates[0].fetched_bytes, "transfer_s": round(transfer, 3),
-            "engine_pause_s": round(pause, 3), "end_to_end_s": round(transfer + pause, 3)}
+    return {"route": u.route, "fetched_bytes": u.fetched_bytes, "transfer_s": round(transfer, 3),
+            "engine_pause_s": round(pause, 5), "end_to_end_s": round(transfer + pause, 5),
+            "applied": "patches" if patch else "full"}
 
 
 class Fleet:
@@ -321,9 +328,10 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     lo, hi = f"lr{LRS[0]:g}", f"lr{LRS[1]:g}"
     paired = [r for r in rows if r["lr"] == LRS[0] and "full_w1" in r["zmq"]]  # full and delta on the same updates
 
-    def paired_ratio(field: str, w: int) -> float:
-        return float(np.median([r["zmq"][f"full_w{w}"][field] for r in paired])
-                     / np.median([r["zmq"][f"delta_w{w}"][field] for r in paired]))
+    def paired_ratio(field: str, w: int) -> float | None:
+        den = float(np.median([r["zmq"][f"delta_w{w}"][field] for r in paired]))
+        # None: the delta side took no measurable time (an empty delta: --quick's tiny model learns nothing)
+        return float(np.median([r["zmq"][f"full_w{w}"][field] for r in paired])) / den if den > 0 else None
 
     ratios = {"full_vs_delta_bytes_bf16": 1 / out[f"{lo}_bfloat16"]["delta_share"],
               "full_vs_delta_bytes_bf16_lr1e-5": 1 / out[f"{hi}_bfloat16"]["delta_share"],

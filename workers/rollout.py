@@ -140,8 +140,11 @@ class RolloutWorker(Role):
         try:
             if ready.mode == "cuda_ipc":  # colocated: one device copy from the trainer's shared buffers
                 timings = self.ipc.update(self.engine, ready)
+            elif (update.patches is not None and getattr(self.engine, "accepts_patches", False)
+                  and self.engine.version == update.patch_base):  # the engine holds the diff's base: write what changed
+                timings = {**self.engine.update_weights(ready.version, patches=update.patches), "applied": "patches"}
             else:
-                timings = self.engine.update_weights(ready.version, **update.kwargs)
+                timings = {**self.engine.update_weights(ready.version, **update.kwargs), "applied": "full"}
         except ArealError as exc:
             self._load_failed(ready, attempt, str(exc))
             return

@@ -79,6 +79,10 @@ class Engine(abc.ABC):
     def has_work(self) -> bool:
         """True while any request is waiting or running."""
 
+    # True where update_weights also takes patches= (name -> (flat positions, values)): only the elements a weight
+    # delta changed, written in place (the torch engine); other engines get the full state dict.
+    accepts_patches: bool = False
+
     @abc.abstractmethod
     def update_weights(
         self,

@@ -140,6 +140,8 @@ def test_fifty_updates_arrive_as_deltas_bit_identical(tmp_path, trainers):
     routes = [u["route"] for u in updates]
     assert routes[0] == "full" and routes[29] == "full" and routes.count("delta") == 48
     assert all(u["engine_pause_s"] <= u["transfer_s"] for u in updates)
+    # the engine held each delta's base, so it wrote only the changed elements (and stayed bit-identical above)
+    assert all(u["applied"] == "patches" for u in updates if u["route"] == "delta")
     assert all(u["fetched_bytes"] < u["full_bytes"] / 2 for u in updates if u["route"] == "delta")
     fallback = worker.log.named("rollout.weights_fallback")
     assert [f["version"] for f in fallback] == [30] and fallback[0]["reason"] in ("checksum", "corrupt")

@@ -52,7 +52,7 @@ from areal_mq.engines.torch.graphs import BucketedDecoder
 from areal_mq.engines.torch.kvcache import bytes_per_token, static_capacity
 from areal_mq.engines.torch.seq import SeqState, build_output
 from areal_mq.engines.torch.session import SessionKV
-from areal_mq.engines.torch.weights import load_weights_in_place
+from areal_mq.engines.torch.weights import load_weights_in_place, patch_weights_in_place
 from areal_mq.errors import EngineRequestError
 
 RATE_WINDOW_S = 10.0  # tokens_per_s in stats() is measured over this window
@@ -60,6 +60,8 @@ RATE_WINDOW_S = 10.0  # tokens_per_s in stats() is measured over this window
 
 class TorchEngine(Engine):
     """Continuous-batching engine over a LlamaRunner (see module docstring)."""
+
+    accepts_patches = True  # update_weights(version, patches=...): only the changed elements (weight deltas)
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, dtype: str = "float32",
                  seed: int | None = None, tokenizer: Any = None, device: Any = "cpu"):
@@ -321,9 +323,14 @@ class TorchEngine(Engine):
     # -- weights ---------------------------------------------------------------------------------
 
     def update_weights(self, version: int, tensors: Mapping[str, Any] | None = None,
-                       path: str | None = None) -> dict[str, float]:
+                       path: str | None = None, patches: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """A full state dict (tensors= or path=) or, from a worker that knows what changed since the weights the
+        engine holds, only the changed elements (patches=: name -> (flat positions, values))."""
         t0 = time.perf_counter()
-        n = load_weights_in_place(self.model, tensors=tensors, path=path)
+        if patches is not None:
+            n = patch_weights_in_place(self.model, patches)
+        else:
+            n = load_weights_in_place(self.model, tensors=tensors, path=path)
         t1 = time.perf_counter()
         self.version = int(version)
         stale = 0

@@ -10,6 +10,12 @@ same storage, so the fused views and a captured CUDA graph (graphs.py) see the n
 Why validate first: a bad update (unknown name, wrong shape, missing parameter) must leave the
 engine serving the old weights intact, with an error that names the offending tensors.
 Tied parameters (lm_head.weight == embed_tokens.weight) count as present under either name.
+
+`patch_weights_in_place(model, patches)` writes only changed elements: name -> (flat positions, new values), what
+a verified weight delta changed (areal_mq/weights_delta.py `changed_elements`, computed off the decode loop). The
+engine pauses for a scatter of ~1 % of the elements instead of a copy of all of them; the result is the same
+parameters, element for element, as a full load of the new version (values are cast to the parameter's dtype
+exactly as `copy_` casts them).
 """
 from __future__ import annotations
 
@@ -95,3 +101,38 @@ def load_weights_in_place(model: torch.nn.Module, tensors: Mapping[str, Any] | N
             by_name[name].copy_(value)
             copied += 1
     return copied
+
+
+def patch_weights_in_place(model: torch.nn.Module, patches: Mapping[str, tuple[Any, Any]]) -> int:
+    """Write `values` at the flat `positions` of each named parameter, in place; returns the elements written.
+
+    Raises WeightsLoadError (and changes nothing) for an unknown name, a tied tensor patched under two names,
+    positions and values of different lengths, or a position outside the parameter.
+    """
+    by_name, groups = _alias_groups(model)
+    group_of = {n: i for i, g in enumerate(groups) for n in g}
+    seen: dict[int, str] = {}
+    checked = []
+    for name, (positions, values) in patches.items():
+        param = by_name.get(name)
+        if param is None:
+            raise WeightsLoadError(f"weight patch names {name!r}, which the model does not have")
+        if group_of[name] in seen:
+            raise WeightsLoadError(f"weight patch writes one tied tensor twice ({seen[group_of[name]]!r}, {name!r})")
+        seen[group_of[name]] = name
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+        values = torch.as_tensor(values)
+        if positions.dim() != 1 or positions.shape != values.reshape(-1).shape:
+            raise WeightsLoadError(f"weight patch of {name!r}: {positions.numel()} positions for "
+                                   f"{values.numel()} values (one value per position)")
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= param.numel()):
+            raise WeightsLoadError(f"weight patch of {name!r} writes outside its {param.numel()} elements")
+        checked.append((param, positions, values.reshape(-1)))
+    written = 0
+    with torch.no_grad():
+        for param, positions, values in checked:
+            if positions.numel():
+                index = torch.unravel_index(positions.to(param.device), param.shape)
+                param.index_put_(index, values.to(device=param.device, dtype=param.dtype))
+                written += positions.numel()
+    return written
