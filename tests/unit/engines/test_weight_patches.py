@@ -91,3 +91,14 @@ def test_a_tied_tensor_patched_under_both_names_is_refused(make_engine):
     one = (torch.tensor([0]), torch.tensor([1.0]))
     with pytest.raises(WeightsLoadError, match="tied tensor twice"):
         engine.update_weights(1, patches={"lm_head.weight": one, "model.embed_tokens.weight": one})
+
+
+def test_a_non_contiguous_parameter_is_patched_through_its_strides():
+    from areal_mq.engines.torch.weights import patch_weights_in_place
+
+    m = torch.nn.Linear(4, 6)
+    m.weight = torch.nn.Parameter(torch.zeros(4, 6).t())  # a 6x4 view, as a fused tensor's slice can be
+    assert not m.weight.is_contiguous()
+    patch_weights_in_place(m, {"weight": (torch.tensor([0, 5, 23]), torch.tensor([1.0, 2.0, 3.0]))})
+    flat = m.weight.detach().reshape(-1)
+    assert flat[[0, 5, 23]].tolist() == [1.0, 2.0, 3.0] and float(flat.sum()) == 6.0
