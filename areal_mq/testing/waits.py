@@ -13,9 +13,10 @@ T = TypeVar("T")
 
 def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:
     """Call `predicate` every `interval` s until it returns something truthy (returned); AssertionError naming
-    `what` after `timeout` s. The predicate is tried once more at the deadline, so a slow first call still counts."""
-    if timeout <= 0 or interval <= 0:
-        raise ValueError(f"wait_for needs a positive timeout and interval, got {timeout} and {interval}")
+    `what` after `timeout` s. The predicate is tried once more at the deadline, so a slow first call still counts.
+    interval 0: the predicate waits by itself (e.g. a receive with a timeout), so no sleep between calls."""
+    if timeout <= 0 or interval < 0:
+        raise ValueError(f"wait_for needs a positive timeout and an interval >= 0, got {timeout} and {interval}")
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -23,4 +24,5 @@ def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.05,
             return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+        if interval:
+            time.sleep(interval)

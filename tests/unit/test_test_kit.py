@@ -96,6 +96,10 @@ def test_wait_for_returns_the_value_or_names_what_never_came():
         wait_for(lambda: False, 0.05, interval=0.01, what="the moon")
     with pytest.raises(ValueError, match="positive timeout"):
         wait_for(lambda: True, 0)
+    with pytest.raises(ValueError, match="interval >= 0"):
+        wait_for(lambda: True, 1, interval=-1)
+    polls = []  # interval 0: a predicate that blocks by itself is called again at once
+    assert wait_for(lambda: polls.append(1) or len(polls) >= 3, 1, interval=0.0)
 
 
 def test_scripted_model_answers_turns_in_order_and_says_when_the_script_ran_out():
