@@ -74,7 +74,9 @@ def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
 def test_periodic_evaluations_are_pinned_to_published_versions(tmp_path):
     # a run of its own: background evaluations take CPU, which would shift the timing the test above needs
     run_dir = tmp_path / "evals"
-    done = _run(run_dir, "controller.total_steps=6", "eval.every=2", "eval.size=8",
+    # every version kept: with the default 2 a fast tiny-model run can prune v2 (and v4) before the launcher's
+    # next tick pins it, leaving no periodic evaluation at all (a timing flake seen once in CI)
+    done = _run(run_dir, "controller.total_steps=6", "eval.every=2", "eval.size=8", "trainer.keep_weight_versions=6",
                 evaluate=True)
     assert done.returncode == 0, done.stderr[-3000:]
     # held-out evaluation: the base model first, periodic ones pinned to published versions, the final one last
