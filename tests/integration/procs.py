@@ -82,3 +82,37 @@ class Procs:
     def stop_all(self) -> None:
         for proc, _ in reversed(self.procs):
             self.stop(proc, timeout=5)
+
+
+class ScriptedTrainers:
+    """`python -c SCRIPT tmp_path ARGS...` trainer-like children that announce one version per stdout line
+    ({"ready": WeightsReady, "sums": {name: checksum}}) and take "next"/"stop" on stdin; killed by PID at close."""
+
+    def __init__(self, script: str, tmp_path: Path):
+        self.script, self.tmp_path, self.started = script, tmp_path, []
+
+    def __call__(self, *args) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", self.script, str(self.tmp_path), *map(str, args)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.started.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            proc.stdout.close()
+            proc.stdin.close()
+
+
+def next_ready(proc: subprocess.Popen):
+    """The next (WeightsReady, checksums) a ScriptedTrainers child announced."""
+    import json
+
+    from areal_mq.messages import WeightsReady
+
+    line = proc.stdout.readline()
+    assert line, "the trainer process exited"
+    got = json.loads(line)
+    return WeightsReady.model_validate(got["ready"]), got["sums"]

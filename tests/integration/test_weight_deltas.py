@@ -13,7 +13,6 @@ Run: pytest tests/integration/test_weight_deltas.py -q
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,9 +24,11 @@ import pytest
 import torch
 
 from areal_mq.config import load_config
-from areal_mq.messages import GenerateRequest, SamplingSpec, WeightsReady
+from areal_mq.messages import GenerateRequest, SamplingSpec
 from areal_mq.testing.fakes import FakeRuntime
 from areal_mq.workers.rollout import RolloutWorker
+
+from .procs import ScriptedTrainers, next_ready
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,28 +71,9 @@ sys.stdin.readline()  # hold the server until the test is done
 
 @pytest.fixture
 def trainers(tmp_path):
-    started = []
-
-    def start(first, last, corrupt=-1):
-        proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path), str(first), str(last), str(corrupt)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        proc.stdout.close()
-        proc.stdin.close()
-
-
-def _next(proc):
-    line = proc.stdout.readline()
-    assert line, "the trainer process exited"
-    got = json.loads(line)
-    return WeightsReady.model_validate(got["ready"]), got["sums"]
+    started = ScriptedTrainers(TRAINER, tmp_path)
+    yield started
+    started.close()
 
 
 def _worker(tmp_path):
@@ -122,12 +104,12 @@ def _follow(worker, ready):
 
 
 def test_fifty_updates_arrive_as_deltas_bit_identical(tmp_path, trainers):
-    proc = trainers(1, 50, corrupt=30)
+    proc = trainers(1, 50, 30)  # first, last, corrupt
     worker, engine, verified = _worker(tmp_path)
     lagging, _, lag_verified = _worker(tmp_path)
     worker.on_job(_job("long"))  # the engine decodes while deltas arrive
     for version in range(1, 51):
-        ready, sums = _next(proc)
+        ready, sums = next_ready(proc)
         assert ready.version == version and (ready.base == version - 1 if version > 1 else ready.base == -1)
         _follow(worker, ready)
         verified(sums)
@@ -161,15 +143,15 @@ def _job(job_id):
 
 
 def test_a_killed_trainer_fails_the_fetch_then_a_restarted_one_is_loaded(tmp_path, trainers):
-    proc = trainers(1, 3)
+    proc = trainers(1, 3, -1)
     worker, engine, verified = _worker(tmp_path)
     for version in (1, 2):
-        ready, sums = _next(proc)
+        ready, sums = next_ready(proc)
         worker.load(ready)
         verified(sums)
         proc.stdin.write("next\n")
         proc.stdin.flush()
-    ready, _ = _next(proc)
+    ready, _ = next_ready(proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     t0 = time.monotonic()
@@ -177,8 +159,8 @@ def test_a_killed_trainer_fails_the_fetch_then_a_restarted_one_is_loaded(tmp_pat
     assert time.monotonic() - t0 < 15 and engine.version == 2 and worker.retry_load is not None
     assert "trainer may have died" in worker.log.named("rollout.weights_retry")[0]["error"]
     verified(sums)  # still exactly version 2
-    restarted = trainers(4, 4)  # a new server: its first version has no delta, the worker takes it in full
-    ready, sums = _next(restarted)
+    restarted = trainers(4, 4, -1)  # a new server: its first version has no delta, the worker takes it in full
+    ready, sums = next_ready(restarted)
     worker.load(ready)
     verified(sums)
     assert worker.log.named("rollout.weights_updated")[-1]["route"] == "full"

@@ -10,20 +10,17 @@ Run: pytest tests/integration/test_weights_ipc.py -q
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from areal_mq.config import load_config
-from areal_mq.messages import GenerateRequest, SamplingSpec, WeightsReady
+from areal_mq.messages import GenerateRequest, SamplingSpec
 from areal_mq.testing.fakes import FakeRuntime
 from areal_mq.workers.rollout import RolloutWorker
+
+from .procs import ScriptedTrainers, next_ready
 
 pytestmark = pytest.mark.slow
 
@@ -57,28 +54,9 @@ pub.close()
 
 @pytest.fixture
 def trainer(tmp_path):
-    started = []
-
-    def start(device, last):
-        proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path), device, str(last)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        proc.stdout.close()
-        proc.stdin.close()
-
-
-def _next(proc):
-    line = proc.stdout.readline()
-    assert line, "the trainer process exited"
-    got = json.loads(line)
-    return WeightsReady.model_validate(got["ready"]), got["sums"]
+    started = ScriptedTrainers(TRAINER, tmp_path)
+    yield started
+    started.close()
 
 
 def _worker(run_dir, device):
@@ -117,7 +95,7 @@ def follow_updates(tmp_path, trainer, device):
     ptrs = {k: p.data_ptr() for k, p in engine.model.named_parameters()}
     worker.on_job(_job("long", 200))  # decodes across every update
     for version in (1, 2, 3):
-        ready, sums = _next(proc)
+        ready, sums = next_ready(proc)
         assert ready.mode == "cuda_ipc" and ready.ipc_set and ready.version == version
         for _ in range(5):
             worker.on_tick()  # a few tokens under the previous version
