@@ -7,7 +7,10 @@ From the runs' JSON lines (one per mode and seed):
   (mean ± t(0.975, n-1) · sd / √n, n = seeds both have; none for n = 1): the seeds share the data order and
   the sampling seeds, so pairing removes the seed-to-seed spread from the comparison;
 - accuracy at equal wall time: each run's latest evaluation at or before T, T the earliest final-evaluation
-  time over all runs (so every run has been evaluated by then), paired the same way;
+  time over all runs (so every run has been evaluated by then), paired the same way. It is the accuracy of the
+  newest policy *evaluated* by T (a step function): a run evaluated only at v0 and at its end counts as the
+  base model until its end, so read it beside the training time per mode (time to the last version) and the
+  wall-time speed-up of async η=2 over sync (sync's training time / async's, seed by seed);
 - per step: entropy, the fractions of tokens clipped and masked, staleness (max, histogram summed over
   steps), the invariant counters (violations must be 0) and the samples dropped as too stale.
 """
@@ -21,7 +24,8 @@ from pathlib import Path
 import common
 
 TARGETS = {"async_eta2_vs_sync_strict": None,  # set per report: within 2 points of sync (issue 27)
-           "async_eta2_vs_sync_strict_at_equal_wall_time": 1.0, "decoupled_vs_naive_eta4_strict": 1.0}
+           "async_eta2_vs_sync_strict_at_equal_wall_time": 1.0, "decoupled_vs_naive_eta4_strict": 1.0,
+           "async_eta2_speedup_vs_sync_wall_time": 1.0}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -75,6 +79,13 @@ def paired(by_mode: dict, value) -> dict:
     return out
 
 
+def paired_ratio(by_mode: dict, mode: str, value) -> list[float]:
+    """value(sync's run) / value(mode's run) per seed both have (a speed-up when value is a time)."""
+    sync = {r["seed"]: r for r in by_mode.get("sync", [])}
+    return [value(sync[r["seed"]]) / value(r) for r in by_mode.get(mode, [])
+            if r["seed"] in sync and value(r) > 0]
+
+
 def summarize(runs: list[dict]) -> dict:
     """Per-mode figures (the means over its seeds)."""
     final = [r["evals"][-1]["strict"] for r in runs]
@@ -87,6 +98,7 @@ def summarize(runs: list[dict]) -> dict:
     return {"label": runs[0]["label"], "seeds": sorted(r["seed"] for r in runs), "n_seeds": len(runs),
             "strict_mean": sum(final) / len(final), "strict_sd": _sd(final), "strict_by_seed": final,
             "trained_samples": runs[0]["evals"][-1]["trained_samples"], "wall_s_mean": _mean([r["wall_s"] for r in runs]),
+            "train_s_mean": _mean([r["evals"][-1]["t_s"] for r in runs]),  # ready -> the last version trained
             "entropy_first": _mean([r["per_step"]["entropy"][0] for r in runs if r["per_step"].get("entropy")]),
             "entropy_last": _mean(entropy_last), "clip_frac_mean": _mean(steps("clip_frac")),
             "masked_frac_mean": _mean(steps("masked_frac")), "staleness_hist": hist,
@@ -126,6 +138,10 @@ def report(runs: list[dict], quick: bool, plot_path: Path) -> dict:
             ratios["async_eta2_vs_sync_strict_at_equal_wall_time"] = (
                 modes["async_eta2"]["strict_at_equal_wall_time_mean"] / sync["strict_at_equal_wall_time_mean"])
             targets["async_eta2_vs_sync_strict_at_equal_wall_time"] = 1.0
+    speedups = paired_ratio(by_mode, "async_eta2", lambda r: r["evals"][-1]["t_s"])
+    if speedups:
+        ratios["async_eta2_speedup_vs_sync_wall_time"] = _mean(speedups)
+        targets["async_eta2_speedup_vs_sync_wall_time"] = 1.0
     if "async_eta4" in modes and "naive_eta4" in modes and modes["naive_eta4"]["strict_mean"] > 0:
         ratios["decoupled_vs_naive_eta4_strict"] = modes["async_eta4"]["strict_mean"] / modes["naive_eta4"]["strict_mean"]
         targets["decoupled_vs_naive_eta4_strict"] = 1.0
@@ -140,14 +156,18 @@ def report(runs: list[dict], quick: bool, plot_path: Path) -> dict:
 
 
 def plot(by_mode: dict, out: Path) -> Path:
-    """Accuracy vs trained samples (left) and vs wall time (right), all modes on one figure: the mean over
-    seeds at each evaluated version (thick), each seed (thin)."""
+    """Accuracy vs trained samples (left) and vs wall time (middle), all modes on one figure: the mean over
+    seeds at each evaluated version (thick), each seed (thin); the policy's entropy per step (right, mean over
+    seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig = plt.figure(figsize=(17, 4.5))
+    left = fig.add_subplot(1, 3, 1)
+    right = fig.add_subplot(1, 3, 2, sharey=left)
+    ent = fig.add_subplot(1, 3, 3)
     for k, (mode, runs) in enumerate(sorted(by_mode.items())):
         color = f"C{k}"
         for r in runs:
@@ -161,11 +181,16 @@ def plot(by_mode: dict, out: Path) -> Path:
                   color=color, lw=2, marker="o", label=label)
         right.plot([pick(v, "t_s") / 60 for v in versions], [pick(v, "strict") for v in versions],
                    color=color, lw=2, marker="o")
+        series = [r["per_step"].get("entropy") or [] for r in runs]
+        steps = min(len(x) for x in series)
+        if steps:
+            ent.plot(range(1, steps + 1), [_mean([x[i] for x in series]) for i in range(steps)], color=color, lw=1.5)
     left.set(xlabel="trained samples (sequences)", ylabel="held-out strict accuracy (greedy)",
              title="at equal trained samples")
     right.set(xlabel="wall time since the processes were ready (min)", title="at equal wall time")
+    ent.set(xlabel="trainer step (version)", ylabel="policy entropy (nats/token)", title="entropy")
     left.legend(fontsize=8)
-    for ax in (left, right):
+    for ax in (left, right, ent):
         ax.grid(alpha=0.3)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -186,13 +211,13 @@ def _ci(p: dict | None) -> str:
 def table(report: dict, command: str) -> str:
     modes = [r for r in report["results"] if r["kind"] == "mode"]
     setup = report["results"][0]
-    rows = [("mode", "seeds", "strict %", "Δ vs sync (pts, 95% CI)", f"Δ @ {setup['equal_wall_time_s']:.0f} s",
+    rows = [("mode", "seeds", "strict %", "Δ vs sync (pts, 95% CI)", f"Δ @ {setup['equal_wall_time_s']:.0f} s", "train min",
              "entropy first→last", "clipped", "masked", "stale max", "violations", "dropped")]
     for s in modes:
         sd = f" ± {s['strict_sd'] * 100:.1f}" if s["strict_sd"] is not None else ""
         ent = (f"{s['entropy_first']:.2f}→{s['entropy_last']:.2f}" if s["entropy_last"] is not None else "-")
         rows.append((s["label"], str(s["n_seeds"]), f"{s['strict_mean'] * 100:.1f}{sd}", _ci(s["paired_vs_sync"]),
-                     _ci(s["paired_vs_sync_at_equal_wall_time"]), ent, f"{(s['clip_frac_mean'] or 0):.3f}",
+                     _ci(s["paired_vs_sync_at_equal_wall_time"]), f"{s['train_s_mean'] / 60:.1f}", ent, f"{(s['clip_frac_mean'] or 0):.3f}",
                      f"{(s['masked_frac_mean'] or 0):.3f}", str(s["staleness_max"]), str(s["staleness_violations"]),
                      str(s["dropped_stale"])))
     lines = [f"held-out strict accuracy on {setup['eval_n']} problems of {setup['eval_name']} after "

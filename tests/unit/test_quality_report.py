@@ -46,10 +46,13 @@ def test_paired_differences_per_seed_and_at_equal_wall_time(tmp_path):
     assert by["sync"]["strict_mean"] == pytest.approx(0.45) and by["sync"]["strict_sd"] == pytest.approx(0.05)
     assert rep["ratios"]["async_eta2_vs_sync_strict"] == pytest.approx(0.47 / 0.45)
     assert rep["targets"]["async_eta2_vs_sync_strict"] == pytest.approx(0.43 / 0.45, abs=1e-4)
+    # sync trains its 20 versions in 200 s, async in 100 s: a 2x speed-up, seed by seed
+    assert rep["ratios"]["async_eta2_speedup_vs_sync_wall_time"] == pytest.approx(2.0)
+    assert by["sync"]["train_s_mean"] == 200.0 and by["async_eta2"]["train_s_mean"] == 100.0
     assert by["sync"]["staleness_hist"] == [9, 6, 3] and by["sync"]["dropped_stale"] == 3
     assert (tmp_path / "q.png").stat().st_size > 10_000
     table = q.table(rep, "python benchmarks/quality.py")
-    assert "+2.0 [" in table and table.splitlines()[-1] == "command: python benchmarks/quality.py"
+    assert "+2.0 [" in table and " 1.7 " in table and table.splitlines()[-1] == "command: python benchmarks/quality.py"
 
 
 def test_a_mode_without_sync_seeds_is_not_paired(tmp_path):
