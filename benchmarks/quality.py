@@ -26,6 +26,12 @@ means, the PAIRED difference to sync per seed with a 95 % t-interval, accuracy a
     python benchmarks/quality.py --report-only          # report what the results file holds
     python benchmarks/quality.py --quick                # configs/tiny.yaml, 2 versions, 1 seed, sync + async η=2
 
+Entropy on a longer run (item 4): the quickstart's async η=2 for 150 versions, evaluated every 25, in its own
+results file and figure; then, if accuracy falls as entropy collapses, the same with a lever (LEVERS below):
+    python benchmarks/quality.py --versions 150 --eval-every 25 --eval-n 500 --modes async_eta2 --seeds 0 \
+        --results benchmarks/results/entropy.jsonl --plot docs/entropy.png
+    ... --modes async_eta2,cliphigher_eta2 ...          # before/after on one figure
+
 The full study takes many hours (each quickstart version is ~20 s of CPU training, each evaluation of 1,100
 problems minutes): run it in the background with nohup, commit the results file as it grows.
 --quick (~3 minutes on 2 cores) writes under bench-results/quality-quick/ and checks the code path only.
@@ -64,6 +70,16 @@ MODES = {
     "icepop_eta4": ("async η=4 IcePop k=2", "async", 4, {"trainer.offpolicy_mask_k": 2.0}, False),
     "cispo_eta4": ("async η=4 CISPO", "async", 4, {"trainer.policy_loss": "cispo"}, False),
 }
+# The levers against an entropy collapse (issue 27 item 4), run on request (--modes) and not part of the default
+# study: clip-higher (DAPO, arXiv 2503.14476: a wider upper clip lets unlikely tokens gain probability) and a
+# learning rate that decays after warm-up (cosine to 10 % over 150 steps).
+LEVERS = {
+    "cliphigher_eta2": ("async η=2 clip-higher ε_high=0.28", "async", 2, {"trainer.eps_clip_high": 0.28}, False),
+    "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
+                     {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
+}
+STUDY = list(MODES)
+MODES = {**MODES, **LEVERS}
 QUICK_MODES, QUICK_SEEDS, QUICK_VERSIONS, QUICK_EVAL_N = ("sync", "async_eta2"), (0,), 2, 8
 QUICK_SETS = {"controller.max_new_tokens": 16, "controller.drop_uniform_groups": False}
 PER_STEP = ("entropy", "clip_frac", "masked_frac", "behav_capped_frac", "staleness_max", "staleness_violations",
@@ -77,7 +93,7 @@ log = common.logger("quality")
 
 def planned(args) -> list[dict]:
     """The runs of this study, in order (core modes first, seeds interleaved so every mode gets seed 0 first)."""
-    modes = args.modes or (list(QUICK_MODES) if args.quick else list(MODES))
+    modes = args.modes or (list(QUICK_MODES) if args.quick else STUDY)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
@@ -191,8 +207,8 @@ def plan_text(runs: list[dict], done: dict, args) -> str:
                       f"{len(runs)} runs, {len(runs) - len(todo)} done; estimate {per_run / 60:.0f} min a run "
                       f"({est['source']}: start {est['startup_s']:.0f} s, {est['version_s']:.1f} s a version, "
                       f"{evals_per_run} evaluations of {args.eval_n} problems at {est['eval_problem_s']:.2f} s each), "
-                      f"{len(todo) * per_run / 3600:.1f} h of machine time left (the base model is evaluated once "
-                      f"per seed and cached)"])
+                      f"{len(todo) * per_run / 3600:.1f} h of machine time left (the base model is evaluated once and "
+                      f"cached)"])
 
 
 def main() -> None:
