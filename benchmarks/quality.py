@@ -14,7 +14,7 @@ version 0 (the base model), every `--eval-every` versions (in the background, ar
 on a busy machine it may skip a version and evaluate a later one) and at the end.
 Every finished run appends ONE JSON line to the results file (benchmarks/results/quality.jsonl): accuracy at
 each evaluated version with trained samples and wall time (counted from when every process was ready: the
-base model's evaluation before training is cached per seed, so it would favour later runs), entropy, clipped
+base model's evaluation before training is cached, so it would favour later runs), entropy, clipped
 and masked fractions and staleness per step, the staleness histogram, the invariant counters. A rerun skips the runs already there (resumable; a
 run that was cut off is started again from scratch). The report (benchmarks/quality_report.py) gives per-mode
 means, the PAIRED difference to sync per seed with a 95 % t-interval, accuracy at equal wall time, one figure
@@ -163,7 +163,7 @@ def record(run: dict, args, run_dir: Path, started: float, wall_s: float, sets: 
         raise RuntimeError(f"{run_dir}: {len(metrics)} of {args.versions} steps and {len(evals)} evaluations; "
                            "see launcher.stderr.log and logs/")
     # version -> (trained sequences, wall s since every process was ready: the base model's evaluation, run
-    # before training and cached per seed, would otherwise count against whichever mode ran first)
+    # before training and cached, would otherwise count against whichever mode ran first)
     samples, ready, at = 0, ready_time(run_dir), {0: (0, 0.0)}
     for m in metrics:
         samples += m["n_seqs"]
