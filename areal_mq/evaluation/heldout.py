@@ -27,6 +27,7 @@ def eval_setup(cfg: Any, n: int | None) -> tuple:
     once scores the same as 32 and is ~1.5x faster on a 2-core CPU (0.30 s against 0.44 s a problem)."""
     from areal_mq.data import load_eval_problems
     from areal_mq.data.prompts import ChatFormatter
+    from areal_mq.devices import role_device
     from areal_mq.engines import build_engine
     from areal_mq.engines.models import load_tokenizer, resolve_model
 
@@ -36,7 +37,9 @@ def eval_setup(cfg: Any, n: int | None) -> tuple:
     tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
     fmt = ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
     engine_cfg = cfg.rollout.engine.model_copy(update={"max_concurrent": max(cfg.rollout.engine.max_concurrent, EVAL_BATCH)})
-    return problems, tokenizer, fmt, build_engine(engine_cfg, cfg.model, seed=cfg.run.seed)
+    # a held-out evaluation is generation: it runs where the rollout engine runs (rollout.device, else model.device)
+    return problems, tokenizer, fmt, build_engine(engine_cfg, cfg.model, seed=cfg.run.seed,
+                                                  device=role_device(cfg, "rollout"))
 
 
 def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version: int | None = None,
