@@ -6,11 +6,13 @@ From the runs' JSON lines (one per mode and seed):
 - per mode but sync: the PAIRED difference (mode - sync) per seed, its mean and 95 % t-interval
   (mean ± t(0.975, n-1) · sd / √n, n = seeds both have; none for n = 1): the seeds share the data order and
   the sampling seeds, so pairing removes the seed-to-seed spread from the comparison;
-- accuracy at equal wall time: each run's latest evaluation at or before T, T the earliest final-evaluation
-  time over all runs (so every run has been evaluated by then), paired the same way. It is the accuracy of the
-  newest policy *evaluated* by T (a step function): a run evaluated only at v0 and at its end counts as the
-  base model until its end, so read it beside the training time per mode (time to the last version) and the
-  wall-time speed-up of async η=2 over sync (sync's training time / async's, seed by seed);
+- accuracy at equal wall time: each run's accuracy at T, T the earliest time any run trained its last version
+  (so no run is extrapolated), linearly interpolated between its evaluations around T, paired the same way.
+  With few evaluations (the study evaluates v0 and the last version, each evaluation costs minutes) this is an
+  estimate: a learning curve that rises fast and then flattens lies above its chord, so both sides are
+  underestimated, the one interpolated over the longer span more. Read it beside the training time per mode
+  and the wall-time speed-up of async η=2 over sync (sync's training time / async's, seed by seed), which are
+  measured;
 - per step: entropy, the fractions of tokens clipped and masked, staleness (max, histogram summed over
   steps), the invariant counters (violations must be 0) and the samples dropped as too stale.
 """
@@ -60,9 +62,17 @@ def _sd(xs):
 
 
 def at_time(run: dict, t: float) -> float:
-    """Strict accuracy of the latest evaluation at or before wall time t (version 0 = the base model at t = 0)."""
-    before = [e for e in run["evals"] if e["t_s"] <= t]
-    return (before or run["evals"][:1])[-1]["strict"]
+    """Strict accuracy at wall time t, linearly interpolated between the two evaluations around t (version 0 =
+    the base model at t = 0; after the last evaluation, the last). Interpolation, because the study evaluates
+    few versions (each costs minutes): a step function would credit a run with the base model until its end."""
+    evals = sorted(run["evals"], key=lambda e: e["t_s"])
+    before = [e for e in evals if e["t_s"] <= t] or evals[:1]
+    after = [e for e in evals if e["t_s"] > t]
+    a = before[-1]
+    if not after or after[0]["t_s"] <= a["t_s"]:
+        return a["strict"]
+    b = after[0]
+    return a["strict"] + (b["strict"] - a["strict"]) * (t - a["t_s"]) / (b["t_s"] - a["t_s"])
 
 
 def paired(by_mode: dict, value) -> dict:

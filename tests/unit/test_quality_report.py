@@ -31,6 +31,12 @@ def test_t_interval_by_hand():
     assert q.t_interval([0.3]) is None
 
 
+def test_accuracy_at_a_wall_time_is_interpolated_between_evaluations():
+    run = _run("sync", 0, (0.3, 0.5), t_final=200.0)  # 0.1 at 0 s, 0.3 at 100 s, 0.5 at 200 s
+    assert q.at_time(run, 0.0) == pytest.approx(0.1) and q.at_time(run, 50.0) == pytest.approx(0.2)
+    assert q.at_time(run, 150.0) == pytest.approx(0.4) and q.at_time(run, 500.0) == pytest.approx(0.5)
+
+
 def test_paired_differences_per_seed_and_at_equal_wall_time(tmp_path):
     runs = [_run("sync", s, (0.3, a), t_final=200.0) for s, a in enumerate((0.40, 0.50, 0.45))]
     runs += [_run("async_eta2", s, (0.35, a), t_final=100.0) for s, a in enumerate((0.42, 0.54, 0.45))]
