@@ -104,6 +104,9 @@ class ChatService:
         return ep.to_json()
 
 
+DRAIN_MAX_BYTES, DRAIN_MAX_S = 16 << 20, 5.0  # what is read of a refused (413) body before the connection closes
+
+
 class Handler(BaseHTTPRequestHandler):
     """One HTTP connection. Every path answers JSON; nothing raised reaches the client as a trace."""
 
@@ -140,6 +143,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.service.log.exception("openai.internal_error", error=repr(exc)[:300])
             doc = ApiError(500, "internal error (logged by the server)", None, "internal_error", "server_error").body()
         self._reply(status, doc)
+        self._drain_refused_body()
         if self.service.log:
             self.service.log.debug("openai.request", method=method, path=self.path[:100], status=status,
                                    seconds=round(time.monotonic() - t0, 3))
@@ -168,11 +172,29 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(411, "send the body with a Content-Length (chunked bodies are not accepted)")
         if int(length) > limit:
             self.close_connection = True
+            self.refused_body = int(length)  # read and dropped after the answer (_drain_refused_body)
             raise ApiError(413, f"request body of {length} bytes exceeds {limit} bytes", None, "request_too_large")
         try:
             return json.loads(self.rfile.read(int(length)))
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; nesting bombs recurse
             raise ApiError(400, f"the body is not valid JSON: {str(exc)[:200]}", None, "invalid_json") from None
+
+    def _drain_refused_body(self) -> None:
+        """Read and drop the body of a 413 before the connection closes: closing a socket with unread input
+        sends a reset, and a client still writing its body then sees a broken pipe instead of the 413 (CI
+        caught it). Bounded: at most DRAIN_MAX_BYTES and DRAIN_MAX_S; a bigger or slower body is cut off."""
+        left = min(getattr(self, "refused_body", 0), DRAIN_MAX_BYTES)
+        self.refused_body = 0
+        deadline = time.monotonic() + DRAIN_MAX_S
+        try:
+            while left > 0 and (wait := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(min(wait, 1.0))
+                chunk = self.rfile.read1(min(left, 1 << 16))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except OSError:  # the client stopped sending or went away: nothing more to wait for
+            pass
 
     def _reply(self, status: int, doc: dict) -> None:
         data = json.dumps(doc).encode()
