@@ -70,10 +70,12 @@ MODES = {
     "icepop_eta4": ("async η=4 IcePop k=2", "async", 4, {"trainer.offpolicy_mask_k": 2.0}, False),
     "cispo_eta4": ("async η=4 CISPO", "async", 4, {"trainer.policy_loss": "cispo"}, False),
 }
-# The levers against an entropy collapse (issue 27 item 4), run on request (--modes) and not part of the default
-# study: clip-higher (DAPO, arXiv 2503.14476: a wider upper clip lets unlikely tokens gain probability) and a
+# Levers, run on request (--modes) and not part of the default study. Against an entropy collapse (issue 27
+# item 4): clip-higher (DAPO, arXiv 2503.14476: a wider upper clip lets unlikely tokens gain probability) and a
 # learning rate that decays after warm-up (cosine to 10 % over 150 steps).
 LEVERS = {
+    # async η=2 below sync at equal samples (2 seeds, RESULTS.md): is it the staleness? η=1 halves the bound
+    "async_eta1": ("async η=1", "async", 1, {}, False),
     "cliphigher_eta2": ("async η=2 clip-higher ε_high=0.28", "async", 2, {"trainer.eps_clip_high": 0.28}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
