@@ -75,25 +75,19 @@ def at_time(run: dict, t: float) -> float:
     return a["strict"] + (b["strict"] - a["strict"]) * (t - a["t_s"]) / (b["t_s"] - a["t_s"])
 
 
-def paired(by_mode: dict, value) -> dict:
-    """mode -> {n, diffs, mean, ci95} of value(mode's run) - value(sync's run) over the seeds both have."""
+def paired(by_mode: dict, value, combine=lambda mode, sync: mode - sync) -> dict:
+    """mode -> {n, diffs, mean, ci95} of combine(value(mode's run), value(sync's run)) over the seeds both have
+    (by default the difference)."""
     sync = {r["seed"]: r for r in by_mode.get("sync", [])}
     out = {}
     for mode, runs in by_mode.items():
         if mode == "sync":
             continue
-        diffs = [value(r) - value(sync[r["seed"]]) for r in runs if r["seed"] in sync]
+        diffs = [combine(value(r), value(sync[r["seed"]])) for r in runs if r["seed"] in sync]
         if diffs:
             out[mode] = {"n": len(diffs), "seeds": [r["seed"] for r in runs if r["seed"] in sync], "diffs": diffs,
                          "mean": sum(diffs) / len(diffs), "ci95": t_interval(diffs)}
     return out
-
-
-def paired_ratio(by_mode: dict, mode: str, value) -> list[float]:
-    """value(sync's run) / value(mode's run) per seed both have (a speed-up when value is a time)."""
-    sync = {r["seed"]: r for r in by_mode.get("sync", [])}
-    return [value(sync[r["seed"]]) / value(r) for r in by_mode.get(mode, [])
-            if r["seed"] in sync and value(r) > 0]
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -148,9 +142,10 @@ def report(runs: list[dict], quick: bool, plot_path: Path) -> dict:
             ratios["async_eta2_vs_sync_strict_at_equal_wall_time"] = (
                 modes["async_eta2"]["strict_at_equal_wall_time_mean"] / sync["strict_at_equal_wall_time_mean"])
             targets["async_eta2_vs_sync_strict_at_equal_wall_time"] = 1.0
-    speedups = paired_ratio(by_mode, "async_eta2", lambda r: r["evals"][-1]["t_s"])
-    if speedups:
-        ratios["async_eta2_speedup_vs_sync_wall_time"] = _mean(speedups)
+    # sync's training time / async's, seed by seed (a training time is never 0: it ends after the last step)
+    speedup = paired(by_mode, lambda r: r["evals"][-1]["t_s"], lambda mode, sync: sync / mode).get("async_eta2")
+    if speedup:
+        ratios["async_eta2_speedup_vs_sync_wall_time"] = speedup["mean"]
         targets["async_eta2_speedup_vs_sync_wall_time"] = 1.0
     if "async_eta4" in modes and "naive_eta4" in modes and modes["naive_eta4"]["strict_mean"] > 0:
         ratios["decoupled_vs_naive_eta4_strict"] = modes["async_eta4"]["strict_mean"] / modes["naive_eta4"]["strict_mean"]

@@ -113,6 +113,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive for client connection pools; every answer has a Content-Length
     server_version = "areal-mq"
     service: ChatService  # set on the subclass the server makes
+    refused_body = 0  # bytes of a body answered 413 unread, dropped after the answer (_drain_refused_body)
 
     def log_message(self, *args: Any) -> None:
         pass  # structured events instead (openai.request)
@@ -172,7 +173,7 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(411, "send the body with a Content-Length (chunked bodies are not accepted)")
         if int(length) > limit:
             self.close_connection = True
-            self.refused_body = int(length)  # read and dropped after the answer (_drain_refused_body)
+            self.refused_body = int(length)
             raise ApiError(413, f"request body of {length} bytes exceeds {limit} bytes", None, "request_too_large")
         try:
             return json.loads(self.rfile.read(int(length)))
@@ -183,7 +184,7 @@ class Handler(BaseHTTPRequestHandler):
         """Read and drop the body of a 413 before the connection closes: closing a socket with unread input
         sends a reset, and a client still writing its body then sees a broken pipe instead of the 413 (CI
         caught it). Bounded: at most DRAIN_MAX_BYTES and DRAIN_MAX_S; a bigger or slower body is cut off."""
-        left = min(getattr(self, "refused_body", 0), DRAIN_MAX_BYTES)
+        left = min(self.refused_body, DRAIN_MAX_BYTES)
         self.refused_body = 0
         deadline = time.monotonic() + DRAIN_MAX_S
         try:
