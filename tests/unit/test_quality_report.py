@@ -57,11 +57,22 @@ def test_paired_differences_per_seed_and_at_equal_wall_time(tmp_path):
     assert by["sync"]["train_s_mean"] == 200.0 and by["async_eta2"]["train_s_mean"] == 100.0
     assert by["sync"]["staleness_hist"] == [9, 6, 3] and by["sync"]["dropped_stale"] == 3
     assert (tmp_path / "q.png").stat().st_size > 10_000
+    assert by["async_eta2"]["speedup_vs_sync"]["diffs"] == pytest.approx([2.0, 2.0, 2.0])
     table = q.table(rep, "python benchmarks/quality.py")
-    assert "+2.0 [" in table and " 1.7 " in table and table.splitlines()[-1] == "command: python benchmarks/quality.py"
+    assert "+2.0 [" in table and " 2.00x " in table and " 1.7 " in table and table.splitlines()[-1] == "command: python benchmarks/quality.py"
 
 
 def test_a_mode_without_sync_seeds_is_not_paired(tmp_path):
     runs = [_run("sync", 0, (0.3, 0.4)), _run("cispo_eta4", 5, (0.3, 0.4))]
     by = {m.get("mode"): m for m in q.report(runs, quick=True, plot_path=tmp_path / "q.png")["results"]}
-    assert by["cispo_eta4"]["paired_vs_sync"] is None
+    assert by["cispo_eta4"]["paired_vs_sync"] is None and by["cispo_eta4"]["speedup_vs_sync"] is None
+
+
+def test_async_eta1_gets_the_same_targets_as_the_default(tmp_path):
+    runs = [_run("sync", s, (0.3, 0.40), t_final=200.0) for s in (0, 1)]
+    runs += [_run("async_eta1", s, (0.3, 0.39), t_final=160.0) for s in (0, 1)]
+    rep = q.report(runs, quick=False, plot_path=tmp_path / "q.png")
+    assert rep["ratios"]["async_eta1_vs_sync_strict"] == pytest.approx(0.39 / 0.40)
+    assert rep["targets"]["async_eta1_vs_sync_strict"] == pytest.approx(0.38 / 0.40, abs=1e-4)
+    assert rep["ratios"]["async_eta1_speedup_vs_sync_wall_time"] == pytest.approx(200 / 160)
+    assert "async_eta2_vs_sync_strict" not in rep["ratios"]
