@@ -76,6 +76,10 @@ MODES = {
 LEVERS = {
     # async η=2 below sync at equal samples (2 seeds, RESULTS.md): is it the staleness? η=1 halves the bound
     "async_eta1": ("async η=1", "async", 1, {}, False),
+    # the control for that question: sync's loop (η=0 is what run.mode=sync sets) with async's one thread per
+    # process, so the ONLY difference to `sync` is the thread count; if it is below sync too, staleness is not
+    # the cause
+    "async_eta0": ("async η=0 (sync loop, async threads)", "async", 0, {}, False),
     "cliphigher_eta2": ("async η=2 clip-higher ε_high=0.28", "async", 2, {"trainer.eps_clip_high": 0.28}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
