@@ -71,6 +71,7 @@ def test_a_mode_without_sync_seeds_is_not_paired(tmp_path):
 def test_async_eta1_gets_the_same_targets_as_the_default(tmp_path):
     runs = [_run("sync", s, (0.3, 0.40), t_final=200.0) for s in (0, 1)]
     runs += [_run("async_eta1", s, (0.3, 0.39), t_final=160.0) for s in (0, 1)]
+    runs.append(_run("sync", 2, (0.3, 0.10), t_final=200.0))  # a seed η=1 lacks: not in its comparison
     rep = q.report(runs, quick=False, plot_path=tmp_path / "q.png")
     assert rep["ratios"]["async_eta1_vs_sync_strict"] == pytest.approx(0.39 / 0.40)
     assert rep["targets"]["async_eta1_vs_sync_strict"] == pytest.approx(0.38 / 0.40, abs=1e-4)
