@@ -77,3 +77,10 @@ def test_async_eta1_gets_the_same_targets_as_the_default(tmp_path):
     assert rep["targets"]["async_eta1_vs_sync_strict"] == pytest.approx(0.38 / 0.40, abs=1e-4)
     assert rep["ratios"]["async_eta1_speedup_vs_sync_wall_time"] == pytest.approx(200 / 160)
     assert "async_eta2_vs_sync_strict" not in rep["ratios"]
+
+
+def test_decoupled_over_naive_is_taken_over_the_seeds_both_have(tmp_path):
+    runs = [_run("naive_eta4", s, (0.2, a)) for s, a in enumerate((0.28, 0.30, 0.10))]
+    runs += [_run("async_eta4", s, (0.3, a)) for s, a in enumerate((0.35, 0.36))]
+    rep = q.report(runs, quick=False, plot_path=tmp_path / "q.png")
+    assert rep["ratios"]["decoupled_vs_naive_eta4_strict"] == pytest.approx(0.71 / 0.58)
