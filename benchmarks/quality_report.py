@@ -75,19 +75,26 @@ def at_time(run: dict, t: float) -> float:
     return a["strict"] + (b["strict"] - a["strict"]) * (t - a["t_s"]) / (b["t_s"] - a["t_s"])
 
 
-def paired(by_mode: dict, value, combine=lambda mode, sync: mode - sync) -> dict:
-    """mode -> {n, diffs, mean, ci95} of combine(value(mode's run), value(sync's run)) over the seeds both have
-    (by default the difference)."""
-    sync = {r["seed"]: r for r in by_mode.get("sync", [])}
+def paired(by_mode: dict, value, combine=lambda mode, base: mode - base, base: str = "sync") -> dict:
+    """mode -> {n, seeds, diffs, mean, ci95} of combine(value(mode's run), value(base mode's run)) over the seeds
+    both have (by default the difference to sync)."""
+    base_runs = {r["seed"]: r for r in by_mode.get(base, [])}
     out = {}
     for mode, runs in by_mode.items():
-        if mode == "sync":
-            continue
-        diffs = [combine(value(r), value(sync[r["seed"]])) for r in runs if r["seed"] in sync]
-        if diffs:
-            out[mode] = {"n": len(diffs), "seeds": [r["seed"] for r in runs if r["seed"] in sync], "diffs": diffs,
+        shared = [r for r in runs if r["seed"] in base_runs] if mode != base else []
+        if shared:
+            diffs = [combine(value(r), value(base_runs[r["seed"]])) for r in shared]
+            out[mode] = {"n": len(diffs), "seeds": [r["seed"] for r in shared], "diffs": diffs,
                          "mean": sum(diffs) / len(diffs), "ci95": t_interval(diffs)}
     return out
+
+
+def ratio_over_shared(pair: dict, base_runs: list[dict], value) -> tuple[float, float | None]:
+    """(base mean, mode mean / base mean) of value over the seeds of `pair` (paired()'s entry for the mode);
+    the ratio is None when the base mean is 0."""
+    by_seed = {r["seed"]: r for r in base_runs}
+    base = _mean([value(by_seed[seed]) for seed in pair["seeds"]])
+    return base, ((base + pair["mean"]) / base if base > 0 else None)
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -141,28 +148,28 @@ def report(runs: list[dict], quick: bool, plot_path: Path) -> dict:
     # the issue's target for the default (η=2), and for η=1 where it was run: within 2 points of sync at equal
     # samples, ahead at equal wall time, faster. Over the seeds the mode shares with sync (a mode run on fewer
     # seeds is compared with sync on those seeds, not with sync's mean over all of them)
-    sync_runs = {r["seed"]: r for r in by_mode.get("sync", [])}
+    final_strict = lambda r: r["evals"][-1]["strict"]  # noqa: E731
     for m in ("async_eta2", "async_eta1"):
         pair = modes.get(m, {}).get("paired_vs_sync")
         if not pair:
             continue
-        for suffix, value, p in (("", lambda r: r["evals"][-1]["strict"], pair),
+        for suffix, value, p in (("", final_strict, pair),
                                  ("_at_equal_wall_time", lambda r: at_time(r, t_equal),
                                   modes[m]["paired_vs_sync_at_equal_wall_time"])):
-            base = _mean([value(sync_runs[seed]) for seed in p["seeds"]])
-            if base > 0:
-                ratios[f"{m}_vs_sync_strict{suffix}"] = (base + p["mean"]) / base
+            base, ratio = ratio_over_shared(p, by_mode["sync"], value)
+            if ratio is not None:
+                ratios[f"{m}_vs_sync_strict{suffix}"] = ratio
                 targets[f"{m}_vs_sync_strict{suffix}"] = round((base - 0.02) / base, 4) if not suffix else 1.0
         if modes[m]["speedup_vs_sync"]:
             ratios[f"{m}_speedup_vs_sync_wall_time"] = modes[m]["speedup_vs_sync"]["mean"]
             targets[f"{m}_speedup_vs_sync_wall_time"] = 1.0
     # decoupled over naive at η=4, over the seeds both were run on (like the comparisons with sync)
-    naive = {r["seed"]: r["evals"][-1]["strict"] for r in by_mode.get("naive_eta4", [])}
-    shared = [r for r in by_mode.get("async_eta4", []) if r["seed"] in naive]
-    if shared and sum(naive[r["seed"]] for r in shared) > 0:
-        ratios["decoupled_vs_naive_eta4_strict"] = (sum(r["evals"][-1]["strict"] for r in shared)
-                                                    / sum(naive[r["seed"]] for r in shared))
-        targets["decoupled_vs_naive_eta4_strict"] = 1.0
+    pair = paired(by_mode, final_strict, base="naive_eta4").get("async_eta4")
+    if pair:
+        ratio = ratio_over_shared(pair, by_mode["naive_eta4"], final_strict)[1]
+        if ratio is not None:
+            ratios["decoupled_vs_naive_eta4_strict"] = ratio
+            targets["decoupled_vs_naive_eta4_strict"] = 1.0
     png = plot(by_mode, plot_path)
     setup = {"kind": "setup", "eval_name": runs[0]["eval_name"], "eval_n": runs[0]["eval_n"],
              "versions": runs[0]["versions"], "equal_wall_time_s": t_equal, "plot": str(png),
