@@ -189,6 +189,11 @@ class RolloutConfig(_Section):
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM: time to finish running sequences before handing them back.")
     device: str | None = Field(None, pattern=DEVICE_PATTERN, description="This role's device, overriding model.device (auto, cpu, cuda, cuda:N).")
+    interruptible: bool = Field(
+        True, description="Interruptible generation (AReaL): a weight update is applied between decode steps and "
+        "the sequences in flight go on under the new weights (engine.kv_on_update). false: an update waits until "
+        "the sequences in flight finish and new requests wait for it, so every sequence comes from one policy "
+        "version (the paper's non-interruptible ablation; slower, the engine idles while it drains).")
 
 
 class EvalConfig(_Section):

@@ -80,6 +80,9 @@ LEVERS = {
     # process, so the ONLY difference to `sync` is the thread count; if it is below sync too, staleness is not
     # the cause
     "async_eta0": ("async η=0 (sync loop, async threads)", "async", 0, {}, False),
+    # what switches on with η >= 1 is (a) samples a version or two old and (b) sequences interrupted by an update,
+    # so that one sequence spans two versions; this lever keeps (a) and removes (b): every sequence has one version
+    "nointr_eta2": ("async η=2 non-interruptible", "async", 2, {"rollout.interruptible": False}, False),
     "cliphigher_eta2": ("async η=2 clip-higher ε_high=0.28", "async", 2, {"trainer.eps_clip_high": 0.28}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),

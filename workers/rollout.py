@@ -9,6 +9,8 @@ heartbeats going):
                                  cuda_ipc (colocated): nothing to fetch, one device copy from the trainer's shared
                                  buffers at a step boundary (areal_mq/weights_ipc.py)
     on_job(GenerateRequest) ──► engine.submit  (held until the engine reaches `min_version`)
+    rollout.interruptible false ──► an update waits (fetched) until the sequences in flight finish, and the
+                                 requests that arrive meanwhile wait for it: every sequence has one version
     on_tick ──► engine.step() ──► finished sequences ──► GenerateResult to the controller
     paused (Control pause) ──► Engine.pause: in-flight sequences wait; the broker sends nothing new
 
@@ -74,6 +76,9 @@ class RolloutWorker(Role):
         self.drain_timeout_s = cfg.rollout.drain_timeout_s
         self.jobs: dict[str, Any] = {}  # request id -> Job
         self.held: list[Any] = []  # jobs waiting for min_version
+        # rollout.interruptible false: requests that arrived while an update waits for the running ones to finish
+        self.interruptible = cfg.rollout.interruptible
+        self.deferred: list[Any] = []
         self.tokens = 0
         # weight updates: count, engine pause seconds (sum), sequences interrupted, KV tokens recomputed
         self.updates = {"weight_updates": 0, "update_pause_s": 0.0, "interrupted_seqs": 0, "recompute_tokens": 0}
@@ -114,6 +119,8 @@ class RolloutWorker(Role):
         fetch = self.fetching
         if fetch is None or not fetch.done.is_set():
             return
+        if fetch.error is None and not self.interruptible and self.jobs:
+            return  # not interruptible: the fetched update waits until the sequences in flight finish
         self.fetching = None
         if fetch.error is not None:
             self._fetch_failed(fetch.ready, fetch.attempt, fetch.error)
@@ -185,6 +192,16 @@ class RolloutWorker(Role):
         else:
             self.load(ready, attempt)
 
+    def update_waiting(self) -> bool:
+        """Not interruptible, and an update is announced or fetched: new requests wait until it is applied."""
+        return not self.interruptible and (self.fetching is not None or self.announced is not None)
+
+    def release_deferred(self) -> None:
+        if self.deferred and not self.update_waiting():
+            jobs, self.deferred = self.deferred, []
+            for job in jobs:
+                self._submit(job)
+
     def fail_held(self, version: int, error: str) -> None:
         """Answer the requests held for `version` (or older) with a retryable error: it will not come."""
         stranded = [j for j in self.held if j.msg.min_version <= version]
@@ -218,6 +235,9 @@ class RolloutWorker(Role):
         from areal_mq.engines.base import EngineRequest
 
         msg = job.msg
+        if self.update_waiting():
+            self.deferred.append(job)
+            return
         try:
             self.engine.submit(EngineRequest(job.id, [int(t) for t in msg.prompt_ids], msg.sampling,
                                              session=msg.session))
@@ -256,17 +276,20 @@ class RolloutWorker(Role):
 
     def stats(self) -> dict:
         fields = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
-        fields.update(running=len(self.jobs), held=len(self.held), tokens=self.tokens,
+        fields.update(running=len(self.jobs), held=len(self.held), deferred=len(self.deferred), tokens=self.tokens,
                       occupancy=round(len(self.jobs) / max(1, self.capacity), 3), **self.updates)
         return fields
 
     # ------------------------------------------------------------ loop hooks
     def on_tick(self) -> bool:
         self.finish_fetch()
-        if self.announced is not None and self.fetching is None:
+        # not interruptible: a cuda_ipc update (applied, not fetched) is taken once nothing runs
+        if self.announced is not None and self.fetching is None and (
+                self.interruptible or not self.jobs or self.announced.mode in ("disk", "zmq")):
             ready, self.announced = self.announced, None
             self.take(ready)
         self.retry_load_if_due()
+        self.release_deferred()
         self.release_held()
         if self.paused or not self.engine.has_work():
             return False
@@ -282,7 +305,7 @@ class RolloutWorker(Role):
     def on_stop(self) -> None:
         for rid in list(self.jobs):  # left over: abort here, the broker requeues them on DISCONNECT
             self.engine.abort(rid)
-        self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held))
+        self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held) + len(self.deferred))
 
 
 class _Fetch:

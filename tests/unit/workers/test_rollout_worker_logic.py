@@ -223,3 +223,67 @@ def test_the_session_of_a_request_reaches_the_engine(tmp_path):
     w.on_job(Job("t1", GenerateRequest(prompt_ids=[1, 2], session="ep-7")))
     w.on_job(_job("plain"))
     assert seen == [("t1", "ep-7"), ("plain", "")]
+
+
+def _finish(w, engine, job_id):
+    """The engine finishes `job_id` at its next step (the worker answers it), then holds nothing of it."""
+    engine.finished.append(EngineOutput(request_id=job_id, prompt_ids=[1, 2], output_ids=[5], logprobs=[-0.1], versions=[engine.version],
+                                        finish_reason="stop", text="x"))
+    w.on_tick()
+    engine.submitted.remove(job_id)
+
+
+def _fetched(w):
+    """Wait for the fetch thread (a disk fetch of a missing directory fails fast, so fake a done fetch)."""
+    while w.fetching is not None and not w.fetching.done.is_set():
+        time.sleep(0.01)
+
+
+class _Done:
+    def __init__(self, ready):
+        self.ready, self.attempt, self.t0, self.error = ready, 1, time.perf_counter(), None
+        self.update = type("U", (), {"fallback": None, "patches": None, "kwargs": {"path": ready.path},
+                                     "route": "full", "fetched_bytes": 0, "full_bytes": 0, "fetch_s": 0.0,
+                                     "failures": []})()
+        self.done = type("E", (), {"is_set": lambda self: True})()
+
+
+@pytest.mark.parametrize("interruptible", [True, False])
+def test_an_update_interrupts_running_sequences_unless_generation_is_not_interruptible(tmp_path, interruptible):
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", f"rollout.interruptible={str(interruptible).lower()}"])
+    engine = FakeEngine()
+    w = RolloutWorker(cfg, engine, FakeRuntime("generate", "rollout-test", role="rollout"))
+    w.catchup.commit = lambda update: None
+    w.on_job(_job("running"))
+    w.fetching = _Done(_ready(tmp_path, 1))  # version 1 fetched while "running" decodes
+    w.on_tick()
+    if interruptible:
+        assert engine.loads == [1] and engine.version == 1  # applied at once: "running" goes on under v1
+        return
+    assert engine.loads == [] and w.update_waiting()  # waits for "running" to finish
+    w.on_job(_job("new"))  # arrives meanwhile: waits for the update, it does not start under v0
+    assert engine.submitted == ["running"] and [j.id for j in w.deferred] == ["new"]
+    assert w.stats()["deferred"] == 1
+    _finish(w, engine, "running")  # "running" finishes under v0 and is answered
+    assert isinstance(w.rt.replies["running"], GenerateResult) and w.rt.replies["running"].versions == [0]
+    w.on_tick()  # then v1 is applied and "new" starts under v1
+    assert engine.loads == [1] and engine.version == 1 and engine.submitted == ["new"] and not w.deferred
+    _finish(w, engine, "new")
+    assert w.rt.replies["new"].versions == [1]  # one sequence, one version
+
+
+def test_not_interruptible_a_cuda_ipc_update_waits_for_running_sequences_too(tmp_path):
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "rollout.interruptible=false"])
+    engine = FakeEngine()
+    w = RolloutWorker(cfg, engine, FakeRuntime("generate", "rollout-test", role="rollout"))
+    applied = []
+    w.take = lambda ready, attempt=1: applied.append(ready.version)
+    w.on_job(_job("running"))
+    w.on_signal(WeightsReady(version=1, mode="cuda_ipc", path=str(tmp_path)))
+    w.on_tick()
+    w.on_job(_job("new"))
+    assert applied == [] and [j.id for j in w.deferred] == ["new"]
+    _finish(w, engine, "running")
+    assert applied == []
+    w.on_tick()
+    assert applied == [1]
