@@ -83,6 +83,10 @@ LEVERS = {
     # what switches on with η >= 1 is (a) samples a version or two old and (b) sequences interrupted by an update,
     # so that one sequence spans two versions; this lever keeps (a) and removes (b): every sequence has one version
     "nointr_eta2": ("async η=2 non-interruptible", "async", 2, {"rollout.interruptible": False}, False),
+    # the deficit is not the interruptions (nointr_eta2) and barely grows with η: a token's own weight corrects
+    # the token the stale policy sampled, not the prefix it sampled it in; the sequence's weight corrects both
+    "seqis_eta2": ("async η=2 sequence-level weights (cap 5)", "async", 2, {"trainer.behav_weight_level": "sequence"},
+                   False),
     "cliphigher_eta2": ("async η=2 clip-higher ε_high=0.28", "async", 2, {"trainer.eps_clip_high": 0.28}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),

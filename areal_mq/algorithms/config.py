@@ -79,6 +79,14 @@ class TrainerConfig(BaseModel):
         "truncate", description="truncate: use min(w, cap) (TIS); mask: tokens with w > cap contribute no loss "
         "(one-sided masked importance sampling, verl's MIS)."
     )
+    behav_weight_level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="What the behaviour weight is taken over. token: w = exp(prox - behaviour) of each "
+        "token (decoupled PPO, AReaL). sequence: every token of a sequence gets the weight of the whole sequence, "
+        "exp(sum of (prox - behaviour) over its tokens): it also corrects for the prefixes the behaviour policy "
+        "chose, which a token's own weight does not (verl's rollout_is level 'sequence'; high variance: keep a "
+        "behav_weight_cap). geometric: exp(mean of (prox - behaviour)) per sequence (verl's 'geometric', the "
+        "length-normalised sequence ratio of GSPO, arXiv 2507.18071). The cap and masks below act on this weight."
+    )
     offpolicy_mask_k: float | None = Field(
         None, gt=1, description="Two-sided token masking (IcePop, Ling team 2025 'Small leak can sink a great "
         "ship', AReaL 2.0's KPop): tokens whose behaviour weight exp(prox - behaviour) leaves [1/k, k] contribute "
@@ -147,6 +155,10 @@ class TrainerConfig(BaseModel):
     def _check(self) -> "TrainerConfig":
         if self.behav_cap_mode == "mask" and self.behav_weight_cap is None:
             raise ValueError("behav_cap_mode 'mask' needs a behav_weight_cap; set one (e.g. 5.0) or use 'truncate'")
+        if self.behav_weight_level != "token" and not self.behav_correction:
+            raise ValueError(f"behav_weight_level {self.behav_weight_level!r} weights sequences by exp(prox - "
+                             "behaviour), which is 1 everywhere with behav_correction=false; set "
+                             "behav_correction=true or keep behav_weight_level 'token'")
         if self.offpolicy_mask_k is not None and not self.behav_correction:
             raise ValueError("offpolicy_mask_k masks tokens by the behaviour weight exp(prox - behaviour), which is 1 "
                              "everywhere with behav_correction=false (nothing would ever be masked); set "

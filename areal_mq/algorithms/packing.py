@@ -205,6 +205,7 @@ class MicroBatch:
     behav_logp: "torch.Tensor"
     advantages: "torch.Tensor"
     versions: "torch.Tensor"
+    seq_index: "torch.Tensor"  # [N] which of the micro-batch's sequences (0..S-1, in order) each token is from
     n_tokens: int  # real (non-pad) tokens fed to the model
     prox_logp: "torch.Tensor | None" = None
     ref_logp: "torch.Tensor | None" = None
@@ -312,7 +313,7 @@ def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], device: "tor
 
 def _trained(chosen: Sequence[SeqData], put) -> dict:
     """The per-token tensors of the trained tokens of `chosen`, in order (targets, behaviour logprobs,
-    advantages, versions), made by `put` on the micro-batch's device; environment tokens of episodes
+    advantages, versions, the index of the token's sequence in `chosen`), made by `put` on the micro-batch's device; environment tokens of episodes
     (loss_mask 0) are left out."""
     import torch
 
@@ -323,4 +324,5 @@ def _trained(chosen: Sequence[SeqData], put) -> dict:
         "behav_logp": put(cat([s.behav_logp[i] for s, i in zip(chosen, idx)]), torch.float32),
         "advantages": put(cat([np.full(len(i), s.advantage) for s, i in zip(chosen, idx)]), torch.float32),
         "versions": put(cat([s.versions[i] for s, i in zip(chosen, idx)]), torch.long),
+        "seq_index": put(np.repeat(np.arange(len(chosen)), [len(i) for i in idx]), torch.long),
     }

@@ -6,6 +6,8 @@ current logprob θ:
 
     r = exp(θ - p)                       # PPO ratio against the proximal policy
     w = exp(p - b)                       # behaviour importance weight, capped (truncate = TIS) or masked
+    w = exp(sum_seq(p - b)) or exp(mean_seq(p - b))   # trainer.behav_weight_level sequence / geometric:
+                                         # every token of a sequence gets its sequence's weight
     w = 0 where w ∉ [1/k, k]             # IcePop masking (trainer.offpolicy_mask_k = k; off by default)
     loss_token = -w * min(r*A, clip(r, 1-eps_low, 1+eps_high) * A)     # policy_loss "ppo"
     loss_token = -w * sg(clip(r, 1-eps_low, 1+eps_high)) * A * θ        # policy_loss "cispo" (sg: no gradient)
@@ -42,9 +44,28 @@ class LossStats:
     kl_sum: torch.Tensor
 
 
-def behaviour_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cfg: TrainerConfig):
-    """(weight used in the loss, raw weight, keep-mask, capped-mask) for the behaviour correction."""
-    raw = torch.exp(prox_logp - behav_logp)
+def sequence_log_weight(log_w: torch.Tensor, seq_index: torch.Tensor, level: str) -> torch.Tensor:
+    """Per token, the log weight of its sequence: the sum (level "sequence") or the mean ("geometric") of the
+    token log weights `log_w` over the tokens with the same `seq_index` (sequence numbers 0..S-1)."""
+    n_seqs = int(seq_index.max()) + 1 if seq_index.numel() else 0
+    total = log_w.new_zeros(n_seqs).index_add_(0, seq_index, log_w)
+    if level == "geometric":
+        count = log_w.new_zeros(n_seqs).index_add_(0, seq_index, torch.ones_like(log_w))
+        total = total / count.clamp(min=1)
+    return total[seq_index]
+
+
+def behaviour_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cfg: TrainerConfig,
+                     seq_index: torch.Tensor | None = None):
+    """(weight used in the loss, raw weight, keep-mask, capped-mask) for the behaviour correction.
+    `seq_index` ([N], the sequence of each token) is needed for behav_weight_level sequence / geometric."""
+    log_w = prox_logp - behav_logp
+    if cfg.behav_correction and cfg.behav_weight_level != "token":
+        if seq_index is None or seq_index.shape != log_w.shape:
+            raise ValueError(f"behav_weight_level {cfg.behav_weight_level!r} needs the sequence of every token "
+                             "(seq_index, the same length as the logprobs)")
+        log_w = sequence_log_weight(log_w, seq_index, cfg.behav_weight_level)
+    raw = torch.exp(log_w)
     ones = torch.ones_like(raw, dtype=torch.bool)
     if not cfg.behav_correction:
         return torch.ones_like(raw), raw, ones, ~ones
@@ -89,16 +110,18 @@ def ppo_loss(
     total_tokens: float,
     cfg: TrainerConfig,
     ref_logp: torch.Tensor | None = None,
+    seq_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Loss of one micro-batch's generated tokens, already normalised by the step's `total_tokens`.
 
     All tensors are 1-d over the same tokens ([N]); only `logp` carries gradient. With
     behav_correction off, the proximal policy IS the behaviour policy (pass behav_logp as prox_logp).
+    `seq_index` ([N] long): the sequence (0..S-1) of each token, for trainer.behav_weight_level != token.
     """
     if total_tokens <= 0:
         raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
     prox_logp = prox_logp.detach()
-    weight, raw, keep, capped = behaviour_weight(prox_logp, behav_logp.detach(), cfg)
+    weight, raw, keep, capped = behaviour_weight(prox_logp, behav_logp.detach(), cfg, seq_index)
     policy, clipped = surrogate(logp, torch.exp(logp - prox_logp), advantages, cfg)
     per_token = weight * policy
     kl_sum = logp.new_zeros((), dtype=torch.float32)

@@ -228,7 +228,8 @@ class Trainer:
                     prox = mb.behav_logp
                 else:  # None: one mini-batch, so this forward runs on the proximal weights (see recompute)
                     prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
-                loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, gen_tokens, self.cfg, mb.ref_logp)
+                loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, gen_tokens, self.cfg, mb.ref_logp,
+                                    mb.seq_index)
                 self.accelerator.backward(loss * self.world_size)
             sums += torch.stack([loss.detach().float(), st.clipped, st.weight_sum, st.capped, st.masked, st.kl_sum,
                                  entropy.sum().float()]).double()
