@@ -87,6 +87,10 @@ LEVERS = {
     # the token the stale policy sampled, not the prefix it sampled it in; the sequence's weight corrects both
     "seqis_eta2": ("async η=2 sequence-level weights (cap 5)", "async", 2, {"trainer.behav_weight_level": "sequence"},
                    False),
+    # is the deficit the policy moving far in one version (max behaviour weight ~2 after one version)? sync and
+    # async η=2 at half the learning rate, compared with each other
+    "sync_lr5e-6": ("sync lr 5e-6", "sync", 0, {"trainer.lr": 5e-6}, False),
+    "async_lr5e-6": ("async η=2 lr 5e-6", "async", 2, {"trainer.lr": 5e-6}, False),
     "cliphigher_eta2": ("async η=2 clip-higher ε_high=0.28", "async", 2, {"trainer.eps_clip_high": 0.28}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
