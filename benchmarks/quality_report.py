@@ -139,7 +139,8 @@ def report(runs: list[dict], quick: bool, plot_path: Path) -> dict:
     # T from the core modes' runs (sync, async η=2, naive η=4) where there are any, so a fast lever run added to
     # the report does not move everyone's equal-wall-time figures; a run that ended before T keeps its last value
     t_equal = min(r["evals"][-1]["t_s"] for r in ([r for r in runs if r.get("core")] or runs))
-    final = paired(by_mode, lambda r: r["evals"][-1]["strict"])
+    final_strict = lambda r: r["evals"][-1]["strict"]  # noqa: E731
+    final = paired(by_mode, final_strict)
     timed = paired(by_mode, lambda r: at_time(r, t_equal))
     for m, s in modes.items():
         s["strict_at_equal_wall_time_mean"] = _mean([at_time(r, t_equal) for r in by_mode[m]])
@@ -152,7 +153,6 @@ def report(runs: list[dict], quick: bool, plot_path: Path) -> dict:
     # the issue's target for the default (η=2), and for η=1 where it was run: within 2 points of sync at equal
     # samples, ahead at equal wall time, faster. Over the seeds the mode shares with sync (a mode run on fewer
     # seeds is compared with sync on those seeds, not with sync's mean over all of them)
-    final_strict = lambda r: r["evals"][-1]["strict"]  # noqa: E731
     for m in ("async_eta2", "async_eta1"):
         pair = modes.get(m, {}).get("paired_vs_sync")
         if not pair:

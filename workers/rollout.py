@@ -67,6 +67,9 @@ def broken_output(out: Any) -> str | None:
     return None
 
 
+FETCHED_MODES = ("disk", "zmq")  # publish modes a worker fetches on a thread (cuda_ipc is applied, not fetched)
+
+
 class RolloutWorker(Role):
     name = "rollout"
 
@@ -187,7 +190,7 @@ class RolloutWorker(Role):
 
     def take(self, ready: WeightsReady, attempt: int = 1) -> None:
         """Load `ready`: on a thread while the engine has sequences to decode, else at once."""
-        if self.engine.has_work() and ready.mode in ("disk", "zmq"):
+        if self.engine.has_work() and ready.mode in FETCHED_MODES:
             self.start_fetch(ready, attempt)
         else:
             self.load(ready, attempt)
@@ -285,7 +288,7 @@ class RolloutWorker(Role):
         self.finish_fetch()
         # not interruptible: a cuda_ipc update (applied, not fetched) is taken once nothing runs
         if self.announced is not None and self.fetching is None and (
-                self.interruptible or not self.jobs or self.announced.mode in ("disk", "zmq")):
+                self.interruptible or not self.jobs or self.announced.mode in FETCHED_MODES):
             ready, self.announced = self.announced, None
             self.take(ready)
         self.retry_load_if_due()

@@ -313,8 +313,8 @@ def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], device: "tor
 
 def _trained(chosen: Sequence[SeqData], put) -> dict:
     """The per-token tensors of the trained tokens of `chosen`, in order (targets, behaviour logprobs,
-    advantages, versions, the index of the token's sequence in `chosen`), made by `put` on the micro-batch's device; environment tokens of episodes
-    (loss_mask 0) are left out."""
+    advantages, versions, the index of the token's sequence in `chosen`), made by `put` on the micro-batch's
+    device; environment tokens of episodes (loss_mask 0) are left out."""
     import torch
 
     idx = [s.train_idx for s in chosen]

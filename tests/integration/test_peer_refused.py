@@ -35,7 +35,7 @@ def _knock(cfg, setup, reason: str) -> None:
     """A DEALER set up by `setup` asks the job broker for stats and stays connected until the broker has
     logged its refusal for `reason`; no answer may come meanwhile. It used to close after a fixed second, and
     under a loaded full suite the broker once logged nothing for it within 20 s; connected, the client keeps
-    retrying the handshake until the refusal is seen, and a failure lists what the broker did log.)"""
+    retrying the handshake until the refusal is seen, and a failure lists what the broker did log."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
     setup(sock)
