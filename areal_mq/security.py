@@ -14,7 +14,8 @@ What (the ZeroMQ guide's Ironhouse pattern, on every socket, loopback included):
   frame. An accepted client's messages carry its role as ZeroMQ's "User-Id" property (`peer_role`).
 - `HandshakeWatch(sock, log)`: what the ZAP handler never sees. A plaintext client (mechanism mismatch) or
   one holding a wrong server key (its HELLO does not decrypt) fails before ZAP; ZeroMQ reports it only on
-  the server socket's monitor. The watch logs both as `security.peer_refused`, rate-limited like ZAP's.
+  the server socket's monitor. The watch logs both as `security.peer_refused`, rate-limited like ZAP's, and a
+  peer that hangs up mid-greeting as `handshake_aborted` (what libzmq's plaintext client mostly looks like).
 - `refusal(role, action)`: the permission table. A message a role does not own is answered with
   Error(code="forbidden") (or dropped, where there is nobody to answer) and logged, rate-limited.
 
@@ -307,8 +308,9 @@ class ZapHandler:
 class HandshakeWatch:
     """Logs `security.peer_refused` for CURVE handshakes a bound socket failed before ZAP was asked.
 
-    ZeroMQ's socket monitor reports them as EVENT_HANDSHAKE_FAILED_PROTOCOL with the ZMTP error code; it does
-    not say who the peer was (the event names our own endpoint). Unknown client keys are ZAP's to log (their
+    ZeroMQ's socket monitor reports them as EVENT_HANDSHAKE_FAILED_PROTOCOL with the ZMTP error code, or as
+    EVENT_HANDSHAKE_FAILED_NO_DETAIL when the peer hung up mid-greeting (`handshake_aborted`); it does not
+    say who the peer was (the event names our own endpoint). Unknown client keys are ZAP's to log (their
     EVENT_HANDSHAKE_FAILED_AUTH is not watched, so nothing is logged twice). With `on_closed`, each closed
     connection's file descriptor is passed to it too (the job broker names the worker it was: a frame over
     the socket's ZMQ_MAXMSGSIZE closes the connection without any other sign). The owner polls `sock` and
@@ -320,7 +322,8 @@ class HandshakeWatch:
 
         self.name, self.log, self.refused = name, RateLimited(log), 0
         self._watched, self.on_closed = watched, on_closed
-        events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | (zmq.EVENT_DISCONNECTED if on_closed else 0)
+        events = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                  | (zmq.EVENT_DISCONNECTED if on_closed else 0))
         self.sock = watched.get_monitor_socket(events)
         self.sock.linger = 0
         self._why = {
@@ -331,6 +334,13 @@ class HandshakeWatch:
                 "wrong_server_key", "the client's HELLO does not decrypt: its ZMQ_CURVE_SERVERKEY is not this "
                 "server's public key (broker.key, or trainer.key for the weight server)"),
         }
+        # libzmq's plaintext client checks the server's greeting as soon as it has it and hangs up, often
+        # before its own mechanism is on the wire (then it retries once and gives up): the server sees a
+        # greeting cut short, not a mismatch. Measured on loopback, most plaintext attempts end this way.
+        self._aborted = (
+            "handshake_aborted", "the peer hung up during the ZMTP greeting: most often a plaintext (NULL) "
+            "client, which drops a CURVE server as soon as it reads its greeting (set its CURVE keys, "
+            "docs/protocol.md §1.1); else a port probe or a client killed mid-connect")
 
     def handle(self) -> None:
         import zmq
@@ -344,8 +354,11 @@ class HandshakeWatch:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.on_closed(event["value"])
                 continue
-            reason, hint = self._why.get(event["value"], ("handshake", "the ZMTP handshake failed "
-                                                          f"(protocol error {event['value']:#x})"))
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                reason, hint = self._aborted
+            else:
+                reason, hint = self._why.get(event["value"], ("handshake", "the ZMTP handshake failed "
+                                                              f"(protocol error {event['value']:#x})"))
             self.refused += 1
             self.log.warning("security.peer_refused", key=f"{self.name}:{reason}", socket=self.name,
                              endpoint=event["endpoint"].decode(errors="replace"), mechanism="CURVE",
