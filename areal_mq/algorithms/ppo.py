@@ -46,11 +46,14 @@ class LossStats:
 
 def sequence_log_weight(log_w: torch.Tensor, seq_index: torch.Tensor, level: str) -> torch.Tensor:
     """Per token, the log weight of its sequence: the sum (level "sequence") or the mean ("geometric") of the
-    token log weights `log_w` over the tokens with the same `seq_index` (sequence numbers 0..S-1)."""
-    n_seqs = int(seq_index.max()) + 1 if seq_index.numel() else 0
-    total = log_w.new_zeros(n_seqs).index_add_(0, seq_index, log_w)
+    token log weights `log_w` over the tokens with the same `seq_index` (sequence numbers 0..S-1).
+
+    The sums are sized by the token count (S <= N), known on the host: sizing them by `seq_index.max()` would
+    copy that value back from the device, a sync in every micro-batch on CUDA."""
+    slots = seq_index.numel()
+    total = log_w.new_zeros(slots).index_add_(0, seq_index, log_w)
     if level == "geometric":
-        count = log_w.new_zeros(n_seqs).index_add_(0, seq_index, torch.ones_like(log_w))
+        count = log_w.new_zeros(slots).index_add_(0, seq_index, torch.ones_like(log_w))
         total = total / count.clamp(min=1)
     return total[seq_index]
 

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from areal_mq.algorithms.config import TrainerConfig
 from areal_mq.algorithms.packing import build_microbatch, samples_to_seqs
-from areal_mq.algorithms.ppo import behaviour_weight, ppo_loss
+from areal_mq.algorithms.ppo import behaviour_weight, ppo_loss, sequence_log_weight
 from tests.unit.algorithms.batches import make_samples
 from tests.unit.algorithms.test_ppo_loss import ADV, BEHAV, EPS_HIGH, EPS_LOW, PROX, THETA
 
@@ -85,3 +85,23 @@ def test_every_layout_marks_each_trained_token_with_its_sequence(packed, share):
     for k, i in enumerate(order):  # the behaviour logprobs of sequence k are those of seqs[order[k]]
         got = mb.behav_logp[mb.seq_index == k].numpy()
         np.testing.assert_allclose(got, seqs[i].behav_logp[seqs[i].train_idx], rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+def test_sequence_weights_on_cuda_do_not_wait_for_the_device(level):
+    """No value goes back to the host: a sync here would stall every micro-batch of the trainer."""
+    log_w = torch.tensor([0.1, -0.2, 0.3, 0.5, -0.1], device="cuda")
+    seq_index = torch.tensor([0, 0, 1, 1, 1], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = sequence_log_weight(log_w, seq_index, level)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = sequence_log_weight(log_w.cpu(), seq_index.cpu(), level)
+    torch.testing.assert_close(got.cpu(), want)
+
+
+def test_sequence_weights_of_an_empty_micro_batch_are_empty():
+    got = sequence_log_weight(torch.zeros(0), torch.zeros(0, dtype=torch.long), "geometric")
+    assert got.shape == (0,)
