@@ -7,7 +7,9 @@ clock (trainer.sim.time_scale real seconds per simulated second). Versions are p
 WeightsReady(mode="sim"): there are no weights; simulated engines model the load pause, real engines refuse it.
 Each step's metrics line (run_dir/metrics.jsonl) carries the simulated step time, the batch's tokens and the
 staleness of every trained sequence (version at training minus the oldest version among its tokens) as
-`stale_K` counts, which benchmarks/scale.py reads.
+`stale_K` counts, which benchmarks/scale.py reads, and per generated token as the real trainer reports it
+(`staleness_hist`, `staleness_max`), so the worker's staleness invariant (`staleness_violations`,
+`dropped_stale`) is checked and exported the same way.
 Why: issue 17 (scale by simulation) — only the GPUs are simulated; store, bus and protocol are real.
 
     areal-mq worker trainer --config CFG --set trainer.sim.enabled=true   (workers/trainer.py hands over here)
@@ -17,6 +19,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 from typing import Any, Callable
+
+import numpy as np
 
 from areal_mq.messages import WeightsReady
 from areal_mq.sim.timing import timing_model
@@ -45,13 +49,19 @@ class SimTrainer:
         step_s = self.timing.train_step_s(tokens, self.devices)
         self.sleep(step_s * self.scale)
         self.busy_s += step_s
-        stale = Counter(self.version - int(q.versions.min()) if len(q.versions) else 0 for q in seqs)
+        # generated tokens only: an episode's environment tokens carry version -1 and are never trained
+        gen = [np.asarray(q.versions, dtype=np.int64)[np.asarray(q.versions) >= 0] for q in seqs]
+        stale = Counter(self.version - int(v.min()) if len(v) else 0 for v in gen)
+        # per generated token, as the real trainer reports it: TrainerWorker checks the bound against this
+        behind = np.concatenate([self.version - v for v in gen] or [np.zeros(0, dtype=np.int64)])
         self.version += 1
         self.consumed_ids.extend(s.sample_id for s in samples)
         metrics = {"version": self.version, "sim_step_s": round(step_s, 4), "sim_busy_s": round(self.busy_s, 4),
                    "sim_t": round((self.clock() - self.started) / self.scale, 4), "tokens": tokens,
                    "gen_tokens": sum(len(q.output_ids) for q in seqs), "seqs": len(seqs)}
         metrics.update({f"stale_{k}": v for k, v in sorted(stale.items())})
+        metrics.update(staleness_max=int(behind.max()) if behind.size else 0,
+                       staleness_hist=np.bincount(np.clip(behind, 0, None).astype(np.int64)).tolist())
         return metrics
 
     def publish_tensors(self) -> dict:
