@@ -73,6 +73,7 @@ MODES = {
 # Levers, run on request (--modes) and not part of the default study. Against an entropy collapse (issue 27
 # item 4): clip-higher (DAPO, arXiv 2503.14476: a wider upper clip lets unlikely tokens gain probability) and a
 # learning rate that decays after warm-up (cosine to 10 % over 150 steps).
+SMALL_STEPS = {"trainer.lr": 5e-6, "controller.batch_groups": 2, "controller.max_concurrent_groups": 4}
 LEVERS = {
     # async η=2 below sync at equal samples (2 seeds, RESULTS.md): is it the staleness? η=1 halves the bound
     "async_eta1": ("async η=1", "async", 1, {}, False),
@@ -91,6 +92,12 @@ LEVERS = {
     # async η=2 at half the learning rate, compared with each other
     "sync_lr5e-6": ("sync lr 5e-6", "sync", 0, {"trainer.lr": 5e-6}, False),
     "async_lr5e-6": ("async η=2 lr 5e-6", "async", 2, {"trainer.lr": 5e-6}, False),
+    # the same 320 samples and the same total movement (each version is one clipped Adam step, so a version moves
+    # the policy about lr) in steps half as long: 40 versions of 8 sequences at lr 5e-6, 4 groups in flight so a
+    # sample's age in versions stays as at 16 a batch. If the cost of a stale sample grows with how far one
+    # version moves the policy, async should close in on sync here (run with --versions 40 --eval-every 40)
+    "sync_small": ("sync, 40 × 8 at lr 5e-6", "sync", 0, SMALL_STEPS, False),
+    "async_small": ("async η=2, 40 × 8 at lr 5e-6", "async", 2, SMALL_STEPS, False),
     "cliphigher_eta2": ("async η=2 clip-higher ε_high=0.28", "async", 2, {"trainer.eps_clip_high": 0.28}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
