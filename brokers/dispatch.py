@@ -266,6 +266,15 @@ def overdue(pool: Pool, now: float) -> tuple[list[Assignment], list[Overdue]]:
     return out, late
 
 
+def overdue_failure(pool: Pool, late: Overdue) -> str:
+    """What the client of a job that ran out of attempts is told (job broker and StubBroker alike)."""
+    job, worker = late.job, late.worker
+    return (f"no worker answered job {job.id} (service {job.service!r}) within its lease of "
+            f"{pool.leases.of(job.service):g}s, {job.attempts} time(s); last worker {worker.worker_id!r}. Check that "
+            "workers answer every job with reply_to = the job id, or raise brokers.job_deadline_s / "
+            "brokers.job_deadlines")
+
+
 def requeue_front(pool: Pool, service: str, job_ids: list[str]) -> None:
     """Put `job_ids` (oldest first) back at the front of their queue, in order; unknown ids are skipped."""
     queue = pool.queues.setdefault(service, collections.deque()) if job_ids else None

@@ -365,16 +365,13 @@ class JobBroker:
     def _take_back_overdue(self, now: float) -> None:
         """Jobs held past their lease: requeued for another worker, or failed to their client."""
         sent, late = dispatch.overdue(self.pool, now)
-        for job, worker, failed in late:
-            lease = self.pool.leases.of(job.service)
+        for one in late:
+            job, worker, failed = one
             self.refusals.warning("broker.job_overdue", key=f"{worker.worker_id}:overdue", job=job.id,
-                                  worker=worker.worker_id, service=job.service, lease_s=lease,
+                                  worker=worker.worker_id, service=job.service, lease_s=self.pool.leases.of(job.service),
                                   attempts=job.attempts, action="failed" if failed else "requeued")
             if failed:
-                self._error(job.client, job.id, "job_failed", (
-                    f"no worker answered job {job.id} (service {job.service!r}) within its lease of {lease:g}s, "
-                    f"{job.attempts} time(s); last worker {worker.worker_id!r}. Check that workers answer every "
-                    "job with reply_to = the job id, or raise brokers.job_deadline_s / brokers.job_deadlines"))
+                self._error(job.client, job.id, "job_failed", dispatch.overdue_failure(self.pool, one))
         self._deliver(sent)
 
     def _send(self, ident: bytes, frames: list) -> None:

@@ -26,7 +26,10 @@ timeout):
 
 `client` mirrors areal_mq.client.JobClient (submit, poll, wait, forget, pending); `worker.die()` drops a
 worker as a missed heartbeat would, `worker.set_capacity(0)` pauses it (READY(0)). Sticky waits expire on
-`clock` (default time.monotonic; pass your own to step time), checked on every call and by `tick()`.
+`clock` (default time.monotonic; pass your own to step time), checked on every call and by `tick()`; so do
+job leases, as the job broker's (`leases=Leases(default_s, per_service, max_attempts)`, brokers/dispatch.py;
+none by default): a job held past its lease goes to the front of its queue for another worker, and after
+`max_attempts` assignments its client gets Error(job_failed); the late worker's reply is dropped.
 """
 from __future__ import annotations
 
@@ -40,12 +43,12 @@ from areal_mq.errors import BrokerUnavailable, JobFailed, ProtocolError
 from areal_mq.messages import Error, Kind, Message
 
 from . import dispatch
-from .dispatch import Assignment, JobState, Pool, WorkerState
+from .dispatch import Assignment, JobState, Leases, Pool, WorkerState
 from .job_broker import DEFAULT_SERVICE, REPLY_KINDS, reply_problem
 from .sticky import StickySessions
 
 NOT_JOBS = REPLY_KINDS | {Kind.READY, Kind.HEARTBEAT, Kind.DISCONNECT, Kind.STATS_REQUEST}
-_SLICE_S = 0.05  # a blocked take/poll wakes this often to expire sticky waits
+_SLICE_S = 0.05  # a blocked take/poll wakes this often to expire sticky waits and leases
 
 
 def _wire(msg: Message, **envelope) -> list:
@@ -60,10 +63,11 @@ class StubBroker:
     """The job broker's routing in process: `client()`s submit, `worker()`s take and reply."""
 
     def __init__(self, *, max_queue: int = 10_000, max_services: int = 64, max_capacity: int = 4096,
-                 max_sessions: int = 100_000, sticky_wait_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 max_sessions: int = 100_000, sticky_wait_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 leases: Leases | None = None):
         self.max_queue, self.max_services, self.max_capacity = max_queue, max_services, max_capacity
         self.clock = clock
-        self.pool = Pool(StickySessions(max_sessions, sticky_wait_s))
+        self.pool = Pool(StickySessions(max_sessions, sticky_wait_s), leases=leases or Leases())
         self.cond = threading.Condition()
         self._inbox: dict[bytes, collections.deque[str]] = {}  # worker ident -> job ids given, not yet taken
         self._clients: dict[bytes, StubClient] = {}
@@ -101,7 +105,8 @@ class StubBroker:
             raise ValueError(f"capacity must be an int in [0, {self.max_capacity}] (0: paused), got {capacity!r}")
 
     def tick(self) -> None:
-        """Send the parked jobs whose sticky wait ran out to any worker (every call does this too)."""
+        """Send the parked jobs whose sticky wait ran out to any worker, and take back the jobs held past their
+        lease (every call does this too)."""
         with self.cond:
             self._expire()
 
@@ -127,6 +132,11 @@ class StubBroker:
         now = self.clock()
         if self.pool.sticky.due(now):
             self._deliver(dispatch.expire_parked(self.pool, now))
+        sent, late = dispatch.overdue(self.pool, now)  # held past its lease: requeued, or failed to its client
+        for one in late:
+            if one.failed:
+                self._error(one.job.client, one.job.id, "job_failed", dispatch.overdue_failure(self.pool, one))
+        self._deliver(sent)
 
     def _deliver(self, assignments: list[Assignment]) -> None:
         for job, worker in assignments:

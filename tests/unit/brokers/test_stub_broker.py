@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from areal_mq.brokers.dispatch import Leases
 from areal_mq.brokers.stub import StubBroker
 from areal_mq.errors import BrokerUnavailable, JobFailed
 from areal_mq.messages import Error, GenerateRequest, GenerateResult, RewardJob, RewardResult
@@ -234,3 +235,50 @@ def test_join_names_what_is_left_when_nobody_answers():
     broker.client().submit(_gen())
     with pytest.raises(TimeoutError, match=r"1 job\(s\) still unanswered.*'generate': 1"):
         broker.join(timeout=0.1)
+
+
+def test_a_job_held_past_its_lease_goes_to_another_worker_and_the_late_reply_is_dropped():
+    clock = ManualClock(100.0)
+    broker = StubBroker(clock=clock, leases=Leases(per_service={"generate": 2.0}, max_attempts=3))
+    slow = broker.worker("generate", capacity=1, worker_id="slow")
+    client = broker.client()
+    job = client.submit(_gen())
+    assert slow.take()[0] == job
+    quick = broker.worker("generate", capacity=1, worker_id="quick")
+    clock.advance(1.9)
+    broker.tick()
+    assert quick.take() is None  # still within the lease
+    clock.advance(0.2)
+    broker.tick()
+    assert quick.take()[0] == job  # taken back from slow, given to the other worker first
+    assert not slow.reply(job, _result())  # too late: dropped
+    assert quick.reply(job, _result())
+    assert [rid for rid, _ in client.poll()] == [job]
+    assert broker.stats()["counters"]["deadline_requeued"] == 1
+
+
+def test_a_job_nobody_answers_within_max_attempts_fails_to_its_client_naming_the_lease():
+    clock = ManualClock(0.0)
+    broker = StubBroker(clock=clock, leases=Leases(default_s=1.0, max_attempts=2))
+    worker = broker.worker("reward", capacity=1, worker_id="mute", tasks=["math"])
+    client = broker.client()
+    job = client.submit(_reward())
+    for _ in range(2):
+        assert worker.take()[0] == job  # the only worker gets it again after each lease
+        clock.advance(1.5)
+        broker.tick()
+    with pytest.raises(JobFailed, match=r"within its lease of 1s, 2 time\(s\); last worker 'mute'"):
+        client.wait(job, timeout=T)
+    assert broker.stats()["counters"]["deadline_failed"] == 1 and broker.pool.jobs == {}
+    assert worker.take() is None and worker.alive  # its slot is free again
+
+
+def test_without_leases_a_job_is_held_for_ever():
+    clock = ManualClock(0.0)
+    broker = StubBroker(clock=clock)
+    worker = broker.worker("generate", capacity=1)
+    job = broker.client().submit(_gen())
+    assert worker.take()[0] == job
+    clock.advance(1e6)
+    broker.tick()
+    assert broker.stats()["counters"].get("deadline_requeued", 0) == 0 and worker.reply(job, _result())
