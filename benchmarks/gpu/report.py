@@ -22,6 +22,14 @@ ROOT = HERE.parents[1]
 PACK = ROOT / "gpu_pack"
 
 
+def stage(doc: str, name: str, run, markdown, extra=None) -> dict:
+    """A stage's main: its arguments (`parse`), `run(args)` timed, then `write` with `markdown(report)`."""
+    args = parse(doc, extra)
+    r = common.timed(run, args)
+    write(args.out, name, r, markdown(r))
+    return r
+
+
 def parse(doc: str, extra=None) -> argparse.Namespace:
     """--device, --quick, --out DIR (default bench-results/gpu), --work DIR (scratch: models, runs)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])

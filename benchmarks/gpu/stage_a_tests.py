@@ -68,9 +68,7 @@ def markdown(r: dict) -> str:
 
 
 def main() -> None:
-    args = report.parse(__doc__)
-    r = common.timed(run, args)
-    report.write(args.out, "a", r, markdown(r))
+    r = report.stage(__doc__, "a", run, markdown)
     sys.exit(1 if r["ratios"]["failed"] else 0)
 
 

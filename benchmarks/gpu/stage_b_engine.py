@@ -18,7 +18,6 @@ The engine uses CUDA graphs on CUDA when this tree's engine has them (rollout.en
 from __future__ import annotations
 
 import statistics
-import time
 
 import report
 from report import common
@@ -181,10 +180,8 @@ def markdown(r: dict) -> str:
 
 
 def main() -> None:
-    args = report.parse(__doc__, lambda p: p.add_argument("--hbm-gbps", type=float, default=None,
-                                                          help="HBM bandwidth in GB/s (default: by GPU name)."))
-    r = common.timed(run, args)
-    report.write(args.out, "b", r, markdown(r))
+    report.stage(__doc__, "b", run, markdown, lambda p: p.add_argument(
+        "--hbm-gbps", type=float, default=None, help="HBM bandwidth in GB/s (default: by GPU name)."))
 
 
 if __name__ == "__main__":

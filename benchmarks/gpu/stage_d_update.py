@@ -192,9 +192,7 @@ def markdown(r: dict) -> str:
 
 
 def main() -> None:
-    args = report.parse(__doc__)
-    r = common.timed(run, args)
-    report.write(args.out, "d", r, markdown(r))
+    report.stage(__doc__, "d", run, markdown)
 
 
 if __name__ == "__main__":

@@ -106,9 +106,7 @@ def markdown(r: dict) -> str:
 
 
 def main() -> None:
-    args = report.parse(__doc__)
-    r = common.timed(run, args)
-    report.write(args.out, "e", r, markdown(r))
+    report.stage(__doc__, "e", run, markdown)
 
 
 if __name__ == "__main__":
