@@ -92,6 +92,36 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     return logp, entropy
 
 
+class DeviceSpan:
+    """How long the work queued inside a `with` block took on `device`. On CUDA the host only queues kernels,
+    so a host clock would time the launches: two CUDA events time the device instead, and `seconds()` waits
+    for the end event (free after the step's one readback, `Trainer._reduce`). Elsewhere, the host clock."""
+
+    def __init__(self, device: Any):
+        import torch
+
+        self._cuda = torch.device(device).type == "cuda"
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self._cuda else []
+        self._t = [0.0, 0.0]
+
+    def __enter__(self) -> "DeviceSpan":
+        if self._cuda:
+            self._events[0].record()
+        self._t[0] = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._cuda:
+            self._events[1].record()
+        self._t[1] = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self._cuda:
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1]) / 1000.0
+        return self._t[1] - self._t[0]
+
+
 class Trainer:
     """Policy parameters, optimizer and schedule; see the module docstring."""
 
@@ -266,15 +296,15 @@ class Trainer:
         t0 = time.perf_counter()
         seqs, minis, gen_tokens, oversized = self.prepare(samples)
         t1 = time.perf_counter()
-        self.recompute(minis)
-        t2 = time.perf_counter()
+        with DeviceSpan(self.device) as recompute_span:
+            self.recompute(minis)
         lr = self.scheduler.get_last_lr()[0]
         sums, weight_max, norms = self._reduce(*self.run_minibatches(minis, gen_tokens))
         elapsed = time.perf_counter() - t0
         metrics = self._metrics(seqs, samples, sums, weight_max, norms, len(minis))
-        metrics.update(lr=lr, oversized_seqs=oversized, prepare_s=t1 - t0, prox_recompute_s=t2 - t1,
-                       step_s=elapsed, tokens_per_s=sum(s.length for s in seqs) / elapsed,
-                       n_microbatches=sum(len(m) for m in minis), prox_from_forward=int(self.prox_from_forward(minis)))
+        metrics.update(lr=lr, oversized_seqs=oversized, prepare_s=t1 - t0,
+                       prox_recompute_s=recompute_span.seconds(), step_s=elapsed,
+                       tokens_per_s=sum(s.length for s in seqs) / elapsed, n_microbatches=sum(len(m) for m in minis), prox_from_forward=int(self.prox_from_forward(minis)))
         self.version += 1
         self.consumed_ids.extend(s.sample_id for s in samples)
         metrics["version"] = self.version

@@ -16,7 +16,7 @@ import torch
 
 from areal_mq.algorithms.config import TrainerConfig
 from areal_mq.algorithms.packing import build_microbatch, samples_to_seqs
-from areal_mq.algorithms.trainer import Trainer, apply_tf32_policy, compute_precision, token_logprobs
+from areal_mq.algorithms.trainer import DeviceSpan, Trainer, apply_tf32_policy, compute_precision, token_logprobs
 from areal_mq.errors import ConfigError
 from areal_mq.testing.device_guard import DeviceGuard, DeviceMismatch
 from tests.unit.algorithms.batches import behaviour_near_model, make_samples
@@ -132,7 +132,29 @@ def test_a_cpu_trainer_runs_on_the_cpu_in_fp32(tiny_model_dir):
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
 
 
+def test_a_device_span_on_the_cpu_is_the_host_clock():
+    import time
+
+    with DeviceSpan("cpu") as span:
+        time.sleep(0.02)
+    assert 0.02 <= span.seconds() < 5
+
+
 # ------------------------------------------------------------------ on a GPU (skipped without CUDA)
+@pytest.mark.gpu
+def test_a_device_span_on_cuda_times_the_kernels_not_their_launch():
+    """prox_recompute_s is a DeviceSpan: a kernel that spins on the GPU takes far longer there than its launch."""
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with DeviceSpan("cuda") as span:
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning at ~2 GHz
+    launched = time.perf_counter() - t0
+    device_s = span.seconds()
+    assert device_s > 0.02 and device_s > 5 * launched, (device_s, launched)
+
+
 @pytest.mark.gpu
 def test_a_train_step_on_cuda_keeps_fp32_master_weights_under_bf16_autocast(tiny_model_dir):
     cfg = TrainerConfig(lr=1e-3, max_tokens_per_mb=64, device="cuda")
