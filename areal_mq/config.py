@@ -264,7 +264,7 @@ class RunConfig(_Section):
     def _cross_checks(self) -> "RunConfig":
         from areal_mq.algorithms.config import validate_off_policy
         from areal_mq.sim.config import check_time_scales
-        from areal_mq.weights_ipc import check_config as check_ipc_config
+        from areal_mq.weights.ipc import check_config as check_ipc_config
 
         validate_off_policy(self.controller.max_staleness, self.trainer)
         check_time_scales(self.rollout.engine.kind, self.rollout.engine.sim, self.trainer.sim)

@@ -421,8 +421,8 @@ class WeightsReady(Message):
     "base": the initial model, nothing to fetch; "sim": a simulated trainer's version (trainer.sim), no weights
     exist: a simulated engine models the load pause, any other engine refuses it. "cuda_ipc": the trainer's shared
     buffers (handle set `ipc_set`, described once in run_dir/ipc/<ipc_set>.json) now hold `version`; a colocated
-    worker copies them device to device (areal_mq/weights_ipc.py).
-    Deltas (trainer.weight_deltas, areal_mq/weights_delta.py): `base` >= 0 says a delta from version `base`
+    worker copies them device to device (areal_mq/weights/ipc.py).
+    Deltas (trainer.weight_deltas, areal_mq/weights/delta.py): `base` >= 0 says a delta from version `base`
     (= version - 1) exists: `delta_chunks` chunks (zmq) or `path`/model.delta (disk). `links` lists every piece
     the trainer still holds that leads to `version` — full versions (base -1) and the chain of deltas after the
     newest of them — so a worker not at `base` picks the fewest bytes (its own version + deltas, a full version
@@ -439,7 +439,7 @@ class WeightsReady(Message):
     version: int = Field(ge=0)
     mode: Literal["disk", "zmq", "base", "sim", "cuda_ipc"] = "disk"
     path: str = ""
-    ipc_set: str = Field("", pattern=r"^([0-9a-f]{32})?$")  # cuda_ipc: run_dir/ipc/<ipc_set>.json (weights_ipc.py)
+    ipc_set: str = Field("", pattern=r"^([0-9a-f]{32})?$")  # cuda_ipc: run_dir/ipc/<ipc_set>.json (weights/ipc.py)
     endpoint: str = ""
     num_chunks: int = 0
     base: int = Field(-1, ge=-1)  # the version this version's delta applies to; -1: no delta
@@ -476,7 +476,7 @@ class WeightsChunk(Message):
     version `base`.
 
     tensors  # list of [nbytes] uint8: raw little-endian storage of a tensor (full), or a zstd delta frame
-    encodings  # per tensor: "raw" (full; also when empty), "sparse" or "xor" (weights_delta.py)
+    encodings  # per tensor: "raw" (full; also when empty), "sparse" or "xor" (weights/delta.py)
     counts  # per tensor: changed elements of a sparse delta, else 0 (empty: all 0)
     checksums  # per tensor: blake2b-128 hex of the RESULTING tensor's bytes (empty: unchecked, older servers)
     Example: WeightsChunk(version=4, index=0, total=3, names=["lm_head.weight"],

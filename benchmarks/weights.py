@@ -6,7 +6,7 @@ What it measures, in one run, on SmolLM2-135M-Instruct trained by the real Train
   by the task's strict grader; groups whose rewards all agree are dropped (they carry no gradient), as the
   quickstart does. That batch is trained for STEPS steps at lr 1e-6 (the trainer's default) and again, from
   the same start, at lr 1e-5 (the quickstart's);
-- per update, for bf16 and fp32 publishing: the full version's bytes and the delta's (areal_mq/weights_delta.py:
+- per update, for bf16 and fp32 publishing: the full version's bytes and the delta's (areal_mq/weights/delta.py:
   sparse or XOR per tensor, zstd), the encode CPU time (trainer side) and the apply CPU time (receiver side,
   checksums included);
 - at lr 1e-6, per update, for zmq (WeightServer, deltas on) and disk (model.delta beside full snapshots), with
@@ -114,7 +114,7 @@ def _cpu(fn, *args) -> tuple[Any, float]:
 
 def codec_row(prev: dict, new: dict) -> dict:
     """Bytes and CPU seconds of one version's delta in this dtype (encode on the trainer, apply on a worker)."""
-    from areal_mq.weights_delta import apply_version, checksum, encode_version
+    from areal_mq.weights.delta import apply_version, checksum, encode_version
 
     digests = {k: checksum(t) for k, t in new.items()}
     deltas, enc_s = _cpu(encode_version, prev, new, digests)
@@ -175,7 +175,7 @@ class Fleet:
     def __init__(self, mode: str, run_dir: Path, engine: Any):
         from areal_mq.algorithms.config import TrainerConfig
         from areal_mq.weights import WeightPublisher
-        from areal_mq.weights_catchup import WeightCatchup
+        from areal_mq.weights.catchup import WeightCatchup
 
         self.mode, self.run_dir, self.engine = mode, run_dir, engine
         self.cfg = TrainerConfig(publish_mode=mode, weight_deltas="on", weight_server_port=0)

@@ -4,10 +4,10 @@ A Role on the shared loop (areal_mq/actor/roles.py; one thread drives the engine
 heartbeats going):
 
     on_signal(WeightsReady) ──► the newest of those queued: fetched on a thread while the engine decodes (a
-                                 delta when it holds the base, areal_mq/weights_catchup.py), then applied at a step
+                                 delta when it holds the base, areal_mq/weights/catchup.py), then applied at a step
                                  boundary (the engine pauses only for update_weights); idle: fetched and applied at once;
                                  cuda_ipc (colocated): nothing to fetch, one device copy from the trainer's shared
-                                 buffers at a step boundary (areal_mq/weights_ipc.py)
+                                 buffers at a step boundary (areal_mq/weights/ipc.py)
     on_job(GenerateRequest) ──► engine.submit  (held until the engine reaches `min_version`)
     rollout.interruptible false ──► an update waits (fetched) until the sequences in flight finish, and the
                                  requests that arrive meanwhile wait for it: every sequence has one version
@@ -43,8 +43,8 @@ import numpy as np
 from areal_mq.errors import ArealError, EngineRequestError, WeightsRefused
 from areal_mq.messages import GenerateRequest, GenerateResult, WeightsReady
 from areal_mq.actor.roles import Role, RoleLoop
-from areal_mq.weights_catchup import WeightCatchup
-from areal_mq.weights_ipc import IpcReceiver
+from areal_mq.weights.catchup import WeightCatchup
+from areal_mq.weights.ipc import IpcReceiver
 
 # A failed weight load is tried again after 0.5, 1, 2 s (doubling, at most WEIGHTS_RETRY_MAX_S) up to
 # WEIGHTS_LOAD_ATTEMPTS tries in all; then the requests held for that version get Error(weights_unavailable).

@@ -196,7 +196,7 @@ class TrainerWorker(Role):
     def publish(self) -> None:
         if not self.is_main:
             return
-        if self.cfg.trainer.publish_mode == "cuda_ipc":  # the live parameters, copied on their device (weights_ipc.py)
+        if self.cfg.trainer.publish_mode == "cuda_ipc":  # the live parameters, copied on their device (weights/ipc.py)
             tensors, snapshot = self.trainer.unwrapped.state_dict(), False
         else:
             tensors, snapshot = self.trainer.publish_tensors(), True

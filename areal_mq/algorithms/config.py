@@ -135,7 +135,7 @@ class TrainerConfig(BaseModel):
     publish_mode: Literal["disk", "zmq", "cuda_ipc"] = Field(
         "disk", description="How new weights reach rollout workers: disk (run_dir/weights), zmq (the trainer's weight "
         "server), cuda_ipc (colocated: shared buffers on the trainer's device, one device copy; on cpu the same "
-        "protocol on shared memory; trainer and rollout on one device, areal_mq/weights_ipc.py).")
+        "protocol on shared memory; trainer and rollout on one device, areal_mq/weights/ipc.py).")
     publish_dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="dtype of published weights.")
     keep_weight_versions: int = Field(2, ge=1, description="Published versions kept (disk dirs / zmq server).")
     weight_server_host: str = Field("127.0.0.1", description="Interface the zmq weight server binds to.")
@@ -143,7 +143,7 @@ class TrainerConfig(BaseModel):
     weight_chunk_mb: float = Field(64.0, gt=0, description="Target size of one WeightsChunk (a tensor is never split).")
     weight_deltas: Literal["auto", "on", "off"] = Field(
         "auto", description="Also publish each version as a lossless, checksummed delta against the previous one "
-        "(areal_mq/weights_delta.py; workers holding that version fetch only it): auto = on for zmq, off for disk.")
+        "(areal_mq/weights/delta.py; workers holding that version fetch only it): auto = on for zmq, off for disk.")
     full_every: int = Field(20, ge=1, description="With deltas: disk writes a full snapshot every N versions (deltas "
                             "between); the zmq server keeps the last N deltas. Bounds a lagging worker's chain.")
     checkpoint_every: int = Field(50, ge=0, description="Checkpoint every N training steps (0: only at shutdown).")

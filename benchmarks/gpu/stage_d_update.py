@@ -3,10 +3,10 @@ resumes — for each publish mode this tree has.
 
 What it measures, on SmolLM2-135M's exact config with random weights (random_model.py): an engine with C
 sequences mid-generation (full: 64) and a "trainer" copy of the model (fp32 master weights, on the same device)
-publish a new version, as the trainer does (areal_mq/weights.py: bf16 CPU snapshot via unique_tensors, then):
+publish a new version, as the trainer does (areal_mq/weights/__init__.py: bf16 CPU snapshot via unique_tensors, then):
   disk      publish_disk -> engine.update_weights(path=...)
   zmq       WeightServer.publish -> fetch_weights over loopback -> engine.update_weights(tensors=...)
-  cuda_ipc  trainer.publish_mode cuda_ipc (areal_mq/weights_ipc.py): the "trainer" is a second process on the same
+  cuda_ipc  trainer.publish_mode cuda_ipc (areal_mq/weights/ipc.py): the "trainer" is a second process on the same
             device (CUDA IPC handles cannot be opened by the process that made them) holding the fp32 model;
             its IpcPublisher copies the parameters into the shared bf16 buffers (publish_s, its own clock,
             synchronized), and the engine's IpcReceiver copies them into the live model (load_s: the copy, the
@@ -40,7 +40,7 @@ log = common.logger("gpu-d")
 PUBLISHER = r"""
 import json, sys, time, torch
 from areal_mq.engines.models import load_causal_lm
-from areal_mq.weights_ipc import IpcPublisher
+from areal_mq.weights.ipc import IpcPublisher
 
 model_dir, run_dir, device = sys.argv[1:4]
 model = load_causal_lm(model_dir, "float32", torch.device(device))
@@ -58,7 +58,7 @@ class IpcTrainer:
     """The trainer side of cuda_ipc in its own process on the same device: publish(version) -> (ready, publish_s)."""
 
     def __init__(self, model_dir, run_dir, device):
-        from areal_mq.weights_ipc import IpcReceiver
+        from areal_mq.weights.ipc import IpcReceiver
 
         self.proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(model_dir), str(run_dir), str(device)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

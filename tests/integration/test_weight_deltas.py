@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 from areal_mq.algorithms.config import TrainerConfig
 from areal_mq.engines.models import resolve_model
 from areal_mq.weights import WeightPublisher
-from areal_mq.weights_delta import checksum
+from areal_mq.weights.delta import checksum
 
 run_dir, first, last, corrupt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 master = {}
@@ -78,7 +78,7 @@ def trainers(tmp_path):
 
 def _worker(tmp_path):
     from areal_mq.engines import build_engine
-    from areal_mq.weights_delta import checksum
+    from areal_mq.weights.delta import checksum
 
     cfg = load_config(None, [f"run.run_dir={tmp_path}", "model.name=tiny-random-llama",
                              "rollout.weights_timeout_s=5"])

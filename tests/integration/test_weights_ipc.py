@@ -1,4 +1,4 @@
-"""Colocated weight updates end to end (trainer.publish_mode: cuda_ipc, areal_mq/weights_ipc.py): a trainer-side
+"""Colocated weight updates end to end (trainer.publish_mode: cuda_ipc, areal_mq/weights/ipc.py): a trainer-side
 process publishes real updates of the tiny random Llama (fp32 master weights on its device, shared as bf16 through
 the WeightPublisher) and a RolloutWorker with the real torch engine on the same device follows them while it decodes:
 - after every version the engine's parameters are the published bf16 values bit for bit (checked by the trainer's
@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from areal_mq.algorithms.config import TrainerConfig
 from areal_mq.engines.models import resolve_model
 from areal_mq.weights import WeightPublisher
-from areal_mq.weights_delta import checksum
+from areal_mq.weights.delta import checksum
 
 run_dir, device, last = sys.argv[1], sys.argv[2], int(sys.argv[3])
 master = {}
@@ -61,7 +61,7 @@ def trainer(tmp_path):
 
 def _worker(run_dir, device):
     from areal_mq.engines import build_engine
-    from areal_mq.weights_delta import checksum
+    from areal_mq.weights.delta import checksum
 
     cfg = load_config(None, [f"run.run_dir={run_dir}", "model.name=tiny-random-llama", f"model.device={device}",
                              "trainer.publish_mode=cuda_ipc", "rollout.weights_timeout_s=5"])

@@ -17,7 +17,7 @@ from areal_mq.errors import WeightsFetchError
 from areal_mq.messages import Error, WeightsReady
 from areal_mq.protocol import decode
 from areal_mq.weights import WeightServer, fetch_weights, load_published
-from areal_mq.weights_disk import disk_versions, publish_disk
+from areal_mq.weights.disk import disk_versions, publish_disk
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:

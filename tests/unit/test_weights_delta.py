@@ -18,9 +18,9 @@ from areal_mq.algorithms.config import TrainerConfig
 from areal_mq.errors import WeightsFetchError
 from areal_mq.messages import WeightsLink, WeightsReady
 from areal_mq.weights import WeightPublisher, WeightServer
-from areal_mq.weights_disk import DELTA_FILE, FULL_FILE, disk_versions, read_disk
-from areal_mq.weights_catchup import WeightCatchup, plans
-from areal_mq.weights_delta import DeltaError, TensorDelta, apply, apply_version, checksum, encode, encode_version
+from areal_mq.weights.disk import DELTA_FILE, FULL_FILE, disk_versions, read_disk
+from areal_mq.weights.catchup import WeightCatchup, plans
+from areal_mq.weights.delta import DeltaError, TensorDelta, apply, apply_version, checksum, encode, encode_version
 
 
 def _pair(dtype, n=4000, changed=40, seed=0):

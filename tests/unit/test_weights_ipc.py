@@ -1,4 +1,4 @@
-"""Colocated weight updates (areal_mq/weights_ipc.py) on the CPU's shared memory: the protocol, its versions and
+"""Colocated weight updates (areal_mq/weights/ipc.py) on the CPU's shared memory: the protocol, its versions and
 every refusal, with a small engine whose update_weights is the torch engine's in-place loader.
 The same protocol across processes with the real torch engine: tests/integration/test_weights_ipc.py."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from areal_mq.config import load_config
 from areal_mq.engines.torch.weights import load_weights_in_place
 from areal_mq.errors import ConfigError, WeightsFetchError, WeightsRefused
 from areal_mq.messages import WeightsReady
-from areal_mq.weights_ipc import (ALIGN, SEQ, IpcPublisher, IpcReceiver, check_config, check_ready_ipc, layout,
+from areal_mq.weights.ipc import (ALIGN, SEQ, IpcPublisher, IpcReceiver, check_config, check_ready_ipc, layout,
                                   set_paths)
 
 
@@ -112,7 +112,7 @@ def test_a_torn_copy_is_detected_and_the_newest_version_copied_again(tmp_path):
 
 def test_copies_torn_until_the_deadline_stop_the_worker_instead_of_decoding_on_them(tmp_path):
     from areal_mq.errors import ArealError
-    from areal_mq.weights_ipc import TornWeights
+    from areal_mq.weights.ipc import TornWeights
 
     pub = IpcPublisher(tmp_path)
     ready = pub.publish(1, _trained(1))

@@ -12,7 +12,7 @@ engine serving the old weights intact, with an error that names the offending te
 Tied parameters (lm_head.weight == embed_tokens.weight) count as present under either name.
 
 `patch_weights_in_place(model, patches)` writes only changed elements: name -> (flat positions, new values), what
-a verified weight delta changed (areal_mq/weights_delta.py `changed_elements`, computed off the decode loop). The
+a verified weight delta changed (areal_mq/weights/delta.py `changed_elements`, computed off the decode loop). The
 engine pauses for a scatter of ~1 % of the elements instead of a copy of all of them; the result is the same
 parameters, element for element, as a full load of the new version (values are cast to the parameter's dtype
 exactly as `copy_` casts them).

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areal_mq.errors import WeightsLoadError
-from areal_mq.weights_delta import DeltaError, changed_elements
+from areal_mq.weights.delta import DeltaError, changed_elements
 
 
 def published(engine, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Publishing policy weights from the trainer to rollout workers, and loading them back.
 
 What:
-- disk: the version directories under run_dir/weights live in areal_mq/weights_disk.py (publish_disk,
+- disk: the version directories under run_dir/weights live in areal_mq/weights/disk.py (publish_disk,
   DiskDelta, prune_disk, disk_versions, read_disk); their names are re-exported here.
 - zmq: `WeightServer` binds a ROUTER socket (127.0.0.1 by default) in a background thread and answers
   WeightsFetch(version, index) with WeightsChunk; tensors travel as their raw little-endian bytes
@@ -9,7 +9,7 @@ What:
   only by areal_mq.protocol. `fetch_weights(ready, timeout_s)` pulls every chunk (two in flight) and
   raises WeightsFetchError — never hangs — when the server does not answer within the deadline
   (e.g. the trainer died), refuses the version, or sends something malformed.
-- cuda_ipc (colocated: trainer and engine on one device): areal_mq/weights_ipc.py — shared buffers, one device
+- cuda_ipc (colocated: trainer and engine on one device): areal_mq/weights/ipc.py — shared buffers, one device
   copy per version; WeightPublisher hands it the live parameters, check_ready checks the announcement.
 - `load_published(ready, timeout_s)` -> {name: tensor} for any mode ("base": {} — nothing to load).
 - `resolve(ready, run_dir, cfg, timeout_s, keys)` -> what an engine's update_weights takes: {"path": dir}
@@ -18,11 +18,11 @@ What:
 - `check_ready(ready, run_dir, cfg)`: a WeightsReady may only name a version directory under the run's
   weights directory, or the trainer's configured weight-server address; the bus refuses any other
   (and rollout workers check again before loading).
-Deltas (trainer.weight_deltas; codec in areal_mq/weights_delta.py, the receiver's catch-up in
-areal_mq/weights_catchup.py): the server also serves each version as a delta from the previous one
+Deltas (trainer.weight_deltas; codec in areal_mq/weights/delta.py, the receiver's catch-up in
+areal_mq/weights/catchup.py): the server also serves each version as a delta from the previous one
 (WeightsFetch.base), keeping the last `full_every` deltas; on disk a version directory holds model.delta
 (a delta from the previous version) and, every `full_every` versions, a full model.safetensors too (see
-weights_disk.py). Every full chunk and every delta carries the blake2b checksum of each resulting tensor;
+weights/disk.py). Every full chunk and every delta carries the blake2b checksum of each resulting tensor;
 WeightsReady.links lists the pieces.
 Security: with CURVE keys the weight server uses the trainer's key pair, so a fetcher that connects
 with `keys.client(sock, "trainer")` talks to the real trainer or to nobody; only roles allowed
@@ -45,10 +45,10 @@ import numpy as np
 
 from areal_mq.errors import ProtocolError, WeightsFetchError, WeightsRefused
 from areal_mq.messages import Error, WeightsChunk, WeightsFetch, WeightsLink, WeightsReady
-from areal_mq.weights_delta import DeltaError, TensorDelta, checksum, encode_version
-from areal_mq.weights_ipc import IpcPublisher, check_ready_ipc
+from areal_mq.weights.delta import DeltaError, TensorDelta, checksum, encode_version
+from areal_mq.weights.ipc import IpcPublisher, check_ready_ipc
 from areal_mq.security import Keyring, peer_role, refusal, start_zap
-from areal_mq.weights_disk import (  # noqa: F401  (re-exported: the disk half's public names)
+from areal_mq.weights.disk import (  # noqa: F401  (re-exported: the disk half's public names)
     DELTA_FILE, FULL_FILE, VERSION_DIR, DiskDelta, disk_links, disk_versions, prune_disk, publish_disk, read_disk)
 
 if TYPE_CHECKING:
@@ -334,7 +334,7 @@ def fetch_weights(ready: WeightsReady, timeout_s: float = 60.0, in_flight: int =
                   keys: Keyring | None = None) -> dict[str, "torch.Tensor"]:
     """All tensors of `ready` (mode "zmq") from its weight server, within `timeout_s` overall; checked
     against the chunks' checksums when the server sends them (DeltaError("checksum") otherwise)."""
-    from areal_mq.weights_delta import verify
+    from areal_mq.weights.delta import verify
 
     if ready.mode != "zmq" or not ready.endpoint:
         raise WeightsFetchError(f"fetch_weights needs a zmq WeightsReady with an endpoint, got mode={ready.mode!r}")
@@ -388,7 +388,7 @@ def resolve(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig", time
     if ready.mode == "disk":
         return {"path": ready.path}
     if ready.mode in ("sim", "cuda_ipc"):  # sim: nothing exists (only a simulated engine accepts it); cuda_ipc:
-        return {}  # nothing to fetch, the worker copies the shared buffers (weights_ipc.IpcReceiver)
+        return {}  # nothing to fetch, the worker copies the shared buffers (weights.ipc.IpcReceiver)
     return {"tensors": load_published(ready, timeout_s, keys)}
 
 
@@ -463,7 +463,7 @@ class WeightPublisher:
                 snapshot: bool = False) -> WeightsReady:
         """Publish `tensors` as `version`. They are copied first (unique_tensors in cfg.publish_dtype) unless
         `snapshot` says they already are such a copy (Trainer.publish_tensors). cuda_ipc takes the live parameters
-        and copies them on their device into the shared buffers (weights_ipc.py)."""
+        and copies them on their device into the shared buffers (weights/ipc.py)."""
         if self.ipc is not None:
             return self.ipc.publish(version, tensors)
         if not snapshot:

@@ -10,7 +10,7 @@ What:
   last `keep` versions and everything back to the full snapshot they start from; `disk_links` lists the pieces
   for WeightsReady.links; the full file's metadata carries each tensor's checksum (`read_disk(verify_checksums)`).
 - `disk_versions(dir)`: the version numbers present; `read_disk(path)`: a version directory's tensors.
-Why apart from areal_mq/weights.py: the zmq server and the trainer-side facade live there; this module is only
+Why apart from areal_mq/weights/__init__.py: the zmq server and the trainer-side facade live there; this module is only
 files (safetensors), so the periodic evaluator and the CLI read versions without the zmq half.
 
 How to run: tests/unit/test_weights.py, tests/unit/test_weights_delta.py (disk round trips, pruning, corrupt
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from areal_mq.errors import WeightsFetchError
 from areal_mq.messages import WeightsLink, WeightsReady
-from areal_mq.weights_delta import DeltaError, TensorDelta
+from areal_mq.weights.delta import DeltaError, TensorDelta
 
 if TYPE_CHECKING:
     import torch
@@ -152,7 +152,7 @@ def read_disk(path: str | Path, verify_checksums: bool = False) -> dict[str, "to
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from areal_mq.weights_delta import verify
+    from areal_mq.weights.delta import verify
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal_mq.errors import WeightsFetchError, WeightsRefused
 from areal_mq.messages import WeightsLink, WeightsReady
-from areal_mq.weights_delta import DeltaError, apply_version, changed_elements
+from areal_mq.weights.delta import DeltaError, apply_version, changed_elements
 
 if TYPE_CHECKING:
     from areal_mq.algorithms.config import TrainerConfig
@@ -163,7 +163,7 @@ class WeightCatchup:
 
     def _full(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> dict[str, Any]:
         from areal_mq.weights import fetch_weights
-        from areal_mq.weights_disk import read_disk
+        from areal_mq.weights.disk import read_disk
 
         if ready.mode == "disk":
             where = Path(ready.path).parent / f"v{piece.version}"
@@ -180,7 +180,7 @@ class WeightCatchup:
 
     def _delta(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> list[Any]:
         from areal_mq.weights import fetch_delta
-        from areal_mq.weights_disk import DELTA_FILE, DiskDelta
+        from areal_mq.weights.disk import DELTA_FILE, DiskDelta
 
         if ready.mode == "disk":
             return DiskDelta.read(Path(ready.path).parent / f"v{piece.version}" / DELTA_FILE, piece.version,
