@@ -102,6 +102,8 @@ LEVERS = {
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
 }
+# a lever that changes the task's settings is compared with sync at the same settings, not with the study's sync
+BASES = {"async_small": "sync_small", "async_lr5e-6": "sync_lr5e-6"}
 STUDY = list(MODES)
 MODES = {**MODES, **LEVERS}
 QUICK_MODES, QUICK_SEEDS, QUICK_VERSIONS, QUICK_EVAL_N = ("sync", "async_eta2"), (0,), 2, 8
@@ -286,7 +288,7 @@ def main() -> None:
     if not lines:
         raise SystemExit(f"{results} holds none of this study's runs yet (see --plan)")
     report = quality_report.report(lines, args.quick, args.plot or (out / "quality.png" if args.quick
-                                                                    else ROOT / "docs" / "quality.png"))
+                                                                    else ROOT / "docs" / "quality.png"), BASES)
     report["results_file"] = str(results)
     report["wall_s"] = round(time.monotonic() - started, 1)
     common.finish(report, args.json, quality_report.table(report, common.command("quality.py")))

@@ -91,6 +91,20 @@ def paired(by_mode: dict, value, combine=lambda mode, base: mode - base, base: s
     return out
 
 
+def paired_to_bases(by_mode: dict, value, bases: dict, combine=lambda mode, base: mode - base) -> dict:
+    """Like paired(), but each mode against its own baseline: bases[mode] where named (a lever's sync twin run
+    at the same settings, e.g. async_small against sync_small), else sync."""
+    cache: dict[str, dict] = {}
+    out = {}
+    for mode in by_mode:
+        base = bases.get(mode, "sync")
+        if base not in cache:
+            cache[base] = paired(by_mode, value, combine, base=base)
+        if mode in cache[base]:
+            out[mode] = {**cache[base][mode], "base": base}
+    return out
+
+
 def ratio_over_shared(pair: dict, base_runs: list[dict], value) -> tuple[float, float | None]:
     """(base mean, mode mean / base mean) of value over the seeds of `pair` (paired()'s entry for the mode);
     the ratio is None when the base mean is 0."""
@@ -131,7 +145,10 @@ def estimate(done: list[dict], guess: dict) -> dict:
             "source": f"measured on {len(full)} finished runs"}
 
 
-def report(runs: list[dict], quick: bool, plot_path: Path) -> dict:
+def report(runs: list[dict], quick: bool, plot_path: Path, bases: dict | None = None) -> dict:
+    """The study's report. `bases` names a mode's own sync baseline (mode -> base mode; default sync for all):
+    its paired differences, speed-up and target are taken against that mode's runs."""
+    bases = bases or {}
     by_mode: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
         by_mode[r["mode"]].append(r)
@@ -140,33 +157,35 @@ def report(runs: list[dict], quick: bool, plot_path: Path) -> dict:
     # the report does not move everyone's equal-wall-time figures; a run that ended before T keeps its last value
     t_equal = min(r["evals"][-1]["t_s"] for r in ([r for r in runs if r.get("core")] or runs))
     final_strict = lambda r: r["evals"][-1]["strict"]  # noqa: E731
-    final = paired(by_mode, final_strict)
-    timed = paired(by_mode, lambda r: at_time(r, t_equal))
+    final = paired_to_bases(by_mode, final_strict, bases)
+    timed = paired_to_bases(by_mode, lambda r: at_time(r, t_equal), bases)
     for m, s in modes.items():
         s["strict_at_equal_wall_time_mean"] = _mean([at_time(r, t_equal) for r in by_mode[m]])
         s["paired_vs_sync"], s["paired_vs_sync_at_equal_wall_time"] = final.get(m), timed.get(m)
     # sync's training time / the mode's, seed by seed (a training time is never 0: it ends after the last step)
-    speedups = paired(by_mode, lambda r: r["evals"][-1]["t_s"], lambda mode, sync: sync / mode)
+    speedups = paired_to_bases(by_mode, lambda r: r["evals"][-1]["t_s"], bases, lambda mode, sync: sync / mode)
     for m, s in modes.items():
         s["speedup_vs_sync"] = speedups.get(m)
     ratios, targets = {}, {}
     # the issue's target for the default (η=2), and for η=1 where it was run: within 2 points of sync at equal
     # samples, ahead at equal wall time, faster. Over the seeds the mode shares with sync (a mode run on fewer
     # seeds is compared with sync on those seeds, not with sync's mean over all of them)
-    for m in ("async_eta2", "async_eta1"):
+    # a mode with a baseline of its own (bases) gets the same targets against it
+    for m in ("async_eta2", "async_eta1", *(b for b in bases if b not in ("async_eta2", "async_eta1"))):
         pair = modes.get(m, {}).get("paired_vs_sync")
         if not pair:
             continue
+        b = pair["base"]
         for suffix, value, p in (("", final_strict, pair),
                                  ("_at_equal_wall_time", lambda r: at_time(r, t_equal),
                                   modes[m]["paired_vs_sync_at_equal_wall_time"])):
-            base, ratio = ratio_over_shared(p, by_mode["sync"], value)
+            base, ratio = ratio_over_shared(p, by_mode[b], value)
             if ratio is not None:
-                ratios[f"{m}_vs_sync_strict{suffix}"] = ratio
-                targets[f"{m}_vs_sync_strict{suffix}"] = round((base - 0.02) / base, 4) if not suffix else 1.0
+                ratios[f"{m}_vs_{b}_strict{suffix}"] = ratio
+                targets[f"{m}_vs_{b}_strict{suffix}"] = round((base - 0.02) / base, 4) if not suffix else 1.0
         if modes[m]["speedup_vs_sync"]:
-            ratios[f"{m}_speedup_vs_sync_wall_time"] = modes[m]["speedup_vs_sync"]["mean"]
-            targets[f"{m}_speedup_vs_sync_wall_time"] = 1.0
+            ratios[f"{m}_speedup_vs_{b}_wall_time"] = modes[m]["speedup_vs_sync"]["mean"]
+            targets[f"{m}_speedup_vs_{b}_wall_time"] = 1.0
     # decoupled over naive at η=4, over the seeds both were run on (like the comparisons with sync)
     pair = paired(by_mode, final_strict, base="naive_eta4").get("async_eta4")
     if pair:
@@ -234,7 +253,8 @@ def _ci(p: dict | None) -> str:
         return "-"
     ci = p["ci95"]
     inner = f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else " (1 seed)"
-    return f"{p['mean'] * 100:+.1f}{inner}"
+    against = f" vs {p['base']}" if p.get("base", "sync") != "sync" else ""
+    return f"{p['mean'] * 100:+.1f}{inner}{against}"
 
 
 def table(report: dict, command: str) -> str:

@@ -84,3 +84,18 @@ def test_decoupled_over_naive_is_taken_over_the_seeds_both_have(tmp_path):
     runs += [_run("async_eta4", s, (0.3, a)) for s, a in enumerate((0.35, 0.36))]
     rep = q.report(runs, quick=False, plot_path=tmp_path / "q.png")
     assert rep["ratios"]["decoupled_vs_naive_eta4_strict"] == pytest.approx(0.71 / 0.58)
+
+
+def test_a_lever_with_a_sync_twin_is_paired_with_it_not_with_sync(tmp_path):
+    runs = [_run("sync", s, (0.3, 0.40), t_final=200.0) for s in (0, 1)]
+    runs += [_run("sync_small", s, (0.3, a), t_final=300.0) for s, a in ((0, 0.36), (1, 0.38))]
+    runs += [_run("async_small", s, (0.3, a), t_final=150.0) for s, a in ((0, 0.35), (1, 0.38))]
+    rep = q.report(runs, quick=False, plot_path=tmp_path / "q.png", bases={"async_small": "sync_small"})
+    by = {m.get("mode"): m for m in rep["results"]}
+    pair = by["async_small"]["paired_vs_sync"]
+    assert pair["base"] == "sync_small" and pair["diffs"] == pytest.approx([-0.01, 0.0])
+    assert by["sync_small"]["paired_vs_sync"]["base"] == "sync"  # the twin itself is still compared with sync
+    assert rep["ratios"]["async_small_vs_sync_small_strict"] == pytest.approx(0.365 / 0.37)
+    assert rep["targets"]["async_small_vs_sync_small_strict"] == pytest.approx(0.35 / 0.37, abs=1e-4)
+    assert rep["ratios"]["async_small_speedup_vs_sync_small_wall_time"] == pytest.approx(2.0)
+    assert "-0.5 [" in q.table(rep, "cmd") and "vs sync_small" in q.table(rep, "cmd")
