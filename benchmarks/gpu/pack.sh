@@ -7,7 +7,10 @@
 #             zstandard), at the versions installed here, so the GPU runs what CI runs;
 #   smollm2/  SmolLM2-135M-Instruct's config.json and tokenizer files (no weights: stages b, c, d build a
 #             model of SmolLM2's exact config with random weights on the GPU machine, which changes no
-#             timing; benchmarks/gpu/random_model.py).
+#             timing; benchmarks/gpu/random_model.py);
+#   tiny-random-llama/  the tests' tiny model (16 MB), built here: building it needs the SmolLM2 GGUF's
+#             tokenizer, which the GPU machine lacks, and the gpu-marked tests use it (run.sh puts it in the
+#             model cache there).
 # The real weights (the 92 MB GGUF, needed only by stages e and f, which learn) do not fit the 64 MiB one
 # command carries, so `--with-model` also writes the GGUF in two halves, gpu_model_a/ and gpu_model_b/, each
 # carried by its own command; `run.sh model-a` and `run.sh model-b` join them there (docs/gpu.md).
@@ -55,6 +58,9 @@ src, dst = resolve_model("smollm2-135m-instruct"), Path(sys.argv[1])
 names = ["config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja", *TOKENIZER_FILES]
 copied = [n for n in dict.fromkeys(names) if (src / n).is_file() and shutil.copy2(src / n, dst / n)]
 print(f"pack.sh: SmolLM2 config + tokenizer ({', '.join(copied)}) from {src}")
+tiny = resolve_model("tiny-random-llama")
+shutil.copytree(tiny, dst.parent / "tiny-random-llama")
+print(f"pack.sh: the tests' tiny model from {tiny}")
 PY
 
 if [ "$WITH_MODEL" = 1 ]; then

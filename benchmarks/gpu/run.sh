@@ -10,6 +10,7 @@
 #   f   e2e async vs sync                                      (stage_f_e2e.py -> benchmarks/e2e.py; real weights)
 #   fit the simulator's h100-measured slot from OUT/stage_{b,c,d}.json (fit_sim.py; --out only, no install)
 #   all a..f then fit (the CPU smoke run: `bash benchmarks/gpu/run.sh all --device cpu --quick`, in CI)
+#   install  only what every stage does first: the wheels, the project, the tests' tiny model (pack.sh)
 #   model-a, model-b   receive one half of the SmolLM2 GGUF (pack.sh --with-model) into WORK; with both
 #                      halves there, stages e and f find the real weights (a machine stays warm ~30 s)
 # Each stage fits one 10-minute GPU command and writes OUT/stage_X.json plus a section of OUT/results.md
@@ -50,6 +51,16 @@ ensure_installed() {
     echo "run.sh: installing the project (editable, no dependencies)"
     "$PY" -m pip install -q --no-deps --no-build-isolation -e .
   fi
+  if [ -d gpu_pack/tiny-random-llama ]; then  # the tests' tiny model (its build needs the GGUF's tokenizer)
+    "$PY" - <<'PY'
+import shutil
+from areal_mq.engines.models import models_cache_dir
+dst = models_cache_dir() / "tiny-random-llama"
+if not dst.exists():
+    shutil.copytree("gpu_pack/tiny-random-llama", dst)
+    print(f"run.sh: tiny-random-llama from gpu_pack into {dst}")
+PY
+  fi
 }
 
 receive_half() {  # $1 = a | b
@@ -85,8 +96,9 @@ stage() {  # $1 = a..f | fit
 case "$STAGE" in
   model-a) receive_half a ;;
   model-b) receive_half b ;;
+  install) ensure_installed ;;
   a|b|c|d|e|f|fit) ensure_installed; stage "$STAGE" ;;
   all) ensure_installed; rm -f "$DEST/results.md"; for s in a b c d e f fit; do stage "$s"; done
        echo "run.sh: all stages done; results in $DEST (results.md, stage_*.json, sim_timing.json)" ;;
-  *) echo "run.sh: unknown stage '${STAGE}'; one of a b c d e f fit all model-a model-b (see the header)" >&2; exit 2 ;;
+  *) echo "run.sh: unknown stage '${STAGE}'; one of a b c d e f fit all install model-a model-b (header)" >&2; exit 2 ;;
 esac

@@ -101,6 +101,14 @@ def longtail(model_dir, tokenizer, hf_model, args, q: int, c: int) -> dict:
             "bandwidth_fraction": round(tps / ceiling, 4) if ceiling else None}
 
 
+def prefill_steps(engine, batch: int, context: int) -> int:
+    """Engine steps until `batch` prompts of `context` tokens are all prefilled (a bound): the engine prefills
+    at most prefill_chunk_tokens per step and decodes the rows already prefilled in the same steps, so each
+    sweep request needs that many tokens of room beyond the timed steps, or the first rows finish before the
+    last start (which on a GPU at 128 x 1,024 left the prefill loop spinning on an idle engine)."""
+    return -(-batch * context // engine.cfg.prefill_chunk_tokens) + 2
+
+
 def sweep_point(engine, args, batch: int, context: int, steps: int, vocab: int) -> dict:
     """B requests of `context`-token prompts; time their prefill, then `steps` decode steps of all B rows."""
     from areal_mq.engines.base import EngineRequest
@@ -108,12 +116,15 @@ def sweep_point(engine, args, batch: int, context: int, steps: int, vocab: int) 
 
     clock = report.timer(args.device)
     ids = [f"sw-{batch}-{context}-{i}" for i in range(batch)]
+    new_tokens = steps + 8 + prefill_steps(engine, batch, context)  # rows prefilled first decode meanwhile
     t0 = clock()
     for i, (rid, p) in enumerate(zip(ids, prompts(batch, context, vocab, batch * 7 + context))):
-        engine.submit(EngineRequest(rid, p, SamplingSpec(temperature=1.0, max_new_tokens=steps + 8,
+        engine.submit(EngineRequest(rid, p, SamplingSpec(temperature=1.0, max_new_tokens=new_tokens,
                                                          ignore_eos=True, seed=i)))
     before = engine.stats()["generated_tokens"]
     while True:  # prefill (in chunks) until one step decodes every row
+        if not engine.has_work():
+            raise RuntimeError(f"sweep {batch} x {context}: rows finished before every row was prefilled")
         engine.step()
         now = engine.stats()["generated_tokens"]
         if now - before == batch:
@@ -147,7 +158,10 @@ def run(args) -> dict:
     rows = [longtail(model_dir, tokenizer, hf_model, args, q, c) for c in SIZES["concurrency"][q]]
     del hf_model
     contexts, batches = SIZES["sweep_context"][q], SIZES["sweep_batch"][q]
-    engine = make_engine(model_dir, args, max(batches), max(contexts) + SIZES["sweep_steps"][q] + 16)
+    # room for the timed steps and the decoding done while the other rows prefill: make_engine's chunk is
+    # at least 4 x max_len >= 4 x context tokens, so prefill_steps <= batch / 4 + 3
+    engine = make_engine(model_dir, args, max(batches),
+                         max(contexts) + SIZES["sweep_steps"][q] + 16 + max(batches) // 4 + 4)
     weights, kv = shape_bytes(engine)
     sweep = [sweep_point(engine, args, b, c, SIZES["sweep_steps"][q], len(tokenizer)) for c in contexts for b in batches]
     engine.close()

@@ -158,18 +158,28 @@ def run(args) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     engine = make_engine(model_dir, args, s["in_flight"], s["prompt"] + s["tokens_before"] * 4 + 16)
     trainer_model = load_causal_lm(model_dir, "float32", engine.device)
-    rows, version = [], 0
-    ipc = IpcTrainer(model_dir, work / "ipc-run", engine.device)
+    rows, version, ipc = [], 0, None
     try:
         for mode in ("disk", "zmq", "cuda_ipc"):
-            one_update(engine, trainer_model, mode, version := version + 1, args, work, s, ipc)  # warm-up
-            runs = [one_update(engine, trainer_model, mode, version := version + 1, args, work, s, ipc)
-                    for _ in range(s["rounds"])]
+            try:  # one mode failing (CUDA IPC refused by a sandboxed runtime, say) keeps the other modes' rows
+                if mode == "cuda_ipc":
+                    ipc = IpcTrainer(model_dir, work / "ipc-run", engine.device)
+                one_update(engine, trainer_model, mode, version := version + 1, args, work, s, ipc)  # warm-up
+                runs = [one_update(engine, trainer_model, mode, version := version + 1, args, work, s, ipc)
+                        for _ in range(s["rounds"])]
+            except Exception as exc:  # noqa: BLE001 - recorded in the row and the log, then the next mode
+                log(f"{mode}: FAILED {type(exc).__name__}: {exc}")
+                rows.append({"mode": mode, "todo": f"failed: {type(exc).__name__}: {exc}"[:300]})
+                for rid in list(engine.live):  # drop what the failed round left in flight
+                    engine.abort(rid)
+                engine.resume()
+                continue
             row = {"mode": mode, **{k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}}
             rows.append(row)
             log(f"{mode}: engine pause {row['engine_pause_s'] * 1e3:.0f} ms, total {row['total_s'] * 1e3:.0f} ms")
     finally:
-        ipc.close()
+        if ipc is not None:
+            ipc.close()
     engine.close()
     shutil.rmtree(work, ignore_errors=True)
     return {"title": "colocated weight update", "quick": args.quick, "machine": report.machine(args.device),
