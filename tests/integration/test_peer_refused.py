@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 
 import zmq
@@ -32,26 +33,41 @@ def _refusals(cfg) -> list[dict]:
     return out
 
 
-def _wait_logged(cfg, reason: str, answered, also: tuple[str, ...] = ()) -> None:
-    """Waits up to 30 s for the broker's `security.peer_refused` line for `reason` (or one of `also`);
+def _broker_state(cfg) -> str:
+    """What a timeout message needs to be told apart: the broker's last event lines (any event, not only
+    refusals), so a broker that stalled, died or logged elsewhere shows as such."""
+    lines = []
+    for path in Path(cfg.run.run_dir, "events").glob("broker-*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            lines.append(f"{rec.get('ts', 0):.2f} {rec.get('event')} {rec.get('reason', '')}".rstrip())
+    return f"broker events ({len(lines)}): {lines[-8:]}"
+
+
+def _wait_logged(cfg, reason: str, answered, also: tuple[str, ...] = (), timeout: float = 30.0) -> None:
+    """Waits up to `timeout` s for the broker's `security.peer_refused` line for `reason` (or one of `also`);
     `answered()` must stay False meanwhile."""
 
     def logged() -> bool:
         assert not answered(), f"a refused peer ({reason}) got an answer"
         return any(r.get("reason") in (reason, *also) for r in _refusals(cfg))
 
+    t0 = time.monotonic()
     try:
-        wait_for(logged, 30, interval=0.1, what=f"security.peer_refused for {reason}")
+        wait_for(logged, timeout, interval=0.1, what=f"security.peer_refused for {reason}")
     except AssertionError as exc:  # say what the broker did log, so a failure can be told apart
+        if "timed out" not in str(exc):
+            raise
         seen = [(r.get("reason"), r.get("endpoint")) for r in _refusals(cfg)]
-        raise AssertionError(f"{exc}; refusals logged so far: {seen}") from None
+        raise AssertionError(f"{exc} ({time.monotonic() - t0:.1f}s); refusals logged so far: {seen}; "
+                             f"{_broker_state(cfg)}") from None
 
 
 # What a plaintext (NULL mechanism) ZMTP 3.0 peer sends first: signature, version 3.0, mechanism, as-server, filler.
 NULL_GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + bytes(31)
 
 
-def _knock_plaintext(cfg) -> None:
+def _knock_plaintext(cfg, tries: int = 4, per_try_s: float = 12.0) -> None:
     """A plaintext peer sends its whole greeting at once and stays connected until the broker logs it.
 
     Not a pyzmq socket: libzmq's NULL client sends its mechanism only after it has read the server's signature,
@@ -59,21 +75,33 @@ def _knock_plaintext(cfg) -> None:
     the client sees the mismatch, closes before its own mechanism is on the wire, and never reconnects (a
     protocol error ends a libzmq connection for good). The broker then sees a greeting cut short, with no
     mechanism to compare, and has nothing to log. That race failed this test about once in ten runs. These are
-    the same bytes a pyzmq plaintext client sends when it wins the race."""
+    the same bytes a pyzmq plaintext client sends when it wins the race.
+
+    A knock that goes unlogged for `per_try_s` is repeated on a fresh connection (as a real client reconnects),
+    up to `tries` times: in CI a single knock once went unlogged for its whole 30 s under a loaded full suite
+    (not reproduced here: 75 integration tests in CI order, and the file 40+ times under load, all logged
+    within a second), and the broker's rate limit cannot hide a second knock when the first left no line.
+    Each knock must stay unanswered; the last timeout names what the broker did log."""
     host, port = cfg.brokers.job_addr.removeprefix("tcp://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(NULL_GREETING)
-        conn.setblocking(False)
-        got = bytearray()
+    for attempt in range(1, tries + 1):
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(NULL_GREETING)
+            conn.setblocking(False)
+            got = bytearray()
 
-        def answered() -> bool:  # the broker's own greeting is 64 bytes; anything past it would be an answer
+            def answered() -> bool:  # the broker's own greeting is 64 bytes; anything past it is an answer
+                try:
+                    got.extend(conn.recv(4096))
+                except (BlockingIOError, ConnectionError):
+                    pass  # nothing yet, or the broker hung up: both are a refusal
+                return len(got) > len(NULL_GREETING)
+
             try:
-                got.extend(conn.recv(4096))
-            except (BlockingIOError, ConnectionError):
-                pass  # nothing yet, or the broker hung up: both are a refusal
-            return len(got) > len(NULL_GREETING)
-
-        _wait_logged(cfg, "plaintext", answered)
+                _wait_logged(cfg, "plaintext", answered, timeout=per_try_s)
+                return
+            except AssertionError as exc:
+                if attempt == tries or "timed out" not in str(exc):
+                    raise AssertionError(f"knock {attempt} of {tries}: {exc}") from None
 
 
 def _knock(cfg, setup, reason: str, also: tuple[str, ...] = ()) -> None:
