@@ -171,7 +171,7 @@ def report(runs: list[dict], quick: bool, plot_path: Path, bases: dict | None = 
     # samples, ahead at equal wall time, faster. Over the seeds the mode shares with sync (a mode run on fewer
     # seeds is compared with sync on those seeds, not with sync's mean over all of them)
     # a mode with a baseline of its own (bases) gets the same targets against it
-    for m in ("async_eta2", "async_eta1", *(b for b in bases if b not in ("async_eta2", "async_eta1"))):
+    for m in ("async_eta2", "async_eta1", *(lever for lever in bases if lever not in ("async_eta2", "async_eta1"))):
         pair = modes.get(m, {}).get("paired_vs_sync")
         if not pair:
             continue
