@@ -23,24 +23,21 @@ from .conftest import wait_for
 from .procs import keys
 
 
+def _broker_events(cfg) -> list[dict]:
+    """Every event line the broker has written to the run's events/ so far, in file order."""
+    return [json.loads(line) for path in Path(cfg.run.run_dir, "events").glob("broker-*.jsonl")
+            for line in path.read_text().splitlines()]
+
+
 def _refusals(cfg) -> list[dict]:
-    out = []
-    for path in Path(cfg.run.run_dir, "events").glob("broker-*.jsonl"):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("event") == "security.peer_refused":
-                out.append(rec)
-    return out
+    return [rec for rec in _broker_events(cfg) if rec.get("event") == "security.peer_refused"]
 
 
 def _broker_state(cfg) -> str:
     """What a timeout message needs to be told apart: the broker's last event lines (any event, not only
     refusals), so a broker that stalled, died or logged elsewhere shows as such."""
-    lines = []
-    for path in Path(cfg.run.run_dir, "events").glob("broker-*.jsonl"):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            lines.append(f"{rec.get('ts', 0):.2f} {rec.get('event')} {rec.get('reason', '')}".rstrip())
+    lines = [f"{rec.get('ts', 0):.2f} {rec.get('event')} {rec.get('reason', '')}".rstrip()
+             for rec in _broker_events(cfg)]
     return f"broker events ({len(lines)}): {lines[-8:]}"
 
 
