@@ -217,6 +217,12 @@ class ControllerConfig(_Section):
     drop_uniform_groups: bool = Field(
         False, description="Do not train on groups whose rewards are all equal (zero advantage, no gradient); "
         "generate a replacement instead (DAPO dynamic sampling). Dropped groups are logged and still plotted.")
+    batch_order: Literal["completion", "admission"] = Field(
+        "completion", description="Order in which finished groups reach the sample store (and so the trainer's "
+        "batches). completion: as each finishes (a group whose answers are short finishes first and is trained "
+        "first). admission: in the order the groups were admitted; a finished group waits until every group "
+        "admitted before it has been stored, dropped or failed, so which groups fill a batch does not depend on "
+        "how fast they were generated (costs async some speed: a slow group holds back later ones).")
     max_retries: int = Field(3, ge=0, description="Retries of a failed generation/reward job before the group is dropped.")
     reward_task: str = Field("arith", description="Task of the reward jobs: a key of reward.tasks, or a built-in "
                              "name / import path (module:function) that then becomes one.")

@@ -98,6 +98,10 @@ LEVERS = {
     # version moves the policy, async should close in on sync here (run with --versions 40 --eval-every 40)
     "sync_small": ("sync, 40 × 8 at lr 5e-6", "sync", 0, SMALL_STEPS, False),
     "async_small": ("async η=2, 40 × 8 at lr 5e-6", "async", 2, SMALL_STEPS, False),
+    # completion-time selection: async fills each batch with the groups that FINISH first (short answers), sync
+    # with the groups it admitted; this lever makes async put groups in admission order (controller.batch_order)
+    "ordered_eta2": ("async η=2, batches in admission order", "async", 2, {"controller.batch_order": "admission"},
+                     False),
     "cliphigher_eta2": ("async η=2 clip-higher ε_high=0.28", "async", 2, {"trainer.eps_clip_high": 0.28}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),

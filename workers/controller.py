@@ -33,6 +33,9 @@ Invariants:
   reward count is not the group size fails its group at once (a reward worker out of protocol);
 - the policy version never goes back on a bus replay of "base" (a restarted bus); a real older version
   (a trainer resumed from a checkpoint) is followed;
+- `batch_order: admission` puts finished groups in the order they were admitted: a finished group is held
+  (still in flight for the ledger, regenerated on resume) until every group admitted before it was stored,
+  dropped or failed, so the trainer's batches are the earliest admitted groups, not the fastest generated;
 - the strict per-sample staleness filter lives in the sample store (it knows the trainer's version).
 Who waits on whom: the controller waits on nobody's speed — it only stops admitting when the bound says so.
 Sync mode (`run.mode: sync`) is the classic loop: one whole batch is admitted, generated, rewarded and stored,
@@ -42,6 +45,7 @@ launcher's thread split (sync phases alternate, so each may use every core).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import time
@@ -115,6 +119,8 @@ class Controller(Role):
         self.dropped = 0
         self.dropped_by_length: dict[str, int] = {}
         self.groups: dict[str, Group] = {}
+        self.admission_order: collections.deque[str] = collections.deque()  # batch_order admission: ids to put
+        self.held: dict[str, tuple] = {}  # batch_order admission: finished (sample, reward_mean, versions)
         self.by_job: dict[str, tuple[str, str, int]] = {}  # job id -> (kind, group id, sample index)
         self.retry_at: list[tuple[float, str, str, int]] = []
         self.stored = 0
@@ -146,6 +152,8 @@ class Controller(Role):
         self.ledger.admit(group_id)
         group = Group(group_id, problem, self.formatter.ids(problem))
         self.groups[group_id] = group
+        if self.ctl_cfg.batch_order == "admission":
+            self.admission_order.append(group_id)
         self.log.info("controller.group_admitted", group=group_id, problem=problem.id, version=self.version)
         for i in range(self.ctl_cfg.group_size):
             self._submit_sample(group, i)
@@ -255,7 +263,22 @@ class Controller(Role):
             return
         sample = Sample(sample_id=group.group_id, prompt_id=group.problem.id, seqs=seqs,
                         meta={"level": group.problem.level, **meta})
-        self._put(group, sample, reward_mean, versions)
+        if self.ctl_cfg.batch_order == "admission":
+            self.held[group.group_id] = (sample, reward_mean, versions)
+            self._put_in_admission_order()
+        else:
+            self._put(group, sample, reward_mean, versions)
+
+    def _put_in_admission_order(self) -> None:
+        """batch_order admission: put the held groups whose predecessors have all left (stored, dropped, failed);
+        stop at the first admitted group still generating, scoring or waiting on a full store."""
+        while self.admission_order:
+            head = self.admission_order[0]
+            if head in self.held:
+                self._put(self.groups[head], *self.held.pop(head))
+            if head in self.groups:
+                return
+            self.admission_order.popleft()
 
     def _put(self, group: Group, sample: Sample, reward_mean: float, versions: list[int]) -> None:
         """Store a finished group. A full store (the trainer is behind or stopped) is back-pressure, not a
@@ -356,7 +379,7 @@ class Controller(Role):
         return {"version": self.version, "submitted": self.submitted, "stored": self.stored, "failed": self.failed,
                 "dropped": self.dropped, "dropped_by_length": dict(self.dropped_by_length),
                 "ledger": self.ledger.balance(),
-                "in_flight": len(self.groups), "gen_tokens": self.gen_tokens, "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
+                "in_flight": len(self.groups), "held": len(self.held), "gen_tokens": self.gen_tokens, "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
                 "reward_mean": round(sum(recent) / len(recent), 4) if recent else None,
                 # 1 while η alone stops admission (no concurrency cap in the question)
                 "eta_blocked": int(not can_admit(self.submitted, self.version, self.cfg.staleness_bound,
@@ -370,6 +393,8 @@ class Controller(Role):
         for job_id, msg in self.jobs.poll(timeout):
             self.on_answer(job_id, msg)
         self._run_retries()
+        if self.admission_order:  # a failed group or a retried put may have unblocked the head
+            self._put_in_admission_order()
         self.poll_store_drops()
 
     def done(self) -> bool:
