@@ -263,9 +263,8 @@ class Controller(Role):
             return
         sample = Sample(sample_id=group.group_id, prompt_id=group.problem.id, seqs=seqs,
                         meta={"level": group.problem.level, **meta})
-        if self.ctl_cfg.batch_order == "admission":
+        if self.ctl_cfg.batch_order == "admission":  # put by step(), once its predecessors have left
             self.held[group.group_id] = (sample, reward_mean, versions)
-            self._put_in_admission_order()
         else:
             self._put(group, sample, reward_mean, versions)
 
@@ -393,7 +392,7 @@ class Controller(Role):
         for job_id, msg in self.jobs.poll(timeout):
             self.on_answer(job_id, msg)
         self._run_retries()
-        if self.admission_order:  # a failed group or a retried put may have unblocked the head
+        if self.admission_order:  # the one place held groups are put: after this round's answers and retries
             self._put_in_admission_order()
         self.poll_store_drops()
 

@@ -47,8 +47,8 @@ def _controller(tmp_path_factory, order: str, eta: int = 2, batch: int = 2):
 
 
 def _play(ctl, jobs, store, rng, p_uniform=0.3, p_fail=0.1, versions=10):
-    """Answer jobs in random order; the 'trainer' takes a batch whenever enough were stored. Returns the groups
-    that left as stored, dropped or failed, in the order the controller logged them."""
+    """Answer jobs in random order (failing some, scoring some groups uniform); the 'trainer' takes a batch
+    whenever enough were stored, until `versions`; fails on a stall (nothing in flight and no batch)."""
     trained, idle = 0, 0
     for _ in range(20_000):
         if ctl.version >= versions:
