@@ -1,7 +1,7 @@
 """Quality study: does async learn as well as sync? Held-out accuracy over seeds, at equal trained samples.
 
 What it measures (issue 27 item 2): `areal-mq run configs/quickstart.yaml` in each mode below, with the same
-number of training steps (`--versions`, default 30; every mode trains the same samples per step) and per seed
+number of training steps (`--versions`, default 20, the study's length; every mode trains the same samples per step) and per seed
 (the seed of the data order, data.seed; of sampling and init, run.seed; of the trainer's RNGs, trainer.seed):
   - sync            run.mode=sync (η = 0)                                   core: seeds 0,1,2
   - async_eta2      async, η=2, decoupled PPO (the default)                 core: seeds 0,1,2
@@ -18,10 +18,11 @@ base model's evaluation before training is cached, so it would favour later runs
 and masked fractions and staleness per step, the staleness histogram, the invariant counters. A rerun skips the runs already there (resumable; a
 run that was cut off is started again from scratch). The report (benchmarks/quality_report.py) gives per-mode
 means, the PAIRED difference to sync per seed with a 95 % t-interval, accuracy at equal wall time, one figure
-(accuracy vs trained samples and vs wall time, docs/quality.png) and the table, printed last.
+(accuracy vs trained samples and vs wall time: docs/quality.png for the study's 20 versions, docs/quality_vN.png
+for any other --versions N, so a longer run never overwrites the study's figure) and the table, printed last.
 
     python benchmarks/quality.py --plan                 # the runs, which are done, an estimate of machine time
-    python benchmarks/quality.py [--versions 30] [--eval-every 10] [--modes sync,async_eta2] [--seeds 0,1]
+    python benchmarks/quality.py [--versions 20] [--eval-every 10] [--modes sync,async_eta2] [--seeds 0,1]
                                  [--extra-seeds 3] [--device cpu|cuda] [--json PATH] [--plot PNG]
     python benchmarks/quality.py --report-only          # report what the results file holds
     python benchmarks/quality.py --quick                # configs/tiny.yaml, 2 versions, 1 seed, sync + async η=2
@@ -56,6 +57,7 @@ from e2e_report import ready_time  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG, QUICK_CONFIG = ROOT / "configs" / "quickstart.yaml", ROOT / "configs" / "tiny.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "quality.jsonl"
+STUDY_VERSIONS = 20  # the study's run length (RESULTS.md); its figure is docs/quality.png
 EVAL_NAME = "arith:test-large"
 CORE_SEEDS = (0, 1, 2)
 # name -> (label, run.mode, η, trainer overrides, core)
@@ -225,6 +227,13 @@ def prune(run_dir: Path) -> None:
         shutil.rmtree(run_dir / sub, ignore_errors=True)
 
 
+def default_plot(args, out: Path) -> Path:
+    """The figure's path when --plot is not given: one per run length, so runs of other lengths keep theirs."""
+    if args.quick:
+        return out / "quality.png"
+    return ROOT / "docs" / ("quality.png" if args.versions == STUDY_VERSIONS else f"quality_v{args.versions}.png")
+
+
 def plan_text(runs: list[dict], done: dict, args) -> str:
     """The runs, which are done, and an estimate of the machine time left (from finished runs when any)."""
     est = quality_report.estimate(list(done.values()), GUESS)
@@ -245,7 +254,7 @@ def main() -> None:
     parser = common.arg_parser(__doc__, quick_help="configs/tiny.yaml, 2 versions, seed 0, sync + async η=2, "
                                                    f"{QUICK_EVAL_N} problems (~3 min on 2 cores).")
     split = lambda conv: (lambda s: [conv(x) for x in s.split(",") if x])  # noqa: E731
-    parser.add_argument("--versions", type=int, help="Training steps per run (default 30; quick 2).")
+    parser.add_argument("--versions", type=int, help=f"Training steps per run (default {STUDY_VERSIONS}; quick 2).")
     parser.add_argument("--eval-every", type=int, help="Evaluate every N versions (default 10; quick 1).")
     parser.add_argument("--eval-n", type=int, help=f"Held-out problems per evaluation (default 1100; quick {QUICK_EVAL_N}).")
     parser.add_argument("--modes", type=split(str), help=f"Comma-separated subset of: {', '.join(MODES)}.")
@@ -255,13 +264,14 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="The JSONL results file (default benchmarks/results/quality.jsonl; "
                                                      "quick: bench-results/quality-quick/quality.jsonl).")
     parser.add_argument("--out", type=Path, help="Where run dirs go (default bench-results/quality[-quick]).")
-    parser.add_argument("--plot", type=Path, help="PNG path (default docs/quality.png; quick: OUT/quality.png).")
+    parser.add_argument("--plot", type=Path, help=f"PNG path (default docs/quality.png at {STUDY_VERSIONS} versions, else docs/quality_vN.png; "
+                                                  "quick: OUT/quality.png).")
     parser.add_argument("--plan", action="store_true", help="Print the runs and an estimate of machine time; run nothing.")
     parser.add_argument("--report-only", action="store_true", help="Report the results file; run nothing.")
     common.add_device_arg(parser)
     args = parser.parse_args()
     default = lambda given, quick, full: given if given is not None else quick if args.quick else full  # noqa: E731
-    args.versions = default(args.versions, QUICK_VERSIONS, 30)
+    args.versions = default(args.versions, QUICK_VERSIONS, STUDY_VERSIONS)
     args.eval_every = default(args.eval_every, QUICK_VERSIONS - 1, 10)
     args.eval_n = default(args.eval_n, QUICK_EVAL_N, 1100)
     for flag in ("versions", "eval_every", "eval_n", "extra_seeds"):
@@ -291,8 +301,7 @@ def main() -> None:
     lines = [done[r["key"]] for r in runs if r["key"] in done]
     if not lines:
         raise SystemExit(f"{results} holds none of this study's runs yet (see --plan)")
-    report = quality_report.report(lines, args.quick, args.plot or (out / "quality.png" if args.quick
-                                                                    else ROOT / "docs" / "quality.png"), BASES)
+    report = quality_report.report(lines, args.quick, args.plot or default_plot(args, out), BASES)
     report["results_file"] = str(results)
     report["wall_s"] = round(time.monotonic() - started, 1)
     common.finish(report, args.json, quality_report.table(report, common.command("quality.py")))
