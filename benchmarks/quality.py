@@ -1,8 +1,9 @@
 """Quality study: does async learn as well as sync? Held-out accuracy over seeds, at equal trained samples.
 
 What it measures (issue 27 item 2): `areal-mq run configs/quickstart.yaml` in each mode below, with the same
-number of training steps (`--versions`, default 20, the study's length; every mode trains the same samples per step) and per seed
-(the seed of the data order, data.seed; of sampling and init, run.seed; of the trainer's RNGs, trainer.seed):
+number of training steps (`--versions`, default 20, the study's length; every mode trains the same samples per
+step) and per seed (the seed of the data order, data.seed; of sampling and init, run.seed; of the trainer's
+RNGs, trainer.seed):
   - sync            run.mode=sync (η = 0)                                   core: seeds 0,1,2
   - async_eta2      async, η=2, decoupled PPO (the default)                 core: seeds 0,1,2
   - naive_eta4      async, η=4, correction off (naive PPO, the paper's ablation)   core: seeds 0,1,2
@@ -264,8 +265,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="The JSONL results file (default benchmarks/results/quality.jsonl; "
                                                      "quick: bench-results/quality-quick/quality.jsonl).")
     parser.add_argument("--out", type=Path, help="Where run dirs go (default bench-results/quality[-quick]).")
-    parser.add_argument("--plot", type=Path, help=f"PNG path (default docs/quality.png at {STUDY_VERSIONS} versions, else docs/quality_vN.png; "
-                                                  "quick: OUT/quality.png).")
+    parser.add_argument("--plot", type=Path, help=f"PNG path (default docs/quality.png at {STUDY_VERSIONS} versions, "
+                                                  "else docs/quality_vN.png; quick: OUT/quality.png).")
     parser.add_argument("--plan", action="store_true", help="Print the runs and an estimate of machine time; run nothing.")
     parser.add_argument("--report-only", action="store_true", help="Report the results file; run nothing.")
     common.add_device_arg(parser)
