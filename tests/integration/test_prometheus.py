@@ -8,6 +8,7 @@ Slow: python -m pytest -q tests/integration/test_prometheus.py -m slow
 """
 from __future__ import annotations
 
+import http.client
 import re
 import signal
 import subprocess
@@ -47,10 +48,15 @@ SERIES = {
 
 
 def scrape(url: str) -> dict[str, list] | None:
-    """{sample name: [(labels, value)]}, or None while the endpoint does not answer."""
+    """{sample name: [(labels, value)]}, or None while the endpoint does not answer.
+
+    An HTTP error counts as not answering too: the launcher prints the URLs before each child listens, and a
+    connect to a loopback port in the ephemeral range that nothing listens on yet can meet itself (TCP
+    simultaneous open), so the "reply" is the request echoed (`BadStatusLine: GET /metrics HTTP/1.1`). The loop
+    retries, and an endpoint that never answers still fails the test below."""
     try:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
+    except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException):
         return None
     out: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
