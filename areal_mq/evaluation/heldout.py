@@ -11,6 +11,7 @@ always a named version, never weights that change during the evaluation.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -92,7 +93,10 @@ def base_eval_cached(cfg: Any, progress: bool = True) -> dict:
         return {**json.loads(path.read_text()), "cached": True}
     result = evaluate(cfg, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result))
+    # runs side by side share the cache (benchmarks/gpu/stage_q_quality.py): a reader must never see half a file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
     return result
 
 

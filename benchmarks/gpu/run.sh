@@ -8,6 +8,7 @@
 #   d   colocated weight update: disk, zmq, cuda_ipc           (stage_d_update.py; random weights)
 #   e   configs/quickstart-gpu.yaml to v50, held-out accuracy  (stage_e_quickstart.py; real weights)
 #   f   e2e async vs sync                                      (stage_f_e2e.py -> benchmarks/e2e.py; real weights)
+#   q   quality study: sync vs async η=2 pairs, workers side by side (stage_q_quality.py; real weights; not in all)
 #   fit the simulator's h100-measured slot from OUT/stage_{b,c,d}.json (fit_sim.py; --out only, no install)
 #   all a..f then fit (the CPU smoke run: `bash benchmarks/gpu/run.sh all --device cpu --quick`, in CI)
 #   install  only what every stage does first: the wheels, the project, the tests' tiny model (pack.sh)
@@ -88,6 +89,7 @@ stage() {  # $1 = a..f | fit
     d) timeout 590 "$PY" benchmarks/gpu/stage_d_update.py "${args[@]}" ;;
     e) timeout 590 "$PY" benchmarks/gpu/stage_e_quickstart.py "${args[@]}" ;;
     f) timeout 920 "$PY" benchmarks/gpu/stage_f_e2e.py "${args[@]}" ;;
+    q) timeout "${Q_TIMEOUT:-590}" "$PY" benchmarks/gpu/stage_q_quality.py "${args[@]}" ${Q_ARGS:-} ;;
     fit) "$PY" benchmarks/gpu/fit_sim.py "$DEST/stage_b.json" "$DEST/stage_c.json" "$DEST/stage_d.json" \
            --out "$DEST/sim_timing.json" ;;
   esac
@@ -97,8 +99,8 @@ case "$STAGE" in
   model-a) receive_half a ;;
   model-b) receive_half b ;;
   install) ensure_installed ;;
-  a|b|c|d|e|f|fit) ensure_installed; stage "$STAGE" ;;
+  a|b|c|d|e|f|q|fit) ensure_installed; stage "$STAGE" ;;
   all) ensure_installed; rm -f "$DEST/results.md"; for s in a b c d e f fit; do stage "$s"; done
        echo "run.sh: all stages done; results in $DEST (results.md, stage_*.json, sim_timing.json)" ;;
-  *) echo "run.sh: unknown stage '${STAGE}'; one of a b c d e f fit all install model-a model-b (header)" >&2; exit 2 ;;
+  *) echo "run.sh: unknown stage '${STAGE}'; one of a b c d e f q fit all install model-a model-b (header)" >&2; exit 2 ;;
 esac
