@@ -106,6 +106,11 @@ LEVERS = {
     "ordered_eta2": ("async η=2, batches in admission order", "async", 2, {"controller.batch_order": "admission"},
                      False),
     "cliphigher_eta2": ("async η=2 clip-higher ε_high=0.28", "async", 2, {"trainer.eps_clip_high": 0.28}, False),
+    # a GPU run (benchmarks/gpu/stage_q_quality.py, RESULTS.md) learnt far less than the CPU and its behaviour
+    # weights grew to ~100 at staleness 0: there `trainer.precision: auto` meant bf16 autocast against an fp32
+    # engine. These run the CPU study with the trainer in bf16 autocast, the GPU's numerics on this machine
+    "bf16_eta2": ("async η=2, trainer bf16 autocast", "async", 2, {"trainer.precision": "bf16"}, False),
+    "sync_bf16": ("sync, trainer bf16 autocast", "sync", 0, {"trainer.precision": "bf16"}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
 }
@@ -115,8 +120,8 @@ STUDY = list(MODES)
 MODES = {**MODES, **LEVERS}
 QUICK_MODES, QUICK_SEEDS, QUICK_VERSIONS, QUICK_EVAL_N = ("sync", "async_eta2"), (0,), 2, 8
 QUICK_SETS = {"controller.max_new_tokens": 16, "controller.drop_uniform_groups": False}
-PER_STEP = ("entropy", "clip_frac", "masked_frac", "behav_capped_frac", "staleness_max", "staleness_violations",
-            "dropped_stale", "reward_mean", "n_seqs")
+PER_STEP = ("entropy", "clip_frac", "masked_frac", "behav_capped_frac", "behav_weight_max", "staleness_max",
+            "staleness_violations", "dropped_stale", "reward_mean", "n_seqs")
 RUN_TIMEOUT_S = {True: 600, False: 6 * 3600}
 # --plan's guesses on CPU when the results file has no finished run to measure from
 GUESS = {"startup_s": 60.0, "version_s": 25.0, "eval_problem_s": 0.4}

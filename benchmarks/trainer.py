@@ -20,8 +20,8 @@ One torch thread by default: on an oversubscribed machine a descheduled OpenMP t
 parallel kernel, which makes step time track the number of kernels rather than the work and hides
 the difference being measured; pass --threads 2 on an idle machine.
 
---device cuda (or cuda:N) trains on that GPU (trainer.precision auto: bf16 autocast over fp32 master weights
-there); default cpu. benchmarks/gpu/run.sh stage c compares the trainer with a plain fwd+bwd+AdamW loop.
+--device cuda (or cuda:N) trains on that GPU as the trainer of a bf16 engine does (trainer.precision auto
+follows the engine's dtype: bf16 autocast over fp32 master weights); default cpu. benchmarks/gpu/run.sh stage c compares the trainer with a plain fwd+bwd+AdamW loop.
 
     python benchmarks/trainer.py [--quick] [--json PATH] [--threads N] [--device cpu|cuda|cuda:N]
 
@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from areal_mq.algorithms.config import TrainerConfig
     from areal_mq.algorithms.trainer import Trainer
+    from areal_mq.devices import resolve_device
     from areal_mq.engines.models import resolve_model
 
     q = 0 if args.quick else 1
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> dict:
     log(f"{len(lengths)} sequences, {sum(lengths)} tokens (median {int(np.median(lengths))}, max {max(lengths)}); "
         f"packed budget {size['budget']} tokens, padded {mb_size} seqs/micro-batch")
     t0 = time.perf_counter()
-    trainer = Trainer(base, resolve_model("smollm2-135m-instruct"), device=args.device)
+    trainer = Trainer(base, resolve_model("smollm2-135m-instruct"), device=args.device,
+                      engine_dtype="bfloat16" if resolve_device(args.device).type == "cuda" else "float32")
     load_s = time.perf_counter() - t0
     trainer.train_step(longtail_batch(1, 1, 2, (8, 9), 8, 16))  # warm-up: allocator, kernels
     steps: dict[str, list[dict]] = {m: [] for m in MODES}

@@ -264,7 +264,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         from areal_mq.workers.sim_trainer import main as sim_main
 
         return sim_main(cfg, worker_id)
-    from areal_mq.algorithms.trainer import Trainer
+    from areal_mq.algorithms.trainer import Trainer, rollout_dtype
     from areal_mq.client import SignalPublisher, StoreClient
     from areal_mq.devices import role_device
     from areal_mq.engines.models import resolve_model
@@ -275,7 +275,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
 
     apply_thread_budget(cfg, "trainer")
     trainer = Trainer(cfg.trainer, resolve_model(cfg.model.name, cfg.model.cache_dir),
-                      device=role_device(cfg, "trainer"), model_dtype=cfg.model.dtype)
+                      device=role_device(cfg, "trainer"), engine_dtype=rollout_dtype(cfg))
     rt = store = bus = publisher = sinks = None
     if not trainer.is_main:  # torchrun forwards SIGTERM to every rank: only rank 0 decides when to stop
         signal.signal(signal.SIGTERM, lambda *_: None)

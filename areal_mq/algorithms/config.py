@@ -42,8 +42,10 @@ class TrainerConfig(BaseModel):
     )
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="Compute precision; the master weights and AdamW state are always fp32. bf16: autocast "
-        "over the fp32 weights (Accelerate mixed precision); fp32: no autocast; auto: bf16 on CUDA or when "
-        "model.dtype is bfloat16, else fp32 (so the CPU default stays fp32)."
+        "over the fp32 weights (Accelerate mixed precision); fp32: no autocast; auto: the rollout engine's precision "
+        "(bf16 when rollout.engine.dtype, or model.dtype where that is auto, is bfloat16; else fp32), on any device: "
+        "the behaviour weights compare the trainer's logprobs with the engine's, and a bf16 trainer against an "
+        "fp32 engine is off-policy by numerics alone (benchmarks/RESULTS.md, GPU stage q)."
     )
     tf32: bool = Field(
         False, description="TF32 policy on CUDA, set explicitly when the trainer starts "

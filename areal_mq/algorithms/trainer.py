@@ -22,7 +22,8 @@ Device: one device per rank, `self.device` == `accelerator.device` (trainer.devi
 auto = cuda when available, areal_mq/devices.py). The model, every micro-batch tensor (built there by
 packing.py), the dummy input of an idle rank and the metric sums all-reduced by NCCL live on it. The master
 weights and AdamW state are fp32 whatever `model.dtype` says; bf16 is autocast (trainer.precision, auto = bf16
-on CUDA or with model.dtype bfloat16) and the TF32 policy is set explicitly (trainer.tf32). A step keeps its
+when the rollout engine computes in bf16, fp32 when it computes in fp32, on any device: the behaviour weights
+compare the trainer's logprobs with the engine's) and the TF32 policy is set explicitly (trainer.tf32). A step keeps its
 statistics on the device and reads them back ONCE (`_reduce`): no host sync per micro-batch.
 
 How to run: in-process (`Trainer(cfg, path)`), or data-parallel on CPU with
@@ -54,11 +55,21 @@ _SUMS = ("loss", "clipped", "weight_sum", "capped", "masked", "kl_sum", "entropy
 _N_DEVICE_SUMS = 7
 
 
-def compute_precision(cfg: TrainerConfig, device: "torch.device", model_dtype: str) -> str:
-    """trainer.precision with `auto` resolved: bf16 autocast on CUDA or when the model's dtype is bfloat16."""
+def rollout_dtype(cfg: Any) -> str:
+    """The dtype the rollout engine computes in: rollout.engine.dtype, or model.dtype where that is auto."""
+    return cfg.model.dtype if cfg.rollout.engine.dtype == "auto" else cfg.rollout.engine.dtype
+
+
+def compute_precision(cfg: TrainerConfig, engine_dtype: str) -> str:
+    """trainer.precision with `auto` resolved: the precision the rollout engine computes in (bf16 autocast for
+    a bfloat16 engine, else fp32), whatever the device. Why not "bf16 on CUDA": the behaviour weights
+    (areal_mq/algorithms/loss.py) divide the trainer's probabilities by the engine's, so a bf16 trainer
+    against an fp32 engine is off-policy by numerics alone, and more so as the policy sharpens; on an H200 the
+    weight at staleness 0 grew from 1.3 at the first step to 106 by version 36 of the quickstart, whose
+    held-out accuracy at v50 was 30 % against the fp32 CPU runs' 42 % (benchmarks/RESULTS.md, GPU stage q)."""
     if cfg.precision != "auto":
         return cfg.precision
-    return "bf16" if device.type == "cuda" or model_dtype == "bfloat16" else "fp32"
+    return "bf16" if engine_dtype == "bfloat16" else "fp32"
 
 
 def apply_tf32_policy(device: "torch.device", allow: bool) -> None:
@@ -126,9 +137,10 @@ class Trainer:
     """Policy parameters, optimizer and schedule; see the module docstring."""
 
     def __init__(self, cfg: TrainerConfig, model_path: str | Path, accelerator: Any = None, *,
-                 device: str | None = None, model_dtype: str = "float32"):
+                 device: str | None = None, engine_dtype: str = "float32"):
         """`device`: a spec (auto|cpu|cuda|cuda:N, `meta` for the device-guard tests), default trainer.device
-        or auto; the worker passes role_device(cfg, "trainer"). `model_dtype`: model.dtype (see precision)."""
+        or auto; the worker passes role_device(cfg, "trainer"). `engine_dtype`: the dtype the rollout engine
+        computes in (`rollout_dtype(cfg)`), which trainer.precision auto follows."""
         from accelerate.utils import set_seed
 
         from areal_mq.algorithms.optim import build_optimizer, build_scheduler
@@ -137,7 +149,7 @@ class Trainer:
         self.cfg = cfg
         self.model_path = Path(model_path)
         self.precision = None
-        self.accelerator, self.device = self._accelerator(accelerator, device or cfg.device or "auto", model_dtype)
+        self.accelerator, self.device = self._accelerator(accelerator, device or cfg.device or "auto", engine_dtype)
         apply_tf32_policy(self.device, cfg.tf32)
         set_seed(cfg.seed)
         model = load_causal_lm(self.model_path, "float32")  # fp32 master weights; bf16 = autocast
@@ -158,7 +170,7 @@ class Trainer:
         self.optimizer_steps = 0
         self.consumed_ids: list[str] = []
 
-    def _accelerator(self, given: Any, spec: str, model_dtype: str) -> tuple[Any, "torch.device"]:
+    def _accelerator(self, given: Any, spec: str, engine_dtype: str) -> tuple[Any, "torch.device"]:
         """The Accelerator (given, or made for the resolved device) and the device this rank trains on."""
         import torch
         from accelerate import Accelerator
@@ -167,7 +179,7 @@ class Trainer:
         from areal_mq.errors import ConfigError
 
         want = resolve_device(spec)
-        self.precision = compute_precision(self.cfg, want, model_dtype)
+        self.precision = compute_precision(self.cfg, engine_dtype)
         if given is None:
             if want.type == "cuda" and "LOCAL_RANK" not in os.environ:
                 torch.cuda.set_device(want)  # one process: accelerate takes the current device for `cuda`

@@ -4,8 +4,8 @@ What it measures, on SmolLM2-135M's exact config with random weights (random_mod
 G groups x 4 sequences of P prompt + L generated tokens (full: 8 x 4 x (128 + 384) = 32 x 512, the shape of the
 issue's reference loop) trained by
   - the trainer (areal_mq/algorithms/trainer.py: decoupled PPO, proximal logprobs, packing into micro-batches
-    of `budget` tokens, Accelerate; precision auto = bf16 autocast over fp32 master weights on CUDA), with its
-    default shared-prompt packing and with dynamic packing, and
+    of `budget` tokens, Accelerate; bf16 autocast over fp32 master weights, as the trainer of a bf16 engine),
+    with its default shared-prompt packing and with dynamic packing, and
   - a plain loop: the same rows in micro-batches of the same token budget, cross-entropy forward + backward,
     one AdamW step, under the precision the trainer chose.
 Each is timed over several steps after a warm-up (medians); the ratio trainer/plain is the headline.
@@ -78,7 +78,8 @@ def run(args) -> dict:
                       report.PACK / "smollm2")
     full = batch(s["groups"], s["group_size"], s["prompt"], s["gen"])
     base = TrainerConfig(lr=1e-7, max_tokens_per_mb=s["budget"])
-    trainer = Trainer(base, model_dir, device=args.device, model_dtype="float32")
+    # the bf16 engine's trainer (trainer.precision auto follows the engine's dtype): bf16 autocast, as the plain loop
+    trainer = Trainer(base, model_dir, device=args.device, engine_dtype="bfloat16")
     clock = report.timer(trainer.device)
     trainer.train_step(batch(1, 2, 8, 8, seed=1))  # warm-up: allocator, kernels
     results = {}

@@ -10,16 +10,22 @@ Run: pytest tests/unit/algorithms/test_trainer_device.py -q
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from areal_mq.algorithms.config import TrainerConfig
 from areal_mq.algorithms.packing import build_microbatch, samples_to_seqs
-from areal_mq.algorithms.trainer import DeviceSpan, Trainer, apply_tf32_policy, compute_precision, token_logprobs
+from areal_mq.algorithms.trainer import (DeviceSpan, Trainer, apply_tf32_policy, compute_precision, rollout_dtype,
+                                         token_logprobs)
+from areal_mq.config import load_config
 from areal_mq.errors import ConfigError
 from areal_mq.testing.device_guard import DeviceGuard, DeviceMismatch
 from tests.unit.algorithms.batches import behaviour_near_model, make_samples
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 MB_TENSORS = ("input_ids", "position_ids", "attention_mask", "keep_cols", "logit_index", "targets", "behav_logp",
               "advantages", "versions", "prox_logp", "ref_logp")
@@ -88,12 +94,17 @@ def test_the_guard_catches_a_batch_built_on_the_cpu_for_a_model_elsewhere(tiny_m
         token_logprobs(trainer.model, cpu_batch, 1.0)
 
 
-def test_precision_auto_is_bf16_on_cuda_or_with_a_bf16_model():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert compute_precision(TrainerConfig(), cpu, "float32") == "fp32"
-    assert compute_precision(TrainerConfig(), cpu, "bfloat16") == "bf16"
-    assert compute_precision(TrainerConfig(), cuda, "float32") == "bf16"
-    assert compute_precision(TrainerConfig(precision="fp32"), cuda, "bfloat16") == "fp32"  # explicit wins
+def test_precision_auto_follows_the_engines_dtype_on_every_device():
+    # the behaviour weights divide the trainer's probabilities by the engine's: auto computes as the engine does
+    # (a bf16 trainer against an fp32 engine drove the weight at staleness 0 to ~100 on an H200, RESULTS.md)
+    assert compute_precision(TrainerConfig(), "float32") == "fp32"
+    assert compute_precision(TrainerConfig(), "bfloat16") == "bf16"
+    assert compute_precision(TrainerConfig(precision="fp32"), "bfloat16") == "fp32"  # explicit wins
+    assert compute_precision(TrainerConfig(precision="bf16"), "float32") == "bf16"
+    cfg = load_config(CONFIGS / "quickstart.yaml", [])
+    assert rollout_dtype(cfg) == "float32"  # model.dtype, rollout.engine.dtype auto
+    assert rollout_dtype(load_config(CONFIGS / "quickstart.yaml", ["rollout.engine.dtype=bfloat16"])) == "bfloat16"
+    assert rollout_dtype(load_config(CONFIGS / "quickstart-gpu.yaml", [])) == "bfloat16"
 
 
 def test_tf32_policy_is_set_explicitly_on_cuda_only():
@@ -159,7 +170,8 @@ def test_a_device_span_on_cuda_times_the_kernels_not_their_launch():
 def test_a_train_step_on_cuda_keeps_fp32_master_weights_under_bf16_autocast(tiny_model_dir):
     cfg = TrainerConfig(lr=1e-3, max_tokens_per_mb=64, device="cuda")
     batch = behaviour_near_model(make_samples(8, n_groups=2), tiny_model_dir, noise=0.0)
-    trainer = Trainer(cfg, tiny_model_dir)
+    assert Trainer(cfg, tiny_model_dir).precision == "fp32"  # auto follows the engine's dtype, not the device
+    trainer = Trainer(cfg, tiny_model_dir, engine_dtype="bfloat16")
     assert trainer.device.type == "cuda" and trainer.precision == "bf16"
     assert not torch.backends.cuda.matmul.allow_tf32  # the stated policy: off unless trainer.tf32
     before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
