@@ -291,7 +291,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     try:
         worker.resume()
         worker.log_info("trainer.started", version=trainer.version, world_size=trainer.world_size,
-                        total_steps=cfg.controller.total_steps)
+                        total_steps=cfg.controller.total_steps, device=str(trainer.device),
+                        precision=trainer.precision, engine_dtype=rollout_dtype(cfg))
         worker.run()
         return 0
     finally:

@@ -9,6 +9,7 @@
 #   e   configs/quickstart-gpu.yaml to v50, held-out accuracy  (stage_e_quickstart.py; real weights)
 #   f   e2e async vs sync                                      (stage_f_e2e.py -> benchmarks/e2e.py; real weights)
 #   q   quality study: sync vs async η=2 pairs, workers side by side (stage_q_quality.py; real weights; not in all)
+#       its own flags go in Q_ARGS (e.g. Q_ARGS="--seeds-at-once 4 --deadline-s 480"), its limit in Q_TIMEOUT (590 s)
 #   fit the simulator's h100-measured slot from OUT/stage_{b,c,d}.json (fit_sim.py; --out only, no install)
 #   all a..f then fit (the CPU smoke run: `bash benchmarks/gpu/run.sh all --device cpu --quick`, in CI)
 #   install  only what every stage does first: the wheels, the project, the tests' tiny model (pack.sh)

@@ -14,10 +14,14 @@ At `--deadline-s` the workers still running are interrupted (each stops its run;
 nothing); the finished runs are merged into OUT/quality_gpu.jsonl, reported by benchmarks/quality_report.py
 (paired difference per seed, 95 % interval) into OUT/stage_q.json, OUT/results.md and OUT/quality_gpu.png, and
 the launcher logs of runs that failed go to OUT/q_logs.tar.gz.
+Sizes on an H200 (2026-11-26, 8 runs side by side, 50 versions): async η=2 trains in 215-233 s and sync in
+265-286 s, then each evaluates 1,100 problems in 55-60 s; start-up (install, GGUF conversion, the base model's
+evaluation) is ~85 s. One round of 4 pairs therefore needs a deadline of ~400 s and fits one 10-minute command;
+the first try gave 375 s and lost every sync run in its final evaluation.
 --quick: configs/tiny.yaml, 2 versions, 8 problems, 1 seed at once (the code path on the CPU, nothing is learnt).
 
     python benchmarks/gpu/stage_q_quality.py [--device cuda] [--seeds-at-once 4] [--rounds 2] [--first-seed 0] \
-        [--versions 50] [--eval-every 50] [--deadline-s 420] [--quick] [--out DIR] [--work DIR]
+        [--versions 50] [--eval-every 50] [--deadline-s 480] [--quick] [--out DIR] [--work DIR]
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def extra(parser) -> None:
                                                         "at 50 versions; quick 1).")
     parser.add_argument("--eval-n", type=int, help="Held-out problems per evaluation (default 1100; quick 8).")
     parser.add_argument("--deadline-s", type=float, help="Stop the workers this long after the first one started "
-                                                        "(default 420; quick 900).")
+                                                        "(default 480; quick 900).")
     parser.add_argument("--stagger-s", type=float, default=4.0, help="Seconds between two workers' starts.")
 
 
@@ -185,7 +189,7 @@ def main() -> None:
     args.versions = pick(args.versions, quality.QUICK_VERSIONS, 50)
     args.eval_every = pick(args.eval_every, 1, 50)
     args.eval_n = pick(args.eval_n, quality.QUICK_EVAL_N, 1100)
-    args.deadline_s = pick(args.deadline_s, 900.0, 420.0)
+    args.deadline_s = pick(args.deadline_s, 900.0, 480.0)
     r = common.timed(run, args)
     report.write(args.out, "q", r, markdown(r))
 
