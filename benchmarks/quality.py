@@ -111,6 +111,8 @@ LEVERS = {
     # engine. These run the CPU study with the trainer in bf16 autocast, the GPU's numerics on this machine
     "bf16_eta2": ("async η=2, trainer bf16 autocast", "async", 2, {"trainer.precision": "bf16"}, False),
     "sync_bf16": ("sync, trainer bf16 autocast", "sync", 0, {"trainer.precision": "bf16"}, False),
+    # configs/quickstart-gpu.yaml's numerics: engine AND trainer in bf16 (model.dtype; precision auto follows it)
+    "sync_bf16both": ("sync, engine and trainer bf16", "sync", 0, {"model.dtype": "bfloat16"}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
 }
