@@ -1,5 +1,5 @@
 """The trainer/engine precision figure (RESULTS.md "GPU stage q"): the largest behaviour weight π_prox/π_behav of
-each training step, per run, beside the training reward. At staleness 0 the weight is 1 up to numerics, so
+each training step, per run, beside the training reward (a 10-version running mean). At staleness 0 the weight is 1 up to numerics, so
 its growth in a sync run is train/inference mismatch alone (a bf16-autocast trainer against an fp32 engine).
 
 What: each `--run LABEL=PATH` is a run's metrics.jsonl (one JSON line per version: behav_weight_max,
@@ -37,14 +37,16 @@ def plot(runs: dict, out: Path) -> None:
     for label, r in runs.items():
         style = "-" if "sync" in label else "--"
         ax1.plot(r["version"], r["behav_weight_max"], style, label=label, lw=1.2)
-        ax2.plot(r["version"], r["reward_mean"], style, label=label, lw=1.0)
+        rw = r["reward_mean"]
+        smooth = [sum(rw[max(0, i - 9):i + 1]) / len(rw[max(0, i - 9):i + 1]) for i in range(len(rw))]
+        ax2.plot(r["version"], smooth, style, label=label, lw=1.0)
     ax1.set_yscale("log")
     ax1.set_xlabel("version")
     ax1.set_ylabel("max behaviour weight π_prox/π_behav in the step (log)")
     ax1.set_title("train/inference mismatch")
     ax2.set_xlabel("version")
-    ax2.set_ylabel("training reward (batch mean)")
-    ax2.set_title("reward")
+    ax2.set_ylabel("training reward, mean of the last 10 versions")
+    ax2.set_title("training reward")
     ax1.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,7 @@ def main() -> None:
             ap.error("give --run LABEL=PATH (one or more) or --from-json FILE")
         runs = {}
         for spec in args.run:
-            label, sep, path = spec.partition("=")
+            label, sep, path = spec.rpartition("=")  # a label may hold "=" (η=2), a path does not
             if not sep:
                 ap.error(f"--run {spec!r}: expected LABEL=PATH")
             runs[label] = read_run(Path(path))
