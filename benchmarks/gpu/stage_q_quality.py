@@ -13,7 +13,7 @@ the GPU and the cores), so the report's equal-wall-time figures from this stage 
 At `--deadline-s` the workers still running are interrupted (each stops its run; a run cut off records
 nothing); the finished runs are merged into OUT/quality_gpu.jsonl, reported by benchmarks/quality_report.py
 (paired difference per seed, 95 % interval) into OUT/stage_q.json, OUT/results.md and OUT/quality_gpu.png, and
-the launcher logs of runs that failed go to OUT/q_logs.tar.gz.
+the worker logs and every run's launcher output go to OUT/q_logs.tar.gz.
 Sizes on an H200 (2026-11-26, 8 runs side by side, 50 versions): async η=2 trains in 215-233 s and sync in
 265-286 s, then each evaluates 1,100 problems in 55-60 s; start-up (install, GGUF conversion, the base model's
 evaluation) is ~85 s. One round of 4 pairs therefore needs a deadline of ~400 s and fits one 10-minute command;
