@@ -298,7 +298,7 @@ def main() -> None:
             if run["key"] in done:
                 log(f"{run['key']}: done, skipped")
                 continue
-            run_dir = out / f"{run['mode']}-seed{run['seed']}"
+            run_dir = out / f"{run['mode']}-seed{run['seed']}-v{args.versions}"  # runs of another length keep theirs
             line = record(run, args, run_dir, *launch(run, args, run_dir))
             prune(run_dir)
             results.parent.mkdir(parents=True, exist_ok=True)

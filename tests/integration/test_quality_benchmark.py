@@ -43,7 +43,9 @@ def test_quick_study_writes_one_line_per_run_and_a_rerun_skips_them(tmp_path):
         for key in ("entropy", "clip_frac", "masked_frac", "staleness_max"):
             assert len(line["per_step"][key]) == 2 and all(v is not None for v in line["per_step"][key]), key
         assert max(line["per_step"]["staleness_max"]) <= line["eta"] and line["staleness_violations"] == 0
-        assert sum(line["staleness_hist"]) > 0 and not (tmp_path / "runs" / f"{line['mode']}-seed0" / "weights").exists()
+        run_dir = tmp_path / "runs" / f"{line['mode']}-seed0-v2"  # keyed by run length: a longer run keeps its own
+        assert sum(line["staleness_hist"]) > 0 and (run_dir / "metrics.jsonl").exists()
+        assert not (run_dir / "weights").exists()  # pruned
     assert png.stat().st_size > 10_000
     out = stdout.strip().splitlines()
     assert out[-2].startswith("command: python benchmarks/quality.py --quick")
