@@ -6,8 +6,8 @@ Not meant to be run by hand.
 
 Two processes:
   boot (root, pid 1 of the pid namespace): joins the run's memory cgroup when there is one, hides the host
-      temp and run directories under empty tmpfs (mode 0000; where Python or the sandbox dir lies below,
-      0711 with those put back), makes every mount read-only, mounts a small private tmpfs on the sandbox
+      temp and run directories under empty tmpfs (mode 0000; Python, where it lies below one, is bind-mounted
+      beside the sandbox dir and its paths moved there), makes every mount read-only, mounts a small private tmpfs on the sandbox
       directory, writes the program there, forks the runner, waits for it and writes an "exit" line (exit
       code, signal, CPU seconds) on the status pipe. When boot exits the kernel kills whatever the program
       left behind in the namespace.
@@ -77,23 +77,38 @@ def _covers(cfg, keep):
 
 def isolate_filesystem(cfg):
     """Hide the covers under empty root-owned tmpfs (mode 0000: nothing below can even be looked up, so every
-    access is EACCES; 0711 where a kept path or the sandbox dir lies below, with those put back), make every
-    mount read-only, and mount the sandbox dir: a private size-limited tmpfs, the only writable place."""
+    access is EACCES), make every mount read-only, and mount the sandbox dir: a private size-limited tmpfs, the
+    only writable place.
+
+    Python itself may live under a cover (a venv under /tmp, a pyenv under /root). It is not put back in place:
+    a cover with something put back must be traversable, and then every other name below it answers ENOENT
+    instead of EACCES, so a program reading a hidden host file got `error` instead of `read_blocked`. Instead
+    each such kept directory is bind-mounted at `<dir>.py/<i>` (beside the sandbox dir, outside every cover)
+    and the interpreter's own paths are moved there (relocate_python): every cover stays 0000 wherever the
+    interpreter lives."""
     libc = ctypes.CDLL(None, use_errno=True)
     keep = sorted({os.path.realpath(p) for p in cfg["expose"]})
-    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep}
-    for point in _covers(cfg, keep):
-        if not os.path.isdir(point) or any(p == point or _under(point, p) for p in keep):
-            continue  # hidden by an earlier cover already, or Python itself lives there
-        inner = [p for p in [*keep, cfg["dir"]] if _under(p, point)]
+    covers = _covers(cfg, keep)
+    moved = {}
+    buried = [p for p in keep if any(p == c or _under(p, c) for c in covers)]
+    buried = [p for p in buried if not any(_under(p, q) for q in buried)]  # the outermost of nested ones
+    if buried:
+        base = cfg["dir"] + ".py"
+        os.makedirs(base, mode=0o711, exist_ok=True)
+        for i, path in enumerate(buried):
+            moved[path] = os.path.join(base, str(i))
+            os.makedirs(moved[path], mode=0o711, exist_ok=True)
+            _mount(libc, path, moved[path], None, MS_BIND | MS_REC, None)
+    renames = python_paths(moved)
+    for point in covers:
+        if not os.path.isdir(point):
+            continue
+        inner = [p for p in [cfg["dir"]] if _under(p, point)]  # the sandbox dir normally lies outside every cover
         _mount(libc, "tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                f"size=1m,mode={'0711' if inner else '0000'}")
         for path in inner:
             os.makedirs(path, mode=0o711, exist_ok=True)
-            if path in fds:
-                _mount(libc, f"/proc/self/fd/{fds[path]}", path, None, MS_BIND | MS_REC, None)
-    for fd in fds.values():
-        os.close(fd)
+    relocate_python(renames)  # before anything imports lazily again (the codecs _mounts needs, say)
     for point, opts, fstype in list(_mounts()):
         if fstype in SKIP_FS or "ro" in opts or point.startswith(("/proc", "/sys")):
             continue
@@ -103,6 +118,37 @@ def isolate_filesystem(cfg):
     uid = cfg["uid"] if cfg["uid"] is not None else 0
     _mount(libc, "tmpfs", cfg["dir"], "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={cfg['disk_mb']}m,mode=0700,uid={uid},gid={uid}")
+
+
+def python_paths(moved):
+    """{path Python uses: where it will be} for the interpreter's search paths and prefixes that lie in a moved
+    directory (resolved now, while the old places still resolve)."""
+    used = [*sys.path, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix]
+    for mod in list(sys.modules.values()):
+        path = getattr(mod, "__path__", None)
+        if isinstance(path, list):
+            used.extend(p for p in path if isinstance(p, str))
+    out = {}
+    for p in used:
+        real = os.path.realpath(p)
+        for old, new in moved.items():
+            if real == old or _under(real, old):
+                out[p] = new + real[len(old):]
+    return out
+
+
+def relocate_python(renames):
+    """Point sys.path, the prefixes and the packages already imported at the relocated copies."""
+    if not renames:
+        return
+    sys.path[:] = [renames.get(p, p) for p in sys.path]
+    for name in ("prefix", "exec_prefix", "base_prefix", "base_exec_prefix"):
+        setattr(sys, name, renames.get(getattr(sys, name), getattr(sys, name)))
+    for mod in list(sys.modules.values()):
+        path = getattr(mod, "__path__", None)
+        if isinstance(path, list):
+            path[:] = [renames.get(p, p) for p in path]
+    sys.path_importer_cache.clear()
 
 
 def apply_limits(cfg):

@@ -187,6 +187,7 @@ class CodeSandbox:
             if group is not None:
                 group.remove()
             shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(workdir + ".py", ignore_errors=True)  # where boot bind-mounted a buried Python (empty here)
 
     def _boot_config(self, workdir, uid, program, plan: Plan, status_fd, nonce, group) -> dict:
         c = self.cfg
