@@ -194,6 +194,12 @@ class TrainerWorker(Role):
                 "dropped_stale_total": self.stale_total}
 
     def publish(self) -> None:
+        if self.cfg.trainer.strategy == "fsdp":  # a collective: every rank gathers, rank 0 publishes
+            tensors = self.trainer.publish_tensors()
+            if self.is_main:
+                ready = self.publisher.publish(self.trainer.version, tensors, self.trainer.hf_config_json)
+                self.bus.publish("weights", ready)
+            return
         if not self.is_main:
             return
         if self.cfg.trainer.publish_mode == "cuda_ipc":  # the live parameters, copied on their device (weights/ipc.py)

@@ -8,6 +8,9 @@ What: `save_checkpoint(trainer, root, extra)` writes root/step{version:08d}/ con
   of the rank's GPU when it trains on one (a CPU-only resume of a GPU checkpoint restores the rest);
 - trainer_state.json: policy version, optimizer steps, ids of consumed samples and the caller's
   opaque `extra` dict (e.g. the controller's dataset position; must be JSON-serialisable).
+Under trainer.strategy fsdp the model and AdamW state are instead `sharded/`, a torch.distributed.checkpoint
+directory every rank writes its own shards to (resharded on load: a checkpoint of 2 ranks resumes on 1 and
+vice versa); `export_checkpoint(dir, out)` turns it into the plain Hugging Face directory above.
 The directory is written under a temporary name and renamed into place, so a crash never leaves a
 half checkpoint under a real name; older checkpoints beyond `keep_checkpoints` are pruned.
 `load_checkpoint(trainer, dir)` restores all of it and returns `extra`; `latest_checkpoint(root)`
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 
 STATE_JSON = "trainer_state.json"
 STATE_PT = "trainer_state.pt"
+SHARDED = "sharded"  # torch.distributed.checkpoint directory of an fsdp trainer (model + AdamW shards)
 _NAME = re.compile(r"^step(\d{8})$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
@@ -77,17 +81,28 @@ def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, k
     tmp = root / f".step{trainer.version:08d}.tmp"
     extra = extra or {}
     json.dumps(extra)  # fail before writing anything if `extra` cannot be stored
+    sharded = trainer.strategy.name == "fsdp"
     if trainer.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        trainer.unwrapped.save_pretrained(str(tmp), safe_serialization=True)
+        if sharded:  # the config and tokenizer, for export_checkpoint
+            trainer.unwrapped.config.save_pretrained(str(tmp))
+        else:
+            trainer.unwrapped.save_pretrained(str(tmp), safe_serialization=True)
         _copy_tokenizer(trainer.model_path, tmp)
-        torch.save({"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
-                   tmp / STATE_PT)
+        blobs = {"scheduler": trainer.scheduler.state_dict()}
+        if not sharded:
+            blobs["optimizer"] = trainer.optimizer.state_dict()
+        torch.save(blobs, tmp / STATE_PT)
         state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
-                 "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids, "extra": extra}
+                 "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids, "extra": extra,
+                 "strategy": trainer.strategy.name}
         (tmp / STATE_JSON).write_text(json.dumps(state))
     acc.wait_for_everyone()
+    if sharded:  # every rank writes its own shards of the model and AdamW state
+        from areal_mq.algorithms.fsdp import save_sharded
+
+        save_sharded(trainer, tmp / SHARDED)
     torch.save(_rng_state(trainer.device), tmp / f"rng_rank{trainer.rank}.pt")
     acc.wait_for_everyone()
     if trainer.is_main:
@@ -150,9 +165,19 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> dict:
     if not (path / STATE_JSON).is_file():
         raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STATE_JSON})")
     state = json.loads((path / STATE_JSON).read_text())
-    _load_model_weights(trainer, path)
+    saved = state.get("strategy", "ddp")
+    if (saved == "fsdp") != (trainer.strategy.name == "fsdp"):
+        raise ValueError(f"checkpoint {path} was written by a {saved} trainer and this one is "
+                         f"{trainer.strategy.name}: set trainer.strategy: {saved} to resume it, or export it "
+                         "(`areal-mq checkpoint export`) and start a new run from the exported model")
     blobs = torch.load(path / STATE_PT, map_location="cpu", weights_only=True)
-    trainer.optimizer.load_state_dict(blobs["optimizer"])
+    if saved == "fsdp":  # resharded on load: any world size resumes it
+        from areal_mq.algorithms.fsdp import load_sharded
+
+        load_sharded(trainer, path / SHARDED)
+    else:
+        _load_model_weights(trainer, path)
+        trainer.optimizer.load_state_dict(blobs["optimizer"])
     trainer.scheduler.load_state_dict(blobs["scheduler"])
     rng_file = path / f"rng_rank{trainer.rank}.pt"
     if rng_file.is_file():  # absent if the world size grew: that rank keeps its seeded RNG
@@ -161,3 +186,21 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> dict:
     trainer.optimizer_steps = int(state["optimizer_steps"])
     trainer.consumed_ids = list(state["consumed_ids"])
     return dict(state.get("extra", {}))
+
+
+def export_checkpoint(path: Path, out: Path) -> Path:
+    """A plain Hugging Face directory (config, fp32 safetensors, tokenizer) from checkpoint `path`: the sharded
+    model of an fsdp checkpoint is read in this one process (no process group), a ddp checkpoint is copied."""
+    state = json.loads((path / STATE_JSON).read_text())
+    out = Path(out)
+    if state.get("strategy", "ddp") != "fsdp":
+        out.mkdir(parents=True, exist_ok=True)
+        for f in path.iterdir():
+            if f.suffix in (".safetensors", ".json") and f.name not in (STATE_JSON,) or f.name in TOKENIZER_FILES:
+                shutil.copy2(f, out / f.name)
+        return out
+    from areal_mq.algorithms.fsdp import export_hf
+
+    export_hf(path / SHARDED, path, out)
+    _copy_tokenizer(path, out)
+    return out

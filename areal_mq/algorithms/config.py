@@ -19,6 +19,24 @@ from areal_mq.errors import ConfigError
 from areal_mq.sim.config import SimTrainerConfig
 
 
+class FsdpConfig(BaseModel):
+    """FSDP2 settings (trainer.strategy: fsdp; areal_mq/algorithms/fsdp.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reshard_after_forward: bool = Field(
+        True, description="Free each decoder layer's gathered parameters after its forward and gather them again "
+        "in backward (ZeRO-3: least memory, one more all-gather per layer); false keeps them until backward "
+        "(ZeRO-2-like: +1 full layer set of parameters per rank, less communication).")
+    offload: bool = Field(
+        False, description="Keep the sharded fp32 parameters, gradients and AdamW state in host memory (FSDP2 "
+        "CPUOffloadPolicy): the device then holds only the layers being computed; the optimizer step runs on the "
+        "CPU. For a model whose 16 bytes per parameter / world size do not fit the device.")
+    logprob_chunk_mb: float = Field(
+        256.0, gt=0, description="Byte budget of one chunk of fp32 logits in the chunked logprob/entropy "
+        "computation (any strategy): tokens per chunk = budget / (4 * vocabulary).")
+
+
 class TrainerConfig(BaseModel):
     """Decoupled-PPO trainer settings."""
 
@@ -40,12 +58,15 @@ class TrainerConfig(BaseModel):
         None, pattern=DEVICE_RE.pattern, description="The trainer's device, overriding model.device: auto (cuda when "
         "available, else cpu), cpu, cuda or cuda:N. Under `accelerate launch` each rank takes its own GPU (LOCAL_RANK)."
     )
-    precision: Literal["auto", "fp32", "bf16"] = Field(
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="Compute precision; the master weights and AdamW state are always fp32. bf16: autocast "
         "over the fp32 weights (Accelerate mixed precision); fp32: no autocast; auto: the rollout engine's precision "
         "(bf16 when rollout.engine.dtype, or model.dtype where that is auto, is bfloat16; else fp32), on any device: "
         "the behaviour weights compare the trainer's logprobs with the engine's, and a bf16 trainer against an "
-        "fp32 engine is off-policy by numerics alone (benchmarks/RESULTS.md, GPU stage q)."
+        "fp32 engine is off-policy by numerics alone (benchmarks/RESULTS.md, GPU stage q). fp16: autocast in "
+        "float16 with dynamic loss scaling (pair it with rollout.engine.dtype: float16; fp16's 10-bit mantissa "
+        "narrows the engine/trainer mismatch that bf16's 7 bits cause, arXiv 2510.26788). Under strategy fsdp, "
+        "bf16/fp16 are FSDP2's MixedPrecisionPolicy (parameters cast for compute, gradients reduced in fp32)."
     )
     tf32: bool = Field(
         False, description="TF32 policy on CUDA, set explicitly when the trainer starts "
@@ -54,6 +75,12 @@ class TrainerConfig(BaseModel):
         "and this only touches the fp32 ops autocast leaves (losses, softmax). No effect on CPU."
     )
     seed: int = Field(1, description="Seed of torch/numpy/python RNGs and of the mini-batch shuffle.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: every rank holds the whole model, fp32 weights + gradients + AdamW state (16 bytes "
+        "per parameter, ~1.5B parameters on an 80 GB GPU); fsdp: FSDP2 fully_shard per decoder layer and the root, "
+        "so a rank holds 16 / world_size bytes per parameter plus one gathered layer (docs/bigger-models.md). "
+        "Runs on CPU (gloo) and GPU (nccl); `trainer.fsdp` tunes it.")
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig, description="FSDP2 settings (strategy: fsdp).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
 
     # ---------------------------------------------------------------- loss
@@ -155,6 +182,9 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
+        if self.strategy == "fsdp" and self.publish_mode == "cuda_ipc":
+            raise ValueError("publish_mode cuda_ipc shares the live parameters of one whole model, which no FSDP rank "
+                             "holds; use publish_mode disk or zmq with strategy fsdp")
         if self.behav_cap_mode == "mask" and self.behav_weight_cap is None:
             raise ValueError("behav_cap_mode 'mask' needs a behav_weight_cap; set one (e.g. 5.0) or use 'truncate'")
         if self.behav_weight_level != "token" and not self.behav_correction:

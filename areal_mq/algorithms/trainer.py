@@ -8,8 +8,9 @@ One step:
             -> proximal logprobs recomputed with the current weights (no grad)  [behav_correction]
                (skipped with one mini-batch: the weights do not change before the only backward, so the
                proximal logprobs ARE that forward's logprobs, taken detached — same loss, one forward less)
-            -> for each mini-batch: forward/backward every micro-batch (gradients accumulate,
-               DDP syncs only on the last), clip, AdamW step, LR schedule step
+            -> for each mini-batch: forward/backward every micro-batch (gradients accumulate;
+               DDP syncs only on the last, FSDP2 reduce-scatters each into the sharded gradients and every
+               rank runs the busiest rank's micro-batch count), clip, AdamW step, LR schedule step
             -> version += 1
 
 Every rank receives the SAME full sample list and computes the same plan; it trains only its share.
@@ -26,6 +27,9 @@ when the rollout engine computes in bf16, fp32 when it computes in fp32, on any 
 compare the trainer's logprobs with the engine's) and the TF32 policy is set explicitly (trainer.tf32). A step keeps its
 statistics on the device and reads them back ONCE (`_reduce`): no host sync per micro-batch.
 
+Strategy (trainer.strategy, areal_mq/algorithms/strategy.py): ddp (every rank holds the whole model) or fsdp
+(FSDP2 shards parameters, gradients and AdamW state per decoder layer; areal_mq/algorithms/fsdp.py).
+
 How to run: in-process (`Trainer(cfg, path)`), or data-parallel on CPU with
 `accelerate launch --multi_gpu --num_processes 2 SCRIPT` (torchrun + gloo; accelerate 1.15's `--cpu`
 launcher only starts several processes through mpirun) — see tests/integration/test_trainer_ddp.py.
@@ -33,7 +37,6 @@ The worker is workers/trainer.py.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -51,8 +54,27 @@ if TYPE_CHECKING:
     from areal_mq.messages import Sample
 
 # order of the summed metrics vector reduced over ranks: the first _N_DEVICE_SUMS are summed on the device
-_SUMS = ("loss", "clipped", "weight_sum", "capped", "masked", "kl_sum", "entropy_sum", "n_gen", "fwd_tokens")
-_N_DEVICE_SUMS = 7
+_SUMS = ("loss", "clipped", "weight_sum", "capped", "masked", "kl_sum", "entropy_sum", "mm_k3", "mm_n", "mm_out",
+         "n_gen", "fwd_tokens")
+_N_DEVICE_SUMS = 10
+ICEPOP_BAND = 2.0  # the mismatch metric counts staleness-0 tokens whose p/b leaves [1/2, 2] (IcePop's band)
+
+
+def mismatch_stats(trainer_logp: "torch.Tensor", behav_logp: "torch.Tensor", versions: "torch.Tensor",
+                   version: int, band: float = ICEPOP_BAND) -> tuple["torch.Tensor", ...]:
+    """How far the rollout engine's numbers are from the trainer's ON THE SAME WEIGHTS: over the tokens generated
+    by the trainer's current version (staleness 0), with d = log p_trainer - log p_engine, returns (sum of the k3
+    estimator of KL(engine || trainer), (e^d - 1) - d, >= 0; number of such tokens; number with |d| > log band;
+    the largest |d|), all 0-dim float64 on the device. Anything but 0 is numerics (precision, kernels), not policy."""
+    import math
+
+    import torch
+
+    fresh = versions == version
+    d = torch.where(fresh, (trainer_logp.detach() - behav_logp).double(), 0.0)
+    k3 = torch.expm1(d) - d
+    return (k3.sum(), fresh.sum().double(), (fresh & (d.abs() > math.log(band))).sum().double(),
+            d.abs().max() if d.numel() else torch.zeros((), dtype=torch.float64, device=d.device))
 
 
 def rollout_dtype(cfg: Any) -> str:
@@ -82,25 +104,14 @@ def apply_tf32_policy(device: "torch.device", allow: bool) -> None:
         torch.backends.cudnn.allow_tf32 = allow
 
 
-def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False):
-    """Logprobs [N] of the generated tokens of `mb` (and their entropies [N] if asked, no grad)."""
-    import torch
+def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False, chunk_mb: float = 256.0):
+    """Logprobs [N] of the generated tokens of `mb` (and their entropies [N] if asked, no grad), computed by the
+    LM head in chunks of tokens (areal_mq/algorithms/policy.py). `model`: the trainer's wrapped policy, or a
+    plain Hugging Face causal LM (wrapped here)."""
+    from areal_mq.algorithms.policy import as_policy
 
-    out = model(
-        input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-        use_cache=False,  # required: with a cache transformers skips the packed-sequence mask
-        logits_to_keep=mb.keep_cols,
-    )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])[mb.logit_index].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, mb.targets[:, None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return as_policy(model, chunk_mb)(mb.input_ids, mb.position_ids, mb.attention_mask, mb.keep_cols,
+                                      mb.logit_index, mb.targets, temperature, with_entropy)
 
 
 class DeviceSpan:
@@ -144,6 +155,8 @@ class Trainer:
         from accelerate.utils import set_seed
 
         from areal_mq.algorithms.optim import build_optimizer, build_scheduler
+        from areal_mq.algorithms.policy import PolicyLogprobs
+        from areal_mq.algorithms.strategy import build_strategy
         from areal_mq.engines.models import load_causal_lm
 
         self.cfg = cfg
@@ -156,16 +169,19 @@ class Trainer:
         if cfg.gradient_checkpointing:  # renamed in transformers 5 (the old name warns)
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
-        model.to(self.device).train()  # before the optimizer: its state is made beside the parameters
+        model.to(self.device).train()
         self.unwrapped = model
+        self.strategy = build_strategy(cfg, self.accelerator, self.precision, self.device)
+        chunk_mb = cfg.fsdp.logprob_chunk_mb
+        # sharded (FSDP) before the optimizer: AdamW's state is then made beside each rank's own shards
+        self.model = self.strategy.wrap(PolicyLogprobs(model, chunk_mb))
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        self.model = self.accelerator.prepare_model(model, device_placement=False)
         self.ref_model = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0:  # sharded like the policy under fsdp: 4 bytes per parameter / world size more
             ref = load_causal_lm(self.model_path, "float32").to(self.device).eval()
-            self.ref_model = self.accelerator.prepare_model(ref, device_placement=False, evaluation_mode=True)
-            self.ref_model.requires_grad_(False)
+            ref.requires_grad_(False)
+            self.ref_model = self.strategy.wrap(PolicyLogprobs(ref, chunk_mb), train=False)
         self.version = 0
         self.optimizer_steps = 0
         self.consumed_ids: list[str] = []
@@ -185,8 +201,9 @@ class Trainer:
                 torch.cuda.set_device(want)  # one process: accelerate takes the current device for `cuda`
             # cpu=True without a GPU: under `accelerate launch --multi_gpu` (torchrun) that gives a gloo
             # MULTI_CPU group; accelerate's `--cpu` launcher starts several processes only through mpirun
-            given = Accelerator(cpu=want.type != "cuda",
-                                mixed_precision="bf16" if self.precision == "bf16" else "no")
+            # under fsdp, bf16 is FSDP2's MixedPrecisionPolicy, not Accelerate's autocast
+            given = Accelerator(cpu=want.type != "cuda", mixed_precision="bf16" if self.precision == "bf16"
+                                and self.cfg.strategy != "fsdp" else "no")
         device = torch.device(given.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -221,6 +238,11 @@ class Trainer:
         pad_id = self.unwrapped.config.pad_token_id or 0
         minis = [[build_microbatch(seqs, b, packed, pad_id, shared, self.device) for b in bins]
                  for bins in plan.minibatches]
+        self._lockstep = [len(b) for b in plan.minibatches]
+        if self.strategy.lockstep and self.world_size > 1:  # every rank runs the busiest rank's micro-batch count
+            counts = [[len(b) for b in plan_step(seqs, self.cfg, self.world_size, r).minibatches]
+                      for r in range(self.world_size)]
+            self._lockstep = [max(c[i] for c in counts) for i in range(len(minis))]
         return seqs, minis, plan.gen_tokens, plan.oversized
 
     def prox_from_forward(self, minis: list[list[MicroBatch]]) -> bool:
@@ -238,33 +260,53 @@ class Trainer:
         self.model.eval()
         try:
             with torch.no_grad():
-                for mb in (m for mini in minis for m in mini):
-                    if recompute_prox:
-                        mb.prox_logp, _ = token_logprobs(self.model, mb, self.cfg.temperature)
-                    if self.ref_model is not None:
-                        mb.ref_logp, _ = token_logprobs(self.ref_model, mb, self.cfg.temperature)
+                for mini, n_runs in zip(minis, self._runs(minis)):
+                    for mb in mini:
+                        if recompute_prox:
+                            mb.prox_logp, _ = token_logprobs(self.model, mb, self.cfg.temperature)
+                        if self.ref_model is not None:
+                            mb.ref_logp, _ = token_logprobs(self.ref_model, mb, self.cfg.temperature)
+                    for _ in range(n_runs - len(mini)):  # lockstep: join the other ranks' collectives
+                        if recompute_prox:
+                            self._empty_forward(self.model)
+                        if self.ref_model is not None:
+                            self._empty_forward(self.ref_model)
         finally:
             self.model.train()
 
-    def backward_minibatch(self, mini: list[MicroBatch], gen_tokens: int) -> tuple["torch.Tensor", np.ndarray,
-                                                                                      "torch.Tensor"]:
+    def _runs(self, minis: list[list[MicroBatch]]) -> list[int]:
+        """Forwards each mini-batch takes on this rank: its micro-batches, or the busiest rank's count (lockstep)."""
+        runs = getattr(self, "_lockstep", None)
+        return runs if runs is not None and len(runs) == len(minis) else [len(m) for m in minis]
+
+    def _empty_forward(self, model: Any) -> "torch.Tensor":
+        """A one-token forward whose result is 0 (with the graph): a rank with nothing to compute still takes
+        part in DDP's all-reduce or FSDP's per-layer all-gathers and reduce-scatters."""
+        import torch
+
+        one = self._dummy_ids()
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        logp, _ = model(one, one * 0, None, zero, zero, zero, 1.0, False)
+        return logp.sum() * 0.0
+
+    def backward_minibatch(self, mini: list[MicroBatch], gen_tokens: int,
+                           n_runs: int | None = None) -> tuple["torch.Tensor", np.ndarray, "torch.Tensor"]:
         """Accumulate the gradient of one mini-batch (zeroed first). Returns this rank's metric sums: the
         value-dependent ones [_N_DEVICE_SUMS] float64 on the device, the counts (n_gen, fwd_tokens) on the
         host, and its largest behaviour weight (0-dim, device). Nothing here waits for the device."""
         import torch
 
         sums = torch.zeros(_N_DEVICE_SUMS, dtype=torch.float64, device=self.device)
-        weight_max = torch.zeros((), dtype=torch.float64, device=self.device)
+        weight_max = torch.zeros(2, dtype=torch.float64, device=self.device)  # behaviour weight, mismatch |d|
         counts = np.zeros(len(_SUMS) - _N_DEVICE_SUMS)
         self.optimizer.zero_grad(set_to_none=True)
-        if not mini:  # this rank has no sequence: join DDP's gradient all-reduce with zeros
-            out = self.model(input_ids=self._dummy_ids(), use_cache=False)
-            self.accelerator.backward(out.logits.sum() * 0.0)
-            return sums, counts, weight_max
+        n_runs = max(n_runs if n_runs is not None else len(mini), len(mini))
+        for k in range(len(mini), max(n_runs, 1)):  # no sequence here (or lockstep): zeros join the reductions
+            with self.strategy.accumulate(self.model, k == n_runs - 1 or n_runs == 0):
+                self.accelerator.backward(self._empty_forward(self.model))
         for k, mb in enumerate(mini):
             last = k == len(mini) - 1
-            ctx = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
-            with ctx:
+            with self.strategy.accumulate(self.model, last):
                 logp, entropy = token_logprobs(self.model, mb, self.cfg.temperature, with_entropy=True)
                 if not self.cfg.behav_correction:
                     prox = mb.behav_logp
@@ -273,16 +315,19 @@ class Trainer:
                 loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, gen_tokens, self.cfg, mb.ref_logp,
                                     mb.seq_index)
                 self.accelerator.backward(loss * self.world_size)
-            sums += torch.stack([loss.detach().float(), st.clipped, st.weight_sum, st.capped, st.masked, st.kl_sum,
-                                 entropy.sum().float()]).double()
+            at_v = mb.prox_logp if mb.prox_logp is not None else logp  # the trainer's logprobs at version v
+            mm_k3, mm_n, mm_out, mm_max = mismatch_stats(at_v, mb.behav_logp, mb.versions, self.version)
+            sums += torch.stack([loss.detach().double(), st.clipped.double(), st.weight_sum.double(),
+                                 st.capped.double(), st.masked.double(), st.kl_sum.double(),
+                                 entropy.sum().double(), mm_k3, mm_n, mm_out])
             counts += [st.n_tokens, mb.n_tokens]
-            weight_max = torch.maximum(weight_max, st.weight_max.double())
+            weight_max = torch.maximum(weight_max, torch.stack([st.weight_max.double(), mm_max]))
         return sums, counts, weight_max
 
     def optimizer_step(self) -> "torch.Tensor":
         """Clip, step AdamW and the schedule. Returns the gradient norm before clipping (0-dim, device)."""
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = self.strategy.clip(self.model, max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer_steps += 1
@@ -295,10 +340,10 @@ class Trainer:
         import torch
 
         sums = torch.zeros(_N_DEVICE_SUMS, dtype=torch.float64, device=self.device)
-        weight_max = torch.zeros((), dtype=torch.float64, device=self.device)
+        weight_max = torch.zeros(2, dtype=torch.float64, device=self.device)
         counts, norms = np.zeros(len(_SUMS) - _N_DEVICE_SUMS), []
-        for mini, n_gen in zip(minis, gen_tokens):
-            mb_sums, mb_counts, mb_max = self.backward_minibatch(mini, n_gen)
+        for mini, n_gen, n_runs in zip(minis, gen_tokens, self._runs(minis)):
+            mb_sums, mb_counts, mb_max = self.backward_minibatch(mini, n_gen, n_runs)
             sums, counts, weight_max = sums + mb_sums, counts + mb_counts, torch.maximum(weight_max, mb_max)
             norms.append(self.optimizer_step())
         return sums, counts, weight_max, norms
@@ -335,7 +380,7 @@ class Trainer:
         Returns the sums ordered as _SUMS, the largest behaviour weight and the gradient norms."""
         host = self._all_reduce(sums, counts, weight_max, norms).cpu().numpy()
         n = len(_SUMS)
-        return host[:n], float(host[n]), host[n + 1:].tolist()
+        return host[:n], host[n:n + 2].tolist(), host[n + 2:].tolist()
 
     def _all_reduce(self, sums: "torch.Tensor", counts: np.ndarray, weight_max: "torch.Tensor",
                     norms: list["torch.Tensor"]) -> "torch.Tensor":
@@ -344,7 +389,7 @@ class Trainer:
         import torch
 
         total = torch.cat([sums, torch.as_tensor(counts, dtype=torch.float64).to(self.device)])
-        weight_max = weight_max.reshape(1)
+        weight_max = weight_max.reshape(-1)
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -355,6 +400,7 @@ class Trainer:
     def _metrics(self, seqs, samples, sums, weight_max, norms, n_minis) -> dict[str, float]:
         s = dict(zip(_SUMS, sums))
         n = max(s["n_gen"], 1.0)
+        weight_max, mm_max = weight_max
         stale = np.concatenate([self.version - q.versions[q.train_idx] for q in seqs])  # generated tokens only
         rewards = [q.reward for smp in samples for q in smp.seqs]
         out = {
@@ -373,15 +419,20 @@ class Trainer:
         }
         if self.cfg.kl_coef > 0:
             out["kl"] = s["kl_sum"] / n
+        # engine vs trainer on the same weights (staleness-0 tokens): precision is measured, not assumed
+        out["mismatch_tokens"] = int(s["mm_n"])
+        if s["mm_n"] > 0:
+            out.update(mismatch_kl=s["mm_k3"] / s["mm_n"], mismatch_abs_max=mm_max,
+                       mismatch_out_frac=s["mm_out"] / s["mm_n"])
         return out
 
     # ------------------------------------------------------------------------------------------
     def publish_tensors(self, dtype: str | None = None) -> dict[str, "torch.Tensor"]:
         """A snapshot of the policy weights for publishing: state-dict names, tied duplicates dropped
-        (as save_pretrained does), cast to `dtype` (default cfg.publish_dtype), always copied."""
-        from areal_mq.weights import unique_tensors
-
-        return unique_tensors(self.unwrapped.state_dict(), dtype or self.cfg.publish_dtype)
+        (as save_pretrained does), cast to `dtype` (default cfg.publish_dtype), always copied. Under fsdp this
+        is a collective (every rank calls it; the full model is gathered one tensor at a time and kept on
+        rank 0 only, the others get {}): the named fallback until shard-local publishing lands."""
+        return self.strategy.full_state_dict(self.unwrapped, dtype or self.cfg.publish_dtype, keep=self.is_main)
 
     @property
     def hf_config_json(self) -> str:

@@ -1,0 +1,164 @@
+"""FSDP2 for the trainer: the one room where the policy is sharded (trainer.strategy: fsdp).
+
+What: `shard_policy(policy, cfg, precision, device)` applies `fully_shard` to each decoder layer and then to the
+root (the PolicyLogprobs wrapper: embeddings, final norm and LM head, tied or not, form the root's group), with a
+MixedPrecisionPolicy from trainer.precision (parameters cast for compute, gradients reduced in fp32) and an
+optional CPUOffloadPolicy (trainer.fsdp.offload). `clip_grad_norm` is the DTensor-aware global norm clip,
+`full_state_dict` gathers the whole model one tensor at a time (the named fallback of the publish path: every
+rank takes part, rank 0 keeps the result), and `save_sharded` / `load_sharded` write and read
+`torch.distributed.checkpoint` directories, which reshard on load, so a checkpoint saved by 2 ranks resumes on 1
+and vice versa.
+Why not Accelerate's FSDP plugin: Accelerate 1.15 builds its FSDP2 path around a CUDA/XPU device and refuses
+(or silently falls back from) a CPU-only gloo process group, and this trainer must be tested sharded on the CPU;
+`fully_shard` itself runs on gloo. The Accelerator still owns the process group, seeds and the device.
+Memory per rank (fp32 master weights, AdamW): 16 bytes x parameters / world size (weights 4, gradients 4, Adam
+moments 8), plus one gathered decoder layer in compute precision (two with reshard_after_forward: false and
+all of them kept), plus activations; with offload the 16 bytes live in host memory.
+Run: tests/integration/test_trainer_fsdp.py (2 CPU ranks under torch.distributed.run).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from areal_mq.errors import ConfigError
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # decoder stacks at `model.layers`, tested: llama, qwen2, qwen3
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """FSDP needs a process group even at world size 1: make a one-rank group (an in-memory store) when neither
+    torchrun nor Accelerate made one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("WORLD_SIZE > 1 but no process group exists: start the trainer under torch.distributed.run "
+                          "or accelerate launch")
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def device_mesh(device: torch.device) -> Any:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The decoder layers FSDP wraps one by one; a clear error for a model family laid out otherwise."""
+    layers = getattr(getattr(lm, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        kind = getattr(getattr(lm, "config", None), "model_type", type(lm).__name__)
+        raise ConfigError(f"trainer.strategy fsdp: model type {kind!r} has no decoder layers at `model.layers` "
+                          f"(supported: {', '.join(FAMILIES)}); use strategy ddp for it")
+    return list(layers)
+
+
+def mixed_precision(precision: str) -> Any:
+    """FSDP2's MixedPrecisionPolicy for trainer.precision: compute dtype for parameters, fp32 reductions."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch.device,
+                 train: bool = True) -> nn.Module:
+    """`fully_shard` every decoder layer of `policy.lm`, then `policy` itself (the root). In place; returns it."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    ensure_process_group(device)
+    mesh = device_mesh(device)
+    kw = dict(mesh=mesh, mp_policy=mixed_precision(precision),
+              offload_policy=CPUOffloadPolicy() if fsdp_cfg.offload else OffloadPolicy())
+    for layer in decoder_layers(policy.lm):
+        fully_shard(layer, reshard_after_forward=fsdp_cfg.reshard_after_forward if train else True, **kw)
+    fully_shard(policy, reshard_after_forward=False, **kw)  # the root: backward needs its parameters at once
+    return policy
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the (sharded) gradients before clipping, as a plain 0-dim tensor; clips in place.
+    A DTensor norm is a partial sum over shards: `full_tensor()` reduces it over the mesh (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm != float("inf"):
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm)
+    return norm
+
+
+def full_state_dict(lm: nn.Module, dtype: str | None, keep: bool) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, gathered one tensor at a time (collective: call on every rank; each rank
+    walks the same names in the same order). Tied tensors (lm_head == embed_tokens) are gathered once under
+    their first name, as `areal_mq.weights.unique_tensors` does. Tensors go to the CPU in `dtype` (a torch dtype
+    name, None: unchanged); only a rank with `keep` stores them (the others return {})."""
+    from torch.distributed.tensor import DTensor
+
+    out, seen = {}, set()
+    for name, t in lm.state_dict().items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            want = getattr(torch, dtype) if dtype is not None and full.is_floating_point() else full.dtype
+            out[name] = full.detach().to("cpu", dtype=want, copy=True).contiguous()
+    return out
+
+
+def _states(trainer: Any) -> tuple[dict, dict]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(trainer.model, trainer.optimizer)
+
+
+def save_sharded(trainer: Any, path: Path) -> None:
+    """Each rank writes its own shards of the model and AdamW state under `path` (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    model_sd, optim_sd = _states(trainer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+
+
+def load_sharded(trainer: Any, path: Path) -> None:
+    """Read a `save_sharded` directory into this trainer's shards, whatever world size wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model_sd, optim_sd = _states(trainer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def export_hf(path: Path, config_dir: Path, out: Path) -> Path:
+    """A plain Hugging Face directory (config, fp32 safetensors) from a sharded checkpoint's model, in one
+    process without a process group (areal_mq.algorithms.checkpoint.export_checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(config_dir)), dtype=torch.float32)
+    policy_sd = {f"lm.{k}": v for k, v in lm.state_dict().items()}
+    state = {"model": policy_sd}
+    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    lm.load_state_dict({k[3:]: v for k, v in state["model"].items()})
+    out.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(str(out), safe_serialization=True)
+    return out

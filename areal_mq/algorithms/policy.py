@@ -1,0 +1,43 @@
+"""The policy as the trainer calls it: a Hugging Face causal LM whose forward returns the chosen tokens' logprobs.
+
+What: `PolicyLogprobs(lm, chunk_mb)(...)` runs the decoder (`lm.model`), keeps the hidden states of the positions
+that predict generated tokens, and computes their logprobs (and entropies) with the LM head in chunks of tokens
+(areal_mq/algorithms/logprobs.py), so no [tokens, vocabulary] fp32 logits tensor is ever alive whole.
+Why a module and not a function: under FSDP2 the root's parameters (embeddings, final norm, LM head, tied or
+not) are gathered by the root's forward hook, so the head must be used inside a forward of the module that is
+sharded as the root; DDP likewise wraps one module. The Hugging Face model stays reachable as `.lm` (the
+trainer's `unwrapped`) for its config, state dict and `save_pretrained`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class PolicyLogprobs(nn.Module):
+    """`forward(...) -> (logp [N] fp32, entropy [N] fp32 | None)` over the generated tokens of one micro-batch."""
+
+    def __init__(self, lm: nn.Module, chunk_mb: float = 256.0):
+        super().__init__()
+        self.lm = lm
+        self.chunk_mb = chunk_mb
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                keep_cols: torch.Tensor, logit_index: torch.Tensor, targets: torch.Tensor, temperature: float,
+                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from areal_mq.algorithms.logprobs import chunk_tokens_for, chunked_logprobs, lm_head_of
+
+        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                               use_cache=False).last_hidden_state  # use_cache=False: else the packed mask is skipped
+        hidden = hidden[:, keep_cols].reshape(-1, hidden.shape[-1])[logit_index]
+        weight, bias = lm_head_of(self.lm)
+        chunk = chunk_tokens_for(weight.shape[0], self.chunk_mb)
+        return chunked_logprobs(hidden, weight, targets, temperature, chunk, with_entropy=with_entropy, bias=bias)
+
+
+def as_policy(model: Any, chunk_mb: float = 256.0) -> Any:
+    """`model` when it is (or wraps, as DDP's `.module`) a PolicyLogprobs, else a PolicyLogprobs around it."""
+    inner = getattr(model, "module", model)
+    return model if isinstance(inner, PolicyLogprobs) else PolicyLogprobs(model, chunk_mb)

@@ -1,0 +1,121 @@
+"""Model shapes from their public configs, built locally with seeded random weights (nothing is downloaded).
+
+What: `SHAPES` holds the architecture fields of the model sizes users train (Qwen2.5 0.5B-14B, Qwen3 4B/8B,
+Llama 3.2 1B), copied from each model's public config.json; `TINY` holds 2-layer versions of each family (Llama,
+Qwen2 with q/k/v biases, Qwen3 with q/k norms) for the sharded-trainer tests. `build_random_model(dst, name)`
+writes config.json + model.safetensors with weights from one seeded generator, and reuses a directory already
+built with the same settings. `parameter_count(name)` counts parameters from the config without building.
+Why: memory, speed and parity do not depend on what the weights are, and the test and benchmark machines cannot
+download 1-15 GB checkpoints.
+
+    python -m areal_mq.engines.shapes DST qwen2.5-0.5b
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+_QWEN25 = dict(model_type="qwen2", hidden_act="silu", max_position_embeddings=32768, rope_theta=1000000.0,
+               rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
+_QWEN3 = dict(model_type="qwen3", hidden_act="silu", max_position_embeddings=40960, rope_theta=1000000.0,
+              rms_norm_eps=1e-6, head_dim=128, bos_token_id=151643, eos_token_id=151645, attention_bias=False)
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(_QWEN25, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(_QWEN25, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-3b": dict(_QWEN25, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(_QWEN25, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=False),
+    "llama-3.2-1b": dict(model_type="llama", hidden_act="silu", hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128009),
+}
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=49152, max_position_embeddings=2048, pad_token_id=2, bos_token_id=1,
+             eos_token_id=2)
+TINY: dict[str, dict[str, Any]] = {  # one per family the sharded trainer supports (tests)
+    "tiny-llama": dict(_TINY, model_type="llama", tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "tiny-qwen2": dict(_TINY, model_type="qwen2", tie_word_embeddings=False, rms_norm_eps=1e-6),  # q/k/v biases
+    "tiny-qwen3": dict(_TINY, model_type="qwen3", tie_word_embeddings=True, rms_norm_eps=1e-6),  # q/k norms
+}
+MARK = ".random-model.json"
+
+
+def shape(name: str, **overrides: Any) -> dict[str, Any]:
+    table = {**SHAPES, **TINY}
+    if name not in table:
+        raise KeyError(f"unknown model shape {name!r}; known: {', '.join(table)}")
+    return {**table[name], **overrides}
+
+
+def hf_config(name: str, **overrides: Any) -> Any:
+    from transformers import AutoConfig
+
+    fields = shape(name, **overrides)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def parameter_count(name: str, **overrides: Any) -> int:
+    """Parameters of the shape, from its config on the meta device (nothing allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(name, **overrides))
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_random_model(dst: str | Path, name: str, seed: int = 0, *, dtype: str = "float32", device: str = "cpu",
+                       **overrides: Any) -> Path:
+    """config.json + model.safetensors of shape `name` with seeded random weights (std 0.02, norms 1) in `dst`,
+    saved in `dtype`; drawn on `device` (a GPU draws a 4B model in a second; the numbers differ per device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dst = Path(dst)
+    want = {"name": name, "seed": seed, "dtype": dtype, "device": device, "overrides": overrides}
+    if (dst / MARK).is_file() and json.loads((dst / MARK).read_text()) == want:
+        return dst
+    config = hf_config(name, **overrides)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for pname, param in sorted(model.named_parameters()):
+            if pname.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02 if name in SHAPES else 0.1, generator=gen)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(dst), safe_serialization=True)
+    _copy_tokenizer(dst)
+    (dst / MARK).write_text(json.dumps(want))
+    return dst
+
+
+def _copy_tokenizer(dst: Path) -> None:
+    """SmolLM2's tokenizer files (from the offline model cache), so the directory loads like any model dir. Its
+    49,152 ids are a subset of every shape's vocabulary; only decoding text would notice the difference."""
+    import shutil
+
+    from areal_mq.engines.models import TOKENIZER_FILES, resolve_model
+
+    src = resolve_model("tiny-random-llama")
+    for name in TOKENIZER_FILES + ("special_tokens_map.json",):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+if __name__ == "__main__":
+    print(build_random_model(sys.argv[1], sys.argv[2]))
