@@ -24,6 +24,8 @@ keys_app = typer.Typer(no_args_is_help=True, help="CURVE keys that authenticate 
 app.add_typer(config_app, name="config")
 app.add_typer(events_app, name="events")
 app.add_typer(keys_app, name="keys")
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Trainer checkpoints (run_dir/checkpoints/stepNNNNNNNN).")
+app.add_typer(checkpoint_app, name="checkpoint")
 
 from areal_mq.launch.cli import SET_HELP  # noqa: E402  (typer only: --help stays fast)
 
@@ -147,6 +149,22 @@ def serve_openai(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = 
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     raise typer.Exit(code)
+
+
+@checkpoint_app.command("export")
+def checkpoint_export(checkpoint: str = typer.Argument(..., help="A checkpoint directory (stepNNNNNNNN)."),
+                      out: str = typer.Argument(..., help="Where to write the Hugging Face directory.")) -> None:
+    """Write a plain Hugging Face directory (config, fp32 safetensors, tokenizer) from a checkpoint; a sharded
+    (trainer.strategy fsdp) checkpoint is read in this one process, whatever world size wrote it."""
+    from pathlib import Path
+
+    from areal_mq.algorithms.checkpoint import STATE_JSON, export_checkpoint
+
+    if not (Path(checkpoint) / STATE_JSON).is_file():
+        typer.echo(f"error: {checkpoint} is not a trainer checkpoint (no {STATE_JSON}); pass a "
+                   "run_dir/checkpoints/stepNNNNNNNN directory", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"exported to {export_checkpoint(Path(checkpoint), Path(out))}")
 
 
 @keys_app.command("generate")

@@ -24,6 +24,7 @@ the difference being measured; pass --threads 2 on an idle machine.
 follows the engine's dtype: bf16 autocast over fp32 master weights); default cpu. benchmarks/gpu/run.sh stage c compares the trainer with a plain fwd+bwd+AdamW loop.
 
     python benchmarks/trainer.py [--quick] [--json PATH] [--threads N] [--device cpu|cuda|cuda:N]
+    python benchmarks/trainer.py --strategy fsdp --world 2 [--quick] [--json PATH]   (benchmarks/trainer_fsdp.py)
 
 `--quick` uses fewer, shorter sequences and one alternation (same code path, same long-tail shape); it
 finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
@@ -154,6 +155,11 @@ def table(report: dict, command: str) -> str:
 
 
 def main() -> None:
+    if "--strategy" in sys.argv:  # the sharded comparison (issue 37): its own script, same flags
+        import trainer_fsdp
+
+        sys.argv = [a for i, a in enumerate(sys.argv) if a != "--strategy" and sys.argv[i - 1] != "--strategy"]
+        return trainer_fsdp.main()
     parser = common.arg_parser(__doc__, quick_help="Fewer, shorter sequences; about a minute on 2 cores.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (see module docstring).")
     parser.add_argument("--prompt-len", type=int, default=0, help="Fixed prompt length (default: the size's range).")

@@ -58,15 +58,14 @@ class TrainerConfig(BaseModel):
         None, pattern=DEVICE_RE.pattern, description="The trainer's device, overriding model.device: auto (cuda when "
         "available, else cpu), cpu, cuda or cuda:N. Under `accelerate launch` each rank takes its own GPU (LOCAL_RANK)."
     )
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+    precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="Compute precision; the master weights and AdamW state are always fp32. bf16: autocast "
         "over the fp32 weights (Accelerate mixed precision); fp32: no autocast; auto: the rollout engine's precision "
         "(bf16 when rollout.engine.dtype, or model.dtype where that is auto, is bfloat16; else fp32), on any device: "
         "the behaviour weights compare the trainer's logprobs with the engine's, and a bf16 trainer against an "
-        "fp32 engine is off-policy by numerics alone (benchmarks/RESULTS.md, GPU stage q). fp16: autocast in "
-        "float16 with dynamic loss scaling (pair it with rollout.engine.dtype: float16; fp16's 10-bit mantissa "
-        "narrows the engine/trainer mismatch that bf16's 7 bits cause, arXiv 2510.26788). Under strategy fsdp, "
-        "bf16/fp16 are FSDP2's MixedPrecisionPolicy (parameters cast for compute, gradients reduced in fp32)."
+        "fp32 engine is off-policy by numerics alone (benchmarks/RESULTS.md, GPU stage q). Under strategy fsdp, "
+        "bf16 is FSDP2's MixedPrecisionPolicy (parameters cast for compute, gradients reduced in fp32). Each step's "
+        "metrics carry mismatch_kl (engine vs trainer on the same weights) to choose by evidence."
     )
     tf32: bool = Field(
         False, description="TF32 policy on CUDA, set explicitly when the trainer starts "

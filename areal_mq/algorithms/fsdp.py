@@ -78,8 +78,9 @@ def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch
 
     ensure_process_group(device)
     mesh = device_mesh(device)
+    offload = fsdp_cfg.offload and device.type != "cpu"  # on a CPU device the shards are in host memory already
     kw = dict(mesh=mesh, mp_policy=mixed_precision(precision),
-              offload_policy=CPUOffloadPolicy() if fsdp_cfg.offload else OffloadPolicy())
+              offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy())
     for layer in decoder_layers(policy.lm):
         fully_shard(layer, reshard_after_forward=fsdp_cfg.reshard_after_forward if train else True, **kw)
     fully_shard(policy, reshard_after_forward=False, **kw)  # the root: backward needs its parameters at once

@@ -41,7 +41,8 @@ def chunk_tokens_for(vocab_size: int, budget_mib: float = 256.0) -> int:
 
     chunk = budget_bytes // (4 * vocab_size), at least 1. E.g. 256 MiB at Qwen2.5's 151,936 tokens -> 441 tokens;
     at a 49,152 vocabulary (SmolLM2) -> 1,365. The peak beside the model is about twice the budget (the logits
-    and their softmax or gradient, plus a bf16 copy under autocast) and a fp32 [V, H] gradient accumulator.
+    and their softmax or gradient, plus a bf16 copy under autocast), plus the head's weight in the matmul dtype
+    and its fp32 [V, H] gradient accumulator (and, under autocast, one bf16 [V, H] product per chunk).
     """
     return max(1, int(budget_mib * 2**20) // (4 * int(vocab_size)))
 
@@ -144,12 +145,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         with _no_autocast(hidden.device.type):
             w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
             for s in range(0, n, chunk):
-                h, g = hidden[s:s + chunk].to(dtype), grad_logp[s:s + chunk, None].float()
+                h = hidden[s:s + chunk].to(dtype)
+                g = grad_logp[s:s + chunk, None].float() / ctx.divisor  # the 1/T of logits / T, on [c] not [c, V]
                 p = _chunk_logits(h, w, b, ctx.divisor).sub_(lse[s:s + chunk, None]).exp_()  # softmax
-                dz = p.mul_(-g).scatter_add_(-1, targets[s:s + chunk, None], g)  # g * (onehot - softmax)
-                if ctx.divisor != 1.0:
-                    dz.div_(ctx.divisor)
-                dz = dz.to(dtype)
+                dz = p.mul_(-g).scatter_add_(-1, targets[s:s + chunk, None], g).to(dtype)  # g (onehot - softmax) / T
                 if need_h:
                     grad_h[s:s + chunk] = dz @ w
                 if need_w:

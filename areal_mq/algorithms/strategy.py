@@ -63,7 +63,7 @@ class FsdpStrategy:
     def clip(self, model: Any, max_norm: float) -> torch.Tensor:
         from areal_mq.algorithms.fsdp import clip_grad_norm
 
-        return clip_grad_norm(list(model.parameters()), max_norm)
+        return clip_grad_norm(list(model.parameters()), max_norm).to(self.device)  # offload: computed on the CPU
 
     def full_state_dict(self, lm: torch.nn.Module, dtype: str | None, keep: bool) -> dict:
         from areal_mq.algorithms.fsdp import full_state_dict

@@ -8,7 +8,8 @@ Three launches of THIS file under torch.distributed.run (CUDA hidden, one thread
   back (1 rank, fsdp): a fresh trainer resumed from the 2-rank checkpoint runs step 3.
 The test process runs the plain single-process trainer (strategy ddp, world 1) on the same batches. Targets
 (issue 37): fp32 loss within 1e-5 and parameters within 1e-5 after 3 steps, for tiny Llama, Qwen2 (q/k/v
-biases) and Qwen3 (q/k norms) configs; a resumed step 3 gives the uninterrupted step 3's loss at 1 -> 2 and 2 -> 1.
+biases) and Qwen3 (q/k norms) configs; a resumed step 3 gives the uninterrupted step 3's loss at 1 -> 2 and 2 -> 1;
+the 2-rank checkpoint exports to a plain Hugging Face directory with the step-2 weights.
 Run: pytest tests/integration/test_trainer_fsdp.py   (about 2 min on 2 cores, marked slow)
 """
 from __future__ import annotations
@@ -111,14 +112,22 @@ def test_fsdp_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_p
     single = {}
     for fam in FAMILIES:  # the plain single-process trainer (no sharding, no process group)
         trainer = _trainer(tmp_path / "models" / fam, "ddp")
-        losses = [trainer.train_step(_batch(i))["loss"] for i in range(3)]
-        single[fam] = (losses, {n: p.detach().clone() for n, p in trainer.unwrapped.state_dict().items()})
+        losses, at2 = [], None
+        for i in range(3):
+            losses.append(trainer.train_step(_batch(i))["loss"])
+            if i == 1:
+                at2 = {n: p.detach().clone() for n, p in trainer.unwrapped.state_dict().items()}
+        single[fam] = (losses, {n: p.detach().clone() for n, p in trainer.unwrapped.state_dict().items()}, at2)
 
     one = _launch("one", 1, tmp_path)
     two = _launch("two", 2, tmp_path)
     back = _launch("back", 1, tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    from areal_mq.algorithms.checkpoint import export_checkpoint
+
     for fam in FAMILIES:
-        losses, params = single[fam]
+        losses, params, at2 = single[fam]
         assert two[fam]["world"] == 2 and one[fam]["world"] == 1
         for got in (one[fam]["losses"], two[fam]["losses"]):
             assert got == pytest.approx(losses, rel=1e-5, abs=1e-5), (fam, got, losses)
@@ -130,6 +139,11 @@ def test_fsdp_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_p
         assert two[fam]["resumed_version"] == 3
         assert two[fam]["resumed_from_one"] == pytest.approx(losses[2], rel=1e-5, abs=1e-5), fam
         assert back[fam]["losses"][2] == pytest.approx(losses[2], rel=1e-5, abs=1e-5), fam
+        # the sharded checkpoint exports to a plain HF directory holding the step-2 weights
+        out = export_checkpoint(tmp_path / "ckpt-two" / fam / f"step{2:08d}", tmp_path / "export" / fam)
+        exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+        for name, tensor in at2.items():
+            torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-5, msg=f"{fam} export {name}")
 
 
 if __name__ == "__main__":
