@@ -41,11 +41,13 @@ def test_all_stages_quick_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     done = run_sh("all", "--device", "cpu", "--quick", "--out", str(out), tmp=tmp_path, timeout=2300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    stages = {s: json.loads((out / f"stage_{s}.json").read_text()) for s in "abcdef"}
+    stages = {s: json.loads((out / f"stage_{s}.json").read_text()) for s in "abcdefg"}
     assert all(r["stage"] == s and r["quick"] is True for s, r in stages.items())
     assert all(r["machine"]["device"] == "cpu" for r in stages.values())
     md = (out / "results.md").read_text()
-    assert all(f"## Stage {s}:" in md for s in "abcdef")
+    assert all(f"## Stage {s}:" in md for s in "abcdefg")
+    g = stages["g"]  # the FSDP2 trainer vs the plain loop, per shape (tiny Qwen2 / Qwen3 on the CPU)
+    assert all(r["runs"][k]["tokens_per_s"] > 0 for r in g["shapes"].values() for k in ("plain", "fsdp", "fsdp_ac"))
 
     assert stages["a"]["ratios"]["failed"] == 0
     b = stages["b"]
