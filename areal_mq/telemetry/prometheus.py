@@ -109,6 +109,12 @@ ROLE_SERIES: dict[str, tuple[Series, ...]] = {
         Series("areal_mq_trainer_entropy", "gauge", "entropy", "Mean token entropy of the last step."),
         Series("areal_mq_trainer_grad_norm", "gauge", "grad_norm", "Gradient norm of the last step."),
         Series("areal_mq_trainer_reward_mean", "gauge", "reward_mean", "Mean reward of the last batch."),
+        Series("areal_mq_trainer_mismatch_kl", "gauge", "mismatch_kl", "Engine vs trainer on the same weights: "
+               "mean k3 KL(engine || trainer) over the last step's staleness-0 tokens (precision, not policy)."),
+        Series("areal_mq_trainer_mismatch_abs_max", "gauge", "mismatch_abs_max",
+               "Largest |log p_trainer - log p_engine| over the last step's staleness-0 tokens."),
+        Series("areal_mq_trainer_mismatch_out_frac", "gauge", "mismatch_out_frac",
+               "Fraction of the last step's staleness-0 tokens whose p_trainer / p_engine leaves [1/2, 2]."),
     ),
 }
 

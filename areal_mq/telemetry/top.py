@@ -131,6 +131,10 @@ def summary_lines(state: TopState, job: dict | None, store: dict | None, bound: 
     st = (f"mean {_num(trn.numbers.get('staleness_mean'))} max {trn.numbers.get('staleness_max', '-')}"
           if trn and "staleness_mean" in trn.numbers else "no trainer step yet")
     out.append(("staleness", f"{st} (bound η = {bound}) · trainer v{trn.version if trn else '-'}"))
+    if trn and "mismatch_kl" in trn.numbers:  # engine vs trainer on the same weights (docs/bigger-models.md)
+        n = trn.numbers
+        out.append(("precision", f"mismatch_kl {_num(n['mismatch_kl'])} · max |Δlogp| "
+                                 f"{_num(n.get('mismatch_abs_max'))} · outside [½, 2] {_num(n.get('mismatch_out_frac'))}"))
     out.append(("slowest request", slowest_request(state, time.time())))
     return out
 

@@ -97,3 +97,12 @@ def test_top_config_needs_a_run_dir_with_its_config(tmp_path):
     tiny = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
     cfg = top_config(str(tiny), ["run.run_dir=/tmp/x"])
     assert cfg.run.run_dir == "/tmp/x"
+
+
+def test_precision_line_shows_the_engine_trainer_mismatch_once_a_step_reports_it():
+    assert "precision" not in dict(summary_lines(state(), JOB, STORE, bound=2))  # no staleness-0 tokens measured
+    st = state()
+    st.feed(ev(106.0, "trainer.step", "trainer", "trainer", version=6, staleness_mean=0.5, staleness_max=1,
+               mismatch_kl=0.0123, mismatch_abs_max=0.9, mismatch_out_frac=0.25))
+    line = dict(summary_lines(st, JOB, STORE, bound=2))["precision"]
+    assert line == "mismatch_kl 0.0123 · max |Δlogp| 0.9 · outside [½, 2] 0.25"
