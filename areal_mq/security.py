@@ -183,14 +183,25 @@ class Keyring:
             sock.curve_serverkey = self.server_key(server)
         return sock
 
-    def server(self, sock: Any) -> Any:
-        """Make `sock` (before bind) a CURVE server with our key; clients are checked by the ZAP handler."""
+    def server(self, sock: Any, name: str = "") -> Any:
+        """Make `sock` (before bind) a CURVE server with our key; clients are checked by the ZAP handler.
+        `name` (the address it binds) rides in the ZAP domain, so a refusal names the socket it came to."""
         if self.secure:
             sock.curve_server = True
             sock.curve_secretkey = self.secret
             sock.curve_publickey = self.public
-            sock.zap_domain = ZAP_DOMAIN
+            sock.zap_domain = zap_domain(name)
         return sock
+
+
+def zap_domain(socket_name: str = "") -> bytes:
+    """The ZAP domain of a server socket: `areal-mq` or `areal-mq:<its address>` (at most 254 bytes)."""
+    return (ZAP_DOMAIN + b":" + socket_name.encode())[:254] if socket_name else ZAP_DOMAIN
+
+
+def zap_socket(domain: bytes) -> str:
+    """The socket name a ZAP request's domain carries (zap_domain's inverse); "" for a bare domain."""
+    return domain[len(ZAP_DOMAIN) + 1:].decode(errors="replace") if domain.startswith(ZAP_DOMAIN + b":") else ""
 
 
 def key_dir(cfg: Any) -> Path:
@@ -287,13 +298,14 @@ class ZapHandler:
 
         if len(req) < 6:
             return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
-        version, request_id, _domain, address, _identity, mechanism = req[:6]
+        version, request_id, domain, address, _identity, mechanism = req[:6]
         role = None
         if mechanism == b"CURVE" and len(req) == 7 and len(req[6]) == 32:
             role = self.allow.role(z85.encode(req[6]))
         if role is None:
             self.denied += 1
-            self.log.warning("security.peer_refused", key=address.decode(errors="replace"),
+            sock = zap_socket(domain)  # one line per socket and reason per 10 s (docs/security.md), as the watch's
+            self.log.warning("security.peer_refused", key=f"{sock}:unknown_key", socket=sock,
                              address=address.decode(errors="replace"), mechanism=mechanism.decode(errors="replace"),
                              reason="unknown_key", hint="its public key is not in the run's key directory")
             return [version, request_id, b"400", b"unknown key", b"", b""]

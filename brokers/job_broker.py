@@ -86,6 +86,15 @@ def reply_problem(job: JobState, msg: Message) -> str | None:
     return None
 
 
+def _removal_counter(reason: str) -> str:
+    """The stats counter a removed registration counts in (docs/protocol.md §5.3): `workers_disconnected`
+    (it said DISCONNECT), `workers_replaced` (its worker_id registered again from a new connection) or
+    `workers_lost` (gone unannounced: missed heartbeats, or its connection closed)."""
+    if reason.startswith("disconnect"):
+        return "workers_disconnected"
+    return "workers_replaced" if reason.startswith("replaced") else "workers_lost"
+
+
 class JobBroker:
     """Owns one ROUTER socket. Driven by a BrokerHost poll loop: `handle()` on input, `tick()` on time."""
 
@@ -96,7 +105,7 @@ class JobBroker:
         self.sock = ctx.socket(zmq.ROUTER)
         self.secure = keys is not None and keys.secure
         if keys is not None:
-            keys.server(self.sock)
+            keys.server(self.sock, address)
         self.max_capacity, self.max_services = max_capacity, max_services
         # answered in every heartbeat: a peer that sees it change knows this broker restarted and forgot its jobs
         self.boot_id = f"broker-{os.urandom(4).hex()}"
@@ -117,6 +126,7 @@ class JobBroker:
         self.queues, self.jobs, self.counters, self.sticky = pool.queues, pool.jobs, pool.counters, pool.sticky
         self._next_check = self._next_lease_check = 0.0
         self._worker_fds: dict[int, bytes] = {}  # a registered worker's connection (ZMQ_SRCFD) -> its ident
+        self.poll_closed: Any = None  # handles the socket monitor's pending events (brokers/main.py sets it)
         self.metrics: Any = None  # telemetry.prometheus.BrokerMetrics when metrics.prometheus is on
 
     # ------------------------------------------------------------ input
@@ -219,8 +229,9 @@ class JobBroker:
             pass
 
     def connection_closed(self, fd: int) -> None:
-        """The socket monitor saw connection `fd` close; if a registered worker used it, say so now (its
-        registration goes when its heartbeats stop: the liveness rule, unchanged)."""
+        """The socket monitor saw connection `fd` close. If a registered worker used it, its registration ends
+        now (its jobs requeued): ZeroMQ gives a reconnecting DEALER a new identity, so nothing can reach the old
+        one again, and the worker's READY on its new connection must not be refused as a live duplicate."""
         ident = self._worker_fds.pop(fd, None)
         worker = self.workers.get(ident) if ident is not None else None
         if worker is None:
@@ -229,14 +240,23 @@ class JobBroker:
             "broker.worker_connection_closed", key=f"{worker.worker_id}:closed", worker=worker.worker_id,
             in_flight=len(worker.in_flight), hint="its process died or closed its socket without DISCONNECT, or it "
             f"sent a frame over brokers.max_frame_mb + 4 MiB ({self.max_frame_bytes + protocol.MAX_HEADER_BYTES} "
-            "bytes; ZeroMQ closes such a connection unread and does not say which); its jobs are requeued when "
-            "its heartbeats stop")
+            "bytes; ZeroMQ closes such a connection unread and does not say which); its registration ends now and "
+            "its jobs are requeued: it may send READY again at once")
+        self._drop_worker(ident, "connection closed")
+
+    def _drain_closed(self) -> None:
+        """Handle the socket monitor's pending closed-connection events now (`poll_closed`, set by the host),
+        so a READY from a reconnected worker is never judged against a registration whose connection is gone
+        but whose close event still waits behind it in the poll loop (and a reused fd is never mistaken)."""
+        if self.poll_closed is not None:
+            self.poll_closed()
 
     def _on_ready(self, ident: bytes, env: protocol.Envelope, frame0: Any = None) -> None:
         msg = env.msg
         tasks = frozenset(msg.tasks)
         worker = self.workers.get(ident)
         if worker is None:
+            self._drain_closed()
             why = (dispatch.service_refusal(self.pool, msg.service, self.max_services)
                    or self._worker_id_taken(msg.worker_id))
             if why:
@@ -260,8 +280,9 @@ class JobBroker:
 
     def _worker_id_taken(self, worker_id: str) -> str | None:
         """Why a new connection may not register as `worker_id` (None: it may). A registration of that id
-        heard from within 2 heartbeats is another live worker: refused. One silent longer is taken to be the
-        same worker reconnecting on a new socket: dropped (its jobs requeued) so the new one takes its place."""
+        heard from within 2 heartbeats, whose connection is open, is another live worker: refused (and logged).
+        One silent longer is taken to be the same worker reconnecting on a new socket: replaced (its jobs
+        requeued) so the new one takes its place. A closed connection's registration is already gone."""
         same = next((w for w in self.workers.values() if w.worker_id == worker_id), None)
         if same is None:
             return None
@@ -269,8 +290,14 @@ class JobBroker:
             self._drop_worker(same.ident, "replaced: its worker_id registered again from a new connection")
             return None
         self.counters["duplicate_worker_ids"] += 1
+        self.refusals.warning("broker.duplicate_worker_id", key=f"{worker_id[:128]}:duplicate_id",
+                              worker=worker_id[:128], service=same.service,
+                              hint="two live connections say READY with one worker_id: give every worker a unique "
+                                   "worker_id (a worker reconnecting after its connection closed is not refused)")
         return (f"worker_id {worker_id[:128]!r} is already registered by another live connection (service "
-                f"{same.service!r}); give every worker a unique worker_id")
+                f"{same.service!r}); give every worker a unique worker_id. The same worker reconnecting is "
+                f"accepted once its old connection has closed or been silent for {2 * self.heartbeat_s:g}s: "
+                "send READY again then")
 
     def _on_job(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
         service = env.service or DEFAULT_SERVICE.get(env.kind, "")
@@ -345,7 +372,7 @@ class JobBroker:
             return
         worker, requeued = dropped
         self._worker_fds = {fd: i for fd, i in self._worker_fds.items() if i != ident}
-        self.counters["workers_lost"] += 1 if not reason.startswith("disconnect") else 0
+        self.counters[_removal_counter(reason)] += 1
         self.log.warning("broker.worker_removed", worker=worker.worker_id, reason=reason, requeued=requeued)
         self._deliver(dispatch.dispatch(self.pool, worker.service, time.monotonic()))
 
@@ -367,9 +394,10 @@ class JobBroker:
         sent, late = dispatch.overdue(self.pool, now)
         for one in late:
             job, worker, failed = one
-            self.refusals.warning("broker.job_overdue", key=f"{worker.worker_id}:overdue", job=job.id,
+            action = "failed" if failed else "requeued"  # one rate-limit key each: a failure is never hidden
+            self.refusals.warning("broker.job_overdue", key=f"{worker.worker_id}:overdue:{action}", job=job.id,
                                   worker=worker.worker_id, service=job.service, lease_s=self.pool.leases.of(job.service),
-                                  attempts=job.attempts, action="failed" if failed else "requeued")
+                                  attempts=job.attempts, action=action)
             if failed:
                 self._error(job.client, job.id, "job_failed", dispatch.overdue_failure(self.pool, one))
         self._deliver(sent)

@@ -64,6 +64,8 @@ class BrokerHost:
         for w in self.watches:
             self.poller.register(w.sock, zmq.POLLIN)
             self._owner[w.sock] = lambda s, w=w: w.handle()
+            if w.on_closed is not None:  # a READY first handles the closes that wait behind it (job_broker)
+                self.job.poll_closed = w.handle
         from areal_mq.telemetry.prometheus import broker_metrics  # None unless metrics.prometheus
 
         self.metrics = broker_metrics(cfg, "-".join(sorted(only)), getattr(self, "job", None),

@@ -71,7 +71,7 @@ class SampleStore:
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + protocol.MAX_HEADER_BYTES)
         self.secure = keys is not None and keys.secure
         if keys is not None:
-            keys.server(self.sock)
+            keys.server(self.sock, address)
         self.refusals = RateLimited(log)
         self.sock.bind(address)
         self.lease_s, self.max_frame_bytes, self.log = lease_s, max_frame_bytes, log

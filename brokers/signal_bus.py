@@ -42,10 +42,10 @@ class SignalBus:
         self.xsub = ctx.socket(zmq.XSUB)
         self.xpub = ctx.socket(zmq.XPUB)
         self.secure = keys is not None and keys.secure
-        for s in (self.xsub, self.xpub):
+        for s, address in ((self.xsub, in_address), (self.xpub, out_address)):
             s.setsockopt(zmq.LINGER, 0)
             if keys is not None:
-                keys.server(s)
+                keys.server(s, address)
         self.check_weights = check_weights
         self.refusals = RateLimited(log)
         self.refused = 0

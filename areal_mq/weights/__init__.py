@@ -205,7 +205,7 @@ class WeightServer:
 
         ctx = zmq.Context()
         zap = start_zap(ctx, self.keys, self.log)  # before bind: no connection is ever unchecked
-        sock = self.keys.server(ctx.socket(zmq.ROUTER))
+        sock = self.keys.server(ctx.socket(zmq.ROUTER), "weight_server")
         sock.linger = 0
         try:
             if self.port:
