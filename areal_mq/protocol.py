@@ -30,6 +30,8 @@ ND_KEY = "__nd__"
 ALLOWED_DTYPES = {"int32", "float32", "uint8", "int64", "float64", "int16", "uint16", "bool"}
 DEFAULT_MAX_FRAME_BYTES = 512 * 1024 * 1024  # 512 MiB; configurable per socket owner
 MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_DIMS = 32  # dimensions of one array (numpy's own limit is 32 or 64, by version)
+MAX_ARRAY_BYTES = 2**63 - 1  # the product of an array's non-zero dimensions times its item size: numpy's limit
 # Read-only lookup tables for the hot path (a broker decodes every header): dict lookups instead of
 # Enum(...) / np.dtype(...) / np.prod(...) calls, which dominate a small message's decode time.
 _DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
@@ -152,9 +154,16 @@ def _check_arrays(header: dict, frames: Sequence[Any], max_frame_bytes: int, msg
         np_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
         if np_dtype is None:
             raise ProtocolError(f"array {i}: dtype {dtype!r} not allowed", "bad_arrays", msg_id)
+        if len(shape) > MAX_DIMS:
+            raise ProtocolError(f"array {i}: {len(shape)} dimensions (at most {MAX_DIMS})", "bad_arrays", msg_id)
         for d in shape:
             if type(d) is not int or d < 0:  # bool is an int subclass; a shape of True is refused too
-                raise ProtocolError(f"array {i}: shape {shape!r} must be non-negative ints", "bad_arrays", msg_id)
+                raise ProtocolError(f"array {i}: shape {shape[:8]!r} must be non-negative ints", "bad_arrays", msg_id)
+        # a zero dimension makes the frame empty, but numpy still refuses [0, 2**40, 2**40] or a dimension past
+        # 2**63: so the other dimensions are bounded too (a ValueError out of decode once ended a broker's loop)
+        if math.prod(d for d in shape if d) * np_dtype.itemsize > MAX_ARRAY_BYTES:
+            raise ProtocolError(f"array {i}: shape {shape[:8]!r} of {dtype} is larger than any array can be",
+                                "bad_arrays", msg_id)
         nbytes = _nbytes(frames[i + 1])
         if nbytes > max_frame_bytes:
             raise ProtocolError(
@@ -206,11 +215,14 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 def decode_body(header: dict, frames: Sequence[Any]) -> Envelope:
     """Second half of decode(): arrays + pydantic validation of the body fields."""
     msg_id = header["id"]
-    arrays = [
-        np.frombuffer(_frame_bytes(f), dtype=_DTYPES[d]) if len(s) == 1 else
-        np.frombuffer(_frame_bytes(f), dtype=_DTYPES[d]).reshape(s)  # 1-d: the length was checked already
-        for f, (d, s) in zip(frames[1:], header.get("arrays", []))
-    ]
+    try:
+        arrays = [
+            np.frombuffer(_frame_bytes(f), dtype=_DTYPES[d]) if len(s) == 1 else
+            np.frombuffer(_frame_bytes(f), dtype=_DTYPES[d]).reshape(s)  # 1-d: the length was checked already
+            for f, (d, s) in zip(frames[1:], header.get("arrays", []))
+        ]
+    except (ValueError, TypeError) as exc:  # _check_arrays bounds shapes; numpy has the last word
+        raise ProtocolError(f"arrays: {exc}", "bad_arrays", msg_id) from None
     body = header.get("body", {})
     if not isinstance(body, dict):
         raise ProtocolError("header field 'body' must be a map", "bad_fields", msg_id)
@@ -242,6 +254,14 @@ def peek_reply_to(frames: Sequence[Any]) -> str:
         return ""
     reply_to = header.get("reply_to") if isinstance(header, dict) else None
     return reply_to if isinstance(reply_to, str) else ""
+
+
+def where(exc: BaseException) -> str:
+    """file:line of the innermost frame `exc` was raised in (for an `internal` error's log line)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb is not None else "?"
 
 
 def error_reply(exc: ProtocolError) -> list[Any]:

@@ -253,6 +253,9 @@ class RateLimited:
     def info(self, event: str, key: str, **fields: Any) -> None:
         self.emit("info", event, key, **fields)
 
+    def error(self, event: str, key: str, **fields: Any) -> None:
+        self.emit("error", event, key, **fields)
+
     def emit(self, level: str, event: str, key: str, **fields: Any) -> None:
         now = time.monotonic()
         last, suppressed = self._last.get(key, (-1e18, 0))

@@ -142,7 +142,20 @@ class JobBroker:
             while frame.more:  # a multipart message arrives whole: the rest is already here
                 frame = sock.recv(_NOBLOCK, copy=False)
                 raw.append(frame)
-            self._on_message(raw)
+            try:
+                self._on_message(raw)
+            except Exception as exc:  # noqa: BLE001 - a bug must not end the poll loop: answer `internal`, go on
+                self._internal_error(raw, exc)
+
+    def _internal_error(self, raw: list, exc: Exception) -> None:
+        """A message made the broker fail (a bug, found by fuzzing or not): logged, answered Error(internal)."""
+        self.counters["internal_errors"] += 1
+        self.refusals.error("broker.internal_error", key=f"internal:{type(exc).__name__}",
+                            error=f"{type(exc).__name__}: {str(exc)[:300]}", where=protocol.where(exc))
+        if len(raw) >= 2:
+            ident = raw[0].bytes if hasattr(raw[0], "bytes") else bytes(raw[0])
+            self._send(ident, protocol.encode(Error(code="internal", message=f"the broker failed on this message "
+                                                    f"({type(exc).__name__}); it was dropped")))
 
     def _on_message(self, raw: list) -> None:
         try:

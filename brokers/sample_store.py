@@ -187,14 +187,25 @@ class SampleStore:
                 raw = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._on_message(raw)
+            try:
+                self._on_message(raw)
+            except Exception as exc:  # noqa: BLE001 - a bug must not end the poll loop: answer `internal`, go on
+                self.counters["internal_errors"] += 1
+                self.refusals.error("store.internal_error", key=f"internal:{type(exc).__name__}",
+                                    error=f"{type(exc).__name__}: {str(exc)[:300]}", where=protocol.where(exc))
+                if len(raw) >= 2:
+                    self._send(raw[0].bytes, protocol.encode(Error(code="internal", message=(
+                        f"the sample store failed on this message ({type(exc).__name__}); it was dropped"))))
 
     def _on_message(self, raw: list) -> None:
         try:
             ident, frames = protocol.split_router(raw)
             env = protocol.decode(frames, self.max_frame_bytes)
         except ProtocolError as exc:
-            self.log.warning("store.bad_message", code=exc.code, error=str(exc))
+            self.counters["refused"] += 1  # a flood of bad frames: one line per peer and reason every 10 s
+            peer = raw[0].bytes.hex() if len(raw) >= 2 else ""
+            self.refusals.warning("store.bad_message", key=f"{peer}:{exc.code}", code=exc.code, error=str(exc)[:500],
+                                  peer=peer)
             if len(raw) >= 2:
                 self._send(raw[0].bytes, protocol.error_reply(exc))
             return

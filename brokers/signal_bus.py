@@ -72,10 +72,15 @@ class SignalBus:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if sock is self.xsub:
-                self._from_publisher(frames)
-            else:
-                self._from_subscriber(frames)
+            try:
+                if sock is self.xsub:
+                    self._from_publisher(frames)
+                else:
+                    self._from_subscriber(frames)
+            except Exception as exc:  # noqa: BLE001 - a bug must not end the poll loop: drop it, log it, go on
+                self.refused += 1
+                self.refusals.error("bus.internal_error", key=f"internal:{type(exc).__name__}",
+                                    error=f"{type(exc).__name__}: {str(exc)[:300]}", where=protocol.where(exc))
 
     def _from_publisher(self, frames: list) -> None:
         topic = frames[0].bytes if frames else b""

@@ -105,12 +105,24 @@ class DiskDelta:
                 if head["version"] != version or head["base"] != base:
                     raise DeltaError("corrupt", f"{path} is the delta {head['base']}->{head['version']}, "
                                                 f"expected {base}->{version}")
-                return [TensorDelta(t["name"], t["dtype"], list(t["shape"]), t["encoding"], int(t["count"]),
-                                    t["checksum"], fh.get_tensor(str(i))) for i, t in enumerate(head["tensors"])]
+                return [_delta_entry(path, i, t, fh) for i, t in enumerate(head["tensors"])]
         except DeltaError:
             raise
         except Exception as exc:  # safetensors / json / key errors on a damaged file
             raise DeltaError("corrupt", f"cannot read delta file {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _delta_entry(path: Path, i: int, t: Any, fh: Any) -> TensorDelta:
+    """Entry `i` of a delta file's manifest, its types checked (a damaged manifest is DeltaError("corrupt"),
+    never a TypeError further on: fuzzing found a number as a tensor name reaching apply_version's sort)."""
+    ok = (isinstance(t, dict) and all(isinstance(t.get(k), str) for k in ("name", "dtype", "encoding", "checksum"))
+          and type(t.get("count")) is int and isinstance(t.get("shape"), list)
+          and all(type(d) is int and d >= 0 for d in t["shape"]))
+    if not ok:
+        raise DeltaError("corrupt", f"{path}: manifest entry {i} is not {{name, dtype, shape, encoding, count, "
+                                    f"checksum}} of the documented types: {str(t)[:200]}")
+    return TensorDelta(t["name"], t["dtype"], list(t["shape"]), t["encoding"], t["count"], t["checksum"],
+                       fh.get_tensor(str(i)))
 
 
 def disk_links(weights_dir: str | Path, upto: int) -> list[WeightsLink]:

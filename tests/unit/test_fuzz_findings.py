@@ -1,0 +1,124 @@
+"""What the fuzz campaign of issue 40 found, each pinned at the unit level (the inputs themselves are replayed from
+tests/fuzz_corpus/ by tests/integration/test_fuzz.py).
+
+1. A zero-length array frame declared with a huge or many-dimensional shape passed the length check (0 == 0) and
+   numpy's reshape raised ValueError out of protocol.decode: in a broker that ended the poll loop (the process).
+2. A delta file whose manifest named a tensor with a number raised TypeError in apply_version, not DeltaError
+   (only DeltaError sends a rollout worker to the full version).
+3. Defence in depth: whatever a handler raises, the broker's and the store's socket loops answer Error(internal)
+   and go on serving; the store's bad-message warnings are rate-limited like the broker's (a flood of garbage
+   wrote one line per frame).
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+import msgpack
+import pytest
+import zmq
+
+from areal_mq import protocol
+from areal_mq.brokers.job_broker import JobBroker
+from areal_mq.brokers.sample_store import SampleStore
+from areal_mq.errors import ProtocolError
+from areal_mq.messages import Kind, StatsRequest
+from areal_mq.testing import RecordingLog
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63], [0, 2**64 - 1], [1] * 70, [0, 2**40, 2**40], [0, 2**31, 2**31 - 1]])
+def test_an_array_shape_numpy_cannot_hold_is_bad_arrays_not_a_crash(shape):
+    header = msgpack.packb({"v": 1, "kind": "stats_request", "id": "x", "body": {}, "arrays": [["float64", shape]]})
+    with pytest.raises(ProtocolError) as err:
+        protocol.decode([header, b"" if 0 in shape else b"\0" * 8])
+    assert err.value.code == "bad_arrays" and err.value.msg_id == "x"
+
+
+def test_zero_length_arrays_of_many_zero_dimensions_still_decode():
+    header = msgpack.packb({"v": 1, "kind": "stats_request", "id": "x", "body": {}, "arrays": [["int32", [0] * 32]]})
+    assert protocol.decode([header, b""]).kind == Kind.STATS_REQUEST
+
+
+def test_a_delta_manifest_of_the_wrong_types_is_a_corrupt_delta(tmp_path):
+    torch = pytest.importorskip("torch")
+    from areal_mq.weights.delta import DeltaError, encode_version
+    from areal_mq.weights.disk import DiskDelta
+
+    v1, v2 = {"w": torch.zeros(4)}, {"w": torch.ones(4)}
+    path = tmp_path / "model.delta"
+    DiskDelta(1, encode_version(v1, v2)).write(path, 2)
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    head = json.loads(data[8:8 + n])
+    for field, value in (("name", 1.5), ("count", "3"), ("shape", [4, -1]), ("checksum", None)):
+        inner = json.loads(json.loads(data[8:8 + n])["__metadata__"]["delta"])
+        inner["tensors"][0][field] = value
+        head["__metadata__"]["delta"] = json.dumps(inner)
+        body = json.dumps(head).encode()
+        path.write_bytes(struct.pack("<Q", len(body)) + body + data[8 + n:])
+        with pytest.raises(DeltaError) as err:
+            DiskDelta.read(path, 2, 1)
+        assert err.value.reason == "corrupt" and "manifest entry 0" in str(err.value), field
+
+
+class _Buggy(JobBroker):
+    """A broker with a bug in its routing: every decoded message raises."""
+
+    def _dispatch_kind(self, *args, **kwargs):
+        raise KeyError("a bug")
+
+
+def _dealer(ctx, addr):
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(addr)
+    return sock
+
+
+def _pump_until(component, sock, timeout_ms=3000):
+    for _ in range(timeout_ms // 20):
+        if component.sock.poll(20):
+            component.handle()
+        if sock.poll(0):
+            return protocol.decode(sock.recv_multipart())
+    return None
+
+
+def test_a_handler_that_raises_is_answered_internal_and_the_broker_goes_on(tmp_path):
+    ctx, log = zmq.Context(), RecordingLog()
+    addr = "inproc://buggy"
+    broker = _Buggy(ctx, addr, heartbeat_s=1.0, liveness=5, max_queue=10, max_frame_bytes=1 << 16, log=log)
+    sock = _dealer(ctx, addr)
+    try:
+        for _ in range(2):
+            sock.send_multipart(protocol.encode(StatsRequest()))
+            answer = _pump_until(broker, sock)
+            assert answer is not None and answer.msg.code == "internal" and "KeyError" in answer.msg.message
+        assert broker.counters["internal_errors"] == 2
+        (line,) = log.named("broker.internal_error")  # rate-limited: one line, the second suppressed
+        assert "KeyError" in line["error"] and line["where"].startswith("test_fuzz_findings.py:")
+        sock.send_multipart([b"\x00garbage"])  # the socket loop still serves
+        assert _pump_until(broker, sock).msg.code == "bad_header"
+    finally:
+        sock.close(0)
+        broker.close()
+        ctx.term()
+
+
+def test_a_flood_of_bad_frames_at_the_store_is_answered_but_logged_once_per_peer_and_reason(tmp_path):
+    ctx, log = zmq.Context(), RecordingLog()
+    store = SampleStore(ctx, "inproc://store", tmp_path, lease_s=10.0, max_frame_bytes=1 << 16, log=log)
+    sock = _dealer(ctx, "inproc://store")
+    try:
+        for _ in range(50):
+            sock.send(b"\x00garbage")
+        answers = 0
+        while answers < 50:
+            got = _pump_until(store, sock)
+            assert got is not None and got.msg.code == "bad_header"
+            answers += 1
+        assert len(log.named("store.bad_message")) == 1 and store.counters["refused"] == 50
+    finally:
+        sock.close(0)
+        store.close()
+        ctx.term()
