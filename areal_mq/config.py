@@ -280,6 +280,7 @@ class RunConfig(_Section):
                 f"trainer.temperature ({self.trainer.temperature}) must equal controller.temperature "
                 f"({self.controller.temperature}): behaviour logprobs are log_softmax(logits / T) at the sampling "
                 "temperature, and the trainer recomputes them the same way")
+        self._check_precision()
         self._check_exposure()
         self._configure_reward_task()
         return self
@@ -306,6 +307,16 @@ class RunConfig(_Section):
                 f"built-in reward function ({', '.join(BUILTINS)}) nor an import path 'pkg.module:function'; "
                 f"define it under reward.tasks, e.g. reward: {{tasks: {{{task}: {{fn: my_pkg.rewards:score}}}}}}")
         tasks[task] = TaskConfig(fn=task)
+
+    def _check_precision(self) -> None:
+        from areal_mq.algorithms.trainer import rollout_dtype
+
+        engine = rollout_dtype(self)
+        if self.trainer.precision == "fp16" and engine != "float16" and self.rollout.engine.kind != "sim":
+            raise ConfigError(
+                f"trainer.precision fp16 needs rollout.engine.dtype float16 (it is {engine}): fp16 is chosen to make "
+                "the trainer compute what the engine computes; an fp16 trainer against a bf16 or fp32 engine is "
+                "off-policy by numerics alone. Set rollout.engine.dtype=float16, or trainer.precision=auto")
 
     def _check_exposure(self) -> None:
         from areal_mq.security import is_loopback

@@ -97,6 +97,8 @@ def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, k
         state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
                  "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids, "extra": extra,
                  "strategy": trainer.strategy.name}
+        if trainer.scaler is not None:  # fp16: the loss scale carries on where it was
+            state["loss_scaler"] = trainer.scaler.state_dict()
         (tmp / STATE_JSON).write_text(json.dumps(state))
     acc.wait_for_everyone()
     if sharded:  # every rank writes its own shards of the model and AdamW state
@@ -185,6 +187,8 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> dict:
     trainer.version = int(state["version"])
     trainer.optimizer_steps = int(state["optimizer_steps"])
     trainer.consumed_ids = list(state["consumed_ids"])
+    if trainer.scaler is not None and "loss_scaler" in state:
+        trainer.scaler.load_state_dict(state["loss_scaler"])
     return dict(state.get("extra", {}))
 
 

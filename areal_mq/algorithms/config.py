@@ -58,15 +58,23 @@ class TrainerConfig(BaseModel):
         None, pattern=DEVICE_RE.pattern, description="The trainer's device, overriding model.device: auto (cuda when "
         "available, else cpu), cpu, cuda or cuda:N. Under `accelerate launch` each rank takes its own GPU (LOCAL_RANK)."
     )
-    precision: Literal["auto", "fp32", "bf16"] = Field(
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="Compute precision; the master weights and AdamW state are always fp32. bf16: autocast "
-        "over the fp32 weights (Accelerate mixed precision); fp32: no autocast; auto: the rollout engine's precision "
-        "(bf16 when rollout.engine.dtype, or model.dtype where that is auto, is bfloat16; else fp32), on any device: "
+        "over the fp32 weights (Accelerate mixed precision); fp16: fp16 autocast with dynamic loss scaling "
+        "(trainer.loss_scale_*; requires rollout.engine.dtype float16, the remedy measured for the bf16 "
+        "trainer/engine mismatch, arXiv 2510.26788); fp32: no autocast; auto: the rollout engine's precision "
+        "(bf16 when rollout.engine.dtype, or model.dtype where that is auto, is bfloat16; fp16 when it is float16; "
+        "else fp32), on any device: "
         "the behaviour weights compare the trainer's logprobs with the engine's, and a bf16 trainer against an "
         "fp32 engine is off-policy by numerics alone (benchmarks/RESULTS.md, GPU stage q). Under strategy fsdp, "
-        "bf16 is FSDP2's MixedPrecisionPolicy (parameters cast for compute, gradients reduced in fp32). Each step's "
-        "metrics carry mismatch_kl (engine vs trainer on the same weights) to choose by evidence."
+        "bf16 and fp16 are FSDP2's MixedPrecisionPolicy (parameters cast for compute, gradients reduced in fp32). "
+        "Each step's metrics carry mismatch_kl (engine vs trainer on the same weights) to choose by evidence."
     )
+    loss_scale_init: float = Field(
+        65536.0, ge=1, description="fp16 only: the initial dynamic loss scale (halved at every optimizer step whose "
+        "gradient overflows, which is then skipped and counted in fp16_skipped_steps).")
+    loss_scale_growth_interval: int = Field(
+        200, ge=1, description="fp16 only: finite optimizer steps in a row after which the loss scale doubles.")
     tf32: bool = Field(
         False, description="TF32 policy on CUDA, set explicitly when the trainer starts "
         "(torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32): off by default, so an fp32 op "

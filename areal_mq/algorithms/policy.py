@@ -19,14 +19,24 @@ from torch import nn
 class PolicyLogprobs(nn.Module):
     """`forward(...) -> (logp [N] fp32, entropy [N] fp32 | None)` over the generated tokens of one micro-batch."""
 
-    def __init__(self, lm: nn.Module, chunk_mb: float = 256.0):
+    def __init__(self, lm: nn.Module, chunk_mb: float = 256.0, autocast: torch.dtype | None = None):
         super().__init__()
         self.lm = lm
         self.chunk_mb = chunk_mb
+        self.autocast = autocast  # trainer.precision fp16 under ddp: the forward runs under fp16 autocast
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 keep_cols: torch.Tensor, logit_index: torch.Tensor, targets: torch.Tensor, temperature: float,
                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.autocast is not None:
+            with torch.autocast(input_ids.device.type, dtype=self.autocast):
+                return self._forward(input_ids, position_ids, attention_mask, keep_cols, logit_index, targets,
+                                     temperature, with_entropy)
+        return self._forward(input_ids, position_ids, attention_mask, keep_cols, logit_index, targets, temperature,
+                             with_entropy)
+
+    def _forward(self, input_ids, position_ids, attention_mask, keep_cols, logit_index, targets, temperature,
+                 with_entropy):
         from areal_mq.algorithms.logprobs import chunk_tokens_for, chunked_logprobs, lm_head_of
 
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,

@@ -91,7 +91,7 @@ def compute_precision(cfg: TrainerConfig, engine_dtype: str) -> str:
     held-out accuracy at v50 was 30 % against the fp32 CPU runs' 42 % (benchmarks/RESULTS.md, GPU stage q)."""
     if cfg.precision != "auto":
         return cfg.precision
-    return "bf16" if engine_dtype == "bfloat16" else "fp32"
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(engine_dtype, "fp32")
 
 
 def apply_tf32_policy(device: "torch.device", allow: bool) -> None:
@@ -152,9 +152,11 @@ class Trainer:
         """`device`: a spec (auto|cpu|cuda|cuda:N, `meta` for the device-guard tests), default trainer.device
         or auto; the worker passes role_device(cfg, "trainer"). `engine_dtype`: the dtype the rollout engine
         computes in (`rollout_dtype(cfg)`), which trainer.precision auto follows."""
+        import torch
         from accelerate.utils import set_seed
 
         from areal_mq.algorithms.optim import build_optimizer, build_scheduler
+        from areal_mq.algorithms.scaler import LossScaler
         from areal_mq.algorithms.policy import PolicyLogprobs
         from areal_mq.algorithms.strategy import build_strategy
         from areal_mq.engines.models import load_causal_lm
@@ -173,15 +175,20 @@ class Trainer:
         self.unwrapped = model
         self.strategy = build_strategy(cfg, self.accelerator, self.precision, self.device)
         chunk_mb = cfg.fsdp.logprob_chunk_mb
+        # fp16 under ddp: the policy's own autocast (Accelerate refuses fp16 on a CPU); under fsdp the
+        # MixedPrecisionPolicy casts the parameters. Either way the loss is scaled (areal_mq/algorithms/scaler.py)
+        autocast = torch.float16 if self.precision == "fp16" and cfg.strategy != "fsdp" else None
+        self.scaler = (LossScaler(cfg.loss_scale_init, cfg.loss_scale_growth_interval)
+                       if self.precision == "fp16" else None)
         # sharded (FSDP) before the optimizer: AdamW's state is then made beside each rank's own shards
-        self.model = self.strategy.wrap(PolicyLogprobs(model, chunk_mb))
+        self.model = self.strategy.wrap(PolicyLogprobs(model, chunk_mb, autocast))
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.ref_model = None
         if cfg.kl_coef > 0:  # sharded like the policy under fsdp: 4 bytes per parameter / world size more
             ref = load_causal_lm(self.model_path, "float32").to(self.device).eval()
             ref.requires_grad_(False)
-            self.ref_model = self.strategy.wrap(PolicyLogprobs(ref, chunk_mb), train=False)
+            self.ref_model = self.strategy.wrap(PolicyLogprobs(ref, chunk_mb, autocast), train=False)
         self.version = 0
         self.optimizer_steps = 0
         self.consumed_ids: list[str] = []
@@ -303,7 +310,7 @@ class Trainer:
         n_runs = max(n_runs if n_runs is not None else len(mini), len(mini))
         for k in range(len(mini), max(n_runs, 1)):  # no sequence here (or lockstep): zeros join the reductions
             with self.strategy.accumulate(self.model, k == n_runs - 1 or n_runs == 0):
-                self.accelerator.backward(self._empty_forward(self.model))
+                self.accelerator.backward(self._empty_forward(self.model) * self._loss_scale)
         for k, mb in enumerate(mini):
             last = k == len(mini) - 1
             with self.strategy.accumulate(self.model, last):
@@ -314,7 +321,7 @@ class Trainer:
                     prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
                 loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, gen_tokens, self.cfg, mb.ref_logp,
                                     mb.seq_index)
-                self.accelerator.backward(loss * self.world_size)
+                self.accelerator.backward(loss * (self.world_size * self._loss_scale))
             at_v = mb.prox_logp if mb.prox_logp is not None else logp  # the trainer's logprobs at version v
             mm_k3, mm_n, mm_out, mm_max = mismatch_stats(at_v, mb.behav_logp, mb.versions, self.version)
             sums += torch.stack([loss.detach().double(), st.clipped.double(), st.weight_sum.double(),
@@ -324,10 +331,23 @@ class Trainer:
             weight_max = torch.maximum(weight_max, torch.stack([st.weight_max.double(), mm_max]))
         return sums, counts, weight_max
 
+    @property
+    def _loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
     def optimizer_step(self) -> "torch.Tensor":
-        """Clip, step AdamW and the schedule. Returns the gradient norm before clipping (0-dim, device)."""
+        """Clip, step AdamW and the schedule. Returns the gradient norm before clipping (0-dim, device).
+        fp16: the gradients are unscaled first, and a step whose norm is not finite (an overflow on any rank)
+        is skipped, the scale backs off (LossScaler) and its norm reads 0 (counted in fp16_skipped_steps)."""
+        import torch
+
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
+        if self.scaler is not None:
+            self.scaler.unscale_(self.model.parameters())
         norm = self.strategy.clip(self.model, max_norm)
+        if self.scaler is not None and not self.scaler.update(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return torch.zeros_like(norm.detach())
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer_steps += 1
@@ -356,12 +376,15 @@ class Trainer:
         with DeviceSpan(self.device) as recompute_span:
             self.recompute(minis)
         lr = self.scheduler.get_last_lr()[0]
+        skipped = self.scaler.skipped if self.scaler is not None else 0
         sums, weight_max, norms = self._reduce(*self.run_minibatches(minis, gen_tokens))
         elapsed = time.perf_counter() - t0
         metrics = self._metrics(seqs, samples, sums, weight_max, norms, len(minis))
         metrics.update(lr=lr, oversized_seqs=oversized, prepare_s=t1 - t0,
                        prox_recompute_s=recompute_span.seconds(), step_s=elapsed,
                        tokens_per_s=sum(s.length for s in seqs) / elapsed, n_microbatches=sum(len(m) for m in minis), prox_from_forward=int(self.prox_from_forward(minis)))
+        if self.scaler is not None:  # the scale each micro-batch's loss is multiplied by next
+            metrics.update(loss_scale=self.scaler.scale, fp16_skipped_steps=self.scaler.skipped - skipped)
         self.version += 1
         self.consumed_ids.extend(s.sample_id for s in samples)
         metrics["version"] = self.version

@@ -19,10 +19,11 @@ class EngineConfig(BaseModel):
     kv_on_update: Literal["recompute", "keep"] = Field(
         "recompute", description="On a weight update: recompute in-flight KV caches under the new weights, or keep them."
     )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Engine parameter dtype; 'auto' follows model.dtype. bfloat16 decodes ~2x faster on CPUs "
-                    "with AMX/AVX512-BF16, at the cost of behaviour logprobs that differ more from a float32 trainer.",
+                    "with AMX/AVX512-BF16, at the cost of behaviour logprobs that differ more from a float32 trainer; "
+                    "float16 pairs with trainer.precision fp16 (loss-scaled; slow on CPUs without fp16 matmul units).",
     )
     max_model_len: int | None = Field(
         None, ge=8,

@@ -9,7 +9,8 @@ Three launches of THIS file under torch.distributed.run (CUDA hidden, one thread
 The test process runs the plain single-process trainer (strategy ddp, world 1) on the same batches. Targets
 (issue 37): fp32 loss within 1e-5 and parameters within 1e-5 after 3 steps, for tiny Llama, Qwen2 (q/k/v
 biases) and Qwen3 (q/k norms) configs; a resumed step 3 gives the uninterrupted step 3's loss at 1 -> 2 and 2 -> 1;
-the 2-rank checkpoint exports to a plain Hugging Face directory with the step-2 weights.
+the 2-rank checkpoint exports to a plain Hugging Face directory with the step-2 weights; and trainer.precision fp16
+at 2 ranks skips, on both ranks, an optimizer step whose gradient overflowed on one rank only.
 Run: pytest tests/integration/test_trainer_fsdp.py   (about 2 min on 2 cores, marked slow)
 """
 from __future__ import annotations
@@ -75,8 +76,37 @@ def run_rank(mode: str, out: Path) -> None:
         if trainer.is_main:
             torch.save(params, out / f"params-{mode}-{fam}.pt")
         result[fam] = entry
+    if mode == "two":
+        fp16_overflow_on_one_rank(out)
     if int(os.environ.get("RANK", "0")) == 0:
         (out / f"result-{mode}.json").write_text(json.dumps(result))
+
+
+def fp16_overflow_on_one_rank(out: Path) -> None:
+    """trainer.precision fp16 under fsdp: a normal step, then a step whose first optimizer step finds an inf
+    in rank 1's gradient shard only. Both ranks must skip it (the decision is global) and halve the scale."""
+    from areal_mq.algorithms.config import TrainerConfig
+    from areal_mq.algorithms.trainer import Trainer
+
+    trainer = Trainer(TrainerConfig(strategy="fsdp", precision="fp16", **CFG), out / "models" / "tiny-llama",
+                      device="cpu")
+    first = trainer.train_step(_batch(0))
+    clip, calls = trainer.strategy.clip, []
+
+    def poisoned(model, max_norm):
+        if not calls and trainer.rank == 1:
+            grad = next(p.grad.to_local() for p in model.parameters()
+                        if p.grad is not None and p.grad.to_local().numel())
+            grad.view(-1)[0] = float("inf")
+        calls.append(max_norm)
+        return clip(model, max_norm)
+
+    trainer.strategy.clip = poisoned
+    second = trainer.train_step(_batch(1))
+    keep = ("loss", "loss_scale", "fp16_skipped_steps")
+    (out / f"fp16-rank{trainer.rank}.json").write_text(json.dumps(
+        {"first": {k: first[k] for k in keep}, "second": {k: second[k] for k in keep},
+         "optimizer_steps": trainer.optimizer_steps}))
 
 
 def _free_port() -> int:
@@ -144,6 +174,14 @@ def test_fsdp_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_p
         exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
         for name, tensor in at2.items():
             torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-5, msg=f"{fam} export {name}")
+    # fp16 under fsdp: an overflow in one rank's shard makes every rank skip that optimizer step
+    ranks = [json.loads((tmp_path / f"fp16-rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["first"]["fp16_skipped_steps"] == 0 and r["first"]["loss_scale"] == 65536.0
+        assert r["second"]["fp16_skipped_steps"] == 1 and r["second"]["loss_scale"] == 32768.0, ranks
+        assert r["optimizer_steps"] == 3  # 2 mini-batches a step, one of the four skipped
+    assert ranks[0]["second"]["loss"] == ranks[1]["second"]["loss"]
+    assert abs(ranks[0]["first"]["loss"] - single["tiny-llama"][0][0]) < 5e-3  # fp16 near fp32
 
 
 if __name__ == "__main__":
