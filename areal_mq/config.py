@@ -234,6 +234,11 @@ class LauncherConfig(_Section):
     rollout_workers: int = Field(1, ge=1, description="Rollout worker processes.")
     reward_workers: int = Field(1, ge=1, description="Reward worker processes.")
     agent_workers: int = Field(1, ge=1, description="Agent worker processes (started only when agent.workflow is set).")
+    trainer_ranks: int = Field(
+        1, ge=1, le=64, description="Trainer processes on this host (backend local): more than 1 starts the trainer "
+        "as one unit under torch.distributed.run (gloo on CPUs, nccl on GPUs), rank 0 talking to the brokers; "
+        "pair it with trainer.strategy fsdp to shard the model over them (docs/bigger-models.md). A rank that "
+        "dies takes the unit down, and on_child_death restart brings it back from its last checkpoint.")
     on_child_death: Literal["restart", "stop"] = Field("stop", description="What to do when a child process dies.")
     max_restarts: int = Field(3, ge=0, description="Restarts per child before the run stops.")
     threads: dict[str, int] = Field(default_factory=dict, description="torch threads per role (rollout, trainer, ...).")

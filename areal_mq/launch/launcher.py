@@ -70,6 +70,16 @@ def assign_metrics_ports(cfg: RunConfig, names: list[str], check_free: bool = Tr
     return dict(zip(names, block))
 
 
+def trainer_launch(ranks: int) -> list[str]:
+    """The command head of a multi-rank trainer on this host: torch's elastic launcher, one rendezvous on
+    loopback (a free port taken now), every rank running `python -m areal_mq.cli`. The launcher supervises the
+    agent as one child: torchrun stops every rank when one dies, and forwards SIGTERM to all of them."""
+    from areal_mq.launch.ports import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
+            "127.0.0.1", "--master_port", str(free_port("127.0.0.1")), "-m", "areal_mq.cli"]
+
+
 class Launcher:
     def __init__(self, cfg: RunConfig, console: Any = None):
         self.cfg = cfg
@@ -98,6 +108,9 @@ class Launcher:
         return path
 
     def plan(self, config_path: Path) -> list[Child]:
+        if self.cfg.launcher.trainer_ranks > 1 and self.cfg.launcher.backend != "local":
+            raise ConfigError("launcher.trainer_ranks > 1 is for backend local; under Ray start the trainer ranks "
+                              "as docs/many-hosts.md shows")
         cfg, lc = self.cfg, self.cfg.launcher
         base = [sys.executable, "-m", "areal_mq.cli"]
         kids = [Child("broker", "broker", [*base, "broker", "--config", str(config_path)],
@@ -111,7 +124,8 @@ class Launcher:
                 env = {}
                 if role in lc.threads:
                     env = {"OMP_NUM_THREADS": str(lc.threads[role]), "MKL_NUM_THREADS": str(lc.threads[role])}
-                kids.append(Child(name, role, [*base, "worker", role, "--config", str(config_path), "--worker-id",
+                head = trainer_launch(lc.trainer_ranks) if role == "trainer" and lc.trainer_ranks > 1 else base
+                kids.append(Child(name, role, [*head, "worker", role, "--config", str(config_path), "--worker-id",
                                                name], self.run_dir / "logs" / f"{name}.log", env))
         if cfg.metrics.prometheus:  # each process its own port of the block
             ports = assign_metrics_ports(cfg, [k.name for k in kids])

@@ -106,11 +106,11 @@ def _store_log(run_dir: Path) -> dict[str, set]:
     return {"put": puts, "ack": acks, "drop": drops}
 
 
-def _audit(run_dir: Path) -> None:
+def _audit(run_dir: Path, steps: int = STEPS) -> None:
     last_of_version: dict[int, dict] = {}
     for step in _events(run_dir, "trainer.step"):
         last_of_version[step["version"]] = step  # a resumed trainer redoes versions: the last one counts
-    assert sorted(last_of_version) == list(range(1, STEPS + 1))
+    assert sorted(last_of_version) == list(range(1, steps + 1))
     trained = [sid for v in sorted(last_of_version) for sid in last_of_version[v]["sample_ids"]]
     assert len(trained) == len(set(trained)), "a sample was trained twice in the final lineage"
     log = _store_log(run_dir)

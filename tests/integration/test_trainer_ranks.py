@@ -1,0 +1,88 @@
+"""`launcher.trainer_ranks: 2` with `trainer.strategy: fsdp`: `areal-mq run` starts a 2-rank sharded trainer
+(torch.distributed.run, gloo) beside the other roles, from one command; kill -9 of the rank that does not talk
+to the brokers (rank 1) takes the unit down, the launcher restarts it, it resumes from its last sharded
+checkpoint and the run reaches its last version, with the chaos test's audit: nothing trained twice in the
+final lineage, nothing acked that the final policy never saw, nothing trained that was never stored.
+Run: pytest tests/integration/test_trainer_ranks.py -q -m slow   (~2-3 min on 2 cores)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .procs import free_ports, wait_for
+from .test_chaos import _audit, _events, _trained_versions
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+
+
+def _start(run_dir: Path) -> subprocess.Popen:
+    job, bus_in, bus_out, store = free_ports(4)
+    sets = [f"run.run_dir={run_dir}", f"brokers.job_port={job}", f"brokers.bus_in_port={bus_in}",
+            f"brokers.bus_out_port={bus_out}", f"brokers.store_port={store}", "brokers.heartbeat_s=0.5",
+            "brokers.liveness=4", "brokers.reconnect_max_s=2", f"controller.total_steps={STEPS}",
+            "launcher.on_child_death=restart", "launcher.max_restarts=2", "trainer.checkpoint_every=2",
+            "trainer.strategy=fsdp", "launcher.trainer_ranks=2", "events.console=json"]
+    cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--skip-eval", "--quiet",
+           *[x for s in sets for x in ("--set", s)]]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _rank1_pid(run_dir: Path) -> tuple[int, int]:
+    """(rank 0's pid from its trainer.started event, the pid of its sibling rank under the same torchrun)."""
+    started = _events(run_dir, "trainer.started")[-1]
+    assert started["world_size"] == 2, started
+    rank0 = int(started["pid"])
+    agent = int(Path(f"/proc/{rank0}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    others = [p for p in _children(agent) if p != rank0]
+    assert len(others) == 1, (agent, others)
+    return rank0, others[0]
+
+
+def test_two_fsdp_ranks_under_the_launcher_survive_a_killed_rank(tmp_path):
+    run_dir = tmp_path / "ranks"
+    proc = _start(run_dir)
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step00000002").is_dir() and _trained_versions(run_dir)
+                 if (run_dir / "events").exists() else False, 400, interval=0.5, what="checkpoint 2")
+        assert max(_trained_versions(run_dir)) < STEPS - 1, "the run ended before the kill"
+        assert (run_dir / "checkpoints" / "step00000002" / "sharded").is_dir()  # each rank wrote its shards
+        rank0, rank1 = _rank1_pid(run_dir)
+        os.kill(rank1, signal.SIGKILL)
+        wait_for(lambda: [e for e in _events(run_dir, "trainer.started") if e["pid"] != rank0], 300,
+                 interval=0.5, what="the trainer unit restarted")
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    restarted = _events(run_dir, "trainer.started")[-1]
+    assert restarted["world_size"] == 2 and restarted["version"] >= 2  # resumed from a checkpoint, not from 0
+    assert _events(run_dir, "launcher.child_restarted")
+    _audit(run_dir, STEPS)
