@@ -31,8 +31,13 @@ import common
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TARGETS = {"single_vs_fsdp2_rank_memory": 1.6}
-SIZES = {"layers": (6, 24), "groups": (2, 2), "group_size": (2, 4), "prompt": (32, 32), "gen": (96, 96),
-         "steps": (2, 2), "budget": (512, 1024)}  # quick, full (full: ~10 min on 2 cores)
+SIZES = {"layers": (6, 24), "groups": (2, 4), "group_size": (2, 4), "prompt": (32, 32), "gen": (96, 96),
+         "steps": (2, 2), "budget": (512, 2048)}  # quick, full (full: 2,048 tokens a step, ~15 min on 2 cores)
+# glibc's dynamic mmap threshold (up to 32 MiB) keeps freed tensors below it in the heap, so a process's peak RSS
+# also records its allocation history (measured: +0.9 GiB per FSDP rank from the gathered layers' buffers, which
+# are freed and made again every layer). Both sides run with a fixed 1 MiB threshold, so peak RSS follows the
+# live tensors: the figure that carries over to a GPU's caching allocator.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 log = common.logger("trainer-fsdp")
 
 
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
                                    num_hidden_layers=s["layers"])
     n_params = parameter_count("qwen2.5-0.5b", num_hidden_layers=s["layers"])
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               HF_HUB_OFFLINE="1")
+               HF_HUB_OFFLINE="1", **MALLOC_ENV)
     out = tempfile.mkdtemp(prefix="bench-fsdp-")
     body = [__file__, "--worker", str(model_dir), "--out", out, "--sizes", json.dumps(s)]
     t0 = time.perf_counter()
@@ -115,6 +120,7 @@ def run(args: argparse.Namespace) -> dict:
                 "losses": ranks[0]["losses"]}]
     gap = max(abs(a - b) for a, b in zip(single["losses"], ranks[0]["losses"]))
     return {"benchmark": "trainer_fsdp", "quick": args.quick, "machine": common.torch_machine(device="cpu"),
+            "env": MALLOC_ENV,
             "model": {"shape": "qwen2.5-0.5b", "layers": s["layers"], "params": n_params,
                       "fp32_state_gib": round(16 * n_params / 2**30, 2)},
             "sizes": s, "world": args.world, "results": results, "loss_max_abs_diff": gap,
