@@ -31,22 +31,35 @@ class EngineConfig(BaseModel):
     )
     max_kv_tokens: int = Field(
         65536, ge=64,
-        description="torch engine KV budget: running sequences' reserved tokens (prompt + max_new_tokens) "
-                    "never exceed it; requests wait until they fit.",
+        description="torch engine admission cap: running sequences' reserved tokens (prompt + max_new_tokens) "
+                    "never exceed it; requests wait until they fit. On the CPU without kv_cache_bytes it also sizes "
+                    "the KV block pool (this many positions).",
     )
     kv_cache_bytes: int | None = Field(
         None, ge=1,
-        description="torch engine: memory budget in bytes of a static (preallocated, never moved) KV cache: "
-                    "max_concurrent + 1 slots (one scratch slot for padding rows) of capacity = budget / (slots * "
-                    "2 * layers * kv_heads * head_dim * dtype bytes) positions each, at most max_model_len; requests "
-                    "longer than that are refused. None: on CUDA every slot holds max_model_len (static); on the "
-                    "CPU the cache starts at 128 positions and grows as sequences do.",
+        description="torch engine: memory budget in bytes of the paged KV pool (allocated once, never moved): "
+                    "budget / (kv_block_size * 2 * layers * kv_heads * head_dim * dtype bytes) blocks, one of them the "
+                    "scratch block, at least max_concurrent + 1. Sequences take blocks as they produce tokens; when "
+                    "the pool runs out the youngest are preempted and recomputed later. None: on CUDA "
+                    "kv_cache_fraction of the free device memory; on the CPU max_kv_tokens positions (pages never "
+                    "used cost nothing there).",
+    )
+    kv_cache_fraction: float = Field(
+        0.5, gt=0, le=0.95,
+        description="torch engine on CUDA without kv_cache_bytes: the KV pool takes this fraction of the device "
+                    "memory free after the weights loaded (leave room for a trainer sharing the GPU).",
+    )
+    kv_block_size: int = Field(
+        16, ge=1, le=1024,
+        description="torch engine: positions per KV block. Smaller wastes less in each sequence's last block and "
+                    "shares more of a prompt; larger gathers fewer, bigger pieces per attention read.",
     )
     cuda_graphs: bool = Field(
         False,
         description="torch engine: decode in fixed-shape buckets (batch: powers of two up to max_concurrent, padded "
-                    "rows write to the scratch slot; keys: a power of two >= 64) and, on CUDA, replay each bucket's "
-                    "captured CUDA graph; implies a static KV cache. On the CPU the padded step runs eagerly.",
+                    "rows write to the scratch block; blocks per row: a power of two covering >= 64 keys) and, on "
+                    "CUDA, replay each bucket's captured CUDA graph with the block tables as an input. On the CPU "
+                    "the padded step runs eagerly.",
     )
     prefill_chunk_tokens: int = Field(
         128, ge=1,

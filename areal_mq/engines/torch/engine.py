@@ -1,34 +1,41 @@
-"""The embedded torch inference engine (`engine: torch`): continuous batching, interruptible updates.
+"""The embedded torch inference engine (`engine: torch`): continuous batching, paged KV, interruptible updates.
 
 What: `TorchEngine` implements `areal_mq.engines.base.Engine` with plain PyTorch on one device (cpu, cuda:N;
 `rollout.device` else `model.device`, areal_mq/devices.py). One `step()`:
 
-    admit waiting requests into free slots (FIFO, while slots and the KV budget allow)
-    prefill: write KV for pending prompt / recompute tokens, in slot order, at most
-             `prefill_chunk_tokens` per step (chunked, so decoding never stalls for long)
+    admit waiting requests (FIFO, while max_concurrent, max_kv_tokens and the free KV blocks allow)
+    prefill: write KV for pending prompt / recompute tokens, at most `prefill_chunk_tokens` per step
+             (chunked, so decoding never stalls for long)
     decode:  one token for every sequence whose KV is complete, each at its own position
     finish:  sequences that hit EOS / a stop token / a stop string / max_new_tokens leave at once
 
-Slot layout invariant: `rows[i]` lives in KV slot i; sequences ready to decode occupy slots 0..r-1
-and sequences still prefilling occupy r..n-1, so decoding reads the KV cache as a view (no gather).
-A finished sequence's slot is refilled by moving the last ready row (and then the last pending row).
-A row is "ready" when KV covers all its tokens but the last, which decode feeds next.
+KV memory (kvcache.py): one pool of fixed-size blocks; each sequence holds a block table and takes a block when
+its tokens reach it. When a step needs a block and the pool is empty, the youngest sequence (latest submitted)
+is preempted: its blocks go back to the pool and it waits at the head of the queue, to be recomputed from its
+tokens (prompt and what it generated so far, which keep their logprobs and versions) when blocks are free again
+(`preempted`, `preempted_tokens` in stats()). A row is "ready" when KV covers all its tokens but the last,
+which decode feeds next.
+
+Prefix sharing (`share_prefill`): rows whose next prefill chunk is the same tokens on an identical KV history
+(the n samples of one GRPO prompt) compute it once; the others point their block tables at the computing row's
+blocks (reference counts). The partial last block is copied on the first write into it (copy-on-write), so a
+group of 8 stores its prompt's KV once plus 8 partial blocks.
 
 Weight updates (`update_weights`) happen between steps, in place. In-flight sequences continue: with
-`kv_on_update: keep` their KV stays; with `recompute` (default) their KV is marked stale and rebuilt
+`kv_on_update: keep` their KV stays; with `recompute` (default) their blocks are freed and their KV rebuilt
 through the same chunked prefill path (shortest sequences first, so decoding resumes quickly).
 Every token carries the version of the weights that produced its logits.
 
 Session KV (`session_kv_max_tokens` > 0): a finished request with a session leaves a copy of its KV in
 `self.sessions` (session.py); the session's next request reuses the rows of its common token prefix at
-admission and prefills only the rest. Kept KV never holds a slot, so it never delays admission.
+admission and prefills only the rest. Kept KV holds no pool blocks, so it never delays admission.
 
 Behaviour logprobs follow the base.py convention (log_softmax(logits / T) before top-p/top-k).
 
-Device: weights, KV cache, RoPE tables, index tensors, per-request generators, sampling and logprobs all live on
+Device: weights, KV pool, RoPE tables, index tensors, per-request generators, sampling and logprobs all live on
 the engine's device. The decode step itself (forward.py `decode_step`) never waits for the device; the loop
 reads the sampled tokens and logprobs back once per step, after it. With `cuda_graphs` the step runs in
-fixed-shape buckets over a static KV cache, replayed as CUDA graphs on CUDA (graphs.py).
+fixed-shape buckets (batch, blocks per row), replayed as CUDA graphs on CUDA (graphs.py).
 
 How to run: `build_engine(EngineConfig(), ModelConfig())` from areal_mq.engines; tests in
 tests/unit/engines/test_torch_engine*.py; throughput in benchmarks/engine.py.
@@ -36,6 +43,7 @@ tests/unit/engines/test_torch_engine*.py; throughput in benchmarks/engine.py.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections import deque
 from pathlib import Path
@@ -49,7 +57,7 @@ from areal_mq.engines.models import load_causal_lm, load_tokenizer
 from areal_mq.engines.sampling import sample_tokens
 from areal_mq.engines.torch.forward import LlamaRunner
 from areal_mq.engines.torch.graphs import BucketedDecoder
-from areal_mq.engines.torch.kvcache import bytes_per_token, static_capacity
+from areal_mq.engines.torch.kvcache import blocks_for, bytes_per_token, pool_blocks
 from areal_mq.engines.torch.seq import SeqState, build_output
 from areal_mq.engines.torch.session import SessionKV
 from areal_mq.engines.torch.weights import load_weights_in_place, patch_weights_in_place
@@ -79,8 +87,7 @@ class TorchEngine(Engine):
         limit = getattr(self.model.config, "max_position_embeddings", 2048)
         self.max_len = min(self.cfg.max_model_len or min(limit, 2048), limit)
         self.runner = LlamaRunner(self.model, self.max_len)
-        self.cache = self.runner.new_cache(self.cfg.max_concurrent, self._static_capacity())
-        self.max_len = min(self.max_len, self.cache.capacity) if self.cache.static else self.max_len
+        self.cache = self.runner.new_cache(self._pool_blocks(), self.cfg.kv_block_size)
         self.decoder = None  # exact-shape eager decode (runner.decode) unless cuda_graphs
         if self.cfg.cuda_graphs:
             self.decoder = BucketedDecoder(self.runner, self.cache, self.cfg.max_concurrent,
@@ -94,17 +101,24 @@ class TorchEngine(Engine):
         self.rows: list[SeqState] = []
         self.live: dict[str, SeqState] = {}
         self._rate: deque[tuple[float, int]] = deque()
+        self._order = itertools.count()
         self.counters = {"steps": 0, "generated_tokens": 0, "prefilled_tokens": 0, "shared_prefill_tokens": 0,
-                         "finished": 0, "session_kv_hits": 0, "prefill_tokens_saved": 0}
+                         "finished": 0, "session_kv_hits": 0, "prefill_tokens_saved": 0, "preempted": 0,
+                         "preempted_tokens": 0}
         self.sessions = SessionKV(self.cfg.session_kv_max_tokens, self.cfg.session_kv_ttl_s)
 
-    def _static_capacity(self) -> int | None:
-        """Positions per slot of a static KV cache (kv_cache_bytes; CUDA or cuda_graphs: max_len), None: growing."""
+    def _pool_blocks(self) -> int:
+        """Blocks of the KV pool: kv_cache_bytes; else on CUDA kv_cache_fraction of free memory; else (CPU)
+        max_kv_tokens positions (untouched pages cost nothing there: kvcache.py)."""
+        r, bs = self.runner, self.cfg.kv_block_size
+        per_token = bytes_per_token(len(r.layers), r.n_kv, r.head_dim, r.dtype)
         if self.cfg.kv_cache_bytes is not None:
-            r = self.runner
-            per_token = bytes_per_token(len(r.layers), r.n_kv, r.head_dim, r.dtype)
-            return static_capacity(self.cfg.kv_cache_bytes, self.cfg.max_concurrent, per_token, self.max_len)
-        return self.max_len if self.cfg.cuda_graphs or self.device.type == "cuda" else None
+            budget = self.cfg.kv_cache_bytes
+        elif self.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * self.cfg.kv_cache_fraction)
+        else:
+            budget = (max(self.cfg.max_kv_tokens, self.cfg.max_concurrent * bs) + 2 * bs) * per_token
+        return pool_blocks(budget, per_token, bs, self.cfg.max_concurrent)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -133,16 +147,19 @@ class TorchEngine(Engine):
                                      f"[0, {self.vocab_size})")
         need = len(prompt) + sp.max_new_tokens
         if need > self.max_len:
-            where = " (the static KV cache's positions per slot: kv_cache_bytes)" if self.cache.static else ""
             raise EngineRequestError(
                 f"request {rid!r}: prompt ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
-                f"{need} exceeds the context limit {self.max_len}{where}; shorten the prompt or lower max_new_tokens")
+                f"{need} exceeds the context limit {self.max_len}; shorten the prompt or lower max_new_tokens")
         if need > self.cfg.max_kv_tokens:
             raise EngineRequestError(f"request {rid!r}: needs {need} KV tokens, more than max_kv_tokens "
                                      f"({self.cfg.max_kv_tokens}); raise it or shorten the request")
+        if need > self.cache.capacity_tokens:
+            raise EngineRequestError(f"request {rid!r}: needs {need} KV tokens, more than the whole KV pool holds "
+                                     f"({self.cache.capacity_tokens}); raise kv_cache_bytes or shorten the request")
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
         seq = SeqState(request=request, tokens=prompt, n_prompt=len(prompt), stop_ids=frozenset(stops),
-                        reserved=need, generator=self._generator(request), submitted_at=time.perf_counter())
+                        reserved=need, generator=self._generator(request), submitted_at=time.perf_counter(),
+                        order=next(self._order))
         self.waiting.append(seq)
         self.live[rid] = seq
 
@@ -169,7 +186,7 @@ class TorchEngine(Engine):
         if seq in self.waiting:
             self.waiting.remove(seq)
         else:
-            self._remove(self.rows.index(seq))
+            self._remove(seq)
         return build_output(seq, "abort", self.tokenizer)
 
     def pause(self) -> None:
@@ -194,65 +211,114 @@ class TorchEngine(Engine):
         return finished
 
     def _admit(self) -> None:
+        """FIFO while slots, max_kv_tokens and free blocks allow: a request is admitted when the pool, less a
+        1 % watermark and the blocks promised to rows still prefilling, holds its tokens (once per distinct token
+        list: the samples of one prompt share their prefill blocks)."""
         reserved = sum(s.reserved for s in self.rows)
+        bs = self.cache.block_size
+        promised: dict[int, int] = {}
+        for s in self.rows:
+            if not s.ready:
+                promised[hash(tuple(s.tokens))] = blocks_for(len(s.tokens), bs) - len(s.table)
+        room = len(self.cache.free) - max(1, self.cache.num_blocks // 100) - sum(promised.values())
         while self.waiting and len(self.rows) < self.cfg.max_concurrent:
             seq = self.waiting[0]
             if reserved + seq.reserved > self.cfg.max_kv_tokens:
                 break  # FIFO: the head waits for room rather than being overtaken
+            key = hash(tuple(seq.tokens))
+            need = 0 if key in promised else blocks_for(len(seq.tokens), bs)
+            if need > room and self.rows:
+                break  # an idle engine always takes its head (submit checked it fits the pool)
             self.waiting.popleft()
             reserved += seq.reserved
+            room -= need
+            promised[key] = need
             seq.reset_kv()
             self.rows.append(seq)
             if seq.request.session and self.sessions.enabled:
-                self._reuse_session_kv(len(self.rows) - 1, seq)
+                self._reuse_session_kv(seq)
 
-    def _reuse_session_kv(self, slot: int, seq: SeqState) -> None:
-        """Fill `slot` with the KV the session's previous turn left for the prompt's common prefix."""
-        seq.kv_reused = self.sessions.restore(self.cache, slot, seq)
+    def _reuse_session_kv(self, seq: SeqState) -> None:
+        """Fill `seq`'s first blocks with the KV the session's previous turn left for the prompt's common prefix."""
+        seq.kv_reused = self.sessions.restore(self.cache, seq)
         if seq.kv_reused:
             self.counters["session_kv_hits"] += 1
             self.counters["prefill_tokens_saved"] += seq.kv_reused
 
-    def _ready_count(self) -> int:
-        r = 0
-        while r < len(self.rows) and self.rows[r].ready:
-            r += 1
-        return r
+    # -- blocks and preemption -------------------------------------------------------------------
+
+    def _secure(self, seq: SeqState, start: int, end: int, keep: set[int], preempt: bool = True) -> bool:
+        """Blocks of its own for positions [start, end) of `seq`, preempting the youngest rows outside `keep`
+        (ids) while the pool is short; False when `seq` itself was preempted or `preempt` is off."""
+        while not (self.cache.ensure(seq.table, end) and self.cache.writable(seq.table, start, end)):
+            victims = [s for s in self.rows if id(s) not in keep]
+            if not preempt or not victims:
+                return False
+            victim = max(victims, key=lambda s: s.order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: SeqState) -> None:
+        """Free `seq`'s blocks and queue it first, to be recomputed from its tokens when blocks are free."""
+        self.rows.remove(seq)
+        self.counters["preempted"] += 1
+        self.counters["preempted_tokens"] += seq.kv_len
+        self.cache.release(seq.table)
+        seq.reset_kv()
+        self.waiting.appendleft(seq)
+
+    # -- prefill and decode ----------------------------------------------------------------------
 
     def _prefill(self) -> None:
         """Compute KV chunks for pending rows; a row whose next chunk another row computes this step from
-        an identical KV history (the n samples of one prompt) copies that KV instead (`share_prefill`)."""
+        an identical KV history (the n samples of one prompt) shares that row's blocks instead (`share_prefill`).
+        Rows preempt others for blocks only when no row is ready to decode (decoding frees blocks otherwise)."""
         budget = self.cfg.prefill_chunk_tokens
-        slots, starts, chunks = [], [], []
+        picked: list[SeqState] = []
+        starts, chunks = [], []
         leaders: dict[tuple[int, int], list[int]] = {}  # (start, kv_sig) -> indices into chunks
-        followers: list[tuple[int, int]] = []  # (row slot, index of the chunk it copies)
-        for i in range(self._ready_count(), len(self.rows)):
-            seq = self.rows[i]
+        followers: list[tuple[SeqState, int]] = []  # (row, index of the chunk it shares)
+        preempt = not any(s.ready for s in self.rows)
+        for seq in [s for s in self.rows if not s.ready]:
+            if seq not in self.rows:
+                continue  # preempted for an older row this step
             if self.cfg.share_prefill and (j := self._shared_chunk(seq, leaders, chunks)) is not None:
-                followers.append((i, j))
+                followers.append((seq, j))
                 continue
             if budget <= 0:
                 continue  # no compute left this step, but later rows may still follow a leader
             take = min(len(seq.tokens) - 1 - seq.kv_len, budget)
+            if not self._secure(seq, seq.kv_len, seq.kv_len + take, {id(s) for s in picked}, preempt):
+                if seq in self.rows:
+                    break  # FIFO: later rows wait for blocks too
+                continue
             leaders.setdefault((seq.kv_len, seq.kv_sig), []).append(len(chunks))
-            slots.append(i)
+            picked.append(seq)
             starts.append(seq.kv_len)
             chunks.append(seq.tokens[seq.kv_len : seq.kv_len + take])
             budget -= take
-        if not slots:
+        if not picked:
             return
-        self.runner.extend(self.cache, slots, starts, chunks)
-        for i, chunk in zip(slots, chunks):
-            self.rows[i].advance_kv(chunk, self.version)
-        for i, j in followers:
-            self.cache.move(slots[j], i, len(chunks[j]), start=starts[j])
-            self.rows[i].advance_kv(chunks[j], self.version)
+        self.runner.extend(self.cache, [s.table for s in picked], starts, chunks)
+        for seq, chunk in zip(picked, chunks):
+            seq.advance_kv(chunk, self.version)
+        shared = 0
+        for seq, j in followers:
+            if seq not in self.rows:
+                continue
+            end = starts[j] + len(chunks[j])
+            self.cache.release(seq.table)  # identical KV (same kv_sig) in other blocks, or the same ones
+            seq.table = self.cache.share(picked[j].table, blocks_for(end, self.cache.block_size))
+            seq.advance_kv(chunks[j], self.version)
+            shared += len(chunks[j])
         self.counters["prefilled_tokens"] += sum(len(c) for c in chunks)
-        self.counters["shared_prefill_tokens"] += sum(len(chunks[j]) for _, j in followers)
+        self.counters["shared_prefill_tokens"] += shared
 
     @staticmethod
     def _shared_chunk(seq: SeqState, leaders: dict, chunks: list[list[int]]) -> int | None:
-        """Index of a chunk computed this step that `seq` can copy: same start, same KV history (kv_sig
+        """Index of a chunk computed this step that `seq` can share: same start, same KV history (kv_sig
         covers tokens and weight versions so far) and the same next tokens."""
         for j in leaders.get((seq.kv_len, seq.kv_sig), ()):
             chunk = chunks[j]
@@ -261,58 +327,51 @@ class TorchEngine(Engine):
                 return j
         return None
 
+    def _decode_rows(self) -> list[SeqState]:
+        """Ready rows, oldest first, each with its own block for the position it writes (preempting the
+        youngest rows while the pool is short), in row order."""
+        keep: set[int] = set()
+        for seq in sorted((s for s in self.rows if s.ready), key=lambda s: s.order):
+            if seq in self.rows:
+                p = len(seq.tokens) - 1
+                if self._secure(seq, p, p + 1, keep):
+                    keep.add(id(seq))
+        return [s for s in self.rows if id(s) in keep]
+
     def _decode(self) -> list[EngineOutput]:
-        r = self._ready_count()
-        if r == 0:
+        rows = self._decode_rows()
+        if not rows:
             return []
-        rows = self.rows[:r]
         tokens, positions = [s.tokens[-1] for s in rows], [len(s.tokens) - 1 for s in rows]
+        tables = [s.table for s in rows]
         if self.decoder is not None:  # bucketed, padded (and on CUDA graph-replayed): a view, used at once
-            logits = self.decoder(tokens, positions)
+            logits = self.decoder(tokens, positions, tables)
         else:
-            logits = self.runner.decode(self.cache, tokens, positions)
+            logits = self.runner.decode(self.cache, tokens, positions, tables)
         sps = [s.request.sampling for s in rows]
         new, logprobs = sample_tokens(logits, [p.temperature for p in sps], [p.top_p for p in sps],
                                       [p.top_k for p in sps], [s.generator for s in rows])
         # the one read-back of the step: tokens and logprobs in one transfer (float64 holds both exactly)
         host_tokens, host_logprobs = torch.stack((new.double(), logprobs.double())).tolist()
         now = time.perf_counter()
-        done: list[tuple[int, str]] = []
-        for i, (seq, tok, lp) in enumerate(zip(rows, host_tokens, host_logprobs)):
-            tok = int(tok)
-            seq.advance_kv(seq.tokens[-1:], self.version)
-            reason = seq.append(tok, lp, self.version, now, self.tokenizer)
-            if reason is not None:
-                done.append((i, reason))
-        self._count_rate(now, r)
         outputs = []
-        for i, reason in sorted(done, reverse=True):  # descending: earlier slots stay valid
-            seq = self.rows[i]
-            if seq.request.session and self.sessions.enabled:
-                self.sessions.save(self.cache, i, seq)
-            self._remove(i)
-            del self.live[seq.request.request_id]
-            outputs.append(build_output(seq, reason, self.tokenizer))
+        for seq, tok, lp in zip(rows, host_tokens, host_logprobs):
+            seq.advance_kv(seq.tokens[-1:], self.version)
+            reason = seq.append(int(tok), lp, self.version, now, self.tokenizer)
+            if reason is not None:
+                if seq.request.session and self.sessions.enabled:
+                    self.sessions.save(self.cache, seq)
+                self._remove(seq)
+                del self.live[seq.request.request_id]
+                outputs.append(build_output(seq, reason, self.tokenizer))
+        self._count_rate(now, len(rows))
         self.counters["finished"] += len(outputs)
-        return outputs[::-1]
+        return outputs
 
-    def _remove(self, i: int) -> None:
-        """Free slot i keeping the ready-prefix layout: refill it from the last ready row, then the
-        hole that leaves from the last row overall."""
-        r = self._ready_count()
-        hole = i
-        if i < r and i != r - 1:
-            self._place(r - 1, i)
-            hole = r - 1
-        last = len(self.rows) - 1
-        if hole != last:
-            self._place(last, hole)
-        self.rows.pop()
-
-    def _place(self, src: int, dst: int) -> None:
-        seq = self.rows[src]
-        self.cache.move(src, dst, seq.kv_len)
-        self.rows[dst] = seq
+    def _remove(self, seq: SeqState) -> None:
+        """A finished or aborted row leaves; its blocks go back to the pool (shared ones when unreferenced)."""
+        self.rows.remove(seq)
+        self.cache.release(seq.table)
 
     def _count_rate(self, now: float, tokens: int) -> None:
         self.counters["generated_tokens"] += tokens
@@ -336,10 +395,11 @@ class TorchEngine(Engine):
         stale = 0
         if self.cfg.kv_on_update == "recompute":
             self.sessions.clear()  # kept KV of finished turns is as stale as the in-flight KV
-            # All KV is invalid, so rows may be re-slotted freely: shortest first resumes decoding soonest.
+            # All KV is invalid: free it; shortest first resumes decoding soonest.
             self.rows.sort(key=lambda s: len(s.tokens))
             for seq in self.rows:
                 stale += seq.kv_len
+                self.cache.release(seq.table)
                 seq.reset_kv()
         t2 = time.perf_counter()
         return {"load_s": t1 - t0, "pause_s": t2 - t1, "tensors": float(n), "in_flight": float(len(self.rows)),
@@ -352,10 +412,12 @@ class TorchEngine(Engine):
         rate = sum(t for _, t in list(self._rate)[1:]) / window if window > 0 else 0.0
         return {
             "engine": "torch", "version": self.version, "running": len(self.rows), "waiting": len(self.waiting),
-            "ready": self._ready_count(), "tokens_per_s": rate,
+            "ready": sum(s.ready for s in self.rows), "tokens_per_s": rate,
             "kv_tokens": sum(s.kv_len for s in self.rows),
             "kv_reserved_tokens": sum(s.reserved for s in self.rows),
-            "kv_capacity_tokens": self.cfg.max_concurrent * self.cache.capacity,
+            "kv_capacity_tokens": self.cache.capacity_tokens, "kv_block_size": self.cache.block_size,
+            "kv_blocks": self.cache.num_blocks, "kv_blocks_used": self.cache.used,
+            "kv_blocks_peak": self.cache.peak_used, "kv_cow_copies": self.cache.copies,
             "kv_bytes": self.cache.nbytes, "max_kv_tokens": self.cfg.max_kv_tokens,
             "paused": self.paused, "device": str(self.device), "kv_static": self.cache.static,
             **self.counters, **self.sessions.stats(),
@@ -363,6 +425,8 @@ class TorchEngine(Engine):
 
     def close(self) -> None:
         self.waiting.clear()
+        for seq in self.rows:
+            self.cache.release(seq.table)
         self.rows.clear()
         self.live.clear()
 

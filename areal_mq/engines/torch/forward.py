@@ -1,16 +1,25 @@
-"""Llama-family forward pass over a slot-based KV cache (the compute core of the torch engine).
+"""Llama-family forward pass over a paged KV cache (the compute core of the torch engine).
 
 What: `LlamaRunner` runs the decoder layers of a loaded Hugging Face Llama / Mistral / Qwen2 / Qwen3 model
-directly on its parameters, on the device the model sits on, over a `SlotKVCache` (kvcache.py):
+directly on its parameters, on the device the model sits on, over a `PagedKVCache` (kvcache.py: a block pool,
+a block table per sequence):
 
-- `decode_step(k_cache, v_cache, tokens[B], positions[B], write_slots[B], length)`: the graph-ready step. One
-  new token per row b, at its own position, its K/V written into slot write_slots[b]; queries of rows 0..B-1
-  read the keys of slots 0..B-1 up to `length`. Only tensors in, logits [B, V] out: no host sync, no
-  allocation that depends on values, so `torch.compile(fullgraph=True)` traces it in one graph and CUDA graphs
-  capture it (graphs.py). `length` and B are Python ints fixed per bucket.
-- `decode(cache, tokens, positions)`: the eager convenience over Python lists (exact batch and length).
-- `extend(cache, slots, starts, chunks)`: write the KV of token chunks (prefill / recompute), no logits; one
+- `decode_step(k_pool, v_pool, tokens[B], positions[B], tables[B, nb])`: the graph-ready step. One new token per
+  row b, at its own position, its K/V written into its block tables[b, pos // bs] at offset pos % bs; row b's
+  query reads the keys of its own blocks only (gathered, nb * block_size keys, masked past its position). Only
+  tensors in, logits [B, V] out: no host sync, no allocation that depends on values, so
+  `torch.compile(fullgraph=True)` traces it in one graph and CUDA graphs capture it with the block tables as an
+  input (graphs.py). B and nb are fixed per bucket.
+- `decode(cache, tokens, positions, tables)`: the eager convenience over Python lists (exact batch and width).
+- `extend(cache, tables, starts, chunks)`: write the KV of token chunks (prefill / recompute), no logits; one
   vectorised KV write per layer (index tensors built once on the host from the chunk lengths).
+
+Attention over gathered blocks is torch SDPA on a [B, KV, nb*bs, hd] view of the gathered blocks (measured on
+the CPU in docs/engines.md; the eager decode reads short rows' blocks apart from long rows'; a FlexAttention block mask or a Triton kernel would skip the gather copy on a GPU).
+
+Refused at load (`ModelNotFound`, naming the field): a `hidden_act` other than SiLU (the MLP computes
+silu(gate) * up) and a RoPE scaling type whose tables depend on the sequence length (`dynamic`, `longrope`, ...):
+the engine precomputes one cos/sin table, so only `default`, `linear`, `llama3` and `yarn` are exact.
 
 Every tensor made here is made on the runner's device (RoPE tables, index tensors, masks), so a model on
 CUDA never meets a CPU index (tests/unit/engines/test_torch_device.py checks it with the model on `meta` under
@@ -36,10 +45,31 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from areal_mq.engines.torch.kvcache import SlotKVCache
+from areal_mq.engines.torch.kvcache import PagedKVCache, blocks_for
 from areal_mq.errors import ModelNotFound
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_HIDDEN_ACTS = ("silu", "swish")  # the MLP computes F.silu(gate) * up
+# RoPE types whose cos/sin table does not depend on the sequence length (one table, computed at load, is exact)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def check_computable(cfg: Any) -> None:
+    """Refuse (ModelNotFound, naming the config field) a model this forward pass would compute differently from
+    the trainer's HF model: an activation or a RoPE scaling it does not implement."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in SUPPORTED_HIDDEN_ACTS:
+        raise ModelNotFound(f"config field hidden_act={act!r} is not implemented by the torch engine (it computes "
+                            f"{' / '.join(SUPPORTED_HIDDEN_ACTS)}); use engine: vllm for this model (docs/engines.md).")
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = getattr(cfg, field, None)
+        if not isinstance(rope, dict):
+            continue
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise ModelNotFound(
+                f"config field {field} has rope type {kind!r}, which the torch engine does not implement (its RoPE "
+                f"table is computed once; exact for {', '.join(SUPPORTED_ROPE_TYPES)}); use engine: vllm.")
 
 
 @dataclass
@@ -70,7 +100,7 @@ def _fuse(linears: Sequence[Any], attr: str) -> torch.Tensor | None:
 
 
 class LlamaRunner:
-    """Runs a loaded HF Llama-family causal LM over a SlotKVCache on the model's device (module docstring)."""
+    """Runs a loaded HF Llama-family causal LM over a PagedKVCache on the model's device (module docstring)."""
 
     def __init__(self, model: Any, max_len: int):
         cfg = model.config
@@ -79,6 +109,7 @@ class LlamaRunner:
                 f"the torch engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}; "
                 f"use engine: vllm for other architectures (docs/engines.md)."
             )
+        check_computable(cfg)
         window = getattr(cfg, "sliding_window", None)
         if (window and window < max_len) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
             raise ModelNotFound(f"sliding-window attention ({window}) is not supported; "
@@ -93,6 +124,7 @@ class LlamaRunner:
         self.eps = cfg.rms_norm_eps
         self.vocab_size = cfg.vocab_size
         self.max_len = max_len
+        self._gather_buffers: list[torch.Tensor | None] = [None, None]  # CPU: reused K / V gather outputs
         self.layers = [self._bind_layer(layer) for layer in model.model.layers]
         inner = model.model
         self.embed = inner.embed_tokens.weight
@@ -116,10 +148,10 @@ class LlamaRunner:
             q_norm=None if norms[0] is None else norms[0].weight, k_norm=None if norms[1] is None else norms[1].weight,
         )
 
-    def new_cache(self, slots: int, capacity: int | None = None) -> SlotKVCache:
-        """A cache for `slots` sequences (+ the scratch slot) on this runner's device; static if `capacity`."""
-        return SlotKVCache(len(self.layers), slots, self.n_kv, self.head_dim, self.max_len, self.dtype,
-                           device=self.device, capacity=capacity)
+    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        """A pool of `num_blocks` blocks of `block_size` positions (+ the scratch block) on this runner's device."""
+        return PagedKVCache(len(self.layers), num_blocks, block_size, self.n_kv, self.head_dim, self.dtype,
+                            device=self.device)
 
     def index(self, values: Sequence[int]) -> torch.Tensor:
         """An int64 index tensor on the runner's device from host ints (a host-to-device copy, never a sync)."""
@@ -154,71 +186,131 @@ class LlamaRunner:
         gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, layer.down_w)
 
+    def _gather(self, pool: torch.Tensor, index: torch.Tensor, n: int, length: int, which: int) -> torch.Tensor:
+        """The keys (which=0) or values (1) of n rows' blocks: pool [KV, blocks, bs, hd] (one layer), index
+        [n * KV * nb] (see `_gather_index`) -> contiguous [n, KV, length, hd]: one index_select, a gather of the
+        rows' own blocks (block j of a row holds its positions j*bs ... j*bs + bs - 1). Contiguous matters: the
+        CPU's SDPA with a mask runs 2x slower on a strided key tensor."""
+        flat = pool.view(-1, pool.shape[2], self.head_dim)  # [KV * blocks, bs, hd]
+        shape = (n, self.n_kv, length, self.head_dim)
+        if flat.device.type != "cpu" or torch.compiler.is_compiling():
+            return flat.index_select(0, index).view(shape)
+        # CPU eager: into a reused buffer; a fresh one per call costs more in page faults than the copy itself
+        need = index.shape[0] * pool.shape[2] * self.head_dim
+        buf = self._gather_buffers[which]
+        if buf is None or buf.numel() < need or buf.dtype != flat.dtype:
+            self._gather_buffers[which] = buf = torch.empty(need, dtype=flat.dtype)
+        out = buf[:need].view(index.shape[0], pool.shape[2], self.head_dim)
+        return torch.index_select(flat, 0, index, out=out).view(shape)
+
+    def _gather_index(self, tables: torch.Tensor, pool_blocks: int) -> torch.Tensor:
+        """Flat (row, head, block) index of block tables [n, nb] into a [KV * pool_blocks, bs, hd] view of one layer."""
+        heads = torch.arange(self.n_kv, device=tables.device).view(1, self.n_kv, 1) * pool_blocks
+        return (tables.unsqueeze(1) + heads).reshape(-1)
+
     # -- entry points ----------------------------------------------------------------------------
 
     def decode_step(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
-                    positions: torch.Tensor, write_slots: torch.Tensor, length: int) -> torch.Tensor:
+                    positions: torch.Tensor, tables: torch.Tensor,
+                    groups: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
         """The graph-ready decode step (module docstring): float32 logits [B, V]; writes K/V in place.
 
-        Every row's position must be < length <= the cache capacity (the caller checks on the host)."""
-        b = tokens.shape[0]
+        tables [B, nb]: row b's block ids (padded with the scratch block); keys attended: nb * block_size.
+        groups (host ints, eager only): (start, end, width) row ranges whose keys are read from their first `width`
+        blocks only, so short rows beside a long one do not read the long one's width (rows sorted by length).
+        Every row's position must be < its width * block_size, its block already in its table (the caller checks
+        on the host)."""
+        b, nb = tables.shape
+        pool_blocks, bs = k_cache.shape[2], k_cache.shape[3]
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, hd]
-        # key j of row i is visible iff j <= positions[i]: [B, 1, 1, L]
-        keys_at = torch.arange(length, device=tokens.device)
-        mask = (keys_at.unsqueeze(0) <= positions.unsqueeze(1)).view(b, 1, 1, length)
-        groups = self.n_heads // self.n_kv
+        write_block = tables.gather(1, torch.div(positions, bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)
+        write_at = positions % bs
+        parts = []  # (start, end, keys, mask [n, 1, 1, keys], gather index)
+        for start, end, width in groups or [(0, b, nb)]:
+            length = width * bs
+            # key j of row i is visible iff j <= positions[i]
+            mask = torch.arange(length, device=tokens.device).unsqueeze(0) <= positions[start:end].unsqueeze(1)
+            parts.append((start, end, length, mask.view(end - start, 1, 1, length),
+                          self._gather_index(tables[start:end, :width], pool_blocks)))
+        n_groups = self.n_heads // self.n_kv
         x = F.embedding(tokens, self.embed).unsqueeze(1)  # [B, 1, D]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            k_cache[li, write_slots, :, positions] = k[:, :, 0]
-            v_cache[li, write_slots, :, positions] = v[:, :, 0]
-            keys = k_cache[li, :b, :, :length]  # padding rows read real slots' KV; their output is dropped
-            values = v_cache[li, :b, :, :length]
+            k_cache[li, :, write_block, write_at] = k[:, :, 0].transpose(0, 1)  # padding rows: the scratch block
+            v_cache[li, :, write_block, write_at] = v[:, :, 0].transpose(0, 1)
             # a single query per sequence: fold each KV head's query group into the query axis
-            qg = q.reshape(b, self.n_kv, groups, self.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+            qg = q.reshape(b, self.n_kv, n_groups, self.head_dim)
+            outs = [F.scaled_dot_product_attention(qg[s:e], self._gather(k_cache[li], index, e - s, length, 0),
+                                                   self._gather(v_cache[li], index, e - s, length, 1), attn_mask=mask)
+                    for s, e, length, mask, index in parts]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = self._finish_layer(layer, x, out.reshape(b, 1, self.n_heads * self.head_dim))
         x = F.rms_norm(x[:, 0], (self.hidden,), self.final_norm, self.eps)
         return F.linear(x, self.lm_head).float()
 
     @torch.inference_mode()
-    def decode(self, cache: SlotKVCache, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """One token per sequence in slots 0..B-1 at `positions` (host ints); float32 logits [B, V]."""
-        length = max(positions) + 1  # from host ints: no sync
-        cache.ensure(length)
-        return self.decode_step(cache.k, cache.v, self.index(tokens), self.index(positions),
-                                torch.arange(len(tokens), device=self.device), length)
+    def decode(self, cache: PagedKVCache, tokens: Sequence[int], positions: Sequence[int],
+               tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One token per sequence (block tables `tables`) at `positions` (host ints); float32 logits [B, V].
+
+        Rows are ordered by length and read in groups of a power-of-two number of blocks each (`decode_step`
+        groups), so a batch of short answers beside one long one reads the long width once, not once per row."""
+        bs = cache.block_size
+        order = sorted(range(len(tokens)), key=lambda i: positions[i])
+        needs = [blocks_for(positions[i] + 1, bs) for i in order]  # ascending
+        groups, start = [], 0  # rows whose needs share a power-of-two bucket; width: the group's largest need
+        for i in range(1, len(order) + 1):
+            if i == len(order) or (needs[i] - 1).bit_length() != (needs[start] - 1).bit_length():
+                groups.append((start, i, needs[i - 1]))
+                start = i
+        width = needs[-1]
+        logits = self.decode_step(cache.k, cache.v, self.index([tokens[i] for i in order]),
+                                  self.index([positions[i] for i in order]),
+                                  self.index_2d(cache.padded_tables([tables[i] for i in order], width)), groups)
+        if order == sorted(order):
+            return logits
+        inverse = [0] * len(order)
+        for at, i in enumerate(order):
+            inverse[i] = at
+        return logits[self.index(inverse)]
+
+    def index_2d(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """An int64 [N, W] index tensor on the runner's device from equal-length host rows."""
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def extend(self, cache: SlotKVCache, slots: Sequence[int], starts: Sequence[int],
+    def extend(self, cache: PagedKVCache, tables: Sequence[Sequence[int]], starts: Sequence[int],
                chunks: Sequence[Sequence[int]], want_logits: bool = False) -> torch.Tensor | None:
-        """Write KV for token `chunks[i]` of the sequence in `slots[i]` at positions starts[i]...
+        """Write KV for token `chunks[i]` of the sequence with block table `tables[i]` at positions starts[i]...
 
-        Chunks are right-padded into one batch. With want_logits, returns float32 logits [N, V] of
+        The tables must already hold those positions, in blocks the sequence owns alone (kvcache.py `ensure`,
+        `writable`). Chunks are right-padded into one batch. With want_logits, returns float32 logits [N, V] of
         each chunk's last token (used by tests; the engine samples from decode()).
         """
         n, t = len(chunks), max(len(c) for c in chunks)
         lens = [len(c) for c in chunks]
-        length = max(s + m for s, m in zip(starts, lens))
-        cache.ensure(length)
+        bs = cache.block_size
+        width = blocks_for(max(s + m for s, m in zip(starts, lens)), bs)
+        length = width * bs
         padded = [list(c) + [0] * (t - len(c)) for c in chunks]
         tokens = self.index([tok for row in padded for tok in row]).view(n, t)
         pos = (self.index(starts).unsqueeze(1) + torch.arange(t, device=self.device)).clamp(max=self.max_len - 1)
         cos, sin = self.cos[pos], self.sin[pos]
         mask = (torch.arange(length, device=self.device).view(1, 1, length) <= pos.unsqueeze(2)).unsqueeze(1)
-        slot_idx = self.index(slots)
-        # the real (unpadded) tokens, flattened: row i's j-th token goes to slot slots[i], position starts[i] + j
+        tab = self.index_2d(cache.padded_tables(tables, width))
+        # the real (unpadded) tokens, flattened: row i's j-th token goes to position starts[i] + j of its table
         w_row = self.index([i for i, m in enumerate(lens) for _ in range(m)])
         w_t = self.index([j for m in lens for j in range(m)])
-        w_slot = self.index([s for s, m in zip(slots, lens) for _ in range(m)])
-        w_pos = self.index([st + j for st, m in zip(starts, lens) for j in range(m)])
+        at = [(tables[i][(st + j) // bs], (st + j) % bs) for i, (st, m) in enumerate(zip(starts, lens))
+              for j in range(m)]
+        w_block, w_off = self.index([b for b, _ in at]), self.index([o for _, o in at])
         x = F.embedding(tokens, self.embed)
+        index = self._gather_index(tab, cache.k.shape[2])
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            cache.k[li, w_slot, :, w_pos] = k[w_row, :, w_t]  # one write per layer, every chunk at once
-            cache.v[li, w_slot, :, w_pos] = v[w_row, :, w_t]
-            keys = cache.k[li, slot_idx, :, :length]
-            values = cache.v[li, slot_idx, :, :length]
+            cache.k[li, :, w_block, w_off] = k[w_row, :, w_t].transpose(0, 1)  # one write per layer, all chunks
+            cache.v[li, :, w_block, w_off] = v[w_row, :, w_t].transpose(0, 1)
+            keys, values = self._gather(cache.k[li], index, n, length, 0), self._gather(cache.v[li], index, n, length, 1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = self._finish_layer(layer, x, out.transpose(1, 2).reshape(n, t, -1))
         if not want_logits:

@@ -1,18 +1,20 @@
-"""Bucketed decode for the torch engine: fixed shapes per (batch, length) bucket, replayed as CUDA graphs on CUDA.
+"""Bucketed decode for the torch engine: fixed shapes per (batch, blocks) bucket, replayed as CUDA graphs on CUDA.
 
-What: `BucketedDecoder(runner, cache, max_batch, capture)` is called like `runner.decode`: host lists of tokens
-and positions in, logits [n, V] out. It pads the batch up to its bucket (`batch_buckets`: powers of two, and
-max_batch) with rows that write their K/V into the cache's scratch slot, and rounds the key length up to a
-power of two (at least 64, at most the cache capacity). Each (batch, length) bucket is one fixed-shape call of
-`LlamaRunner.decode_step`. With `capture=True` (CUDA) the step of each bucket is captured once in a
-`torch.cuda.CUDAGraph` over static input buffers and replayed: a step then costs one graph launch instead of a
-few hundred kernel launches. Without capture (CPU) the same padded step runs eagerly: the tests check on the
-CPU that padding and the scratch slot change no token.
+What: `BucketedDecoder(runner, cache, max_batch, capture)` is called like `runner.decode`: host lists of tokens,
+positions and block tables in, logits [n, V] out. It pads the batch up to its bucket (`batch_buckets`: powers of
+two, and max_batch) with rows whose block table is all scratch block (kvcache.py), and pads every block table to
+a width bucket: a power of two of blocks covering at least MIN_LENGTH_BUCKET keys, at most a sequence's
+`max_blocks`. Each (batch, width) bucket is one fixed-shape call of `LlamaRunner.decode_step`. With
+`capture=True` (CUDA) the step of each bucket is captured once in a `torch.cuda.CUDAGraph` over static input
+buffers (tokens, positions, block tables) and replayed: a step then costs one graph launch instead of a few
+hundred kernel launches. Without capture (CPU) the same padded step runs eagerly: the tests check on the CPU
+that padding and the scratch block change no token.
 
-Why it is safe: the captured graph reads the fused weights and the KV cache at fixed addresses, so the cache
-must be static (kvcache.py, sized by `kv_cache_bytes`) and weight updates copy in place (weights.py) — both
-are so by construction, and the `gpu` tests check an update is visible to a captured graph. Capture itself
-runs the step with every row on the scratch slot, so it never writes a real sequence's KV.
+Why it is safe: the captured graph reads the fused weights and the block pool at fixed addresses; the pool is
+allocated once and never moves, and weight updates copy in place (weights.py) — both are so by construction,
+and the `gpu` tests check an update is visible to a captured graph. Which blocks a row reads is data (the
+table buffer), so one graph serves every sequence. Capture itself runs the step with every row on the
+scratch block, so it never writes a real sequence's KV.
 
 How to run: `rollout.engine.cuda_graphs: true` with the engine on CUDA; tests in
 tests/unit/engines/test_torch_graph_ready.py (CPU, compile) and test_torch_cuda_graphs.py (`gpu` marker).
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from areal_mq.engines.torch.kvcache import blocks_for
 
 MIN_LENGTH_BUCKET = 64
 
@@ -44,11 +48,13 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{n} rows exceed the largest decode bucket {buckets[-1]}")
 
 
-def length_bucket(length: int, capacity: int) -> int:
-    """Keys attended: `length` rounded up to a power of two (>= MIN_LENGTH_BUCKET), at most `capacity`."""
-    if length > capacity:
-        raise ValueError(f"decode needs {length} positions, the KV cache holds {capacity}")
-    return min(capacity, max(MIN_LENGTH_BUCKET, 1 << (length - 1).bit_length()))
+def width_bucket(length: int, block_size: int, max_blocks: int) -> int:
+    """Blocks per row attended for keys up to `length`: a power of two (>= MIN_LENGTH_BUCKET keys), <= max_blocks."""
+    need = blocks_for(length, block_size)
+    if need > max_blocks:
+        raise ValueError(f"decode needs {need} blocks per row, a sequence holds at most {max_blocks}")
+    least = blocks_for(MIN_LENGTH_BUCKET, block_size)
+    return min(max_blocks, max(least, 1 << (need - 1).bit_length()))
 
 
 @dataclass
@@ -57,55 +63,58 @@ class _Graph:
 
     tokens: torch.Tensor
     positions: torch.Tensor
-    write_slots: torch.Tensor
+    tables: torch.Tensor
     logits: torch.Tensor
     graph: Any
 
 
 class BucketedDecoder:
-    """Padded, bucketed decode over a static cache; CUDA-graph replay when `capture` (module docstring)."""
+    """Padded, bucketed decode over the block pool; CUDA-graph replay when `capture` (module docstring)."""
 
     def __init__(self, runner: Any, cache: Any, max_batch: int, capture: bool = False):
-        if capture and not cache.static:
-            raise ValueError("CUDA graphs need a static KV cache (set kv_cache_bytes, or run on CUDA)")
         self.runner, self.cache, self.capture = runner, cache, capture
         self.buckets = batch_buckets(max_batch)
+        self.max_blocks = min(blocks_for(runner.max_len, cache.block_size), cache.num_blocks)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def shape_for(self, positions: Sequence[int]) -> tuple[int, int]:
-        """(batch bucket, length bucket) of a step over rows at `positions`."""
-        return bucket_for(len(positions), self.buckets), length_bucket(max(positions) + 1, self.cache.capacity)
+        """(batch bucket, width bucket in blocks) of a step over rows at `positions`."""
+        return (bucket_for(len(positions), self.buckets),
+                width_bucket(max(positions) + 1, self.cache.block_size, self.max_blocks))
 
-    def padded(self, tokens: Sequence[int], positions: Sequence[int], batch: int) -> tuple[list, list, list]:
-        """Host lists padded to `batch` rows: padding rows feed token 0 at position 0 into the scratch slot."""
+    def padded(self, tokens: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
+               batch: int, width: int) -> tuple[list, list, list]:
+        """Host lists padded to `batch` rows of `width` blocks: padding rows feed token 0 at position 0, their
+        tables all scratch block."""
         pad = batch - len(tokens)
         return (list(tokens) + [0] * pad, list(positions) + [0] * pad,
-                list(range(len(tokens))) + [self.cache.scratch] * pad)
+                self.cache.padded_tables(tables, width, rows=batch))
 
     @torch.inference_mode()
-    def __call__(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        batch, length = self.shape_for(positions)
-        toks, pos, slots = self.padded(tokens, positions, batch)
+    def __call__(self, tokens: Sequence[int], positions: Sequence[int],
+                 tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        batch, width = self.shape_for(positions)
+        toks, pos, tabs = self.padded(tokens, positions, tables, batch, width)
         if not self.capture:
-            index = self.runner.index
-            return self.runner.decode_step(self.cache.k, self.cache.v, index(toks), index(pos), index(slots),
-                                           length)[: len(tokens)]
-        entry = self.graphs.get((batch, length)) or self._capture(batch, length)
-        for buf, values in ((entry.tokens, toks), (entry.positions, pos), (entry.write_slots, slots)):
-            buf.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+            r = self.runner
+            return r.decode_step(self.cache.k, self.cache.v, r.index(toks), r.index(pos), r.index_2d(tabs))[: len(tokens)]
+        entry = self.graphs.get((batch, width)) or self._capture(batch, width)
+        entry.tokens.copy_(torch.tensor(toks, dtype=torch.long), non_blocking=True)
+        entry.positions.copy_(torch.tensor(pos, dtype=torch.long), non_blocking=True)
+        entry.tables.copy_(torch.tensor(tabs, dtype=torch.long), non_blocking=True)
         entry.graph.replay()
         return entry.logits[: len(tokens)]
 
-    def _capture(self, batch: int, length: int) -> _Graph:
-        """Warm up on a side stream, then capture the step of one bucket; every row writes to the scratch slot."""
+    def _capture(self, batch: int, width: int) -> _Graph:
+        """Warm up on a side stream, then capture the step of one bucket; every row writes to the scratch block."""
         device = self.cache.device
         tokens = torch.zeros(batch, dtype=torch.long, device=device)
         positions = torch.zeros(batch, dtype=torch.long, device=device)
-        slots = torch.full((batch,), self.cache.scratch, dtype=torch.long, device=device)
+        tables = torch.full((batch, width), self.cache.scratch, dtype=torch.long, device=device)
 
         def step() -> torch.Tensor:
-            return self.runner.decode_step(self.cache.k, self.cache.v, tokens, positions, slots, length)
+            return self.runner.decode_step(self.cache.k, self.cache.v, tokens, positions, tables)
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -116,6 +125,6 @@ class BucketedDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = step()
-        entry = _Graph(tokens, positions, slots, logits, graph)
-        self.graphs[(batch, length)] = entry
+        entry = _Graph(tokens, positions, tables, logits, graph)
+        self.graphs[(batch, width)] = entry
         return entry

@@ -1,25 +1,33 @@
-"""The torch engine's slot KV cache: K and V of every layer for `slots` sequences plus one scratch slot, on one device.
+"""The torch engine's paged KV cache: one pool of fixed-size blocks, a block table per sequence.
 
-What: `SlotKVCache` holds k / v as [layers, slots + 1, kv_heads, capacity, head_dim] on the engine's device. Slot
-`slots` (the last one, `scratch`) belongs to no sequence: the padding rows of a bucketed decode step write their
-KV there, so a batch padded up to its bucket never touches a real sequence's KV.
+What: `PagedKVCache` holds k / v as [layers, kv_heads, blocks + 1, block_size, head_dim] on the engine's device,
+allocated once (never moved: a captured CUDA graph keeps its address). A sequence owns a block table, the list of
+block ids holding its positions in order: position p lives in block table[p // block_size] at offset
+p % block_size. Blocks are taken as tokens are produced (`ensure`) and returned when a sequence leaves
+(`release`), so a short answer holds a few blocks and a 2,048-token one holds what it wrote, never a
+`max_model_len` slot. Block `scratch` (the last) belongs to no sequence: padding rows of a bucketed decode step
+write there, and block tables are padded with it (its keys are masked).
 
-Two ways to size the time axis (`capacity`):
-- static (`capacity` given, see `static_capacity`): allocated once, never moved. A captured CUDA graph keeps the
-  addresses of k / v, so the cache of a graph-replayed decode step must be static. `kv_cache_bytes` (engine
-  config) is the memory budget it is sized from.
-- growing (`capacity=None`): starts at 128 positions and doubles up to `max_len` when the engine asks for more
-  (`ensure`, called on the host before a step, never inside it). The CPU default: memory follows what is used.
-Why one class: the engine, session KV (session.py) and the forward pass read and write it the same way either way.
+Sharing: every block has a reference count. The n samples of one prompt point at the same prompt blocks
+(`share`); a write into a block another sequence also references first copies it (`writable`: copy-on-write,
+which in practice is the partial last prompt block, copied once per sample at its first decoded token).
+
+Memory: the pool is sized by `pool_blocks` from `kv_cache_bytes`, else a fraction of free CUDA memory, else (CPU)
+`max_kv_tokens` positions. On the CPU the pool is `torch.empty`: pages the OS never saw cost nothing until a block
+is first handed out (it is zeroed then; masked keys still meet V in the softmax product, and garbage may be NaN),
+so resident memory follows the most blocks ever in use.
+
+Why KV heads before blocks: attention gathers a row's blocks with one `index_select` over (head, block) pairs
+(`gather_index`) and the result is already [rows, kv_heads, keys, head_dim] with each head's keys contiguous, the
+layout SDPA reads fastest; measured on the CPU, 1.4x faster than blocks-first plus a transposed view.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
 from areal_mq.errors import ConfigError
-
-GROW_FROM = 128  # first capacity of a growing cache
-MIN_STATIC = 16  # a static cache that cannot hold this many tokens per slot is a configuration mistake
 
 
 def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -27,64 +35,141 @@ def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def static_capacity(budget_bytes: int, slots: int, per_token: int, max_len: int) -> int:
-    """Positions per slot a static cache of `budget_bytes` holds for `slots` sequences + the scratch slot
-    (at most max_len); ConfigError when that is under MIN_STATIC."""
-    capacity = min(max_len, budget_bytes // ((slots + 1) * per_token))
-    if capacity < MIN_STATIC:
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold `tokens` positions."""
+    return -(-tokens // block_size)
+
+
+def pool_blocks(budget_bytes: int, per_token: int, block_size: int, min_blocks: int) -> int:
+    """Usable blocks a pool of `budget_bytes` holds (one more, the scratch block, is inside the budget);
+    ConfigError when that is under `min_blocks`."""
+    usable = budget_bytes // (block_size * per_token) - 1
+    if usable < min_blocks:
         raise ConfigError(
-            f"kv_cache_bytes={budget_bytes} holds {capacity} tokens per slot for {slots} slots + 1 scratch slot "
-            f"({per_token} bytes per token); raise kv_cache_bytes to at least {(slots + 1) * per_token * MIN_STATIC} "
-            f"or lower max_concurrent")
-    return capacity
+            f"kv_cache_bytes={budget_bytes} holds {max(usable, 0)} KV blocks of {block_size} tokens "
+            f"({per_token} bytes per token) plus the scratch block; raise kv_cache_bytes to at least "
+            f"{(min_blocks + 1) * block_size * per_token} (one block per concurrent sequence) or lower max_concurrent")
+    return usable
 
 
-class SlotKVCache:
-    """K/V for `slots` sequences + 1 scratch slot on `device`; static when `capacity` is given (module docstring)."""
+class PagedKVCache:
+    """A block pool with reference counts (module docstring). Host bookkeeping only; no method syncs the device."""
 
-    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int | None = None):
-        self.max_len = max_len
-        self.static = capacity is not None
-        self.capacity = min(capacity, max_len) if self.static else min(GROW_FROM, max_len)
-        self.scratch = slots
-        shape = (layers, slots + 1, kv_heads, self.capacity, head_dim)
-        # zeros, not empty: masked keys still meet V in the softmax product, and garbage may be NaN
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.num_blocks, self.block_size, self.scratch = num_blocks, block_size, num_blocks
+        shape = (layers, kv_heads, num_blocks + 1, block_size, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self._zero([self.scratch])
+        self.refs = [0] * num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: freed blocks are reused first
+        self.fresh = 0  # blocks >= fresh were never handed out (their memory is untouched)
+        self.peak_used = 0
+        self.copies = 0  # copy-on-write block copies
 
     @property
     def device(self) -> torch.device:
         return self.k.device
 
-    def ensure(self, length: int) -> None:
-        """Make room for `length` positions: a growing cache doubles (on its own device), a static one refuses."""
-        if length <= self.capacity:
-            return
-        if self.static or length > self.max_len:
-            raise ValueError(f"sequence length {length} exceeds the KV cache limit "
-                             f"{self.capacity if self.static else self.max_len}")
-        new_cap = self.capacity
-        while new_cap < length:
-            new_cap *= 2
-        new_cap = min(new_cap, self.max_len)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            shape = list(old.shape)
-            shape[3] = new_cap
-            grown = torch.zeros(shape, dtype=old.dtype, device=old.device)
-            grown[:, :, :, : self.capacity] = old
-            setattr(self, name, grown)
-        self.capacity = new_cap
+    @property
+    def static(self) -> bool:  # allocated once, never moved (graphs.py relies on it)
+        return True
 
-    def move(self, src: int, dst: int, length: int, start: int = 0) -> None:
-        """Copy positions [start, start + length) of slot src into slot dst (slot compaction, shared prefill)."""
-        if length > 0 and src != dst:
-            end = start + length
-            with torch.inference_mode():  # the cache tensors may be inference tensors (grown while decoding)
-                self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
-                self.v[:, dst, :, start:end] = self.v[:, src, :, start:end]
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self.free)
 
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    def _zero(self, blocks: list[int]) -> None:
+        with torch.inference_mode():
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            self.k.index_fill_(2, index, 0)
+            self.v.index_fill_(2, index, 0)
+
+    def _take(self, n: int) -> list[int]:
+        blocks = [self.free.pop() for _ in range(n)]
+        new = [b for b in blocks if b >= self.fresh]
+        if new:
+            self._zero(new)
+            self.fresh = max(new) + 1
+        for b in blocks:
+            self.refs[b] = 1
+        self.peak_used = max(self.peak_used, self.used)
+        return blocks
+
+    def ensure(self, table: list[int], length: int) -> bool:
+        """Grow `table` (in place) to hold `length` positions; False (table unchanged) when the pool is short."""
+        need = blocks_for(length, self.block_size) - len(table)
+        if need <= 0:
+            return True
+        if need > len(self.free):
+            return False
+        table.extend(self._take(need))
+        return True
+
+    def writable(self, table: list[int], start: int, end: int) -> bool:
+        """Make the blocks holding positions [start, end) of `table` this sequence's own, copying any block that is
+        shared (copy-on-write); False when the pool has no block for a copy (the table is then unchanged from the
+        first block it could not copy)."""
+        bs = self.block_size
+        for i in range(start // bs, min(blocks_for(end, bs), len(table))):
+            old = table[i]
+            if self.refs[old] > 1:
+                if not self.free:
+                    return False
+                (new,) = self._take(1)
+                with torch.inference_mode():
+                    self.k[:, :, new] = self.k[:, :, old]
+                    self.v[:, :, new] = self.v[:, :, old]
+                self.refs[old] -= 1
+                table[i] = new
+                self.copies += 1
+        return True
+
+    def share(self, source: Sequence[int], n_blocks: int) -> list[int]:
+        """A new table referencing the first `n_blocks` blocks of `source` (their counts go up)."""
+        table = list(source[:n_blocks])
+        for b in table:
+            self.refs[b] += 1
+        return table
+
+    def release(self, table: list[int]) -> None:
+        """Drop `table`'s references (emptying it); blocks nobody references go back to the pool."""
+        for b in table:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+        table.clear()
+
+    def padded_tables(self, tables: Sequence[Sequence[int]], width: int, rows: int | None = None) -> list[list[int]]:
+        """Host rows of `width` block ids (short tables and padding rows filled with the scratch block)."""
+        out = [list(t[:width]) + [self.scratch] * (width - len(t)) for t in tables]
+        return out + [[self.scratch] * width] * ((rows or len(out)) - len(out))
+
+    # -- copies out of and into a sequence's blocks (session KV) --------------------------------
+
+    def read(self, table: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of positions [0, n) of `table`: k, v [layers, kv_heads, n, head_dim]."""
+        index = torch.tensor(list(table[: blocks_for(n, self.block_size)]), dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = []
+            for pool in (self.k, self.v):
+                out.append(pool.index_select(2, index).flatten(2, 3)[:, :, :n].clone())
+        return out[0], out[1]
+
+    def write(self, table: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [layers, kv_heads, n, head_dim] into positions [0, n) of `table` (blocks already there)."""
+        n, bs = k.shape[2], self.block_size
+        blocks = torch.tensor([table[p // bs] for p in range(n)], dtype=torch.long, device=self.device)
+        offsets = torch.tensor([p % bs for p in range(n)], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.k[:, :, blocks, offsets] = k.to(self.k.device, self.k.dtype)
+            self.v[:, :, blocks, offsets] = v.to(self.v.device, self.v.dtype)

@@ -1,7 +1,8 @@
 """Per-sequence state of the torch engine: tokens so far, stop checks, and the finished output.
 
 What: `SeqState` holds one request's prompt + generated tokens, their behaviour logprobs and policy
-versions, how much of it has KV (`kv_len`), its random stream and its stop conditions.
+versions, how much of it has KV (`kv_len`) and in which KV blocks (`table`), its random stream and its stop
+conditions.
 `SeqState.append` records a sampled token and says whether (and why) the sequence is finished;
 `build_output` turns it into the EngineOutput the rollout worker sends on.
 
@@ -37,6 +38,8 @@ class SeqState:
     first_token_at: float | None = None
     stop_string: str | None = None
     kv_reused: int = 0  # prompt tokens whose KV came from the session's previous turn (session.py)
+    order: int = 0  # submission order: the largest is the youngest (preempted first when the pool runs out)
+    table: list[int] = field(default_factory=list)  # KV block ids of tokens[:kv_len] (kvcache.py)
 
     @property
     def ready(self) -> bool:

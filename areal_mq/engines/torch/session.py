@@ -3,10 +3,10 @@
 What: when a request with `EngineRequest.session` finishes, the engine hands its KV (the tokens that have
 KV, and a copy of their K/V rows) to `SessionKV.keep`. When a later request of the same session is admitted,
 `SessionKV.take` returns that entry; the engine copies the rows of the longest common token prefix into the
-new request's slot and prefills only the rest. Multi-turn episodes (turn k+1 = turn k's prompt + output +
+new request's blocks and prefills only the rest. Multi-turn episodes (turn k+1 = turn k's prompt + output +
 environment text) then prefill only the new text.
 
-Why a copy and not a held slot: a kept entry never occupies a decoding slot, so admission never waits for
+Why a copy and not held blocks: a kept entry never holds blocks of the KV pool, so admission never waits for
 it; its memory is bounded on its own (`session_kv_max_tokens`, least recently kept evicted first) and by
 time (`session_kv_ttl_s`). Each kept token costs 2 * layers * kv_heads * head_dim * dtype bytes
 (SmolLM2-135M in float32: 46 KiB), so 8,192 tokens are ~370 MiB there.
@@ -63,7 +63,7 @@ class SessionKV:
         return self.max_tokens > 0 and self.ttl_s > 0
 
     def keep(self, session: str, tokens: list[int], k: torch.Tensor, v: torch.Tensor, kv_sig: int) -> None:
-        """Keep `tokens`' K/V rows (already copied out of the slot) for the session's next turn."""
+        """Keep `tokens`' K/V rows (already copied out of the pool) for the session's next turn."""
         self._drop(session)
         if not self.enabled or not tokens or len(tokens) > self.max_tokens:
             return
@@ -108,21 +108,20 @@ class SessionKV:
     def stats(self) -> dict[str, int]:
         return {"session_kv_entries": len(self.entries), "session_kv_tokens": self.tokens, **self.counters}
 
-    # -- the engine's side: copying rows between a slot of the SlotKVCache and a kept entry ------
+    # -- the engine's side: copying rows between a sequence's blocks (PagedKVCache) and a kept entry ------
 
-    def save(self, cache: Any, slot: int, seq: Any) -> None:
-        """Keep the KV of finished sequence `seq` (slot `slot`): its tokens[:kv_len] and their rows."""
+    def save(self, cache: Any, seq: Any) -> None:
+        """Keep the KV of finished sequence `seq` (its block table): its tokens[:kv_len] and their rows."""
         n = seq.kv_len
-        with torch.inference_mode():
-            k, v = cache.k[:, slot, :, :n].clone(), cache.v[:, slot, :, :n].clone()
+        k, v = cache.read(seq.table, n)
         self.keep(seq.request.session, seq.tokens[:n], k, v, seq.kv_sig)
 
-    def restore(self, cache: Any, slot: int, seq: Any) -> int:
-        """Copy the session's kept rows of the prefix it shares with new sequence `seq` into `slot`; set
-        seq.kv_len and return it (0: nothing kept, or nothing shared).
+    def restore(self, cache: Any, seq: Any) -> int:
+        """Copy the session's kept rows of the prefix it shares with new sequence `seq` into fresh blocks of its
+        table; set seq.kv_len and return it (0: nothing kept, nothing shared, or no free blocks).
 
         At least two prompt tokens stay unreused: the last one is decode's input, and one goes through the
-        ordinary prefill path, so the row joins the slot layout as a pending row like any other."""
+        ordinary prefill path, so the row joins the engine as a pending row like any other."""
         entry = self.take(seq.request.session)
         if entry is None:
             self.counters["session_kv_misses"] += 1
@@ -131,10 +130,10 @@ class SessionKV:
         if n <= 0:
             self.counters["session_kv_misses"] += 1
             return 0
-        cache.ensure(n)
-        with torch.inference_mode():
-            cache.k[:, slot, :, :n] = entry.k[:, :, :n]
-            cache.v[:, slot, :, :n] = entry.v[:, :, :n]
+        if not cache.ensure(seq.table, n):
+            self.counters["session_kv_misses"] += 1
+            return 0
+        cache.write(seq.table, entry.k[:, :, :n], entry.v[:, :, :n])
         seq.kv_len = n
         seq.kv_sig = hash(("session-kv", entry.kv_sig, n))  # rows 0..n-1 of that history: shareable only alike
         return n

@@ -71,9 +71,13 @@ def test_reduce_overhead_compile_of_the_decode_step(tiny_model_dir, tiny_tokeniz
     torch._dynamo.mark_static_address(cache.v)
     step = torch.compile(runner.decode_step, mode="reduce-overhead", fullgraph=True)
     decoder = BucketedDecoder(runner, cache, max_batch=4)
+    tables = [[], [], []]
+    for table in tables:
+        assert cache.ensure(table, 64)
     with torch.inference_mode():
         for s in range(4):
-            toks, pos, slots = (runner.index(v) for v in decoder.padded([5 + s, 6 + s, 7 + s], [3 + s, 4 + s, 5 + s], 4))
-            want = runner.decode_step(cache.k, cache.v, toks, pos, slots, 64).clone()
-            got = step(cache.k, cache.v, toks, pos, slots, 64).clone()
+            toks, pos, tabs = decoder.padded([5 + s, 6 + s, 7 + s], [3 + s, 4 + s, 5 + s], tables, 4, 4)
+            toks, pos, tabs = runner.index(toks), runner.index(pos), runner.index_2d(tabs)
+            want = runner.decode_step(cache.k, cache.v, toks, pos, tabs).clone()
+            got = step(cache.k, cache.v, toks, pos, tabs).clone()
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -23,38 +23,51 @@ def meta_runner(hf_tiny):
 
 
 def test_runner_tables_and_cache_follow_the_model(meta_runner):
-    cache = meta_runner.new_cache(4, capacity=64)
+    cache = meta_runner.new_cache(8, block_size=16)
     assert meta_runner.device.type == "meta" and meta_runner.cos.device.type == "meta"
-    assert cache.k.device.type == "meta" and cache.k.shape[1] == 5  # 4 slots + the scratch slot
-    grow = meta_runner.new_cache(2)
-    grow.ensure(300 if grow.max_len >= 300 else grow.max_len)
-    assert grow.k.device.type == "meta"  # growing keeps the device (it once fell back to the CPU)
+    assert cache.k.device.type == "meta" and cache.k.shape[2:4] == (9, 16)  # 8 blocks + the scratch block
+    table: list[int] = []
+    assert cache.ensure(table, 40) and len(table) == 3 and cache.k.device.type == "meta"
+    k, v = cache.read(table, 40)
+    assert k.device.type == "meta" and k.shape == (2, meta_runner.n_kv, 40, meta_runner.head_dim)
+
+
+def _tables(cache, lengths):
+    tables = [[] for _ in lengths]
+    for table, n in zip(tables, lengths):
+        assert cache.ensure(table, n)
+    return tables
 
 
 def test_prefill_and_decode_touch_one_device_and_decode_never_syncs(meta_runner, prompts):
-    cache = meta_runner.new_cache(4)
+    cache = meta_runner.new_cache(32)
+    tables = _tables(cache, [len(p) for p in prompts[:3]])
     chunks = [prompts[0][:-1], prompts[1][:-1], prompts[2][:7]]
     with DeviceGuard() as guard:
-        meta_runner.extend(cache, [0, 1, 2], [0, 0, 0], chunks)
-        logits = meta_runner.extend(cache, [2], [7], [prompts[2][7:-1]], want_logits=True)
+        meta_runner.extend(cache, tables, [0, 0, 0], chunks)
+        logits = meta_runner.extend(cache, [tables[2]], [7], [prompts[2][7:-1]], want_logits=True)
     assert guard.ops > 0 and guard.seen_devices == {"meta"} and logits.device.type == "meta"
     positions = [len(prompts[0]) - 1, len(prompts[1]) - 1, len(prompts[2]) - 1]
     tokens = [prompts[i][-1] for i in range(3)]
     with DeviceGuard(forbid_syncs=True) as guard:
-        logits = meta_runner.decode(cache, tokens, positions)
+        logits = meta_runner.decode(cache, tokens, positions, tables)
     assert guard.ops > 0 and guard.seen_devices == {"meta"}
     with DeviceGuard(forbid_syncs=True):  # sampling: host-side parameter tensors beside device math, no sync
         new, logprobs = sample_tokens(logits, [0.0, 0.5, 0.0], [1.0, 0.9, 1.0], [0, 5, 0], [None] * 3)
     assert logits.shape == (3, meta_runner.vocab_size) and new.device.type == logprobs.device.type == "meta"
 
 
-def test_bucketed_decode_pads_into_the_scratch_slot_without_syncs(meta_runner, prompts):
-    cache = meta_runner.new_cache(6, capacity=256)
+def test_bucketed_decode_pads_into_the_scratch_block_without_syncs(meta_runner, prompts):
+    cache = meta_runner.new_cache(64, block_size=16)
     decoder = BucketedDecoder(meta_runner, cache, max_batch=6)
-    assert decoder.buckets == [1, 2, 4, 6] and decoder.shape_for([3, 70, 5]) == (4, 128)
-    assert decoder.padded([7, 8, 9], [3, 4, 5], 4) == ([7, 8, 9, 0], [3, 4, 5, 0], [0, 1, 2, 6])
+    assert decoder.buckets == [1, 2, 4, 6] and decoder.shape_for([3, 70, 5]) == (4, 8)  # 71 keys: 5 -> 8 blocks
+    assert decoder.shape_for([3]) == (1, 4)  # at least 64 keys
+    s = cache.scratch
+    assert decoder.padded([7, 8, 9], [3, 4, 5], [[0], [1, 2], [3]], 4, 4) == (
+        [7, 8, 9, 0], [3, 4, 5, 0], [[0, s, s, s], [1, 2, s, s], [3, s, s, s], [s, s, s, s]])
+    tables = _tables(cache, [13, 13, 13])
     with DeviceGuard(forbid_syncs=True) as guard:
-        logits = decoder([prompts[0][-1], prompts[1][-1], prompts[2][-1]], [10, 11, 12])
+        logits = decoder([prompts[0][-1], prompts[1][-1], prompts[2][-1]], [10, 11, 12], tables)
     assert logits.shape == (3, meta_runner.vocab_size) and guard.seen_devices == {"meta"}
 
 

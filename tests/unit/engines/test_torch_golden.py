@@ -1,6 +1,7 @@
-"""The torch engine still produces what it produced before the graph-ready rewrite (issue 25): the same tokens
-and versions, logprobs within 1e-5, at fixed seeds, on the eager path and on the bucketed, padded path that
-CUDA graphs replay (golden.py recorded the reference from the engine before the change)."""
+"""The torch engine still produces what it produced before the graph-ready rewrite (issue 25) and the paged KV
+cache (issue 42): the same tokens and versions, logprobs within 1e-5, at fixed seeds, on the eager path, on the
+bucketed, padded path that CUDA graphs replay and with a pool sized by kv_cache_bytes (golden.py recorded the
+reference from the engine before issue 25, with one contiguous KV slot per sequence)."""
 from __future__ import annotations
 
 import json
@@ -35,15 +36,17 @@ def test_engine_matches_the_recorded_outputs(make_engine, tiny_tokenizer, hf_tin
             assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-5), (scenario, rid)
 
 
-def test_static_cache_refuses_requests_longer_than_a_slot(make_engine):
+def test_the_kv_pool_is_sized_by_kv_cache_bytes_and_refuses_requests_larger_than_it(make_engine):
     from areal_mq.errors import ConfigError, EngineRequestError
     from areal_mq.engines.base import EngineRequest
     from areal_mq.messages import SamplingSpec
 
     per_token = 2 * 2 * 2 * 16 * 4  # tiny-random-llama, float32: K+V x 2 layers x 2 KV heads x 16 dims x 4 bytes
-    engine = make_engine(max_concurrent=3, kv_cache_bytes=4 * per_token * 100)  # 3 slots + scratch, 100 each
-    assert engine.cache.static and engine.cache.capacity == 100 == engine.max_len
+    engine = make_engine(max_concurrent=3, kv_cache_bytes=per_token * 128, kv_block_size=16)  # 8 blocks, 1 scratch
+    assert engine.cache.static and engine.cache.num_blocks == 7 and engine.cache.capacity_tokens == 112
+    assert engine.cache.nbytes == per_token * 128
     with pytest.raises(EngineRequestError, match="kv_cache_bytes"):
-        engine.submit(EngineRequest("long", [1] * 90, SamplingSpec(max_new_tokens=20)))
+        engine.submit(EngineRequest("long", [1] * 90, SamplingSpec(max_new_tokens=30)))
+    engine.submit(EngineRequest("fits", [1] * 90, SamplingSpec(max_new_tokens=20)))
     with pytest.raises(ConfigError, match="raise kv_cache_bytes to at least"):
-        make_engine(max_concurrent=3, kv_cache_bytes=4 * per_token * 8)
+        make_engine(max_concurrent=3, kv_cache_bytes=per_token * 48, kv_block_size=16)  # 2 blocks for 3 sequences
