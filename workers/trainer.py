@@ -83,6 +83,12 @@ class TrainerWorker(Role):
         self.waited_since = time.perf_counter()
         self.stale_unreported = 0  # stale drops the store reported that no step's metrics carried yet
         self.stale_total = 0
+        self.background = None  # rank 0 publishes beside the next step (trainer.publish_async)
+        if self.is_main and publisher is not None and cfg.trainer.publish_async \
+                and cfg.trainer.publish_mode != "cuda_ipc":
+            from areal_mq.weights.background import BackgroundPublisher
+
+            self.background = BackgroundPublisher(self._announce, log=self.log)
 
     @property
     def is_main(self) -> bool:
@@ -194,19 +200,27 @@ class TrainerWorker(Role):
                 "dropped_stale_total": self.stale_total}
 
     def publish(self) -> None:
-        if self.cfg.trainer.strategy == "fsdp":  # a collective: every rank gathers, rank 0 publishes
-            tensors = self.trainer.publish_tensors()
-            if self.is_main:
-                ready = self.publisher.publish(self.trainer.version, tensors, self.trainer.hf_config_json)
-                self.bus.publish("weights", ready)
-            return
-        if not self.is_main:
+        """Publish the trainer's current version. The snapshot (Trainer.publish_tensors: a copy; under fsdp a
+        gather every rank takes part in) is made here; rank 0 then publishes it in the background
+        (self.background) or, without one, before returning."""
+        if not self.is_main and self.cfg.trainer.strategy != "fsdp":
             return
         if self.cfg.trainer.publish_mode == "cuda_ipc":  # the live parameters, copied on their device (weights/ipc.py)
-            tensors, snapshot = self.trainer.unwrapped.state_dict(), False
+            ready = self.publisher.publish(self.trainer.version, self.trainer.unwrapped.state_dict(),
+                                           self.trainer.hf_config_json)
+            self.bus.publish("weights", ready)
+            return
+        tensors = self.trainer.publish_tensors()  # under fsdp a collective: every rank gathers, rank 0 keeps
+        if not self.is_main:
+            return
+        if self.background is not None:
+            self.background.submit(self.trainer.version, tensors, self.trainer.hf_config_json)
         else:
-            tensors, snapshot = self.trainer.publish_tensors(), True
-        ready = self.publisher.publish(self.trainer.version, tensors, self.trainer.hf_config_json, snapshot=snapshot)
+            self._announce(self.trainer.version, tensors, self.trainer.hf_config_json)
+
+    def _announce(self, version: int, tensors: Any, hf_config_json: str | None) -> None:
+        """Publish a snapshot and say so on the bus (in the background thread when there is one)."""
+        ready = self.publisher.publish(version, tensors, hf_config_json, snapshot=True)
         self.bus.publish("weights", ready)
 
     def checkpoint(self) -> None:
@@ -254,6 +268,8 @@ class TrainerWorker(Role):
         return True
 
     def on_stop(self) -> None:
+        if self.background is not None:  # the last version reaches the workers before the trainer says finished
+            self.background.close()
         if self.unacked or self._broadcast(self.ckpt_requested) or \
                 self.trainer.version >= self.cfg.controller.total_steps:
             self.checkpoint()
@@ -302,6 +318,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         worker.run()
         return 0
     finally:
+        if worker.background is not None:
+            worker.background.close(timeout=30.0)
         for thing in (publisher, store, bus):
             if thing is not None:
                 thing.close()

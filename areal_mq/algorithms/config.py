@@ -174,6 +174,11 @@ class TrainerConfig(BaseModel):
         "protocol on shared memory; trainer and rollout on one device, areal_mq/weights/ipc.py).")
     publish_dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="dtype of published weights.")
     keep_weight_versions: int = Field(2, ge=1, description="Published versions kept (disk dirs / zmq server).")
+    publish_async: bool = Field(
+        True, description="Publish each version beside the next step (areal_mq/weights/background.py): the step "
+        "waits only for its snapshot (a copy in publish_dtype), then encoding, checksums, deltas, the disk write or "
+        "the server hand-off and WeightsReady happen in a thread; at most 2 snapshots alive. false: the step waits "
+        "for the whole publish, as before. cuda_ipc always publishes in the step (it copies the live parameters).")
     weight_server_host: str = Field("127.0.0.1", description="Interface the zmq weight server binds to.")
     weight_server_port: int = Field(0, ge=0, le=65535, description="Port of the zmq weight server (0: any free port).")
     weight_chunk_mb: float = Field(64.0, gt=0, description="Target size of one WeightsChunk (a tensor is never split).")
