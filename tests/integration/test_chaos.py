@@ -63,16 +63,30 @@ def _live_pid(run_dir: Path, role: str) -> int:
     raise AssertionError(f"no live {role} process found in the events")
 
 
-def _start(run_dir: Path) -> subprocess.Popen:
+def _start(run_dir: Path, steps: int = STEPS, extra: tuple[str, ...] = ("launcher.max_restarts=3",
+                                                                        "trainer.checkpoint_every=3")) -> subprocess.Popen:
+    """`areal-mq run configs/tiny.yaml` on free broker ports, children restarted when they die; `extra`: more
+    --set overrides (tests/integration/test_trainer_ranks.py adds a 2-rank trainer)."""
     job, bus_in, bus_out, store = free_ports(4)
     sets = [f"run.run_dir={run_dir}", f"brokers.job_port={job}", f"brokers.bus_in_port={bus_in}",
             f"brokers.bus_out_port={bus_out}", f"brokers.store_port={store}", "brokers.heartbeat_s=0.5",
-            "brokers.liveness=4", "brokers.reconnect_max_s=2", f"controller.total_steps={STEPS}",
-            "launcher.on_child_death=restart", "launcher.max_restarts=3", "trainer.checkpoint_every=3",
-            "events.console=json"]
+            "brokers.liveness=4", "brokers.reconnect_max_s=2", f"controller.total_steps={steps}",
+            "launcher.on_child_death=restart", "events.console=json", *extra]
     cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--skip-eval", "--quiet",
            *[x for s in sets for x in ("--set", s)]]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """The run's end in a test's `finally`: SIGTERM (the launcher checkpoints and stops), then kill."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _kill_and_time(run_dir: Path, role: str) -> dict:
@@ -143,13 +157,7 @@ def test_chaos_kill_every_role_once(tmp_path):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
         _, err = proc.communicate(timeout=600)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(proc)
     (run_dir / "chaos.json").write_text(json.dumps(timings, indent=1))
     print("\nrole        detect_s  recover_s  (killed at version)")
     for t in timings:

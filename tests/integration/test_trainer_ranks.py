@@ -9,31 +9,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .procs import free_ports, wait_for
-from .test_chaos import _audit, _events, _trained_versions
+from .procs import wait_for
+from .test_chaos import _audit, _events, _start, _stop, _trained_versions
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
-
-
-def _start(run_dir: Path) -> subprocess.Popen:
-    job, bus_in, bus_out, store = free_ports(4)
-    sets = [f"run.run_dir={run_dir}", f"brokers.job_port={job}", f"brokers.bus_in_port={bus_in}",
-            f"brokers.bus_out_port={bus_out}", f"brokers.store_port={store}", "brokers.heartbeat_s=0.5",
-            "brokers.liveness=4", "brokers.reconnect_max_s=2", f"controller.total_steps={STEPS}",
-            "launcher.on_child_death=restart", "launcher.max_restarts=2", "trainer.checkpoint_every=2",
-            "trainer.strategy=fsdp", "launcher.trainer_ranks=2", "events.console=json"]
-    cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--skip-eval", "--quiet",
-           *[x for s in sets for x in ("--set", s)]]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
 def _children(pid: int) -> list[int]:
@@ -62,7 +46,8 @@ def _rank1_pid(run_dir: Path) -> tuple[int, int]:
 
 def test_two_fsdp_ranks_under_the_launcher_survive_a_killed_rank(tmp_path):
     run_dir = tmp_path / "ranks"
-    proc = _start(run_dir)
+    proc = _start(run_dir, STEPS, ("launcher.max_restarts=2", "trainer.checkpoint_every=2",
+                                   "trainer.strategy=fsdp", "launcher.trainer_ranks=2"))
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step00000002").is_dir() and _trained_versions(run_dir)
                  if (run_dir / "events").exists() else False, 400, interval=0.5, what="checkpoint 2")
@@ -74,13 +59,7 @@ def test_two_fsdp_ranks_under_the_launcher_survive_a_killed_rank(tmp_path):
                  interval=0.5, what="the trainer unit restarted")
         _, err = proc.communicate(timeout=600)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(proc)
     assert proc.returncode == 0, err[-3000:]
     restarted = _events(run_dir, "trainer.started")[-1]
     assert restarted["world_size"] == 2 and restarted["version"] >= 2  # resumed from a checkpoint, not from 0
