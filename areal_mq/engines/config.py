@@ -66,6 +66,18 @@ class EngineConfig(BaseModel):
         description="torch engine: most prompt/recompute tokens prefilled per step, so long prompts and "
                     "post-update KV recomputation never stall decoding of the other sequences for long.",
     )
+    recompute_chunk_tokens: int = Field(
+        0, ge=0,
+        description="torch engine, kv_on_update: recompute: tokens recomputed per step while rows rebuild their KV "
+                    "after a weight update (0: prefill_chunk_tokens). Larger ends the post-update stall in fewer "
+                    "steps; each of those steps takes longer.",
+    )
+    kv_gap_rows: int = Field(
+        0, ge=0,
+        description="torch engine: on a weight update, measure on up to this many in-flight rows the logprob gap "
+                    "between decoding on the old KV (keep) and on recomputed KV (one prefill per row; returned with "
+                    "the update timings as gap_logprob_mean / gap_logprob_max / gap_kl_mean). 0 = off.",
+    )
     share_prefill: bool = Field(
         True,
         description="torch engine: rows whose next prefill chunk is the same tokens on an identical KV history "

@@ -23,7 +23,9 @@ group of 8 stores its prompt's KV once plus 8 partial blocks.
 
 Weight updates (`update_weights`) happen between steps, in place. In-flight sequences continue: with
 `kv_on_update: keep` their KV stays; with `recompute` (default) their blocks are freed and their KV rebuilt
-through the same chunked prefill path (shortest sequences first, so decoding resumes quickly).
+through the same chunked prefill path (shortest sequences first, so decoding resumes quickly), in chunks of
+`recompute_chunk_tokens` per step while any row recomputes. With `kv_gap_rows` > 0 the update also measures the
+logprob gap keeping the old KV leaves (update_gap.py) and returns it with its timings.
 Every token carries the version of the weights that produced its logits.
 
 Session KV (`session_kv_max_tokens` > 0): a finished request with a session leaves a copy of its KV in
@@ -60,6 +62,7 @@ from areal_mq.engines.torch.graphs import BucketedDecoder
 from areal_mq.engines.torch.kvcache import blocks_for, bytes_per_token, pool_blocks
 from areal_mq.engines.torch.seq import SeqState, build_output
 from areal_mq.engines.torch.session import SessionKV
+from areal_mq.engines.torch.update_gap import kv_logprob_gap
 from areal_mq.engines.torch.weights import load_weights_in_place, patch_weights_in_place
 from areal_mq.errors import EngineRequestError
 
@@ -102,6 +105,7 @@ class TorchEngine(Engine):
         self.live: dict[str, SeqState] = {}
         self._rate: deque[tuple[float, int]] = deque()
         self._order = itertools.count()
+        self._recomputing: set[int] = set()  # ids of rows recomputing after an update (recompute_chunk_tokens)
         self.counters = {"steps": 0, "generated_tokens": 0, "prefilled_tokens": 0, "shared_prefill_tokens": 0,
                          "finished": 0, "session_kv_hits": 0, "prefill_tokens_saved": 0, "preempted": 0,
                          "preempted_tokens": 0}
@@ -276,6 +280,9 @@ class TorchEngine(Engine):
         an identical KV history (the n samples of one prompt) shares that row's blocks instead (`share_prefill`).
         Rows preempt others for blocks only when no row is ready to decode (decoding frees blocks otherwise)."""
         budget = self.cfg.prefill_chunk_tokens
+        if self._recomputing:  # rows whose KV a weight update dropped: larger chunks, sized by their own budget
+            self._recomputing &= {id(s) for s in self.rows if not s.ready}
+            budget = max(budget, self.cfg.recompute_chunk_tokens) if self._recomputing else budget
         picked: list[SeqState] = []
         starts, chunks = [], []
         leaders: dict[tuple[int, int], list[int]] = {}  # (start, kv_sig) -> indices into chunks
@@ -392,8 +399,11 @@ class TorchEngine(Engine):
             n = load_weights_in_place(self.model, tensors=tensors, path=path)
         t1 = time.perf_counter()
         self.version = int(version)
+        gap = kv_logprob_gap(self.runner, self.cache, self.rows, self.cfg.kv_gap_rows) if self.cfg.kv_gap_rows else {}
+        t_gap = time.perf_counter() - t1
         stale = 0
         if self.cfg.kv_on_update == "recompute":
+            self._recomputing = {id(s) for s in self.rows}
             self.sessions.clear()  # kept KV of finished turns is as stale as the in-flight KV
             # All KV is invalid: free it; shortest first resumes decoding soonest.
             self.rows.sort(key=lambda s: len(s.tokens))
@@ -402,8 +412,8 @@ class TorchEngine(Engine):
                 self.cache.release(seq.table)
                 seq.reset_kv()
         t2 = time.perf_counter()
-        return {"load_s": t1 - t0, "pause_s": t2 - t1, "tensors": float(n), "in_flight": float(len(self.rows)),
-                "recompute_tokens": float(stale)}
+        return {"load_s": t1 - t0, "pause_s": t2 - t1 - t_gap, "tensors": float(n), "in_flight": float(len(self.rows)),
+                "recompute_tokens": float(stale), **gap}
 
     # -- introspection ---------------------------------------------------------------------------
 

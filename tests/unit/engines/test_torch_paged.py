@@ -133,3 +133,47 @@ def test_static_rope_scalings_are_accepted(hf_tiny):
     for kind in ("default", "linear", "llama3", "yarn"):
         check_computable(SimpleNamespace(hidden_act="silu", rope_parameters={"rope_type": kind}))
     check_computable(hf_tiny.config)
+
+
+def _mid_generation(engine, prompts, steps=4):
+    for i, p in enumerate(prompts):
+        engine.submit(EngineRequest(f"u{i}", p, SamplingSpec(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=i)))
+    for _ in range(steps):
+        engine.step()
+
+
+def test_the_update_measures_the_logprob_gap_keep_leaves_and_changes_nothing(make_engine, prompts, hf_tiny):
+    from .engine_refs import perturbed_state
+
+    same = {k: v.detach().clone() for k, v in hf_tiny.named_parameters()}
+    probe = make_engine(kv_on_update="keep", kv_gap_rows=2)
+    _mid_generation(probe, prompts)
+    unchanged = probe.update_weights(1, tensors=same)  # same weights: old KV = recomputed KV, up to summation order
+    assert unchanged["gap_rows"] == 2 and unchanged["gap_logprob_max"] < 1e-4
+    changed = probe.update_weights(2, tensors=perturbed_state(hf_tiny, seed=7, scale=0.05))
+    assert changed["gap_rows"] == 2 and changed["gap_logprob_max"] > 1e-3 and changed["gap_kl_mean"] > 0
+    assert probe.stats()["kv_blocks_used"] > 0  # the recomputed copies went back to the pool
+    plain = make_engine(kv_on_update="keep")
+    _mid_generation(plain, prompts)
+    plain.update_weights(1, tensors=same)
+    plain.update_weights(2, tensors=perturbed_state(hf_tiny, seed=7, scale=0.05))
+    a, b = run_all(probe), run_all(plain)
+    assert {k: v.output_ids.tolist() for k, v in a.items()} == {k: v.output_ids.tolist() for k, v in b.items()}
+
+
+def test_recompute_runs_in_chunks_of_its_own_budget(make_engine, prompts, hf_tiny):
+    from .engine_refs import perturbed_state
+
+    state = perturbed_state(hf_tiny, seed=3)
+    steps = {}
+    for chunk in (0, 4096):
+        engine = make_engine(prefill_chunk_tokens=16, recompute_chunk_tokens=chunk)
+        _mid_generation(engine, prompts, steps=12)
+        stale = engine.update_weights(1, tensors=state)["recompute_tokens"]
+        n = 0
+        while engine.stats()["ready"] < engine.stats()["running"]:
+            engine.step()
+            n += 1
+        steps[chunk] = n
+        assert stale > 16 * 4
+    assert steps[4096] == 1 and steps[0] >= 4
