@@ -24,11 +24,15 @@ RUNNERS; each runner gets the same Workload (prompts, lengths, arrival times).
 same workloads plus its update timings, with ratios vllm_vs_hf_generate_{uniform,longtail} and
 vllm_vs_torch_engine_longtail. Opt-in: a vLLM start alone takes 1-4 min here (beyond --quick's minute).
 
+--reasoning runs benchmarks/engine_reasoning.py instead: paged KV against the contiguous KV it replaced (issue 42)
+at one KV memory budget, groups of 8 on a 150-token prompt, 1 in 8 answers long (2,048 tokens; 512 with --quick),
+ratios contiguous_vs_paged_concurrency and paged_vs_contiguous_tokens_per_s.
+
 --device cuda (or cuda:N) puts both engines' weights, KV cache and sampling on that GPU (default cpu);
 benchmarks/gpu/run.sh stage b runs the long tail at 64 and 256 concurrent on it (docs/gpu.md).
 
     python benchmarks/engine.py [--quick] [--json PATH] [--dtype bfloat16|float32] [--threads N] [--vllm]
-                                [--device cpu|cuda|cuda:N]
+                                [--device cpu|cuda|cuda:N] [--reasoning]
 """
 from __future__ import annotations
 
@@ -329,8 +333,19 @@ def main() -> None:
                              "thread mostly waits for a busy core; measured up to 10x slower under load).")
     parser.add_argument("--vllm", action="store_true",
                         help="Also run vLLM in process (bash docker/install-vllm.sh; its start takes 1-4 min).")
+    parser.add_argument("--reasoning", action="store_true",
+                        help="Paged vs contiguous KV at one memory budget on a reasoning long tail (engine_reasoning.py).")
     common.add_device_arg(parser)
     args = parser.parse_args()
+    if args.reasoning:
+        import engine_reasoning
+
+        report = common.timed(engine_reasoning.run, args)
+        extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),
+                                                    ("threads", args.threads), ("device", args.device)) if v)
+        command = "python benchmarks/engine.py --reasoning" + (" --quick" if args.quick else "") + extra
+        common.finish(report, args.json, engine_reasoning.table(report, command))
+        return
     report = common.timed(run, args)
     extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),
                                                 ("threads", args.threads), ("device", args.device)) if v)

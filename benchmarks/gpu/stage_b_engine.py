@@ -10,7 +10,11 @@ What it measures, on SmolLM2-135M's exact config with random weights (random_mod
             context c the fastest possible step is (weight bytes + C c kv bytes) / HBM bandwidth.
   sweep     decode step time at batch B x context c (B up to 256, c = 256, 1,024): B requests of c-token
             prompts are prefilled, then steps are timed; prefill tokens/s from the same runs.
-Targets (issue 25): engine >= 5x HF at 64; >= 10,000 tok/s at 256.
+  ceiling   (issue 42) decode step at batch 1 and 256 x 1,024 context, for SmolLM2-135M's config and for a
+            Qwen2.5-1.5B shape (areal_mq/engines/shapes.py, random weights), each against the bandwidth ceiling
+            (weight bytes + B c kv bytes) / HBM bandwidth; --quick: batch 1 and 4 x 32 context, tiny shapes.
+Targets (issue 25): engine >= 5x HF at 64; >= 10,000 tok/s at 256. Issue 42 (SmolLM2 shape, GPU): decode step
+<= 1.0 ms at batch 1 and <= 3 ms at batch 256 x 1,024 (reported in `ceiling`, judged in RESULTS.md).
 The engine uses CUDA graphs on CUDA when this tree's engine has them (rollout.engine.cuda_graphs).
 
     python benchmarks/gpu/stage_b_engine.py [--device cuda] [--quick] [--out DIR] [--hbm-gbps N]
@@ -27,7 +31,7 @@ import engine as eb  # benchmarks/engine.py: Workload, Context, the two runners
 SIZES = {  # quick, full
     "concurrency": ((4, 8), (64, 256)), "prompt": (12, 150), "short": (4, 128), "long_factor": (4, 8),
     "sweep_batch": ((1, 2, 4), (1, 8, 32, 64, 128, 256)), "sweep_context": ((8, 32), (256, 1024)),
-    "sweep_steps": (3, 20),
+    "sweep_steps": (3, 20), "ceiling_batch": ((1, 4), (1, 256)), "ceiling_context": (32, 1024),
 }
 TARGETS = {"engine_vs_hf_longtail_64": 5.0, "engine_tokens_per_s_256": 10_000.0}
 HBM = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, vendor figures
@@ -144,6 +148,35 @@ def sweep_point(engine, args, batch: int, context: int, steps: int, vocab: int) 
             "prefill_s": round(prefill_s, 4)}
 
 
+def ceiling(model_dir, name: str, args, q: int, vocab: int) -> list[dict]:
+    """Decode step at the ceiling batches x context on one model shape, with the bandwidth ceiling of each point."""
+    batches, context, steps = SIZES["ceiling_batch"][q], SIZES["ceiling_context"][q], SIZES["sweep_steps"][q]
+    engine = make_engine(model_dir, args, max(batches), context + steps + 16 + max(batches) // 4 + 4)
+    weights, kv = shape_bytes(engine)
+    hbm = hbm_bytes_per_s(args)
+    points = []
+    for b in batches:
+        point = sweep_point(engine, args, b, context, steps, vocab)
+        floor_s = (weights + b * context * kv) / hbm if hbm else None
+        points.append({"shape": name, **point, "weight_bytes": weights, "kv_bytes_per_token": kv,
+                       "ceiling_step_s": round(floor_s, 7) if floor_s else None,
+                       "bandwidth_fraction": round(floor_s / point["step_s"], 4) if floor_s else None})
+    engine.close()
+    return points
+
+
+def ceiling_shapes(args, smollm2_dir) -> list[tuple[str, object]]:
+    """(name, model dir) of the shapes the ceiling section measures: SmolLM2's config and Qwen2.5-1.5B's."""
+    from areal_mq.engines.shapes import build_random_model
+
+    qwen = ("qwen2.5-1.5b", build_random_model(args.work / ("qwen2.5-1.5b-random" + ("-quick" if args.quick else "")),
+                                               "qwen2.5-1.5b", dtype="bfloat16",
+                                               **(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                       num_attention_heads=4, num_key_value_heads=2,
+                                                       vocab_size=49152) if args.quick else {})))
+    return [("smollm2-135m", smollm2_dir), qwen]
+
+
 def run(args) -> dict:
     import torch
 
@@ -165,6 +198,7 @@ def run(args) -> dict:
     weights, kv = shape_bytes(engine)
     sweep = [sweep_point(engine, args, b, c, SIZES["sweep_steps"][q], len(tokenizer)) for c in contexts for b in batches]
     engine.close()
+    points = [p for name, d in ceiling_shapes(args, model_dir) for p in ceiling(d, name, args, q, len(tokenizer))]
     big = max(sweep, key=lambda r: r["prefill_tokens"])
     by_c = {r["concurrency"]: r for r in rows}
     lo, hi = SIZES["concurrency"][q]
@@ -173,7 +207,7 @@ def run(args) -> dict:
     return {"title": "engine vs HF generate, long tail", "quick": args.quick, "machine": report.machine(args.device),
             "model": {**describe(model_dir, args.quick), "weight_bytes": weights, "kv_bytes_per_token": kv,
                       "dtype": "bfloat16"}, "hbm_bytes_per_s": hbm_bytes_per_s(args), "longtail": rows,
-            "decode_sweep": sweep, "prefill_tokens_per_s": round(big["prefill_tokens"] / big["prefill_s"], 1),
+            "decode_sweep": sweep, "ceiling": points, "prefill_tokens_per_s": round(big["prefill_tokens"] / big["prefill_s"], 1),
             "ratios": ratios, "targets": TARGETS, "torch_threads": torch.get_num_threads()}
 
 
@@ -190,7 +224,13 @@ def markdown(r: dict) -> str:
     sweep = [("batch", "context", "decode step ms", "prefill tok/s")]
     sweep += [(s["batch"], s["context"], f"{s['step_s'] * 1e3:.2f}", f"{s['prefill_tokens'] / s['prefill_s']:.0f}")
               for s in r["decode_sweep"]]
-    return report.table(rows) + f"\n\nmodel: {r['model']['name']} ({r['model']['weights']})\n\n" + report.table(sweep)
+    ceil = [("shape", "batch", "context", "decode step ms", "ceiling ms", "of ceiling")]
+    ceil += [(c["shape"], c["batch"], c["context"], f"{c['step_s'] * 1e3:.2f}",
+              "-" if c["ceiling_step_s"] is None else f"{c['ceiling_step_s'] * 1e3:.3f}",
+              "- (no HBM figure)" if c["bandwidth_fraction"] is None else f"{c['bandwidth_fraction']:.1%}")
+             for c in r.get("ceiling", [])]
+    return (report.table(rows) + f"\n\nmodel: {r['model']['name']} ({r['model']['weights']})\n\n" + report.table(sweep)
+            + "\n\n" + report.table(ceil))
 
 
 def main() -> None:

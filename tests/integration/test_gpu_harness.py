@@ -54,6 +54,9 @@ def test_all_stages_quick_on_the_cpu(tmp_path):
     assert [r["concurrency"] for r in b["longtail"]] == [4, 8]
     assert all(r["engine_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0 for r in b["longtail"])
     assert len(b["decode_sweep"]) == 6 and b["prefill_tokens_per_s"] > 0
+    assert [(c["shape"], c["batch"]) for c in b["ceiling"]] == [  # issue 42: decode step vs the bandwidth ceiling
+        ("smollm2-135m", 1), ("smollm2-135m", 4), ("qwen2.5-1.5b", 1), ("qwen2.5-1.5b", 4)]
+    assert all(c["step_s"] > 0 and c["ceiling_step_s"] is None for c in b["ceiling"])  # no HBM figure on a CPU
     assert set(stages["c"]["tokens_per_s"]) == {"trainer_shared", "trainer_dynamic", "plain"}
     modes = [u["mode"] for u in stages["d"]["updates"]]
     assert modes == ["disk", "zmq", "cuda_ipc"]

@@ -16,3 +16,14 @@ def test_engine_benchmark_quick_runs(tmp_path, tiny_model_dir):
     engines = {(r["workload"], r["engine"]) for r in report["results"]}
     assert {("uniform", "torch_engine"), ("longtail", "hf_generate")} <= engines
     assert "reproduce: python benchmarks/engine.py --quick" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_engine_reasoning_benchmark_quick_runs(tmp_path, tiny_model_dir):
+    report, stdout = run_quick("engine.py", tmp_path, "--reasoning", "--model", str(tiny_model_dir),
+                               "--dtype", "float32", timeout=280)
+    assert report["mode"] == "reasoning" and set(report["ratios"]) == set(report["targets"]) == {
+        "contiguous_vs_paged_concurrency", "paged_vs_contiguous_tokens_per_s"}
+    assert {r["engine"] for r in report["results"]} == {"paged", "contiguous"}
+    assert "reproduce: python benchmarks/engine.py --reasoning --quick" in stdout
