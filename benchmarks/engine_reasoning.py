@@ -16,7 +16,8 @@ Measured per engine: wall seconds until every request finished, generated tokens
 sequences, weighted by step time, over the steps taken while requests were still waiting (the saturated part;
 the max too; an engine that was never saturated held every request at once, and its concurrency is their number,
 a lower bound),
-preemptions and KV blocks. Ratios (larger is better): contiguous_vs_paged_concurrency = paged / contiguous
+preemptions and KV blocks; then, on the paged engine, the logprob gap `kv_on_update: keep` leaves after one
+Adam-like weight step (`update_gap`). Ratios (larger is better): contiguous_vs_paged_concurrency = paged / contiguous
 concurrency (target 4), paged_vs_contiguous_tokens_per_s (target 1.0).
 """
 from __future__ import annotations
@@ -115,6 +116,35 @@ def engines(args: Any, q: int) -> tuple[dict, int]:
     return out, budget
 
 
+def update_gap(engine: Any, requests: list[tuple[list[int], int]], q: int) -> list[dict]:
+    """The logprob gap `kv_on_update: keep` leaves (update_gap.py), for one Adam-like step of the weights: every
+    parameter moved by lr in a random direction (lr = 1e-6, 1e-5: what one RL step at those learning rates moves
+    each weight at most), on 8 rows mid-generation ((64, 256) tokens in). Weights are restored after each."""
+    import torch
+
+    from areal_mq.engines.base import EngineRequest
+    from areal_mq.messages import SamplingSpec
+
+    before = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
+    engine.cfg = engine.cfg.model_copy(update={"kv_on_update": "keep", "kv_gap_rows": 8})
+    gen, rows = torch.Generator().manual_seed(0), []
+    for lr in (1e-6, 1e-5):
+        ids = [f"gap-{lr}-{i}" for i in range(8)]
+        for i, rid in enumerate(ids):
+            engine.submit(EngineRequest(rid, requests[8 * i % len(requests)][0],
+                                        SamplingSpec(temperature=1.0, max_new_tokens=400, ignore_eos=True, seed=i)))
+        for _ in range((64, 256)[q]):
+            engine.step()
+        moved = {k: v + lr * torch.randn(v.shape, generator=gen).sign().to(v.dtype) for k, v in before.items()}
+        gap = engine.update_weights(engine.version + 1, tensors=moved)
+        rows.append({"lr": lr, "tokens_in": (64, 256)[q], **{k: v for k, v in gap.items() if k.startswith("gap")}})
+        for rid in ids:
+            engine.abort(rid)
+        engine.update_weights(engine.version + 1, tensors=before)
+    engine.cfg = engine.cfg.model_copy(update={"kv_gap_rows": 0})
+    return rows
+
+
 def run(args: Any) -> dict:
     q = 0 if args.quick else 1
     built, budget = engines(args, q)
@@ -126,6 +156,8 @@ def run(args: Any) -> dict:
         results[name] = drive(built[name], requests, name)
         log(f"reasoning {name:10s} {results[name]['tokens_per_s']:7.1f} tok/s, concurrency "
             f"{results[name]['concurrency']}, {results[name]['seconds']}s")
+    gaps = update_gap(built["paged"], requests, q)
+    log(f"keep's logprob gap: {gaps}")
     for engine in built.values():
         engine.close()
     paged, contiguous = results["paged"], results["contiguous"]
@@ -139,7 +171,8 @@ def run(args: Any) -> dict:
             "workload": {"groups": SIZES["groups"][q], "group": GROUP, "prompt_tokens": PROMPT_TOKENS,
                          "long": SIZES["long"][q], "short": SIZES["short"][q], "kv_budget_bytes": budget,
                          "contiguous_slots": CONTIGUOUS_SLOTS, "paged_max_concurrent": PAGED_MAX_CONCURRENT},
-            "results": [{"engine": name, **r} for name, r in results.items()], "ratios": ratios, "targets": TARGETS}
+            "results": [{"engine": name, **r} for name, r in results.items()], "keep_gap": gaps, "ratios": ratios,
+            "targets": TARGETS}
 
 
 def table(report: dict, command: str) -> str:
@@ -151,6 +184,10 @@ def table(report: dict, command: str) -> str:
         rows.append((r["engine"], f"{r['tokens_per_s']:.1f}", f"{held} ({r['max_running']})",
                      f"{r['seconds']:.1f}", str(r["steps"]), str(r["preempted"]), str(r["kv_blocks_peak"])))
     lines = common.align(rows, rule=False) + [""] + common.align(common.ratio_rows(report), rule=False)
+    lines += [""] + common.align([("kv_on_update: keep after one step at lr", "rows", "tokens in", "|dlogprob| mean",
+                                   "max", "KL mean")] + [
+        (f"{g['lr']:g}", f"{g.get('gap_rows', 0):.0f}", str(g["tokens_in"]), f"{g.get('gap_logprob_mean', 0):.2e}",
+         f"{g.get('gap_logprob_max', 0):.2e}", f"{g.get('gap_kl_mean', 0):.2e}") for g in report["keep_gap"]], rule=False)
     m = report["machine"]
     lines.append(f"workload: {w['groups']} groups of {w['group']} on {w['prompt_tokens']}-token prompts, 1 in 8 "
                  f"generating {w['long']} tokens, the rest {w['short']}; machine: {m['cpus']} cpus, {m['threads']} "
