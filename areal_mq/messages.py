@@ -20,24 +20,44 @@ MAX_EPISODE_TOKENS = 1 << 16  # SeqSample.loss_mask / EpisodeResult: tokens afte
 MAX_PROBLEM_CHARS = 1 << 16  # EpisodeJob.prompt and answer characters
 
 
+def _narrowed(value: np.ndarray, want: np.dtype) -> np.ndarray:
+    """`value` (a wider dtype of the same kind) as `want`, refused when a value does not survive: an int64 token id
+    past the int32 range used to wrap silently, a float64 past the float32 range became inf (found by fuzzing)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        arr = value.astype(want)
+    if want.kind in "iu":
+        lost = not np.array_equal(arr, value)
+    else:
+        lost = bool((np.isinf(arr) & np.isfinite(value)).any())
+    if lost:
+        raise ValueError(f"values out of the {want.name} range (e.g. {value[:3].tolist()})")
+    return arr
+
+
 def _array_of(dtype: str):
     want = np.dtype(dtype)
+    # a plain list may hold these kinds of number (ints for a float array: 0 is an int in msgpack)
+    list_kinds = "iu" if want.kind in "iu" else "iuf"
 
     def coerce(value: Any) -> np.ndarray:
+        if isinstance(value, (list, tuple)):
+            try:
+                value = np.asarray(value)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"expected a list of {want.name}: {exc}") from None
+            if value.size and value.dtype.kind not in list_kinds:
+                raise ValueError(f"expected a list of {want.name}, got {value.dtype.name} values")
+            if value.size and value.dtype != want:
+                value = _narrowed(value, want)
         if isinstance(value, np.ndarray):
             if value.dtype == want:
                 arr = value
-            elif np.can_cast(value.dtype, want, casting="same_kind") and value.dtype.kind == want.kind:
-                arr = value.astype(want)
             elif value.size == 0:
                 arr = value.astype(want)
+            elif np.can_cast(value.dtype, want, casting="same_kind") and value.dtype.kind == want.kind:
+                arr = _narrowed(value, want)
             else:
                 raise ValueError(f"expected a {want.name} array, got {value.dtype.name}")
-        elif isinstance(value, (list, tuple)):
-            try:
-                arr = np.asarray(value, dtype=want)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise ValueError(f"expected a list of {want.name}: {exc}") from None
         else:
             raise ValueError(f"expected a {want.name} array, got {type(value).__name__}")
         if arr.ndim != 1:

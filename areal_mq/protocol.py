@@ -14,6 +14,7 @@ with a short `code`, which the receiver turns into an Error reply instead of cra
 from __future__ import annotations
 
 import math
+import reprlib
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -91,6 +92,16 @@ def encode(
     return [msgpack.packb(header, use_bin_type=True), *arrays]
 
 
+_SHOW = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring, _SHOW.maxother = 3, 8, 4, 80, 80
+
+
+def _show(value: Any) -> str:
+    """A short repr of a peer's value for an error message: bounded in depth and length, so a 900-deep list cannot
+    raise RecursionError while its refusal is written (found by fuzzing)."""
+    return _SHOW.repr(value)
+
+
 def _frame_bytes(frame: Any) -> memoryview | bytes:
     buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
     return buf if buf is not None else frame
@@ -123,13 +134,13 @@ def decode_header(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAM
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:  # `v: true` equals 1 in Python: refused too
         raise ProtocolError(
-            f"protocol version {version!r}; this peer speaks version {PROTOCOL_VERSION}", "bad_version", msg_id
+            f"protocol version {_show(version)}; this peer speaks version {PROTOCOL_VERSION}", "bad_version", msg_id
         )
     kind = header.get("kind")
     header["kind"] = _KINDS.get(kind) if isinstance(kind, str) else None
     if header["kind"] is None:
         known = ", ".join(k.value for k in Kind)
-        raise ProtocolError(f"unknown message kind {kind!r}; known kinds: {known}", "unknown_kind", msg_id)
+        raise ProtocolError(f"unknown message kind {_show(kind)}; known kinds: {known}", "unknown_kind", msg_id)
     if msg_id is None or not msg_id:
         raise ProtocolError("header field 'id' must be a non-empty string", "bad_header")
     for key in ("reply_to", "service"):
@@ -153,16 +164,16 @@ def _check_arrays(header: dict, frames: Sequence[Any], max_frame_bytes: int, msg
         dtype, shape = entry
         np_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
         if np_dtype is None:
-            raise ProtocolError(f"array {i}: dtype {dtype!r} not allowed", "bad_arrays", msg_id)
+            raise ProtocolError(f"array {i}: dtype {_show(dtype)} not allowed", "bad_arrays", msg_id)
         if len(shape) > MAX_DIMS:
             raise ProtocolError(f"array {i}: {len(shape)} dimensions (at most {MAX_DIMS})", "bad_arrays", msg_id)
         for d in shape:
             if type(d) is not int or d < 0:  # bool is an int subclass; a shape of True is refused too
-                raise ProtocolError(f"array {i}: shape {shape[:8]!r} must be non-negative ints", "bad_arrays", msg_id)
+                raise ProtocolError(f"array {i}: shape {_show(shape)} must be non-negative ints", "bad_arrays", msg_id)
         # a zero dimension makes the frame empty, but numpy still refuses [0, 2**40, 2**40] or a dimension past
         # 2**63: so the other dimensions are bounded too (a ValueError out of decode once ended a broker's loop)
         if math.prod(d for d in shape if d) * np_dtype.itemsize > MAX_ARRAY_BYTES:
-            raise ProtocolError(f"array {i}: shape {shape[:8]!r} of {dtype} is larger than any array can be",
+            raise ProtocolError(f"array {i}: shape {_show(shape)} of {dtype} is larger than any array can be",
                                 "bad_arrays", msg_id)
         nbytes = _nbytes(frames[i + 1])
         if nbytes > max_frame_bytes:
@@ -178,8 +189,8 @@ def _check_arrays(header: dict, frames: Sequence[Any], max_frame_bytes: int, msg
 
 def _array_ref(ref: dict, arrays: list[np.ndarray]) -> np.ndarray:
     idx = ref[ND_KEY]
-    if not isinstance(idx, int) or not 0 <= idx < len(arrays):
-        raise ProtocolError(f"array reference {idx!r} out of range", "bad_arrays")
+    if type(idx) is not int or not 0 <= idx < len(arrays):  # not bool: {"__nd__": true} is no reference
+        raise ProtocolError(f"array reference {_show(idx)} out of range", "bad_arrays")
     return arrays[idx]
 
 

@@ -8,6 +8,8 @@ tests/fuzz_corpus/ by tests/integration/test_fuzz.py).
 3. Defence in depth: whatever a handler raises, the broker's and the store's socket loops answer Error(internal)
    and go on serving; the store's bad-message warnings are rate-limited like the broker's (a flood of garbage
    wrote one line per frame).
+4. A value that does not fit its array's dtype (an int64 token id past int32, a float in an int list, a float64
+   past float32) was converted with a silent wrap, truncation or inf instead of refused.
 """
 from __future__ import annotations
 
@@ -122,3 +124,58 @@ def test_a_flood_of_bad_frames_at_the_store_is_answered_but_logged_once_per_peer
         sock.close(0)
         store.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("field, value", [("prompt_ids", [2**40]), ("prompt_ids", [1.5]), ("prompt_ids", [True]),
+                                          ("prompt_ids", "int64 2**40")])
+def test_an_array_value_that_does_not_fit_its_dtype_is_refused_not_wrapped(field, value):
+    """4. An int64 token id past the int32 range was cast with a silent wrap (2**40 became 0), a float in an int
+    list was truncated, a float64 logprob past float32 became inf: the message was accepted with other values
+    than the peer sent. Now bad_fields."""
+    import numpy as np
+
+    from areal_mq.messages import GenerateRequest
+
+    if value == "int64 2**40":
+        frames = protocol.encode(GenerateRequest(prompt_ids=np.array([1], np.int32)))
+        header = msgpack.unpackb(frames[0])
+        header["arrays"] = [["int64", [1]]]
+        frames = [msgpack.packb(header), np.array([2**40], np.int64).tobytes()]
+    else:
+        header = msgpack.unpackb(protocol.encode(GenerateRequest(prompt_ids=np.array([1], np.int32)))[0])
+        header["body"][field], header["arrays"] = value, []
+        frames = [msgpack.packb(header)]
+    with pytest.raises(ProtocolError) as err:
+        protocol.decode(frames)
+    assert err.value.code == "bad_fields" and ("range" in str(err.value) or "list of int32" in str(err.value))
+
+
+def test_wider_arrays_and_number_lists_that_fit_still_decode():
+    import numpy as np
+
+    from areal_mq.messages import GenerateRequest, SeqSample
+
+    assert GenerateRequest(prompt_ids=np.array([1, 2**31 - 1], np.int64)).prompt_ids.dtype == np.int32
+    seq = SeqSample(prompt_ids=[1], output_ids=[5, 6], logprobs=[0, -1.5], versions=[0, 0], reward=1.0)
+    assert seq.logprobs.dtype == np.float32 and seq.logprobs.tolist() == [0.0, -1.5]
+    with pytest.raises(ValueError, match="range"):
+        SeqSample(prompt_ids=[1], output_ids=[5], logprobs=np.array([1e300]), versions=[0], reward=1.0)
+
+
+@pytest.mark.parametrize("where", ["kind", "v", "nd", "dtype"])
+def test_a_value_nested_900_deep_is_refused_without_a_recursion_error(where):
+    """5. A refusal's message repr'd the peer's value: a list nested ~900 deep raised RecursionError instead."""
+    deep: list = [1]
+    for _ in range(900):
+        deep = [deep]
+    header = {"v": 1, "kind": "stats_request", "id": "x", "body": {}}
+    if where == "nd":
+        header["body"] = {"extra": {"__nd__": deep}}
+    elif where == "dtype":
+        header["arrays"] = [[deep, [1]]]
+    else:
+        header[where] = deep
+    frames = [msgpack.packb(header)] + ([b"\0"] if where == "dtype" else [])
+    with pytest.raises(ProtocolError) as err:
+        protocol.decode(frames)
+    assert len(str(err.value)) < 2000
