@@ -2,7 +2,7 @@
 checkpoints resume at another world size.
 
 Three launches of THIS file under torch.distributed.run (CUDA hidden, one thread per rank):
-  one  (1 rank, fsdp): per family, 2 steps, a sharded checkpoint, step 3;
+  one  (1 rank, fsdp): per family, 2 steps, a sharded checkpoint, step 3; and a save killed half-way;
   two  (2 ranks, fsdp): per family, 3 steps (params gathered after them), a checkpoint after step 2, and a
        fresh 2-rank trainer resumed from the 1-rank checkpoint, which runs step 3;
   back (1 rank, fsdp): a fresh trainer resumed from the 2-rank checkpoint runs step 3.
@@ -76,10 +76,42 @@ def run_rank(mode: str, out: Path) -> None:
         if trainer.is_main:
             torch.save(params, out / f"params-{mode}-{fam}.pt")
         result[fam] = entry
+    if mode == "one":
+        result["atomic"] = killed_mid_save_keeps_the_previous(out)
     if mode == "two":
         fp16_overflow_on_one_rank(out)
     if int(os.environ.get("RANK", "0")) == 0:
         (out / f"result-{mode}.json").write_text(json.dumps(result))
+
+
+def killed_mid_save_keeps_the_previous(out: Path) -> dict:
+    """A sharded save that dies after writing part of its shards (a crash, a kill) leaves the previous
+    checkpoint the latest one, and it loads; the torn directory is a hidden .tmp that nothing lists."""
+    from areal_mq.algorithms import fsdp
+    from areal_mq.algorithms.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    root = out / "ckpt-atomic"
+    trainer = _trainer(out / "models" / "tiny-llama", "fsdp")
+    trainer.train_step(_batch(0))
+    good = save_checkpoint(trainer, root)
+    trainer.train_step(_batch(1))
+    real = fsdp.save_sharded
+
+    def dies_half_way(tr, path):
+        real(tr, path)  # the shards are written ...
+        raise KeyboardInterrupt("killed")  # ... but the checkpoint is never renamed into place
+
+    fsdp.save_sharded = dies_half_way
+    try:
+        save_checkpoint(trainer, root)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        fsdp.save_sharded = real
+    fresh = _trainer(out / "models" / "tiny-llama", "fsdp")
+    load_checkpoint(fresh, latest_checkpoint(root))
+    return {"latest": latest_checkpoint(root).name, "good": good.name, "version": fresh.version,
+            "torn": sorted(p.name for p in root.iterdir() if p.name.endswith(".tmp"))}
 
 
 def fp16_overflow_on_one_rank(out: Path) -> None:
@@ -174,6 +206,10 @@ def test_fsdp_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_p
         exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
         for name, tensor in at2.items():
             torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-5, msg=f"{fam} export {name}")
+    # a sharded save killed half-way leaves the previous checkpoint the latest, and it loads
+    atomic = one["atomic"]
+    assert atomic["latest"] == atomic["good"] == "step00000001" and atomic["version"] == 1, atomic
+    assert atomic["torn"] == [".step00000002.tmp"], atomic
     # fp16 under fsdp: an overflow in one rank's shard makes every rank skip that optimizer step
     ranks = [json.loads((tmp_path / f"fp16-rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
