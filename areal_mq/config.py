@@ -185,7 +185,13 @@ class RolloutConfig(_Section):
     """A rollout worker: its engine section and the worker's own settings."""
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The inference engine and its settings.")
-    weights_timeout_s: float = Field(60.0, gt=0, description="Deadline for fetching published weights (zmq mode).")
+    weights_timeout_s: float = Field(
+        60.0, gt=0, description="Deadline for fetching published weights (zmq mode), plus the time the version's bytes "
+        "take at weights_min_mbps: a 15 GB bf16 7B model gets 60 s + 300 s at the default floor.")
+    weights_min_mbps: float = Field(
+        50.0, gt=0, description="The slowest transfer rate (MB/s) a weight fetch is allowed before it gives up: the "
+        "fetch deadline is weights_timeout_s + bytes / this. Set it to what the slowest link between trainer and "
+        "rollout hosts sustains.")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM: time to finish running sequences before handing them back.")
     device: str | None = Field(None, pattern=DEVICE_PATTERN, description="This role's device, overriding model.device (auto, cpu, cuda, cuda:N).")

@@ -89,7 +89,8 @@ class RolloutWorker(Role):
         self.unloadable: WeightsReady | None = None  # the last announcement whose load finally failed
         self.announced: WeightsReady | None = None  # the newest announcement not loaded yet
         self.fetching: _Fetch | None = None  # a fetch running on a thread while the engine decodes
-        self.catchup = WeightCatchup(cfg.run.run_dir, cfg.trainer, cfg.rollout.weights_timeout_s, runtime.keys)
+        self.catchup = WeightCatchup(cfg.run.run_dir, cfg.trainer, cfg.rollout.weights_timeout_s, runtime.keys,
+                                     min_mbps=cfg.rollout.weights_min_mbps)
         self.ipc = IpcReceiver(cfg.run.run_dir, cfg.rollout.weights_timeout_s)  # trainer.publish_mode cuda_ipc
 
     # ------------------------------------------------------------ weights

@@ -71,13 +71,27 @@ def plans(ready: WeightsReady, held: int) -> list[tuple[str, list[WeightsLink]]]
     return sorted(out, key=lambda p: (sum(link.bytes for link in p[1]), len(p[1])))
 
 
+def fetch_budget_s(timeout_s: float, nbytes: int, min_mbps: float) -> float:
+    """The deadline of one weight fetch: a fixed part (latency, the server's encode) plus the bytes at the
+    slowest rate allowed, so a 7B model's 15 GB is not cut off at the 60 s a 270 MB model needed."""
+    return timeout_s + max(nbytes, 0) / (min_mbps * 1e6)
+
+
+def _largest_bytes(ready: WeightsReady) -> int:
+    """The most this announcement can make a worker move: the full version (a delta is smaller)."""
+    sizes = [int(ready.meta.get("bytes", 0) or 0)] + [link.bytes for link in ready.links]
+    return max(sizes)
+
+
 class WeightCatchup:
     """Rollout-worker side of weight publishing (see the module docstring). `prepare` may run on a thread
     other than the one that calls `commit`; only `commit` changes what is held."""
 
     def __init__(self, run_dir: str | Path, cfg: "TrainerConfig", timeout_s: float = 60.0,
-                 keys: "Keyring | None" = None):
+                 keys: "Keyring | None" = None, min_mbps: float = 50.0):
         self.run_dir, self.cfg, self.timeout_s, self.keys = run_dir, cfg, timeout_s, keys
+        self.min_mbps = min_mbps
+        self.budget_s = timeout_s  # of the fetch under way: timeout_s + its bytes at min_mbps
         self.held_version = -1
         self.held: dict[str, Any] | None = None
 
@@ -94,11 +108,12 @@ class WeightCatchup:
         why = check_ready(ready, self.run_dir, self.cfg)
         if why:
             raise WeightsRefused(why)
+        self.budget_s = fetch_budget_s(self.timeout_s, _largest_bytes(ready), self.min_mbps)
         if ready.mode not in ("disk", "zmq") or (ready.base < 0 and not ready.links):
-            kwargs = resolve(ready, self.run_dir, self.cfg, self.timeout_s, self.keys)
+            kwargs = resolve(ready, self.run_dir, self.cfg, self.budget_s, self.keys)
             return Update(ready.version, kwargs, route="path" if "path" in kwargs else "full" if kwargs else "none",
                           fetch_s=time.perf_counter() - t0)
-        update = self._follow_plans(ready, time.monotonic() + self.timeout_s)
+        update = self._follow_plans(ready, time.monotonic() + self.budget_s)
         update.fetch_s = time.perf_counter() - t0
         return update
 
@@ -158,7 +173,9 @@ class WeightCatchup:
     def _left(self, deadline: float, what: str) -> float:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise WeightsFetchError(f"weights: ran out of time ({self.timeout_s:g}s) before {what}")
+            raise WeightsFetchError(f"weights: ran out of time ({self.budget_s:.0f} s = rollout.weights_timeout_s "
+                                    f"{self.timeout_s:g} s + the version's bytes at rollout.weights_min_mbps "
+                                    f"{self.min_mbps:g} MB/s) before {what}")
         return left
 
     def _full(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> dict[str, Any]:

@@ -275,3 +275,22 @@ def test_disk_deltas_snapshots_pruning_and_a_corrupt_delta_file(tmp_path):
 def test_version_deltas_need_the_same_tensors():
     with pytest.raises(ValueError, match="same tensors"):
         encode_version({"a": torch.zeros(2)}, {"b": torch.zeros(2)})
+
+
+def test_the_fetch_deadline_grows_with_the_bytes_to_move(tmp_path):
+    """rollout.weights_min_mbps: 60 s + a 15 GB version at 50 MB/s = 360 s, not the 60 s a 270 MB model needed;
+    running out names both knobs."""
+    from areal_mq.messages import WeightsLink, WeightsReady
+    from areal_mq.weights.catchup import _largest_bytes, fetch_budget_s
+
+    assert fetch_budget_s(60.0, 15_000_000_000, 50.0) == pytest.approx(360.0)
+    assert fetch_budget_s(60.0, 0, 50.0) == 60.0
+    ready = WeightsReady(version=3, mode="zmq", endpoint="tcp://127.0.0.1:1", num_chunks=1, meta={"bytes": 100},
+                         links=[WeightsLink(version=3, chunks=2, bytes=5000), WeightsLink(version=3, base=2, chunks=1,
+                                                                                          bytes=40)])
+    assert _largest_bytes(ready) == 5000
+    catchup = WeightCatchup(tmp_path, TrainerConfig(publish_mode="zmq"), timeout_s=1.0, min_mbps=0.001)
+    catchup.budget_s = fetch_budget_s(1.0, 5000, 0.001)
+    assert catchup.budget_s == pytest.approx(6.0)
+    with pytest.raises(WeightsFetchError, match="rollout.weights_min_mbps 0.001 MB/s"):
+        catchup._left(time.monotonic() - 1, "full v3")
