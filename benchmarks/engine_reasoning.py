@@ -85,6 +85,7 @@ def drive(engine: Any, requests: list[tuple[list[int], int]], tag: str) -> dict:
 def engines(args: Any, q: int) -> tuple[dict, int]:
     """The two engines at one KV budget (bytes) and that budget."""
     import torch
+    from transformers import AutoConfig
 
     from contiguous_engine import ContiguousEngine
 
@@ -99,13 +100,11 @@ def engines(args: Any, q: int) -> tuple[dict, int]:
     tok = load_tokenizer(model_dir)
     max_len = PROMPT_TOKENS + SIZES["long"][q]
     base = dict(dtype=args.dtype, seed=0, max_model_len=max_len, max_kv_tokens=10**7)
-    paged_probe = TorchEngine(model_dir, EngineConfig(**base, max_concurrent=1), dtype=args.dtype, tokenizer=tok,
-                              device=args.device)
-    r = paged_probe.runner
-    per_token = bytes_per_token(len(r.layers), r.n_kv, r.head_dim, r.dtype)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, head_dim,
+                                getattr(torch, args.dtype))
     budget = (CONTIGUOUS_SLOTS + 1) * max_len * per_token
-    paged_probe.close()
-    del paged_probe
     out = {
         "paged": TorchEngine(model_dir, EngineConfig(**base, max_concurrent=PAGED_MAX_CONCURRENT, kv_cache_bytes=budget),
                              dtype=args.dtype, tokenizer=tok, device=args.device),

@@ -33,7 +33,7 @@ class EngineConfig(BaseModel):
         65536, ge=64,
         description="torch engine admission cap: running sequences' reserved tokens (prompt + max_new_tokens) "
                     "never exceed it; requests wait until they fit. On the CPU without kv_cache_bytes it also sizes "
-                    "the KV block pool (this many positions).",
+                    "the KV block pool (this many positions, at most max_concurrent x max_model_len).",
     )
     kv_cache_bytes: int | None = Field(
         None, ge=1,
@@ -41,8 +41,8 @@ class EngineConfig(BaseModel):
                     "budget / (kv_block_size * 2 * layers * kv_heads * head_dim * dtype bytes) blocks, one of them the "
                     "scratch block, at least max_concurrent + 1. Sequences take blocks as they produce tokens; when "
                     "the pool runs out the youngest are preempted and recomputed later. None: on CUDA "
-                    "kv_cache_fraction of the free device memory; on the CPU max_kv_tokens positions (pages never "
-                    "used cost nothing there).",
+                    "kv_cache_fraction of the free device memory; on the CPU max_kv_tokens positions, at most "
+                    "max_concurrent x max_model_len (pages never used cost nothing there).",
     )
     kv_cache_fraction: float = Field(
         0.5, gt=0, le=0.95,

@@ -113,15 +113,16 @@ class TorchEngine(Engine):
 
     def _pool_blocks(self) -> int:
         """Blocks of the KV pool: kv_cache_bytes; else on CUDA kv_cache_fraction of free memory; else (CPU)
-        max_kv_tokens positions (untouched pages cost nothing there: kvcache.py)."""
+        max_kv_tokens positions, at most max_concurrent x max_model_len (untouched pages cost nothing: kvcache.py)."""
         r, bs = self.runner, self.cfg.kv_block_size
         per_token = bytes_per_token(len(r.layers), r.n_kv, r.head_dim, r.dtype)
         if self.cfg.kv_cache_bytes is not None:
             budget = self.cfg.kv_cache_bytes
         elif self.device.type == "cuda":
             budget = int(torch.cuda.mem_get_info(self.device)[0] * self.cfg.kv_cache_fraction)
-        else:
-            budget = (max(self.cfg.max_kv_tokens, self.cfg.max_concurrent * bs) + 2 * bs) * per_token
+        else:  # never more than max_concurrent sequences of max_len could use
+            tokens = min(self.cfg.max_kv_tokens, self.cfg.max_concurrent * (self.max_len + bs))
+            budget = (max(tokens, self.cfg.max_concurrent * bs) + 2 * bs) * per_token
         return pool_blocks(budget, per_token, bs, self.cfg.max_concurrent)
 
     def _eos_ids(self) -> frozenset[int]:
