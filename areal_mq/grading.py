@@ -14,8 +14,12 @@ box) counted, RL would pay for listing candidates, and a peer's GRPO run did lea
 then repeat boxes until the length cap. So a hedge earns no reward and is not correct in evaluation.
 Why lenient: it tells arithmetic from format learning (the base model rarely boxes), and every strict
 answer is also a lenient one. Rewards may withhold pay for form on top of strict (arith: a truncated,
-repetitive or box-not-final completion), never pay as correct what strict calls wrong. The `math` reward
-compares with math-verify (LaTeX equivalence) on its own extraction, the last box else the last expression.
+repetitive or box-not-final completion), never pay as correct what strict calls wrong. The `math` reward pays
+the lenient verdict of this grader.
+
+Math: where the reference is not a plain number, or the box holds math ("\\frac{1}{2}", "\\sqrt{2}/2", "50\\%"),
+answers compare with math-verify (`math_equivalent`), so "\\frac{1}{2}", "0.5" and "1/2" agree in rewards and
+evaluation alike (tests/unit/test_grading_equivalence.py holds the equivalent-answer cases).
 
 Numbers: "1,000", "1{,}000", "1\,000", "$12$", "-2.50", "\u22123" are plain numbers; answers come back as
 canonical strings ("1000", "-2.5", "1/3" when the decimal does not terminate) and compare exactly (Fraction).
@@ -118,11 +122,75 @@ def lenient_answer(text: str) -> str | None:
 
 
 def grade(completion: str, reference) -> Grade:
-    """Strict and lenient verdicts of `completion` against `reference` (number, text or GSM8K solution)."""
+    r"""Strict and lenient verdicts of `completion` against `reference` (number, text, LaTeX or GSM8K solution).
+
+    Plain numbers compare exactly (Fraction). Where the reference is not a plain number, or the one box holds
+    math rather than a number ("\frac{1}{2}", "\sqrt{2}/2", "50\%"), the comparison is math-verify's
+    (`math_equivalent`), so "\frac{1}{2}", "0.5" and "1/2" agree; the form rules (exactly one box for
+    strict) are the same either way. A box with words in it ("7 apples") stays wrong under strict."""
     gold = normalize_reference(reference)
-    strict = strict_answer(completion).value
-    lenient = lenient_answer(completion)
-    return Grade(numbers_equal(strict, gold), numbers_equal(lenient, gold), strict, lenient)
+    form = strict_answer(completion)
+    strict_v, lenient_v = form.value, lenient_answer(completion)
+    strict, lenient = numbers_equal(strict_v, gold), numbers_equal(lenient_v, gold)
+    numeric_gold = _to_fraction(gold) is not None
+    if not strict and form.form == "ok":
+        box = find_boxes(completion).contents[0]
+        if (not numeric_gold or _MATH_MARK.search(box)) and math_equivalent(box, gold):
+            strict, strict_v = True, box
+    if not lenient:
+        boxes = find_boxes(completion).contents
+        if strict:  # every strict answer is a lenient one
+            lenient, lenient_v = True, strict_v
+        elif boxes:  # the last box, read as math when it is math (or the reference is)
+            if (not numeric_gold or _MATH_MARK.search(boxes[-1])) and math_equivalent(boxes[-1], gold):
+                lenient, lenient_v = True, boxes[-1]
+        elif not numeric_gold or "\\" in completion:  # no box: math-verify's last expression
+            lenient, expr = _math_equal_completion(completion, gold)
+            lenient_v = expr if lenient else lenient_v
+    return Grade(strict, lenient, strict_v, lenient_v)
+
+
+_MATH_MARK = re.compile(r"\\|/|\^|%|\{")  # a LaTeX command, a fraction slash, a power, a percent, braces
+
+
+def _mv_timeout() -> int | None:
+    """math-verify's timeouts use signal.alarm, which works only in a main thread: elsewhere none (the
+    caller's own deadline applies: the reward executor's per-call one)."""
+    import threading
+
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def parse_gold(reference) -> list:
+    """math-verify's parse of a reference answer; plain answers are read as LaTeX math ('$...$')."""
+    from math_verify import parse
+
+    text = normalize_reference(reference)
+    wrapped = text if ("$" in text or "\\boxed" in text or "\\(" in text) else f"${text}$"
+    return parse(wrapped, parsing_timeout=_mv_timeout()) or parse(text, parsing_timeout=_mv_timeout())
+
+
+def math_equivalent(expression: str, reference) -> bool:
+    r"""True when `expression` (an extracted answer: a box's content) equals `reference` for math-verify
+    ("\frac{1}{2}" vs "0.5", "\{1,2\}" vs "\{2,1\}", "(x+1)^2" vs "x^2+2x+1"); False when either side
+    does not parse. math-verify (sympy) is imported here, on first use: plain-number grading never pays it."""
+    from math_verify import parse, verify
+
+    gold = parse_gold(reference)
+    wrapped = expression if "$" in expression else f"${expression}$"
+    pred = parse(wrapped, parsing_timeout=_mv_timeout())
+    return bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=_mv_timeout()))
+
+
+def _math_equal_completion(completion: str, reference) -> tuple[bool, str | None]:
+    """math-verify on a whole completion: its last box, else its last expression (the lenient reading);
+    (equal, the expression it read)."""
+    from math_verify import parse, verify
+
+    gold = parse_gold(reference)
+    pred = parse(completion, parsing_timeout=_mv_timeout())
+    equal = bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=_mv_timeout()))
+    return equal, (str(pred[-1]) if pred else None)
 
 
 def last_number(text: str) -> str | None:

@@ -15,57 +15,35 @@ Run: python -c "from areal_mq.rewards.math_rewards import math_equal; print(math
 """
 from __future__ import annotations
 
-import threading
+import math_verify  # noqa: F401 - imported here so a reward pool process pays for sympy while it warms up
 
-from math_verify import parse, verify
-
-from areal_mq.grading import find_boxes, normalize_reference, strict_answer
+from areal_mq.grading import find_boxes, grade, parse_gold, strict_answer
 from areal_mq.rewards.registry import group_reward
 
 
-def _timeout() -> int | None:
-    return 5 if threading.current_thread() is threading.main_thread() else None
-
-
-def parse_gold(reference) -> list:
-    """math-verify's parse of a reference answer; plain answers are read as LaTeX math ('$...$')."""
-    text = normalize_reference(reference)
-    tmo = _timeout()
-    wrapped = text if ("$" in text or "\\boxed" in text or "\\(" in text) else f"${text}$"
-    gold = parse(wrapped, parsing_timeout=tmo)
-    return gold or parse(text, parsing_timeout=tmo)
-
-
-def parse_prediction(completion: str) -> list:
-    r"""math-verify's parse of a completion: the last `\boxed{}` first, else the last expression."""
-    return parse(completion, parsing_timeout=_timeout())
+def _check_reference(reference) -> None:
+    if not parse_gold(reference):
+        raise ValueError(f"could not parse the reference answer {reference!r}; give a number or LaTeX math")
 
 
 def math_equal(prediction: str, reference) -> bool:
-    r"""True when the final answer of `prediction` equals `reference` mathematically.
+    r"""True when the final answer of `prediction` equals `reference` mathematically: the lenient verdict of
+    the one grader (areal_mq.grading.grade), which held-out evaluation reports too.
 
     '\boxed{\frac{1}{2}}' vs '0.5' -> True; '1,000' vs 1000 -> True; 'no answer' vs '5' -> False.
     """
-    gold = parse_gold(reference)
-    if not gold:
-        raise ValueError(f"could not parse the reference answer {reference!r}; give a number or LaTeX math")
-    pred = parse_prediction(prediction)
-    if not pred:
-        return False
-    return bool(verify(gold, pred, timeout_seconds=_timeout()))
+    _check_reference(reference)
+    return grade(prediction, reference).lenient
 
 
 def math_reward(prompt: str, completion: str, reference, **meta) -> dict:
-    """1.0 when the completion's final answer equals the reference (math-verify), else 0.0."""
-    gold = parse_gold(reference)
-    if not gold:
-        raise ValueError(f"could not parse the reference answer {reference!r}; give a number or LaTeX math")
-    pred = parse_prediction(completion)
-    correct = bool(pred) and bool(verify(gold, pred, timeout_seconds=_timeout()))
+    """1.0 when the completion's final answer equals the reference (the grader's lenient verdict), else 0.0."""
+    _check_reference(reference)
+    verdict = grade(completion, reference)
     return {
-        "reward": 1.0 if correct else 0.0,
-        "correct": correct,
-        "answer": str(pred[-1]) if pred else None,
+        "reward": 1.0 if verdict.lenient else 0.0,
+        "correct": verdict.lenient,
+        "answer": verdict.lenient_answer,
         "boxed": len(find_boxes(completion).contents),
     }
 
