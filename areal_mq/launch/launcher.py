@@ -70,6 +70,36 @@ def assign_metrics_ports(cfg: RunConfig, names: list[str], check_free: bool = Tr
     return dict(zip(names, block))
 
 
+CHECKPOINT_WRITE_MBPS = 100.0  # a conservative disk: the stop grace must cover the trainer's final checkpoint
+
+
+def checkpoint_bytes(model_dir: str | Path) -> int:
+    """What the trainer's checkpoint holds for the model in `model_dir`: 12 bytes per parameter (fp32 weights
+    and AdamW's two moments; gradients are not saved), counted on the meta device from its config.json."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    return 12 * sum(p.numel() for p in model.parameters()) + 4 * sum(b.numel() for b in model.buffers())
+
+
+def default_stop_grace_s(cfg: RunConfig) -> float:
+    """launcher.stop_grace_s, or 30 s plus the trainer's final checkpoint at CHECKPOINT_WRITE_MBPS: a 7B model's
+    checkpoint takes minutes to write, and a SIGKILL in the middle of it loses everything since the last one."""
+    if cfg.launcher.stop_grace_s is not None:
+        return cfg.launcher.stop_grace_s
+    try:
+        from areal_mq.engines.models import resolve_model
+
+        named = Path(cfg.model.name).expanduser()  # its config.json is all this needs
+        nbytes = checkpoint_bytes(named if (named / "config.json").is_file()
+                                  else resolve_model(cfg.model.name, cfg.model.cache_dir))
+    except Exception:  # noqa: BLE001 - no config to read (a simulated run): the plain default
+        return 30.0
+    return 30.0 + nbytes / (CHECKPOINT_WRITE_MBPS * 1e6)
+
+
 def trainer_launch(ranks: int) -> list[str]:
     """The command head of a multi-rank trainer on this host: torch's elastic launcher, one rendezvous on
     loopback (a free port taken now), every rank running `python -m areal_mq.cli`. The launcher supervises the
@@ -227,8 +257,10 @@ class Launcher:
         finally:
             pub.close()
 
-    def stop_all(self, grace_s: float = 30.0) -> None:
-        """Workers first (SIGTERM: drain and checkpoint), the broker last; SIGKILL after the grace period."""
+    def stop_all(self, grace_s: float | None = None) -> None:
+        """Workers first (SIGTERM: drain and checkpoint), the broker last; SIGKILL after the grace period
+        (default: launcher.stop_grace_s, else sized by the trainer's checkpoint: default_stop_grace_s)."""
+        grace_s = default_stop_grace_s(self.cfg) if grace_s is None else grace_s
         self.stopping = True
         order = [c for c in self.children if c.role != "broker"] + [c for c in self.children if c.role == "broker"]
         for group in (order[:-1], order[-1:]):
