@@ -236,6 +236,21 @@ def events_tail(run_dir: Optional[str] = typer.Argument(None, help="Run director
 
 
 @app.command()
+def plan(config: Optional[str] = typer.Argument(None, help="YAML run config (default: the built-in defaults)."),
+         set_: Optional[List[str]] = SetOpt,
+         device_gib: Optional[float] = typer.Option(None, "--device-gib", help="Memory of one GPU in GiB (default: "
+                                                    "the first CUDA device's where the trainer runs on CUDA, else "
+                                                    "the host's memory shared by every process).")) -> None:
+    """The memory each process of a run will need, against what it gets; exit 2 when something cannot fit."""
+    from areal_mq.launch.plan import make_plan
+
+    result = make_plan(_load(config, set_), device_gib=device_gib)
+    typer.echo(result.table())
+    if result.refusals:
+        raise typer.Exit(2)
+
+
+@app.command()
 def trace(run_dir: str = typer.Argument(..., help="Run directory (reads run_dir/events/*.jsonl and the store log)."),
           ident: str = typer.Argument(..., metavar="SAMPLE_OR_GROUP_ID", help="A group id (g0000003-...), or one "
                                       "sample of it: GROUP-eN or GROUP:N."),

@@ -42,6 +42,24 @@ def _cfg(path: Optional[str], overrides: Optional[List[str]], resume: Optional[s
         raise typer.Exit(2)
 
 
+def _check_memory(cfg) -> None:
+    """`areal-mq plan`'s check before anything starts: a layout that cannot fit stops here (exit 2) with the
+    numbers and the knob, not after the model load. Skipped where the model's config cannot be read (a
+    simulated engine and trainer, a model not yet converted: the run itself says what is missing)."""
+    from areal_mq.launch.plan import make_plan
+
+    if cfg.launcher.backend != "local" or (cfg.trainer.sim.enabled and cfg.rollout.engine.kind == "sim"):
+        return
+    try:
+        result = make_plan(cfg)
+    except Exception:  # noqa: BLE001 - the estimate is advice; the run reports real errors itself
+        return
+    if result.refusals:
+        typer.echo(result.table(), err=True)
+        typer.echo("error: this layout does not fit (areal-mq plan CONFIG shows the same table)", err=True)
+        raise typer.Exit(2)
+
+
 def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g. configs/quickstart.yaml)."),
         set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help=SET_HELP),
         resume: Optional[str] = typer.Option(None, help="Continue the run in this run directory."),
@@ -67,6 +85,7 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     if address:
         cfg.launcher.ray_address = address  # as given (a YAML override could read HOST:PORT as a number)
     console = Console(stderr=True, soft_wrap=True)
+    _check_memory(cfg)
     if cfg.launcher.backend == "ray":  # ports are settled on the brokers' node
         from areal_mq.launch.ray_backend import RayLauncher
 

@@ -1,0 +1,206 @@
+"""`areal-mq plan CONFIG`: the memory every process of a run will need, before anything starts.
+
+What: `make_plan(cfg, device_gib=None)` estimates, from the model's config.json (counted on the meta device,
+nothing loaded) and the run config:
+  trainer rank   weights + gradients + AdamW state under trainer.strategy (16 bytes per parameter; fsdp:
+                 / launcher.trainer_ranks, plus one gathered decoder layer and the root group: embeddings and
+                 LM head gathered with their gradient), the reference model (kl_coef > 0), activations of one
+                 micro-batch (trainer.max_tokens_per_mb tokens: (8 H + 3 I) values per token and layer in the
+                 compute dtype, H per layer with gradient checkpointing), one chunk of logits with its softmax
+                 and gradient (3 x trainer.fsdp.logprob_chunk_mb), and the publish snapshots (2 x the model in
+                 trainer.publish_dtype, on rank 0, in host memory);
+  rollout engine weights in the engine's dtype, the KV block pool (kv_cache_bytes, else max_kv_tokens
+                 positions), and the logits of max_concurrent rows;
+and sets them against the memory each one gets: on CUDA a device each (the GPU's memory, or --device-gib),
+on the CPU the host's memory, which every process shares. `refusals` name the process, the numbers and the
+knob to turn; `areal-mq run` runs the same check first.
+Where the numbers come from: the per-parameter bytes are exact; the activation count (8 H + 3 I per token and
+layer: the inputs of the attention and MLP projections, the gate/up outputs and the activation, the norms)
+is the structure of a Llama/Qwen decoder layer; tests/unit/launch/test_plan.py holds the estimate within 25 %
+of the peaks benchmarks/trainer_fsdp.py measured (single process and per FSDP rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+TORCH_BASE = 0.4 * GIB  # a process with torch and the model code imported, before any tensor
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Shape:
+    """What the plan reads from a model's config.json."""
+
+    params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    layer_params: int
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+
+@dataclass
+class Item:
+    name: str
+    nbytes: float
+
+
+@dataclass
+class Process:
+    role: str
+    count: int
+    items: list[Item] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> float:
+        return TORCH_BASE + sum(i.nbytes for i in self.items)
+
+
+@dataclass
+class Plan:
+    shape: Shape
+    processes: list[Process]
+    device: str  # "cuda" (a device per process) or "cpu" (one host memory for all)
+    capacity: float  # bytes of one device, or of the host
+    refusals: list[str]
+
+    def table(self) -> str:
+        rows = [f"model: {self.shape.params / 1e9:.2f} B parameters, {self.shape.layers} layers; "
+                f"{'one device per process' if self.device == 'cuda' else 'all processes share the host'}: "
+                f"{self.capacity / GIB:.1f} GiB"]
+        for p in self.processes:
+            parts = ", ".join(f"{i.name} {i.nbytes / GIB:.2f}" for i in p.items if i.nbytes >= 0.005 * GIB)
+            rows.append(f"  {p.role:<14} x{p.count}  {p.nbytes / GIB:7.2f} GiB each  ({parts}; torch "
+                        f"{TORCH_BASE / GIB:.1f})")
+        if self.device == "cpu":
+            total = sum(p.nbytes * p.count for p in self.processes)
+            rows.append(f"  all processes      {total / GIB:7.2f} GiB of {self.capacity / GIB:.1f} GiB")
+        rows += [f"REFUSED: {r}" for r in self.refusals] or ["fits"]
+        return "\n".join(rows)
+
+
+def read_shape(model_dir: str | Path) -> Shape:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(conf)
+    layers = model.model.layers
+    heads = conf.num_attention_heads
+    return Shape(params=sum(p.numel() for p in model.parameters()), layers=len(layers), hidden=conf.hidden_size,
+                 intermediate=conf.intermediate_size, vocab=conf.vocab_size,
+                 kv_heads=getattr(conf, "num_key_value_heads", None) or heads,
+                 head_dim=getattr(conf, "head_dim", None) or conf.hidden_size // heads,
+                 tied=bool(getattr(conf, "tie_word_embeddings", False)),
+                 layer_params=sum(p.numel() for p in layers[0].parameters()))
+
+
+def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
+    from areal_mq.algorithms.trainer import compute_precision, rollout_dtype
+
+    t = cfg.trainer
+    compute = DTYPE_BYTES[compute_precision(t, rollout_dtype(cfg))]
+    shard = ranks if t.strategy == "fsdp" else 1
+    p = Process("trainer rank", ranks)
+    state = 16 * s.params / shard
+    if t.strategy == "fsdp" and t.fsdp.offload:
+        state = 0.0  # in host memory (counted by the caller on the CPU only)
+    p.items.append(Item("weights+grads+AdamW", state))
+    if t.kl_coef > 0:
+        p.items.append(Item("reference model", 4 * s.params / shard))
+    if t.strategy == "fsdp":
+        p.items.append(Item("gathered layer", 2 * compute * s.layer_params))
+        root = s.embed_params * (1 if s.tied else 2)
+        p.items.append(Item("gathered root + its gradient", (compute + 4) * root))
+    per_token_layer = s.hidden if t.gradient_checkpointing else 8 * s.hidden + 3 * s.intermediate
+    p.items.append(Item("activations", t.max_tokens_per_mb * s.layers * per_token_layer * compute))
+    p.items.append(Item("logits chunk", 3 * t.fsdp.logprob_chunk_mb * (1 << 20)))
+    return p
+
+
+def engine(cfg: Any, s: Shape) -> Process:
+    from areal_mq.algorithms.trainer import rollout_dtype
+
+    e = cfg.rollout.engine
+    width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
+    p = Process("rollout engine", cfg.launcher.rollout_workers)
+    p.items.append(Item("weights", width * s.params))
+    positions = min(e.max_kv_tokens, e.max_concurrent * (e.max_model_len or 2048))  # the pool's cap without bytes
+    kv = e.kv_cache_bytes if e.kv_cache_bytes else positions * 2 * s.layers * s.kv_heads * s.head_dim * width
+    p.items.append(Item("KV pool", kv))
+    p.items.append(Item("logits", e.max_concurrent * s.vocab * 4 * 2))
+    return p
+
+
+def host_bytes() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024.0
+    except OSError:
+        pass
+    return 16.0 * GIB
+
+
+def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path | None = None) -> Plan:
+    """The plan of `cfg` (see the module docstring). `device_gib`: one device's memory (default: the first
+    CUDA device's when the trainer runs on CUDA, else the host's memory shared by every process)."""
+    from areal_mq.devices import resolve_device
+
+    if model_dir is None:
+        from areal_mq.engines.models import resolve_model
+
+        named = Path(cfg.model.name).expanduser()
+        model_dir = named if (named / "config.json").is_file() else resolve_model(cfg.model.name, cfg.model.cache_dir)
+    s = read_shape(model_dir)
+    ranks = cfg.launcher.trainer_ranks
+    procs = [trainer_rank(cfg, s, ranks)]
+    if cfg.rollout.engine.kind in ("torch", "vllm", "vllm-server"):
+        procs.append(engine(cfg, s))
+    on_cuda = device_gib is not None or resolve_device(cfg.trainer.device or cfg.model.device).type == "cuda"
+    if on_cuda:
+        if device_gib is None:
+            import torch
+
+            device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        capacity, refusals = device_gib * GIB, []
+        for p in procs:
+            if p.nbytes > capacity:
+                refusals.append(_refusal(cfg, p, capacity, s))
+        return Plan(s, procs, "cuda", capacity, refusals)
+    capacity = host_bytes()
+    total = sum(p.nbytes * p.count for p in procs)
+    refusals = [] if total <= capacity else [
+        f"the processes need {total / GIB:.1f} GiB together and the host has {capacity / GIB:.1f} GiB: on one "
+        "host every process shares its memory (FSDP ranks too), so use a smaller model, fewer "
+        "launcher.rollout_workers, a smaller rollout.engine.max_kv_tokens or trainer.max_tokens_per_mb, or GPUs"]
+    return Plan(s, procs, "cpu", capacity, refusals)
+
+
+def _refusal(cfg: Any, p: Process, capacity: float, s: Shape) -> str:
+    big = max(p.items, key=lambda i: i.nbytes)
+    return (f"a {p.role} needs {p.nbytes / GIB:.1f} GiB and a device has {capacity / GIB:.1f} GiB (largest: "
+            f"{big.name} {big.nbytes / GIB:.1f} GiB): " + (_knobs(cfg, s) if p.role.startswith("trainer") else
+                                                            "lower rollout.engine.kv_cache_bytes or max_kv_tokens"))
+
+
+def _knobs(cfg: Any, s: Shape) -> str:
+    t = cfg.trainer
+    if t.strategy != "fsdp":
+        need = max(2, int(16 * s.params / (40 * GIB)) + 1)
+        return (f"shard the trainer: --set trainer.strategy=fsdp --set launcher.trainer_ranks={need} "
+                "(docs/bigger-models.md)")
+    if not t.gradient_checkpointing:
+        return "--set trainer.gradient_checkpointing=true, more launcher.trainer_ranks, or a smaller trainer.max_tokens_per_mb"
+    return "more launcher.trainer_ranks, --set trainer.fsdp.offload=true, or a smaller trainer.max_tokens_per_mb"

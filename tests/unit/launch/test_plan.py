@@ -1,0 +1,86 @@
+"""`areal-mq plan`: the memory estimate holds within 25 % of what benchmarks/trainer_fsdp.py measured (one process
+and per FSDP rank, Qwen2.5-0.5B shape, benchmarks/results/trainer_fsdp.json); a 7B config is refused on one
+80 GB GPU with ddp, naming the knob, and accepted with fsdp over 8. Model configs are the public ones
+(areal_mq/engines/shapes.py), saved locally: nothing is downloaded or loaded."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from areal_mq.config import config_from_dict
+from areal_mq.launch.plan import GIB, make_plan
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _config_dir(tmp_path: Path, shape: str, **overrides) -> Path:
+    from areal_mq.engines.shapes import hf_config
+
+    out = tmp_path / shape
+    hf_config(shape, **overrides).save_pretrained(str(out))
+    return out
+
+
+def test_the_estimate_is_within_25_percent_of_the_measured_trainer_peaks(tmp_path):
+    bench = json.loads((ROOT / "benchmarks" / "results" / "trainer_fsdp.json").read_text())
+    single, fsdp = bench["results"]
+    tokens = bench["sizes"]["groups"] * bench["sizes"]["group_size"] * (bench["sizes"]["prompt"] + bench["sizes"]["gen"])
+    model = _config_dir(tmp_path, "qwen2.5-0.5b", num_hidden_layers=bench["model"]["layers"])
+    base = {"model": {"name": str(model), "device": "cpu"}, "trainer": {"precision": "fp32"}}
+    one = make_plan(config_from_dict({**base, "trainer": {"precision": "fp32", "max_tokens_per_mb": tokens}}))
+    # each of the 2 FSDP ranks trained its half of the batch in one micro-batch
+    two = make_plan(config_from_dict({**base, "trainer": {"precision": "fp32", "strategy": "fsdp",
+                                                          "max_tokens_per_mb": tokens // 2},
+                                      "launcher": {"trainer_ranks": 2}}))
+    est_single = one.processes[0].nbytes / GIB
+    est_rank = two.processes[0].nbytes / GIB
+    assert est_single == pytest.approx(single["peak_rss_gib"], rel=0.25), (est_single, single["peak_rss_gib"])
+    assert est_rank == pytest.approx(max(fsdp["rank_peak_rss_gib"]), rel=0.25), (est_rank, fsdp["rank_peak_rss_gib"])
+    assert one.shape.params == bench["model"]["params"]
+
+
+def test_a_7b_trainer_is_refused_on_one_80_gb_gpu_with_ddp_and_fits_with_fsdp_over_8(tmp_path):
+    model = _config_dir(tmp_path, "qwen2.5-7b")
+    base = {"model": {"name": str(model)}, "rollout": {"engine": {"dtype": "bfloat16"}}}
+    ddp = make_plan(config_from_dict(base), device_gib=80)
+    assert ddp.refusals and "trainer.strategy=fsdp" in ddp.refusals[0] and "80.0 GiB" in ddp.refusals[0]
+    fsdp = make_plan(config_from_dict({**base, "trainer": {"strategy": "fsdp"}, "launcher": {"trainer_ranks": 8}}),
+                     device_gib=80)
+    assert not fsdp.refusals, fsdp.table()
+    rank = fsdp.processes[0]
+    assert rank.count == 8 and 20 * GIB < rank.nbytes < 40 * GIB
+    assert "fits" in fsdp.table() and "REFUSED" in ddp.table()
+
+
+def test_the_cli_prints_the_plan_and_exits_2_when_it_cannot_fit(tmp_path):
+    from typer.testing import CliRunner
+
+    from areal_mq.cli import app
+
+    model = _config_dir(tmp_path, "qwen2.5-7b")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["plan", "--set", f"model.name={model}", "--set", "trainer.strategy=fsdp",
+                             "--set", "launcher.trainer_ranks=8", "--device-gib", "80"])
+    assert ok.exit_code == 0 and "trainer rank" in ok.output and "fits" in ok.output
+    bad = runner.invoke(app, ["plan", "--set", f"model.name={model}", "--device-gib", "80"])
+    assert bad.exit_code == 2 and "REFUSED" in bad.output
+
+
+def test_areal_mq_run_checks_the_plan_first_and_stops_before_anything_starts(tmp_path):
+    """On the CPU every process shares the host: a 7B run on this machine is refused at once (exit 2), with no
+    run directory written and no process started."""
+    import subprocess
+    import sys
+
+    model = _config_dir(tmp_path, "qwen2.5-7b")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"),
+                           "--skip-eval", "--set", f"model.name={model}", "--set", "model.device=cpu",
+                           "--set", f"run.run_dir={run_dir}", "--set", "rollout.engine.dtype=float32"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "REFUSED" in proc.stderr and "shares its memory" in proc.stderr
+    assert not run_dir.exists()
