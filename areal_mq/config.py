@@ -264,6 +264,70 @@ class LauncherConfig(_Section):
         "placement (docs/many-hosts.md), e.g. {trainer: {num_gpus: 1}, rollout: {num_cpus: 2, fast_node: 1}}.")
 
 
+class RolePlacement(_Section):
+    """The GPUs of one role's processes on this host."""
+
+    gpus: list[int] = Field(
+        default_factory=list, description="GPU indices (as the host numbers them) given to this role's processes, "
+        "in order: process i gets gpus[i*k:(i+1)*k] with k = gpus_per_process, as its CUDA_VISIBLE_DEVICES. "
+        "A multi-rank trainer (launcher.trainer_ranks) is one unit that gets all of them, one per rank. Empty: "
+        "the role gets no GPU when any role names some (CUDA_VISIBLE_DEVICES empty), else the host's as before.")
+    gpus_per_process: int = Field(1, ge=1, le=64, description="GPUs of one process (e.g. 2 for a rollout engine "
+                                  "with tensor parallelism 2); a trainer rank always has one.")
+
+
+class PlacementConfig(_Section):
+    """Which GPUs each role gets on this host (backend local). Process counts stay where they are:
+    launcher.trainer_ranks, launcher.rollout_workers, launcher.reward_workers, launcher.agent_workers."""
+
+    trainer: RolePlacement = Field(default_factory=RolePlacement)
+    rollout: RolePlacement = Field(default_factory=RolePlacement)
+    reward: RolePlacement = Field(default_factory=RolePlacement)
+    agent: RolePlacement = Field(default_factory=RolePlacement)
+
+    def processes(self, launcher: "LauncherConfig") -> dict[str, tuple[int, int]]:
+        """role -> (processes, GPUs each)."""
+        return {"trainer": (launcher.trainer_ranks, 1),
+                "rollout": (launcher.rollout_workers, self.rollout.gpus_per_process),
+                "reward": (launcher.reward_workers, self.reward.gpus_per_process),
+                "agent": (launcher.agent_workers, self.agent.gpus_per_process)}
+
+    def check(self, launcher: "LauncherConfig") -> None:
+        owner: dict[int, str] = {}
+        named = [r for r in ("trainer", "rollout", "reward", "agent") if getattr(self, r).gpus]
+        if named and launcher.backend != "local":
+            raise ConfigError(f"placement.{named[0]}.gpus is for launcher.backend local; under Ray give roles GPUs "
+                              "with launcher.ray_resources (docs/many-hosts.md)")
+        for role, (count, each) in self.processes(launcher).items():
+            gpus = getattr(self, role).gpus
+            if not gpus:
+                continue
+            if len(gpus) != count * each:
+                raise ConfigError(
+                    f"placement.{role}.gpus names {len(gpus)} GPU(s) ({gpus}) but {role} runs {count} process(es) "
+                    f"x {each} GPU(s) = {count * each}; name exactly that many, or change the process count")
+            for g in gpus:
+                if g < 0:
+                    raise ConfigError(f"placement.{role}.gpus: {g} is not a GPU index")
+                if g in owner:
+                    raise ConfigError(f"GPU {g} is given twice: to placement.{owner[g]}.gpus and placement.{role}.gpus"
+                                      " (each GPU belongs to one role's processes)")
+                owner[g] = role
+
+    def visible(self, role: str, index: int, launcher: "LauncherConfig") -> str | None:
+        """CUDA_VISIBLE_DEVICES for process `index` of `role` (the trainer unit: index 0, all its GPUs), or
+        None to leave the environment as it is (no role names GPUs)."""
+        if not any(getattr(self, r).gpus for r in ("trainer", "rollout", "reward", "agent")):
+            return None
+        place = getattr(self, role, None)
+        if place is None or not place.gpus:
+            return ""
+        if role == "trainer":
+            return ",".join(map(str, place.gpus))
+        k = place.gpus_per_process
+        return ",".join(map(str, place.gpus[index * k:(index + 1) * k]))
+
+
 class RunConfig(_Section):
     """A whole run. Every section is optional in YAML; defaults are documented per field."""
 
@@ -280,6 +344,8 @@ class RunConfig(_Section):
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig,
+                                       description="Which GPUs each role's processes get on this host.")
     agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="after")
@@ -289,6 +355,7 @@ class RunConfig(_Section):
         from areal_mq.weights.ipc import check_config as check_ipc_config
 
         validate_off_policy(self.controller.max_staleness, self.trainer)
+        self.placement.check(self.launcher)
         check_time_scales(self.rollout.engine.kind, self.rollout.engine.sim, self.trainer.sim)
         check_ipc_config(self)
         if abs(self.trainer.temperature - self.controller.temperature) > 1e-9:

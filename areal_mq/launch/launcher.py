@@ -154,6 +154,9 @@ class Launcher:
                 env = {}
                 if role in lc.threads:
                     env = {"OMP_NUM_THREADS": str(lc.threads[role]), "MKL_NUM_THREADS": str(lc.threads[role])}
+                visible = cfg.placement.visible(role, i, lc)
+                if visible is not None:  # exactly the GPUs placement gives this process (none: an empty list)
+                    env["CUDA_VISIBLE_DEVICES"] = visible
                 head = trainer_launch(lc.trainer_ranks) if role == "trainer" and lc.trainer_ranks > 1 else base
                 kids.append(Child(name, role, [*head, "worker", role, "--config", str(config_path), "--worker-id",
                                                name], self.run_dir / "logs" / f"{name}.log", env))

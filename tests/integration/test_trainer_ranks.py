@@ -1,5 +1,6 @@
 """`launcher.trainer_ranks: 2` with `trainer.strategy: fsdp`: `areal-mq run` starts a 2-rank sharded trainer
-(torch.distributed.run, gloo) beside the other roles, from one command; kill -9 of the rank that does not talk
+(torch.distributed.run, gloo) beside the other roles, from one command, each process seeing exactly the GPUs
+its placement names (read from /proc/PID/environ); kill -9 of the rank that does not talk
 to the brokers (rank 1) takes the unit down, the launcher restarts it, it resumes from its last sharded
 checkpoint and the run reaches its last version, with the chaos test's audit: nothing trained twice in the
 final lineage, nothing acked that the final policy never saw, nothing trained that was never stored.
@@ -33,6 +34,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _visible(pid: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES in the environment of process `pid`."""
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if item.startswith(b"CUDA_VISIBLE_DEVICES="):
+            return item.split(b"=", 1)[1].decode()
+    return None
+
+
 def _rank1_pid(run_dir: Path) -> tuple[int, int]:
     """(rank 0's pid from its trainer.started event, the pid of its sibling rank under the same torchrun)."""
     started = _events(run_dir, "trainer.started")[-1]
@@ -47,13 +56,18 @@ def _rank1_pid(run_dir: Path) -> tuple[int, int]:
 def test_two_fsdp_ranks_under_the_launcher_survive_a_killed_rank(tmp_path):
     run_dir = tmp_path / "ranks"
     proc = _start(run_dir, STEPS, ("launcher.max_restarts=2", "trainer.checkpoint_every=2",
-                                   "trainer.strategy=fsdp", "launcher.trainer_ranks=2"))
+                                   "trainer.strategy=fsdp", "launcher.trainer_ranks=2",
+                                   "placement.trainer.gpus=[0,1]", "placement.rollout.gpus=[2]"))
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step00000002").is_dir() and _trained_versions(run_dir)
                  if (run_dir / "events").exists() else False, 400, interval=0.5, what="checkpoint 2")
         assert max(_trained_versions(run_dir)) < STEPS - 1, "the run ended before the kill"
         assert (run_dir / "checkpoints" / "step00000002" / "sharded").is_dir()  # each rank wrote its shards
         rank0, rank1 = _rank1_pid(run_dir)
+        # placement: each process sees exactly its GPUs (the names are just indices on this GPU-less machine)
+        assert _visible(rank0) == _visible(rank1) == "0,1"
+        rollout = [e["pid"] for e in _events(run_dir) if e.get("role") == "rollout" and "pid" in e][-1]
+        assert _visible(rollout) == "2"
         os.kill(rank1, signal.SIGKILL)
         wait_for(lambda: [e for e in _events(run_dir, "trainer.started") if e["pid"] != rank0], 300,
                  interval=0.5, what="the trainer unit restarted")
