@@ -84,3 +84,17 @@ def test_areal_mq_run_checks_the_plan_first_and_stops_before_anything_starts(tmp
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "REFUSED" in proc.stderr and "shares its memory" in proc.stderr
     assert not run_dir.exists()
+
+
+def test_the_shipped_node_config_fits_its_node(tmp_path):
+    """configs/qwen2.5-1.5b-node.yaml (4 trainer ranks + 4 engines on 8 x 80 GB) against the public 1.5B config."""
+    from areal_mq.config import load_config
+
+    model = _config_dir(tmp_path, "qwen2.5-1.5b")
+    cfg = load_config(ROOT / "configs" / "qwen2.5-1.5b-node.yaml", [f"model.name={model}"])
+    result = make_plan(cfg, device_gib=80)
+    assert not result.refusals, result.table()
+    assert [p.count for p in result.processes] == [4, 4]
+    assert cfg.placement.visible("rollout", 3, cfg.launcher) == "7"
+    tight = make_plan(cfg, device_gib=40)  # the engines' 40 GiB KV pool does not fit a 40 GB card
+    assert tight.refusals and "kv_cache_bytes" in tight.refusals[0]
