@@ -172,9 +172,17 @@ def read_disk(path: str | Path, verify_checksums: bool = False) -> dict[str, "to
                                 "wait for the next WeightsReady or raise trainer.keep_weight_versions")
     out: dict[str, Any] = {}
     for f in files:
-        out.update(load_file(str(f)))
+        tensors = load_file(str(f))
         if verify_checksums:
             with safe_open(str(f), framework="pt") as fh:
-                digests = json.loads((fh.metadata() or {}).get("checksums", "{}"))
-            verify({k: out[k] for k in digests if k in out}, digests)
+                manifest = (fh.metadata() or {}).get("checksums")
+            digests = json.loads(manifest) if manifest is not None else None
+            # every tensor needs its checksum: a manifest damaged or missing must not pass as "nothing to check"
+            # (fuzzing found a flipped bit in the key "checksums" letting damaged tensors through)
+            if not isinstance(digests, dict) or set(digests) != set(tensors):
+                raise DeltaError("checksum", f"{f}: the checksum manifest does not list exactly its "
+                                             f"{len(tensors)} tensors; the file is damaged or was published without "
+                                             "checksums")
+            verify(tensors, digests)
+        out.update(tensors)
     return out

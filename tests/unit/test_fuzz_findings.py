@@ -179,3 +179,29 @@ def test_a_value_nested_900_deep_is_refused_without_a_recursion_error(where):
     with pytest.raises(ProtocolError) as err:
         protocol.decode(frames)
     assert len(str(err.value)) < 2000
+
+
+def test_a_full_version_whose_checksum_manifest_is_damaged_is_refused_not_trusted(tmp_path):
+    """6. A full weights file whose metadata key `checksums` was damaged (or that lists fewer tensors than it holds)
+    was read with nothing to check: damaged tensors passed as the published version. Now DeltaError("checksum")."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from areal_mq.weights.delta import DeltaError, checksum
+    from areal_mq.weights.disk import read_disk
+
+    good = {"w": torch.ones(3), "b": torch.zeros(2)}
+    digests = {k: checksum(v) for k, v in good.items()}
+    cases = {"key damaged": {"checksumq": json.dumps(digests)}, "one missing": {"checksums": json.dumps({"w": digests["w"]})},
+             "not a map": {"checksums": "[]"}}
+    for name, meta in cases.items():
+        d = tmp_path / name.replace(" ", "-")
+        d.mkdir()
+        save_file({"w": torch.full((3,), 2.0), "b": torch.zeros(2)}, str(d / "model.safetensors"), metadata=meta)
+        with pytest.raises(DeltaError) as err:
+            read_disk(d, verify_checksums=True)
+        assert err.value.reason == "checksum", name
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    save_file(good, str(ok / "model.safetensors"), metadata={"checksums": json.dumps(digests)})
+    assert torch.equal(read_disk(ok, verify_checksums=True)["w"], good["w"])
