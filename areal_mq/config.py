@@ -97,6 +97,11 @@ class BrokerConfig(_Section):
     job_deadlines: dict[str, float] = Field(
         default_factory=lambda: {"agent": 1800.0}, description="Per-service job leases, seconds, overriding "
         "job_deadline_s (e.g. {reward: 120}; an agent's whole episode gets 1800 by default). 0: none.")
+    min_decode_tokens_per_s: float = Field(
+        5.0, gt=0, description="The slowest per-sequence decode rate a generation job is allowed: the lease of a "
+        "'generate' job (unless job_deadlines names 'generate') is at least 60 s + controller.max_new_tokens / "
+        "this, so a 8k-token answer gets 1,700 s instead of 300 s and is not taken back while still decoding; "
+        "clients then resubmit no sooner than that lease + 60 s (job_retry_s or more).")
     job_max_attempts: int = Field(3, ge=1, description="Assignments of a job whose lease ended before the broker "
                                   "fails it (Error job_failed) instead of requeuing it.")
 
@@ -367,6 +372,25 @@ class RunConfig(_Section):
         self._check_exposure()
         self._configure_reward_task()
         return self
+
+    def job_leases(self) -> dict[str, float]:
+        """Per-service job leases the job broker applies: brokers.job_deadlines, plus a 'generate' lease sized
+        by the longest answer (brokers.min_decode_tokens_per_s) where the config does not name one."""
+        b, leases = self.brokers, dict(self.brokers.job_deadlines)
+        if "generate" not in leases and b.job_deadline_s > 0:
+            leases["generate"] = max(b.job_deadline_s, self.generate_lease_floor_s)
+        return leases
+
+    @property
+    def generate_lease_floor_s(self) -> float:
+        return 60.0 + self.controller.max_new_tokens / self.brokers.min_decode_tokens_per_s
+
+    def job_retry_s(self, *services: str) -> float:
+        """How long a client of `services` waits for an answer before it resubmits: brokers.job_retry_s, and
+        never less than their longest lease + 60 s (a job is taken back before anyone asks for it again)."""
+        leases = self.job_leases()
+        longest = max(leases.get(s, self.brokers.job_deadline_s) for s in services) if services else 0.0
+        return max(self.brokers.job_retry_s, longest + 60.0) if longest > 0 else self.brokers.job_retry_s
 
     @property
     def staleness_bound(self) -> int:

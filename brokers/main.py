@@ -51,7 +51,7 @@ class BrokerHost:
                                  max_queue=b.max_queue, max_frame_bytes=max_frame, log=log, keys=keys,
                                  max_capacity=b.max_worker_capacity, max_services=b.max_services,
                                  max_sessions=b.max_sessions, sticky_wait_s=b.sticky_wait_s,
-                                 leases=Leases(b.job_deadline_s, dict(b.job_deadlines), b.job_max_attempts))
+                                 leases=Leases(b.job_deadline_s, cfg.job_leases(), b.job_max_attempts))
             self._add(self.job, [self.job.sock], lambda s: self.job.handle())
         if "store" in only:
             self.store = SampleStore.from_config(self.ctx, b, Path(cfg.run.run_dir) / "store", log=log, keys=keys)

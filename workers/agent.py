@@ -148,7 +148,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
                        topics=("control",))
     b = cfg.brokers
     backend = AgentBackend(lambda: JobClient(b.job_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s,
-                                             liveness=b.liveness, retry_s=b.job_retry_s, log=rt.log))
+                                             liveness=b.liveness, retry_s=cfg.job_retry_s("generate"), log=rt.log))
     role = AgentRole(rt, cfg, workflow, tokenizer, backend)
     try:
         role.start()

@@ -435,8 +435,9 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
 
     rt = WorkerRuntime(cfg, role="controller", service=None, capacity=0, worker_id=worker_id)
     b = cfg.brokers
+    services = ("generate", "reward", *(["agent"] if cfg.agent.workflow else []))
     jobs = JobClient(b.job_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
-                     retry_s=b.job_retry_s, log=rt.log)
+                     retry_s=cfg.job_retry_s(*services), log=rt.log)
     store = StoreClient(b.store_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s)
     try:
         formatter = _formatter(cfg)

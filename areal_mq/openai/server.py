@@ -271,7 +271,7 @@ def broker_backend(cfg: Any, address: str, keys: Any, log: Any) -> OpenAIBackend
 
     b = cfg.brokers
     return OpenAIBackend(lambda: JobClient(address, keys=keys, heartbeat_s=b.heartbeat_s, liveness=b.liveness,
-                                           retry_s=b.job_retry_s, reconnect_max_s=b.reconnect_max_s, log=log),
+                                           retry_s=cfg.job_retry_s("generate"), reconnect_max_s=b.reconnect_max_s, log=log),
                          silent_after_s=b.heartbeat_s * b.liveness, log=log)
 
 

@@ -132,3 +132,18 @@ def test_moved_keys_are_refused_with_their_new_names(tmp_path):
                              "rollout.drain_timeout_s=3"])
     assert (cfg.rollout.engine.kind, cfg.rollout.engine.max_concurrent, cfg.eval.every) == ("vllm", 8, 5)
     assert cfg.rollout.drain_timeout_s == 3.0
+
+
+def test_generation_leases_and_retries_grow_with_the_longest_answer():
+    """An 8k-token answer is not taken back at the 300 s default while it still decodes, and no client asks
+    for a job again before its lease can end (brokers.min_decode_tokens_per_s)."""
+    short = load_config(None, ["controller.max_new_tokens=64"])
+    assert short.job_leases()["generate"] == 300.0 and short.job_retry_s("generate", "reward") == 600.0
+    long = load_config(None, ["controller.max_new_tokens=8192"])
+    assert long.job_leases()["generate"] == pytest.approx(60 + 8192 / 5.0)
+    assert long.job_retry_s("generate") == pytest.approx(60 + 8192 / 5.0 + 60)
+    assert long.job_retry_s("reward") == 600.0  # a reward lease is not an answer's length
+    named = load_config(None, ["controller.max_new_tokens=8192", "brokers.job_deadlines={generate: 100}"])
+    assert named.job_leases()["generate"] == 100.0  # what the config names wins
+    off = load_config(None, ["controller.max_new_tokens=8192", "brokers.job_deadline_s=0"])
+    assert "generate" not in off.job_leases()  # no deadlines at all stays no deadline
