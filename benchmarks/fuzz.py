@@ -92,7 +92,8 @@ def rss_mb() -> float:
 
 
 def reproducer(target: str, inp: dict, exc: BaseException | None) -> dict:
-    rep = {"target": target, "i": inp.get("i", 1), "seed": inp["seed"], "pristine": inp["pristine"], "role": inp["role"],
+    rep = {"target": target, "i": inp.get("i", 1), "seed": inp["seed"], "pristine": inp["pristine"],
+           "role": inp["role"],
            "ident": inp["ident"].hex(), "frames": [f.hex() for f in inp["frames"]]}
     if exc is not None:
         rep.update(error=f"{type(exc).__name__}: {str(exc)[:500]}",
@@ -194,7 +195,8 @@ class Campaign:
                 "health": health, "rss_warm_mb": warm, "rss_end_mb": end,
                 "rss_growth_pct": round(100 * (end - warm) / warm, 1) if warm else 0.0,
                 "inputs_per_s": round(self.counts["inputs"] / max(wall, 1e-9), 1), "wall_s": round(wall, 1),
-                "state_end": self.sizes[-1] if self.sizes else {}, "hypothesis_stopped": self.hypothesis_stopped, "failures": list(self.failures.values())[:10]}
+                "state_end": self.sizes[-1] if self.sizes else {}, "hypothesis_stopped": self.hypothesis_stopped,
+                "failures": list(self.failures.values())[:10]}
 
     def _run_hypothesis(self, seed: int) -> None:
         from hypothesis import HealthCheck, given, settings, strategies as st
