@@ -49,3 +49,15 @@ def role_device(cfg: Any, role: str) -> str:
     section = getattr(cfg, role, None)
     override = getattr(section, "device", None)
     return override or cfg.model.device
+
+
+def release_device_memory() -> None:
+    """Give back what a finished in-process job (the launcher's base evaluation) left in CUDA's caching
+    allocator, so the processes the run starts next see the memory free; nothing where CUDA was never used."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -45,9 +45,10 @@ def eval_setup(cfg: Any, n: int | None) -> tuple:
 
 def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version: int | None = None,
              progress: bool = True, max_new_tokens: int | None = None) -> dict:
+    from areal_mq.devices import release_device_memory
     from areal_mq.engines.base import EngineRequest
-    from areal_mq.messages import SamplingSpec
     from areal_mq.grading import grade
+    from areal_mq.messages import SamplingSpec
 
     problems, tokenizer, fmt, engine = eval_setup(cfg, n)
     t0 = time.perf_counter()
@@ -60,6 +61,8 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
         outputs = _drain(engine, len(problems), progress)
     finally:
         engine.close()
+        del engine  # the launcher evaluates in its own process: its model and KV pool must not outlive this
+        release_device_memory()
     by_id = {p.id: p for p in problems}
     totals: dict = defaultdict(lambda: [0, 0, 0])  # level -> [n, strict, lenient]
     for out in outputs:

@@ -23,3 +23,28 @@ def test_the_evaluation_engine_runs_on_the_rollout_device(monkeypatch):
     heldout.eval_setup(load_config(None, base), n=2)
     heldout.eval_setup(load_config(None, [*base, "rollout.device=meta"]), n=2)
     assert seen == ["cpu", "meta"]
+
+
+def test_an_evaluation_leaves_no_engine_behind(monkeypatch):
+    """The launcher evaluates in its own process: once evaluate returns, its engine (model weights, KV pool) is
+    garbage and the device's cached memory was handed back (issue 39: evaluations release device memory)."""
+    import weakref
+
+    from areal_mq.engines import build_engine
+
+    refs, released = [], []
+
+    def tracked(*a, **kw):
+        engine = build_engine(*a, **kw)
+        refs.append(weakref.ref(engine.model))
+        return engine
+
+    monkeypatch.setattr("areal_mq.engines.build_engine", tracked)
+    monkeypatch.setattr("areal_mq.devices.release_device_memory", lambda: released.append(1))
+    cfg = load_config(None, ["model.name=tiny-random-llama", "controller.max_new_tokens=4"])
+    evaluate(cfg, n=2, progress=False)
+    import gc
+
+    gc.collect()
+    assert refs and refs[0]() is None, "the evaluation's model is still referenced"
+    assert released == [1]
