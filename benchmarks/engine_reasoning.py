@@ -118,7 +118,9 @@ def engines(args: Any, q: int) -> tuple[dict, int]:
 def update_gap(engine: Any, requests: list[tuple[list[int], int]], q: int) -> list[dict]:
     """The logprob gap `kv_on_update: keep` leaves (update_gap.py), for one Adam-like step of the weights: every
     parameter moved by lr in a random direction (lr = 1e-6, 1e-5: what one RL step at those learning rates moves
-    each weight at most), on 8 rows mid-generation ((64, 256) tokens in). Weights are restored after each."""
+    each weight at most; lr = 0 measures the floor: KV written token by token vs recomputed in one prefill differ
+    by rounding alone, which in bfloat16 is most of the gap), on 8 rows mid-generation ((64, 256) tokens in).
+    Weights are restored after each."""
     import torch
 
     from areal_mq.engines.base import EngineRequest
@@ -127,7 +129,7 @@ def update_gap(engine: Any, requests: list[tuple[list[int], int]], q: int) -> li
     before = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
     engine.cfg = engine.cfg.model_copy(update={"kv_on_update": "keep", "kv_gap_rows": 8})
     gen, rows = torch.Generator().manual_seed(0), []
-    for lr in (1e-6, 1e-5):
+    for lr in (0.0, 1e-6, 1e-5):  # 0: the same weights, the floor (decode-written vs prefill-written KV rounding)
         ids = [f"gap-{lr}-{i}" for i in range(8)]
         for i, rid in enumerate(ids):
             engine.submit(EngineRequest(rid, requests[8 * i % len(requests)][0],
