@@ -120,7 +120,8 @@ def _store_log(run_dir: Path) -> dict[str, set]:
     return {"put": puts, "ack": acks, "drop": drops}
 
 
-def _audit(run_dir: Path, steps: int = STEPS) -> None:
+def _audit(run_dir: Path, steps: int | None = None) -> None:
+    steps = STEPS if steps is None else steps  # read at call time: test_netns_hosts sets STEPS to its own
     last_of_version: dict[int, dict] = {}
     for step in _events(run_dir, "trainer.step"):
         last_of_version[step["version"]] = step  # a resumed trainer redoes versions: the last one counts

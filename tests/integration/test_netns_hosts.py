@@ -468,10 +468,9 @@ def _stop_run(procs: NetnsProcs, trainer: subprocess.Popen | None = None, grace_
 
 
 def _audit(run_dir: Path, monkeypatch) -> dict:
-    """test_chaos's audit (its STEPS set to ours), plus: each version trained once (no trainer restart here) and
+    """test_chaos's audit (with our STEPS), plus: each version trained once (no trainer restart here) and
     every stored sample trained, dropped with a reason, or still pending within the staleness bound."""
-    monkeypatch.setattr(test_chaos, "STEPS", STEPS)
-    test_chaos._audit(run_dir)
+    test_chaos._audit(run_dir, STEPS)
     versions = [e["version"] for e in _steps(run_dir)]
     assert versions == list(range(1, STEPS + 1)), versions
     trained = {sid for e in _steps(run_dir) for sid in e["sample_ids"]}
