@@ -416,9 +416,8 @@ class RunConfig(_Section):
         tasks[task] = TaskConfig(fn=task)
 
     def _check_precision(self) -> None:
-        from areal_mq.algorithms.trainer import rollout_dtype
-
-        engine = rollout_dtype(self)
+        # rollout_dtype (areal_mq/algorithms/trainer.py) spelled out: config validation must not import torch
+        engine = self.model.dtype if self.rollout.engine.dtype == "auto" else self.rollout.engine.dtype
         if self.trainer.precision == "fp16" and engine != "float16" and self.rollout.engine.kind != "sim":
             raise ConfigError(
                 f"trainer.precision fp16 needs rollout.engine.dtype float16 (it is {engine}): fp16 is chosen to make "
