@@ -27,23 +27,7 @@ import common
 log = common.logger("publish")
 
 
-def batches(n: int, vocab: int) -> list:
-    import numpy as np
-
-    from areal_mq.messages import Sample, SeqSample
-
-    out = []
-    for i in range(n):
-        rng = np.random.default_rng(7 + i)
-        step = []
-        for g in range(2):
-            prompt = rng.integers(100, vocab - 1, 24, dtype=np.int32)
-            seqs = [SeqSample(prompt_ids=prompt, output_ids=rng.integers(100, vocab - 1, 40, dtype=np.int32),
-                              logprobs=np.full(40, -8.0, np.float32), versions=np.full(40, i, np.int32),
-                              reward=float(k % 2)) for k in range(4)]
-            step.append(Sample(sample_id=f"b{i}-{g}", seqs=seqs))
-        out.append(step)
-    return out
+SIZES = {"groups": 2, "group_size": 4, "prompt": 24, "gen": 40}  # 512 tokens a step (trainer_fsdp.batches)
 
 
 def one(model_dir: Path, mode: str, background: bool, steps: int, work: Path) -> dict:
@@ -67,7 +51,9 @@ def one(model_dir: Path, mode: str, background: bool, steps: int, work: Path) ->
     bg = BackgroundPublisher(announce) if background else None
     blocked, ended = [], {}
     t_start = time.perf_counter()
-    for b in batches(steps, trainer.unwrapped.config.vocab_size):
+    from trainer_fsdp import batches  # the same seeded batches the sharded trainer benchmark trains
+
+    for b in batches(steps, SIZES):
         trainer.train_step(b)
         ended[trainer.version] = t0 = time.perf_counter()
         tensors = trainer.publish_tensors()
