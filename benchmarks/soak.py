@@ -27,7 +27,6 @@ Not (yet) in the nemesis: cutting a host's link in a network namespace, and fill
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -47,16 +46,9 @@ KINDS = ("kill", "pause", "corrupt_log")
 
 
 def events(run_dir: Path, name: str | None = None) -> list[dict]:
-    out = []
-    for path in (run_dir / "events").glob("*.jsonl"):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written right now
-            if name is None or rec.get("event") == name:
-                out.append(rec)
-    return sorted(out, key=lambda r: r.get("ts", 0))
+    from areal_mq.telemetry.tail import read_events
+
+    return read_events(run_dir, name)
 
 
 def trained_versions(run_dir: Path) -> set[int]:

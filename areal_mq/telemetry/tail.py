@@ -63,6 +63,14 @@ def iter_files(run_dir: Path, follow: bool, poll_s: float = 0.2, stop_after_s: f
             time.sleep(poll_s)
 
 
+def read_events(run_dir: Path, name: str | None = None) -> list[dict]:
+    """Every event record of a run so far (merged by time; half-written lines skipped), or only those named
+    `name`; [] before the run has an events folder. For audits of a finished or running run."""
+    if not (Path(run_dir) / "events").is_dir():
+        return []
+    return [r for r in iter_files(Path(run_dir), follow=False) if name is None or r.get("event") == name]
+
+
 def read_new_lines(path: Path, offsets: dict[Path, int]) -> list[dict]:
     """JSON records appended to `path` since the offset remembered in `offsets` (complete lines only)."""
     if not path.exists():

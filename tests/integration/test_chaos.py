@@ -39,16 +39,9 @@ STEPS = 60  # long enough that all five kills land before the run ends, whatever
 
 
 def _events(run_dir: Path, name: str | None = None) -> list[dict]:
-    out = []
-    for path in (run_dir / "events").glob("*.jsonl"):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written right now
-            if name is None or rec.get("event") == name:
-                out.append(rec)
-    return sorted(out, key=lambda r: r.get("ts", 0))
+    from areal_mq.telemetry.tail import read_events
+
+    return read_events(run_dir, name)
 
 
 def _trained_versions(run_dir: Path) -> set[int]:
