@@ -75,13 +75,10 @@ CHECKPOINT_WRITE_MBPS = 100.0  # a conservative disk: the stop grace must cover 
 
 def checkpoint_bytes(model_dir: str | Path) -> int:
     """What the trainer's checkpoint holds for the model in `model_dir`: 12 bytes per parameter (fp32 weights
-    and AdamW's two moments; gradients are not saved), counted on the meta device from its config.json."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    and AdamW's two moments; gradients are not saved), counted from its config.json (launch/plan.py)."""
+    from areal_mq.launch.plan import read_shape
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
-    return 12 * sum(p.numel() for p in model.parameters()) + 4 * sum(b.numel() for b in model.buffers())
+    return 12 * read_shape(model_dir).params
 
 
 def default_stop_grace_s(cfg: RunConfig) -> float:
