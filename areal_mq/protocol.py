@@ -28,6 +28,7 @@ from areal_mq.errors import ProtocolError
 from areal_mq.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Error, Kind, Message
 
 ND_KEY = "__nd__"
+MAX_DEPTH = 100  # containers nested in a message body at most (bad_fields beyond; encode recurses per level)
 ALLOWED_DTYPES = {"int32", "float32", "uint8", "int64", "float64", "int16", "uint16", "bool"}
 DEFAULT_MAX_FRAME_BYTES = 512 * 1024 * 1024  # 512 MiB; configurable per socket owner
 MAX_HEADER_BYTES = 4 * 1024 * 1024
@@ -195,25 +196,31 @@ def _array_ref(ref: dict, arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def _inject(value: Any, arrays: list[np.ndarray]) -> Any:
-    """Replace every {"__nd__": i} in a freshly unpacked body by arrays[i], in place.
+    """Replace every {"__nd__": i} in a freshly unpacked body by arrays[i], in place; refuse a body nested deeper
+    than MAX_DEPTH (bad_fields).
 
     Iterative and in place because this walk runs for every message a broker routes: no call per
     container and no rebuilt dicts. (Assigning to an existing key while iterating a dict is allowed.)
+    The depth bound: what is accepted must encode again (encode's walk recurses; fuzzing found a Sample whose meta
+    was nested 500 deep accepted by the store, which then failed to serve it and, at its next start, to compact
+    its log).
     """
     if type(value) is dict and len(value) == 1 and ND_KEY in value:
         return _array_ref(value, arrays)
-    stack = [value] if type(value) in (dict, list) else []
+    stack = [(value, 1)] if type(value) in (dict, list) else []
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"body nested deeper than {MAX_DEPTH} levels", "bad_fields")
         for key, item in (node.items() if type(node) is dict else enumerate(node)):
             kind = type(item)
             if kind is dict:
                 if len(item) == 1 and ND_KEY in item:
                     node[key] = _array_ref(item, arrays)
                 else:
-                    stack.append(item)
+                    stack.append((item, depth + 1))
             elif kind is list:
-                stack.append(item)
+                stack.append((item, depth + 1))
     return value
 
 

@@ -19,7 +19,9 @@ tests/integration/test_fuzz.py runs, where a failure shrinks to a minimal input;
 may stop when a replayed example meets a component whose state moved on, and the rest runs on `random`). A crash's
 input is written under --corpus (default benchmarks/results/fuzz-crashes/) as JSON; copy it into
 tests/fuzz_corpus/ with its fix, where tests/integration/test_fuzz.py replays it.
-Targets: job, bus, store (each plaintext and CURVE), store-log, weights-delta, weights-full.
+Targets: job, bus, store (each plaintext and CURVE), store-log, weights-delta, weights-full, weight-server
+(plaintext and CURVE), openai (the HTTP endpoint, with and without an API key), reward-http (what a reward
+server answers the HTTP bridge); benchmarks/fuzz_servers.py has the last three.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from fuzz_mutate import DataChooser, RandomChooser, mutate  # noqa: E402
 
-TARGETS = ("job", "bus", "store", "store-log", "weights-delta", "weights-full")
+TARGETS = ("job", "bus", "store", "store-log", "weights-delta", "weights-full", "weight-server", "openai",
+           "reward-http")
 IDENTS = (b"peer-a", b"peer-b", b"\x00\x01", b"x" * 255)
 ROOT = Path(__file__).resolve().parent
 
@@ -49,12 +52,14 @@ class Hang(Exception):
 
 def make_target(name: str, root: Path) -> Any:
     from fuzz_files import StoreLogTarget, WeightsTarget
+    from fuzz_servers import OpenAITarget, RewardHttpTarget, WeightServerTarget
     from fuzz_targets import BusTarget, JobTarget, StoreTarget
 
     makers: dict[str, Callable[[], Any]] = {
         "job": lambda: JobTarget(root), "bus": lambda: BusTarget(root), "store": lambda: StoreTarget(root),
         "store-log": lambda: StoreLogTarget(root), "weights-delta": lambda: WeightsTarget(root, "delta"),
-        "weights-full": lambda: WeightsTarget(root, "full")}
+        "weights-full": lambda: WeightsTarget(root, "full"), "weight-server": lambda: WeightServerTarget(root),
+        "openai": lambda: OpenAITarget(root), "reward-http": lambda: RewardHttpTarget(root)}
     return makers[name]()
 
 

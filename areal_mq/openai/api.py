@@ -107,7 +107,8 @@ def parse_messages(value: Any, limits: ApiLimits) -> list[dict]:
         raise bad(f"at most {limits.max_messages} messages, got {len(value)}", "messages")
     out, chars = [], 0
     for i, msg in enumerate(value):
-        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+        # a role of an unhashable type ([..], {..}) must be refused, not raise TypeError out of `in` (fuzzing)
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or msg["role"] not in ROLES:
             raise bad(f"messages[{i}] must be an object with role one of {sorted(ROLES)}", f"messages[{i}].role")
         text = _content(msg, i)
         chars += len(text)

@@ -227,6 +227,8 @@ class HttpRewardBridge:
                 raise ValueError(f"expected {n} rewards (and details), got {len(rewards)}")
             return [normalize_output({**(d if isinstance(d, dict) else {"detail": d}), "reward": r})
                     for r, d in zip(rewards, details)]
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        # OverflowError: an integer too large for a float; RecursionError: JSON nested past the parser's limit
+        # (both found by fuzzing: they escaped as other exceptions than HttpRewardError)
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
             raise HttpRewardError(f"{where} answered an unusable body ({type(exc).__name__}: {exc}); expected "
                                   '{"rewards": [float, ...], "details": [{...}, ...]}', False) from None

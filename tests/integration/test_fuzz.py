@@ -24,10 +24,12 @@ import fuzz  # noqa: E402
 from fuzz_mutate import DataChooser  # noqa: E402
 
 CORPUS = ROOT / "tests" / "fuzz_corpus"
-EXAMPLES = {"job": 300, "bus": 300, "store": 300, "store-log": 120, "weights-delta": 150, "weights-full": 150}
+EXAMPLES = {"job": 300, "bus": 300, "store": 300, "store-log": 120, "weights-delta": 150, "weights-full": 150,
+            "weight-server": 300, "openai": 150, "reward-http": 150}
 STATELESS = {"refused:bad_header", "refused:bad_version", "refused:bad_fields", "refused:bad_arrays", "refused:bad_frames",
              "refused:too_large", "refused:unknown_kind", "refused:corrupt", "refused:base", "refused:checksum",
-             "replayed", "quarantined", "answered:v2", "forwarded", "refused"}  # decided by the input alone
+             "replayed", "quarantined", "answered:v2", "forwarded", "refused", "refused:final", "refused:400",
+             "http09"}  # decided by the input alone
 
 
 @pytest.mark.parametrize("name", fuzz.TARGETS)

@@ -10,6 +10,12 @@ tests/fuzz_corpus/ by tests/integration/test_fuzz.py).
    wrote one line per frame).
 4. A value that does not fit its array's dtype (an int64 token id past int32, a float in an int list, a float64
    past float32) was converted with a silent wrap, truncation or inf instead of refused.
+5. The OpenAI endpoint answered HTTP 500 (a TypeError: "unhashable type") to a chat message whose role was a list.
+6. The HTTP reward bridge let OverflowError (a reward of hundreds of digits) and RecursionError (JSON nested past
+   the parser's limit) out of its parsing instead of HttpRewardError.
+7. A Sample whose meta was nested ~500 deep decoded but could not be encoded again (encode recurses per level): the
+   store could neither serve it nor compact a log holding it, so it could not start. Bodies deeper than
+   protocol.MAX_DEPTH are bad_fields now.
 """
 from __future__ import annotations
 
@@ -205,3 +211,50 @@ def test_a_full_version_whose_checksum_manifest_is_damaged_is_refused_not_truste
     ok.mkdir()
     save_file(good, str(ok / "model.safetensors"), metadata={"checksums": json.dumps(digests)})
     assert torch.equal(read_disk(ok, verify_checksums=True)["w"], good["w"])
+
+
+@pytest.mark.parametrize("role", [[1, 2], {"a": 1}, None, 3])
+def test_a_chat_message_whose_role_is_not_a_string_is_a_400_not_a_500(role):
+    from areal_mq.openai.api import ApiError, ApiLimits, parse_messages
+
+    with pytest.raises(ApiError) as err:
+        parse_messages([{"role": role, "content": "hi"}], ApiLimits())
+    assert err.value.status == 400 and "role" in str(err.value.body())
+
+
+@pytest.mark.parametrize("body", [b'{"rewards": [' + b"9" * 400 + b', 0]}',
+                                  b'{"rewards": [0, 0], "details": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_a_reward_server_answer_python_cannot_hold_is_an_http_reward_error(body):
+    from areal_mq.rewards.config import HttpBridgeConfig
+    from areal_mq.rewards.http_bridge import HttpRewardBridge, HttpRewardError
+
+    bridge = HttpRewardBridge(HttpBridgeConfig(url="http://127.0.0.1:9/score"))
+    with pytest.raises(HttpRewardError) as err:
+        bridge._parse(200, body, 2)
+    assert not err.value.retryable and "unusable body" in str(err.value)
+
+
+def test_a_body_nested_past_max_depth_is_bad_fields_and_what_decodes_encodes_again():
+    from areal_mq.messages import Sample, SeqSample
+
+    import numpy as np
+
+    def nest(d):
+        v = 1
+        for _ in range(d):
+            v = {"a": v}
+        return v
+
+    seq = SeqSample(prompt_ids=np.arange(3, dtype=np.int32), output_ids=np.arange(2, dtype=np.int32),
+                    logprobs=np.zeros(2, np.float32), versions=np.zeros(2, np.int32), reward=1.0)
+    frames = [bytes(memoryview(f)) for f in protocol.encode(Sample(sample_id="s", prompt_id="p", seqs=[seq]))]
+    header = msgpack.unpackb(frames[0], raw=False)
+    for depth, ok in ((protocol.MAX_DEPTH - 5, True), (500, False)):
+        header["body"]["meta"] = nest(depth)
+        frames[0] = msgpack.packb(header, use_bin_type=True)
+        if ok:
+            protocol.encode(protocol.decode(frames).msg)  # accepted: encodes again
+        else:
+            with pytest.raises(ProtocolError) as err:
+                protocol.decode(frames)
+            assert err.value.code == "bad_fields" and "nested deeper" in str(err.value)
