@@ -205,6 +205,10 @@ class RolloutConfig(_Section):
         "the sequences in flight go on under the new weights (engine.kv_on_update). false: an update waits until "
         "the sequences in flight finish and new requests wait for it, so every sequence comes from one policy "
         "version (the paper's non-interruptible ablation; slower, the engine idles while it drains).")
+    audit_weights: bool = Field(
+        False, description="After every weight load, log the checksum of each tensor the engine now holds, cast to "
+        "trainer.publish_dtype (rollout.weights_audit): benchmarks/soak.py compares them with the checksums the "
+        "trainer published. Costs one pass over the weights per load (torch engine only); for audits and soaks.")
 
 
 class EvalConfig(_Section):

@@ -106,6 +106,21 @@ class RolloutWorker(Role):
             return
         self.apply(ready, update, t0, attempt)
 
+    def _audit_weights(self, version: int) -> None:
+        """rollout.audit_weights: the checksum (weights/delta.py's, of the bytes in the published dtype) of every
+        tensor the engine holds now, so an audit can check them against what the trainer published."""
+        model = getattr(self.engine, "model", None)
+        if model is None or not hasattr(model, "state_dict"):
+            return  # an engine whose weights live elsewhere (vLLM's workers, a simulated engine)
+        import torch
+
+        from areal_mq.weights.delta import checksum
+
+        dtype = getattr(torch, self.cfg.trainer.publish_dtype)
+        sums = {k: checksum(t.detach().to(device="cpu", dtype=dtype).contiguous())
+                for k, t in model.state_dict().items()}
+        self.log.info("rollout.weights_audit", version=version, checksums=sums)
+
     def _wanted(self, ready: WeightsReady) -> bool:
         # "base" = nothing published yet, or a restarted bus's replay: never a version going back.
         # A lower real version is loaded: the trainer resumed from a checkpoint.
@@ -168,6 +183,8 @@ class RolloutWorker(Role):
                       fetch_s=round(update.fetch_s, 4), engine_pause_s=round(t2 - t1, 4),
                       transfer_s=round(t2 - t0, 4), total_s=round(t2 - t0, 3))
         self.log.info("rollout.weights_updated", **fields)
+        if self.cfg.rollout.audit_weights:
+            self._audit_weights(ready.version)
         for key, add in (("weight_updates", 1), ("update_pause_s", t2 - t1), ("interrupted_seqs", running),
                          ("recompute_tokens", int(timings.get("recompute_tokens", 0)))):
             self.updates[key] += add

@@ -118,6 +118,12 @@ class EventSink:
         self._stream = stream or sys.stderr
         self._color = console == "pretty" and self._stream.isatty()
         self._lock = threading.Lock()
+        # Lines the events file or the console could not take (a full disk: ENOSPC; a closed pipe). A process must
+        # not die because it cannot log: the line is dropped, counted, and once writing works again one
+        # `events.lines_dropped` line says how many went and why (the soak's disk_full fault found processes
+        # ending on ENOSPC from a log call).
+        self._dropped = {"file": 0, "console": 0}
+        self._drop_reason = ""
 
     def __call__(self, logger: Any, method: str, event_dict: dict) -> Any:
         level = "warning" if method == "warn" else ("error" if method == "exception" else method)
@@ -134,20 +140,39 @@ class EventSink:
         line = to_json(record)
         with self._lock:
             if self._file:
-                self._file.write(line + "\n")
+                self._write("file", lambda text: self._file.write(text + "\n"), line, record)
             if self._console == "json":
-                print(line, file=self._stream, flush=True)
+                self._write("console", lambda text: print(text, file=self._stream, flush=True), line, record)
             elif self._console == "pretty":
-                print(format_pretty(record, self._color), file=self._stream, flush=True)
+                self._write("console", lambda text: print(text, file=self._stream, flush=True),
+                            format_pretty(record, self._color), record)
         if self._publisher:
             self._publisher.put(record)
         raise structlog.DropEvent
+
+    def _write(self, where: str, write: Any, text: str, record: dict) -> None:
+        """Write one line; on OSError drop it and count it (see __init__)."""
+        try:
+            if self._dropped[where]:
+                note = {"ts": time.time(), "level": "warning", **{k: record[k] for k in ("run_id", "role", "worker_id",
+                        "pid") if k in record}, "lines": self._dropped[where], "to": where,
+                        "reason": self._drop_reason, "event": "events.lines_dropped"}
+                write(to_json(note) if where == "file" or self._console == "json" else
+                      format_pretty(note, self._color))
+                self._dropped[where] = 0
+            write(text)
+        except OSError as exc:
+            self._dropped[where] += 1
+            self._drop_reason = f"{type(exc).__name__}: {exc}"[:200]
 
     def close(self) -> None:
         if self._publisher:
             self._publisher.close()
         if self._file:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # what a full disk still holds back is lost; the process ends anyway
+                pass
 
 
 def make_logger(cfg: Any, role: str, worker_id: str, *, console: str | None = None, stream: TextIO | None = None,

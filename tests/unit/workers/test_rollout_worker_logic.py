@@ -287,3 +287,26 @@ def test_not_interruptible_a_cuda_ipc_update_waits_for_running_sequences_too(tmp
     assert applied == []
     w.on_tick()
     assert applied == [1]
+
+
+@pytest.mark.parametrize("audit", [True, False])
+def test_audit_weights_logs_the_checksum_of_every_tensor_the_engine_holds_after_a_load(tmp_path, audit):
+    """rollout.audit_weights (the soak's engine weight audit, issue 40): after a load, the checksum (the trainer's,
+    weights/delta.py) of each of the engine's tensors in the published dtype; off by default: no pass over them."""
+    import torch
+
+    from areal_mq.weights.delta import checksum
+
+    engine = FakeEngine()
+    engine.model = torch.nn.Linear(3, 2)
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", f"rollout.audit_weights={str(audit).lower()}",
+                             "trainer.publish_dtype=bfloat16"])
+    rt = FakeRuntime("generate", "rollout-test", role="rollout")
+    RolloutWorker(cfg, engine, rt).load(_ready(tmp_path, 3))
+    audits = [f for _, e, f in rt.log.records if e == "rollout.weights_audit"]
+    if not audit:
+        assert audits == []
+        return
+    (got,) = audits
+    want = {k: checksum(t.detach().to(torch.bfloat16).contiguous()) for k, t in engine.model.state_dict().items()}
+    assert got["version"] == 3 and got["checksums"] == want and set(want) == {"weight", "bias"}
