@@ -434,6 +434,51 @@ class WeightsLink(BaseModel):
     bytes: int = Field(0, ge=0)
 
 
+MAX_WEIGHT_SHARDS = 4096  # WeightsReady.shards: trainer ranks publishing their own slices
+MAX_SHARD_SLICES = 1 << 16  # WeightsShard slices: tensors one rank serves (a 70B model has ~730 tensors)
+
+
+class WeightsShard(BaseModel):
+    """One trainer rank's part of a sharded publish (trainer.publish_layout sharded), as listed in WeightsReady.shards.
+
+    The rank serves its slices of the model from its own weight server at `endpoint`, like an unsharded server
+    serves the whole model: `num_chunks` full chunks of `version`, a delta from `base` of `delta_chunks` chunks, and
+    `links` for the catch-up (areal_mq/weights/catchup.py), all counted over this rank's slices only.
+    Slice i: rows starts[i] .. starts[i] + rows[i] along dimension 0 of tensor names[i], whose whole shape is
+    shapes[i] (a 0-dim tensor: start 0, rows 0, served whole by one rank); checksums[i] is the blake2b-128 hex of
+    the slice's bytes in the published dtype. Every tensor's slices over all shards tile its dimension 0 exactly.
+    Example: WeightsShard(rank=1, endpoint="tcp://10.0.0.2:5602", num_chunks=2, names=["lm_head.weight"],
+                          starts=[24576], rows=[24576], shapes=[[49152, 576]], checksums=["9f2c...e1"])
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(ge=0, lt=MAX_WEIGHT_SHARDS)
+    endpoint: str = Field(max_length=256)
+    num_chunks: int = Field(0, ge=0)
+    base: int = Field(-1, ge=-1)
+    delta_chunks: int = Field(0, ge=0)
+    bytes: int = Field(0, ge=0)
+    links: list[WeightsLink] = Field(default_factory=list, max_length=MAX_WEIGHT_LINKS)
+    names: list[str] = Field(default_factory=list, max_length=MAX_SHARD_SLICES)
+    starts: list[int] = Field(default_factory=list, max_length=MAX_SHARD_SLICES)
+    rows: list[int] = Field(default_factory=list, max_length=MAX_SHARD_SLICES)
+    shapes: list[list[int]] = Field(default_factory=list, max_length=MAX_SHARD_SLICES)
+    checksums: list[str] = Field(default_factory=list, max_length=MAX_SHARD_SLICES)
+
+    @model_validator(mode="after")
+    def _check_slices(self) -> "WeightsShard":
+        n = len(self.names)
+        if any(len(x) != n for x in (self.starts, self.rows, self.shapes, self.checksums)):
+            raise ValueError(f"names, starts, rows, shapes and checksums must have one entry per slice ({n})")
+        for name, start, rows, shape in zip(self.names, self.starts, self.rows, self.shapes):
+            if len(shape) > 8 or any(d < 0 for d in shape) or start < 0 or rows < 0:
+                raise ValueError(f"slice of {name!r}: start {start}, rows {rows} and shape {shape} must be "
+                                 "non-negative (at most 8 dimensions)")
+            if (not shape and (start or rows)) or (shape and start + rows > shape[0]):
+                raise ValueError(f"slice of {name!r}: rows {start}..{start + rows} exceed its shape {shape}")
+        return self
+
+
 class WeightsReady(Message):
     """trainer -> signal bus (topic "weights") -> rollout workers: policy `version` is published.
 
@@ -447,6 +492,9 @@ class WeightsReady(Message):
     the trainer still holds that leads to `version` — full versions (base -1) and the chain of deltas after the
     newest of them — so a worker not at `base` picks the fewest bytes (its own version + deltas, a full version
     + deltas, or the full current version). base -1 and no links: full weights only (deltas off).
+    Sharded (trainer.publish_layout sharded, areal_mq/weights/sharded.py): `shards` lists every trainer rank's
+    weight server and the slices it holds (WeightsShard); a worker fetches from all of them at once and assembles
+    the tensors. `endpoint` is then rank 0's server; `links`/`base` are empty/-1 (each shard has its own).
     Example: WeightsReady(version=4, mode="disk", path="/runs/r1/weights/v4")
     Example: WeightsReady(version=5, mode="zmq", endpoint="tcp://10.0.0.2:5601", num_chunks=3, base=4,
                           delta_chunks=1, links=[WeightsLink(version=4, chunks=3, bytes=270_000_000),
@@ -465,10 +513,17 @@ class WeightsReady(Message):
     base: int = Field(-1, ge=-1)  # the version this version's delta applies to; -1: no delta
     delta_chunks: int = Field(0, ge=0)  # zmq: chunks of that delta
     links: list[WeightsLink] = Field(default_factory=list, max_length=MAX_WEIGHT_LINKS)
+    shards: list[WeightsShard] = Field(default_factory=list, max_length=MAX_WEIGHT_SHARDS)
     meta: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_delta(self) -> "WeightsReady":
+        if self.shards and self.mode != "zmq":
+            raise ValueError(f"a sharded WeightsReady (shards) is served over zmq, got mode {self.mode!r}")
+        if len({s.rank for s in self.shards}) != len(self.shards):
+            raise ValueError("WeightsReady.shards names a rank twice")
+        if sum(len(s.names) for s in self.shards) > 4 * MAX_SHARD_SLICES:
+            raise ValueError(f"WeightsReady.shards list more than {4 * MAX_SHARD_SLICES} slices")
         if self.base >= self.version:
             raise ValueError(f"a delta's base ({self.base}) must be older than its version ({self.version})")
         if any(link.version > self.version or link.base >= link.version for link in self.links):

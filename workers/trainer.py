@@ -62,6 +62,17 @@ def nonfinite_part(sample: Any) -> str | None:
     return None
 
 
+def _exchange_collector(mine: str) -> str:
+    """Rank 0's shard collector endpoint, on every rank (one all_gather at start, never during a publish)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return str(everyone[0])
+
+
 class TrainerWorker(Role):
     name = "trainer"
     stats_every_s = 0.0  # it reports every step (trainer.step event, metrics sinks)
@@ -83,12 +94,14 @@ class TrainerWorker(Role):
         self.waited_since = time.perf_counter()
         self.stale_unreported = 0  # stale drops the store reported that no step's metrics carried yet
         self.stale_total = 0
-        self.background = None  # rank 0 publishes beside the next step (trainer.publish_async)
-        if self.is_main and publisher is not None and cfg.trainer.publish_async \
+        self.background = None  # rank 0 (sharded: every rank) publishes beside the next step (trainer.publish_async)
+        self.sharded = cfg.trainer.sharded_publish and not cfg.trainer.sim.enabled
+        if (self.is_main or self.sharded) and publisher is not None and cfg.trainer.publish_async \
                 and cfg.trainer.publish_mode != "cuda_ipc":
             from areal_mq.weights.background import BackgroundPublisher
 
-            self.background = BackgroundPublisher(self._announce, log=self.log)
+            self.background = BackgroundPublisher(self._announce_shard if self.sharded else self._announce,
+                                                  log=self.log)
 
     @property
     def is_main(self) -> bool:
@@ -210,7 +223,14 @@ class TrainerWorker(Role):
                                            self.trainer.hf_config_json)
             self.bus.publish("weights", ready)
             return
-        tensors = self.trainer.publish_tensors()  # under fsdp a collective: every rank gathers, rank 0 keeps
+        if self.sharded:  # every rank: a device copy of its own shards, no collective (weights/sharded.py)
+            snapshot = self.trainer.publish_slices()
+            if self.background is not None:
+                self.background.submit(self.trainer.version, snapshot, self.trainer.hf_config_json)
+            else:
+                self._announce_shard(self.trainer.version, snapshot, self.trainer.hf_config_json)
+            return
+        tensors = self.trainer.publish_tensors()  # gather layout under fsdp, a collective: rank 0 keeps the result
         if not self.is_main:
             return
         if self.background is not None:
@@ -222,6 +242,14 @@ class TrainerWorker(Role):
         """Publish a snapshot and say so on the bus (in the background thread when there is one)."""
         ready = self.publisher.publish(version, tensors, hf_config_json, snapshot=True)
         self.bus.publish("weights", ready)
+
+    def _announce_shard(self, version: int, snapshot: Any, hf_config_json: str | None) -> None:
+        """Serve this rank's slices; rank 0 announces the manifest once every rank serves them (ShardPublisher)."""
+        ready = self.publisher.publish(version, snapshot, hf_config_json)
+        if ready is not None and self.is_main:
+            self.bus.publish("weights", ready)
+            self.log_info("trainer.published_sharded", version=version, ranks=len(ready.shards),
+                          bytes=int(ready.meta.get("bytes", 0)))
 
     def checkpoint(self) -> None:
         from areal_mq.algorithms.checkpoint import save_checkpoint
@@ -307,8 +335,16 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         rt.start()
         store = StoreClient(cfg.brokers.store_addr, keys=rt.keys, heartbeat_s=cfg.brokers.heartbeat_s)
         bus = SignalPublisher(cfg.brokers.bus_in_addr, keys=rt.keys)
-        publisher = WeightPublisher(cfg.trainer, cfg.run.run_dir, keys=rt.keys, log=rt.log)
+        if not cfg.trainer.sharded_publish:
+            publisher = WeightPublisher(cfg.trainer, cfg.run.run_dir, keys=rt.keys, log=rt.log)
         time.sleep(0.3)  # let the PUB socket connect before the first WeightsReady
+    if cfg.trainer.sharded_publish:  # every rank serves its own shards; the constructor is a collective
+        from areal_mq.security import Keyring
+        from areal_mq.weights.sharded import ShardPublisher
+
+        publisher = ShardPublisher(cfg.trainer, rt.keys if rt is not None else Keyring.from_config(cfg, "trainer"),
+                                   rt.log if rt is not None else None, trainer.rank, trainer.world_size,
+                                   exchange=_exchange_collector)
     worker = TrainerWorker(cfg, trainer, store, bus, publisher, rt, sinks)
     try:
         worker.resume()

@@ -180,7 +180,18 @@ class TrainerConfig(BaseModel):
         "the server hand-off and WeightsReady happen in a thread; at most 2 snapshots alive. false: the step waits "
         "for the whole publish, as before. cuda_ipc always publishes in the step (it copies the live parameters).")
     weight_server_host: str = Field("127.0.0.1", description="Interface the zmq weight server binds to.")
-    weight_server_port: int = Field(0, ge=0, le=65535, description="Port of the zmq weight server (0: any free port).")
+    weight_server_port: int = Field(0, ge=0, le=65535, description="Port of the zmq weight server (0: any free port). "
+                                    "Sharded publishing: trainer rank r binds this port + r (0: any free port each).")
+    publish_layout: Literal["auto", "gather", "sharded"] = Field(
+        "auto", description="Who serves the weights of a sharded trainer. sharded: every rank snapshots, encodes "
+        "and serves its own FSDP shards from its own weight server (no rank gathers the model; WeightsReady.shards "
+        "lists the slices; areal_mq/weights/sharded.py). gather: the named fallback, the full model is gathered to "
+        "rank 0 one tensor at a time and served from there. auto: sharded when strategy is fsdp and publish_mode "
+        "zmq, else gather.")
+    shard_publish_timeout_s: float = Field(
+        120.0, gt=0, description="Sharded publishing: how long rank 0 waits for every other rank to serve a version "
+        "before it announces it; a rank that does not is named in a trainer.shard_missing error and the version is "
+        "not announced (the next one is).")
     weight_chunk_mb: float = Field(64.0, gt=0, description="Target size of one WeightsChunk (a tensor is never split).")
     weight_deltas: Literal["auto", "on", "off"] = Field(
         "auto", description="Also publish each version as a lossless, checksummed delta against the previous one "
@@ -192,8 +203,18 @@ class TrainerConfig(BaseModel):
     sim: SimTrainerConfig = Field(default_factory=SimTrainerConfig,
                                   description="A simulated training step instead of this trainer (issue 17).")
 
+    @property
+    def sharded_publish(self) -> bool:
+        """Whether every rank serves its own shards (publish_layout, resolved)."""
+        return self.publish_layout == "sharded" or (
+            self.publish_layout == "auto" and self.strategy == "fsdp" and self.publish_mode == "zmq")
+
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
+        if self.publish_layout == "sharded" and (self.strategy != "fsdp" or self.publish_mode != "zmq"):
+            raise ValueError(f"publish_layout sharded serves FSDP shards over zmq: it needs strategy fsdp and "
+                             f"publish_mode zmq (got strategy {self.strategy!r}, publish_mode {self.publish_mode!r}); "
+                             "use publish_layout auto or gather")
         if self.strategy == "fsdp" and self.publish_mode == "cuda_ipc":
             raise ValueError("publish_mode cuda_ipc shares the live parameters of one whole model, which no FSDP rank "
                              "holds; use publish_mode disk or zmq with strategy fsdp")

@@ -454,8 +454,15 @@ class Trainer:
         """A snapshot of the policy weights for publishing: state-dict names, tied duplicates dropped
         (as save_pretrained does), cast to `dtype` (default cfg.publish_dtype), always copied. Under fsdp this
         is a collective (every rank calls it; the full model is gathered one tensor at a time and kept on
-        rank 0 only, the others get {}): the named fallback until shard-local publishing lands."""
+        rank 0 only, the others get {}): the named fallback of sharded publishing (trainer.publish_layout gather)."""
         return self.strategy.full_state_dict(self.unwrapped, dtype or self.cfg.publish_dtype, keep=self.is_main)
+
+    def publish_slices(self, dtype: str | None = None) -> tuple[dict, dict]:
+        """This rank's own slices of the policy weights for sharded publishing (areal_mq/weights/sharded.py): a copy
+        on the device in `dtype` (default cfg.publish_dtype) and where each slice sits. No collective."""
+        from areal_mq.weights.sharded import local_slices
+
+        return local_slices(self.unwrapped, dtype or self.cfg.publish_dtype, self.rank, self.world_size)
 
     @property
     def hf_config_json(self) -> str:

@@ -163,9 +163,12 @@ class WeightServer:
             self._stop.set()
             raise WeightsFetchError(f"weight server could not bind tcp://{host}:{port}: {self._error}")
 
-    def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"]) -> WeightsReady:
-        """Make `version` fetchable (the tensors must be a snapshot: they are served as they are)."""
-        digests = {k: checksum(t) for k, t in tensors.items()} if self.deltas else None
+    def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"],
+                digests: Mapping[str, str] | None = None) -> WeightsReady:
+        """Make `version` fetchable (the tensors must be a snapshot: they are served as they are). `digests`: their
+        checksums when the caller has them already (with deltas they are computed here otherwise)."""
+        if digests is None and self.deltas:
+            digests = {k: checksum(t) for k, t in tensors.items()}
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         chunks = make_chunks(version, tensors, self.chunk_bytes, digests)
         full = _Piece(chunks, nbytes)
@@ -411,11 +414,13 @@ def check_ready(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig") 
         if not path or os.path.dirname(path) != root or not VERSION_DIR.match(os.path.basename(path)):
             return f"weights path {ready.path!r} is not a version directory under the run's weights dir {root}"
         return None
-    m = _ENDPOINT.match(ready.endpoint)
-    port_ok = m and (cfg.weight_server_port == 0 or int(m.group(2)) == cfg.weight_server_port)
-    if not m or m.group(1) != cfg.weight_server_host or not port_ok:
-        want = f"tcp://{cfg.weight_server_host}:{cfg.weight_server_port or 'PORT'}"
-        return f"weights endpoint {ready.endpoint!r} is not the trainer's weight server ({want})"
+    for endpoint, rank in [(ready.endpoint, 0)] + [(s.endpoint, s.rank) for s in ready.shards]:
+        m = _ENDPOINT.match(endpoint)
+        port_ok = m and (cfg.weight_server_port == 0 or int(m.group(2)) == cfg.weight_server_port + rank)
+        if not m or m.group(1) != cfg.weight_server_host or not port_ok:
+            want = f"tcp://{cfg.weight_server_host}:{cfg.weight_server_port + rank if cfg.weight_server_port else 'PORT'}"
+            who = f"trainer rank {rank}'s" if ready.shards else "the trainer's"
+            return f"weights endpoint {endpoint!r} is not {who} weight server ({want})"
     return None
 
 

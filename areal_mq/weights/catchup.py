@@ -71,6 +71,15 @@ def plans(ready: WeightsReady, held: int) -> list[tuple[str, list[WeightsLink]]]
     return sorted(out, key=lambda p: (sum(link.bytes for link in p[1]), len(p[1])))
 
 
+def _patches(held: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any] | None:
+    """Only the elements that changed since `held`, or None when the layout differs (the engine then gets the whole
+    state dict)."""
+    try:
+        return changed_elements(held, tensors)
+    except DeltaError:
+        return None
+
+
 def fetch_budget_s(timeout_s: float, nbytes: int, min_mbps: float) -> float:
     """The deadline of one weight fetch: a fixed part (latency, the server's encode) plus the bytes at the
     slowest rate allowed, so a 7B model's 15 GB is not cut off at the 60 s a 270 MB model needed."""
@@ -94,6 +103,7 @@ class WeightCatchup:
         self.budget_s = timeout_s  # of the fetch under way: timeout_s + its bytes at min_mbps
         self.held_version = -1
         self.held: dict[str, Any] | None = None
+        self.shard_concurrency = 8  # sharded versions: trainer ranks fetched from at once
 
     def commit(self, update: Update) -> None:
         self.held = update.hold
@@ -109,16 +119,66 @@ class WeightCatchup:
         if why:
             raise WeightsRefused(why)
         self.budget_s = fetch_budget_s(self.timeout_s, _largest_bytes(ready), self.min_mbps)
+        if ready.shards:
+            update = self._prepare_sharded(ready, time.monotonic() + self.budget_s)
+            update.fetch_s = time.perf_counter() - t0
+            return update
         if ready.mode not in ("disk", "zmq") or (ready.base < 0 and not ready.links):
             kwargs = resolve(ready, self.run_dir, self.cfg, self.budget_s, self.keys)
             return Update(ready.version, kwargs, route="path" if "path" in kwargs else "full" if kwargs else "none",
                           fetch_s=time.perf_counter() - t0)
-        update = self._follow_plans(ready, time.monotonic() + self.budget_s)
+        held, held_version = self.held, self.held_version  # one consistent view while another thread commits
+        update = self._follow_plans(ready, time.monotonic() + self.budget_s, held, held_version)
+        if held is not None:  # what changed since the weights the engine holds, found here, off the decode loop
+            update.patches, update.patch_base = _patches(held, update.hold), held_version
         update.fetch_s = time.perf_counter() - t0
         return update
 
-    def _follow_plans(self, ready: WeightsReady, deadline: float) -> Update:
-        held, held_version = self.held, self.held_version  # one consistent view while another thread commits
+    def _prepare_sharded(self, ready: WeightsReady, deadline: float) -> Update:
+        """Every trainer rank's slices at once (at most `shard_concurrency` fetches in flight), each shard along
+        its own cheapest plan (its delta from the rows this worker holds, or its full slices), then the whole
+        tensors assembled and checked against the manifest (areal_mq/weights/sharded.py)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from areal_mq.weights.sharded import assemble, check_manifest, shard_ready, slice_held
+
+        layout = check_manifest(ready)
+        held, held_version = self.held, self.held_version
+
+        def one(shard: Any) -> Update:
+            part = slice_held(held, shard)
+            try:
+                return self._follow_plans(shard_ready(ready, shard), deadline, part,
+                                          held_version if part is not None else -1)
+            except WeightsFetchError as exc:
+                raise WeightsFetchError(f"trainer rank {shard.rank} ({shard.endpoint}): {exc}") from exc
+
+        with ThreadPoolExecutor(max(1, min(self.shard_concurrency, len(ready.shards)))) as pool:
+            futures = [pool.submit(one, shard) for shard in ready.shards]
+            errors = [f.exception() for f in futures]
+            bad = [(s.rank, e) for s, e in zip(ready.shards, errors) if e is not None]
+            if bad:
+                ranks = ", ".join(str(r) for r, _ in bad)
+                raise WeightsFetchError(f"v{ready.version}: trainer rank{'s' if len(bad) > 1 else ''} {ranks} failed: "
+                                        + "; ".join(str(e) for _, e in bad)) from bad[0][1]
+            parts = [f.result() for f in futures]
+        try:
+            tensors = assemble(ready, layout, [p.hold or p.kwargs["tensors"] for p in parts])
+        except WeightsFetchError as exc:
+            raise WeightsFetchError(f"v{ready.version} does not assemble from its shards: {exc}") from exc
+        routes = sorted({p.route for p in parts})
+        update = Update(ready.version, {"tensors": tensors}, hold=tensors,
+                        route=routes[0] if len(routes) == 1 else "+".join(routes),
+                        fetched_bytes=sum(p.fetched_bytes for p in parts), full_bytes=sum(p.full_bytes for p in parts),
+                        fallback="; ".join(f"rank {s.rank}: {p.fallback}" for s, p in zip(ready.shards, parts)
+                                           if p.fallback),
+                        failures=[f"rank {s.rank}: {f}" for s, p in zip(ready.shards, parts) for f in p.failures])
+        if held is not None:
+            update.patches, update.patch_base = _patches(held, tensors), held_version
+        return update
+
+    def _follow_plans(self, ready: WeightsReady, deadline: float, held: dict[str, Any] | None,
+                      held_version: int) -> Update:
         options = plans(ready, held_version if held is not None else -1)
         full_bytes = next((link.bytes for link in ready.links if link.version == ready.version and link.base < 0),
                           int(ready.meta.get("bytes", 0)))
@@ -138,15 +198,9 @@ class WeightCatchup:
                 failed.add(getattr(exc, "piece", (pieces[-1].version, pieces[-1].base)))
                 fallback = fallback or failures[-1]
                 continue
-            update = Update(ready.version, {"tensors": tensors}, hold=tensors, route=route,
-                            fetched_bytes=sum(p.bytes for p in pieces), full_bytes=full_bytes,
-                            fallback=fallback, failures=failures)
-            if held is not None:  # what changed since the weights the engine holds, found here, off the decode loop
-                try:
-                    update.patches, update.patch_base = changed_elements(held, tensors), held_version
-                except DeltaError:  # another layout than held: the engine gets the full state dict
-                    update.patches = None
-            return update
+            return Update(ready.version, {"tensors": tensors}, hold=tensors, route=route,
+                          fetched_bytes=sum(p.bytes for p in pieces), full_bytes=full_bytes,
+                          fallback=fallback, failures=failures)
         raise WeightsFetchError(f"no verified way to version {ready.version}: "
                                 f"{'; '.join(failures) or 'the listed pieces do not lead there'}; "
                                 "waiting for the next WeightsReady (a full version ends any chain)")

@@ -1,6 +1,7 @@
 """`launcher.trainer_ranks: 2` with `trainer.strategy: fsdp`: `areal-mq run` starts a 2-rank sharded trainer
-(torch.distributed.run, gloo) beside the other roles, from one command, each process seeing exactly the GPUs
-its placement names (read from /proc/PID/environ); kill -9 of the rank that does not talk
+(torch.distributed.run, gloo) beside the other roles, from one command, publishing its weights sharded (each
+rank serves its own slices over zmq, the rollout worker assembles them: trainer.publish_layout auto), each process
+seeing exactly the GPUs its placement names (read from /proc/PID/environ); kill -9 of the rank that does not talk
 to the brokers (rank 1) takes the unit down, the launcher restarts it, it resumes from its last sharded
 checkpoint and the run reaches its last version, with the chaos test's audit: nothing trained twice in the
 final lineage, nothing acked that the final policy never saw, nothing trained that was never stored.
@@ -56,7 +57,7 @@ def _rank1_pid(run_dir: Path) -> tuple[int, int]:
 def test_two_fsdp_ranks_under_the_launcher_survive_a_killed_rank(tmp_path):
     run_dir = tmp_path / "ranks"
     proc = _start(run_dir, STEPS, ("launcher.max_restarts=2", "trainer.checkpoint_every=2",
-                                   "trainer.strategy=fsdp", "launcher.trainer_ranks=2",
+                                   "trainer.strategy=fsdp", "launcher.trainer_ranks=2", "trainer.publish_mode=zmq",
                                    "placement.trainer.gpus=[0,1]", "placement.rollout.gpus=[2]"))
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step00000002").is_dir() and _trained_versions(run_dir)
@@ -78,4 +79,9 @@ def test_two_fsdp_ranks_under_the_launcher_survive_a_killed_rank(tmp_path):
     restarted = _events(run_dir, "trainer.started")[-1]
     assert restarted["world_size"] == 2 and restarted["version"] >= 2  # resumed from a checkpoint, not from 0
     assert _events(run_dir, "launcher.child_restarted")
+    # fsdp + zmq publishes sharded by default: each rank served its own slices, the rollout worker assembled them
+    sharded = _events(run_dir, "trainer.published_sharded")
+    assert sharded and {e["ranks"] for e in sharded} == {2}, sharded[:3]
+    updated = [e for e in _events(run_dir, "rollout.weights_updated") if e.get("mode") == "zmq"]
+    assert max(e["version"] for e in updated) >= STEPS - 2, [e["version"] for e in updated]
     _audit(run_dir, STEPS)
