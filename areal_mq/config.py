@@ -250,8 +250,9 @@ class LauncherConfig(_Section):
     reward_workers: int = Field(1, ge=1, description="Reward worker processes.")
     agent_workers: int = Field(1, ge=1, description="Agent worker processes (started only when agent.workflow is set).")
     trainer_ranks: int = Field(
-        1, ge=1, le=64, description="Trainer processes on this host (backend local): more than 1 starts the trainer "
-        "as one unit under torch.distributed.run (gloo on CPUs, nccl on GPUs), rank 0 talking to the brokers; "
+        1, ge=1, le=64, description="Trainer processes (ranks): more than 1 starts the trainer as one unit, under "
+        "torch.distributed.run on this host (backend local) or as one Ray actor per rank in a placement group "
+        "(backend ray, launcher.ray_trainer_strategy), gloo on CPUs, nccl on GPUs, rank 0 talking to the brokers; "
         "pair it with trainer.strategy fsdp to shard the model over them (docs/bigger-models.md). A rank that "
         "dies takes the unit down, and on_child_death restart brings it back from its last checkpoint.")
     stop_grace_s: float | None = Field(
@@ -271,22 +272,31 @@ class LauncherConfig(_Section):
     ray_resources: dict[str, dict[str, float]] = Field(
         default_factory=dict, description="backend ray: Ray resources of a role's actor, replacing its default "
         "placement (docs/many-hosts.md), e.g. {trainer: {num_gpus: 1}, rollout: {num_cpus: 2, fast_node: 1}}.")
+    ray_trainer_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="backend ray, launcher.trainer_ranks > 1: the Ray placement-group strategy of the "
+        "trainer's bundles (one per rank). STRICT_PACK: all ranks on one node; PACK: one node where it fits, else "
+        "several; (STRICT_)SPREAD: a node per rank. Ranks on several nodes meet at a rendezvous store on the "
+        "brokers' host (MASTER_ADDR = brokers.host).")
 
 
 class RolePlacement(_Section):
-    """The GPUs of one role's processes on this host."""
+    """The GPUs of one role's processes: host indices (backend local) or a count each (backend ray)."""
 
     gpus: list[int] = Field(
         default_factory=list, description="GPU indices (as the host numbers them) given to this role's processes, "
         "in order: process i gets gpus[i*k:(i+1)*k] with k = gpus_per_process, as its CUDA_VISIBLE_DEVICES. "
         "A multi-rank trainer (launcher.trainer_ranks) is one unit that gets all of them, one per rank. Empty: "
         "the role gets no GPU when any role names some (CUDA_VISIBLE_DEVICES empty), else the host's as before.")
-    gpus_per_process: int = Field(1, ge=1, le=64, description="GPUs of one process (e.g. 2 for a rollout engine "
-                                  "with tensor parallelism 2); a trainer rank always has one.")
+    gpus_per_process: int | None = Field(
+        None, ge=1, le=64, description="GPUs of one process (e.g. 2 for a rollout engine with tensor parallelism 2; "
+        "a trainer rank always has one). Backend local: how `gpus` is split (none: 1). Backend ray: the N GPUs each "
+        "of this role's actors asks Ray for, Ray choosing which (none: no GPU, except the trainer's default of one "
+        "per rank where the cluster has enough).")
 
 
 class PlacementConfig(_Section):
-    """Which GPUs each role gets on this host (backend local). Process counts stay where they are:
+    """Which GPUs each role gets: indices on this host (backend local), or N GPUs each (backend ray, Ray picks
+    which: launch/ray_placement.py). Process counts stay where they are:
     launcher.trainer_ranks, launcher.rollout_workers, launcher.reward_workers, launcher.agent_workers."""
 
     trainer: RolePlacement = Field(default_factory=RolePlacement)
@@ -297,16 +307,20 @@ class PlacementConfig(_Section):
     def processes(self, launcher: "LauncherConfig") -> dict[str, tuple[int, int]]:
         """role -> (processes, GPUs each)."""
         return {"trainer": (launcher.trainer_ranks, 1),
-                "rollout": (launcher.rollout_workers, self.rollout.gpus_per_process),
-                "reward": (launcher.reward_workers, self.reward.gpus_per_process),
-                "agent": (launcher.agent_workers, self.agent.gpus_per_process)}
+                "rollout": (launcher.rollout_workers, self.rollout.gpus_per_process or 1),
+                "reward": (launcher.reward_workers, self.reward.gpus_per_process or 1),
+                "agent": (launcher.agent_workers, self.agent.gpus_per_process or 1)}
 
     def check(self, launcher: "LauncherConfig") -> None:
         owner: dict[int, str] = {}
         named = [r for r in ("trainer", "rollout", "reward", "agent") if getattr(self, r).gpus]
         if named and launcher.backend != "local":
-            raise ConfigError(f"placement.{named[0]}.gpus is for launcher.backend local; under Ray give roles GPUs "
-                              "with launcher.ray_resources (docs/many-hosts.md)")
+            raise ConfigError(f"placement.{named[0]}.gpus names GPU indices, which is for launcher.backend local; under "
+                              f"Ray say how many each process gets (placement.{named[0]}.gpus_per_process: N) and Ray "
+                              "picks which (docs/many-hosts.md)")
+        if self.trainer.gpus_per_process not in (None, 1):
+            raise ConfigError(f"placement.trainer.gpus_per_process is {self.trainer.gpus_per_process}, but a trainer "
+                              "rank has one GPU: more GPUs for the trainer are more ranks (launcher.trainer_ranks)")
         for role, (count, each) in self.processes(launcher).items():
             gpus = getattr(self, role).gpus
             if not gpus:
@@ -333,7 +347,7 @@ class PlacementConfig(_Section):
             return ""
         if role == "trainer":
             return ",".join(map(str, place.gpus))
-        k = place.gpus_per_process
+        k = place.gpus_per_process or 1
         return ",".join(map(str, place.gpus[index * k:(index + 1) * k]))
 
 
@@ -354,7 +368,7 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig,
-                                       description="Which GPUs each role's processes get on this host.")
+                                       description="Which GPUs each role's processes get (host indices, or N each under Ray).")
     agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="after")

@@ -135,9 +135,6 @@ class Launcher:
         return path
 
     def plan(self, config_path: Path) -> list[Child]:
-        if self.cfg.launcher.trainer_ranks > 1 and self.cfg.launcher.backend != "local":
-            raise ConfigError("launcher.trainer_ranks > 1 is for backend local; under Ray start the trainer ranks "
-                              "as docs/many-hosts.md shows")
         cfg, lc = self.cfg, self.cfg.launcher
         base = [sys.executable, "-m", "areal_mq.cli"]
         kids = [Child("broker", "broker", [*base, "broker", "--config", str(config_path)],
@@ -154,7 +151,8 @@ class Launcher:
                 visible = cfg.placement.visible(role, i, lc)
                 if visible is not None:  # exactly the GPUs placement gives this process (none: an empty list)
                     env["CUDA_VISIBLE_DEVICES"] = visible
-                head = trainer_launch(lc.trainer_ranks) if role == "trainer" and lc.trainer_ranks > 1 else base
+                unit = role == "trainer" and lc.trainer_ranks > 1 and lc.backend == "local"  # Ray: ray_unit.py
+                head = trainer_launch(lc.trainer_ranks) if unit else base
                 kids.append(Child(name, role, [*head, "worker", role, "--config", str(config_path), "--worker-id",
                                                name], self.run_dir / "logs" / f"{name}.log", env))
         if cfg.metrics.prometheus:  # each process its own port of the block

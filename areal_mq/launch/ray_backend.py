@@ -9,17 +9,21 @@ drain, it runs its own I/O thread, sets torch's thread count and may fork a rewa
 process belongs to Ray (its signal handlers, its threads). The subprocess is exactly what `areal-mq worker`
 runs on any host; the actor only starts, reports and stops it.
 
-Placement: a node offering the resource `areal_<role>: N` takes N actors of that role (one unit each):
+Placement (launch/ray_placement.py has the rules): a node offering the resource `areal_<role>: N` takes N actors
+of that role (one unit each), else the defaults:
 
     broker      areal_brokers, else the driver's node. Probed first: the node's IP becomes brokers.host and
                 free ports there brokers.*_port of the config every actor reads; pinned to that node
     controller  areal_controller, else the brokers' node (pinned)
-    trainer     areal_trainer, else one GPU when the cluster has one, else num_cpus = launcher.threads.trainer
-                (publish_mode zmq: probed and pinned like the broker; its IP is trainer.weight_server_host)
+    trainer     areal_trainer, else one GPU per rank when the cluster has them, else num_cpus =
+                launcher.threads.trainer (publish_mode zmq: probed and pinned like the broker; its IP is
+                trainer.weight_server_host). More than one rank: one unit in a placement group (ray_unit.py)
     rollout     areal_rollout, else num_cpus = launcher.threads.rollout (default 1); SPREAD over the nodes
     reward      areal_reward, else no resources; SPREAD
 
-`launcher.ray_resources.ROLE` ({num_cpus: 2, num_gpus: 1, any_custom: 1}) replaces a role's default.
+`launcher.ray_resources.ROLE` ({num_cpus: 2, num_gpus: 1, any_custom: 1}) replaces a role's default;
+`placement.ROLE.gpus_per_process: N` gives each of its actors N GPUs. Each role process sees exactly the GPUs
+Ray gave its actor (CUDA_VISIBLE_DEVICES, checked); a GPU demand the cluster cannot meet is refused first.
 
 Restarts: the driver polls every actor (`RoleProcess.info`). A role process that exits (kill -9 included) is
 handled like the local launcher handles a dead child: with `launcher.on_child_death: restart` the driver
@@ -44,10 +48,12 @@ from typing import Any
 
 from areal_mq.config import config_from_dict
 from areal_mq.errors import ConfigError
-from areal_mq.launch.launcher import Child, Launcher, describe_exit
+from areal_mq.launch.launcher import Child, Launcher, default_stop_grace_s, describe_exit
 from areal_mq.launch.ports import PORT_NAMES, settle_ports
+from areal_mq.launch.ray_placement import (ROLES, actor_devices, check_gpu_demand, check_ray_resources,  # noqa: F401
+                                           is_custom, role_request, uses_placement)
+from areal_mq.launch.ray_unit import TrainerUnit
 
-ROLES = ("broker", "controller", "trainer", "rollout", "reward")
 PLACE_TIMEOUT_S = 300.0  # an actor not (re)placed this long stops the run: no node offers what it asks for
 CALL_TIMEOUT_S = 5.0
 
@@ -62,26 +68,6 @@ def import_ray() -> Any:
 
 
 # ---------------------------------------------------------------- placement
-def role_request(role: str, cfg: Any, cluster: dict[str, float]) -> dict:
-    """Resources of a role's actor (the module docstring's table), before pinning to a node."""
-    lc = cfg.launcher
-    if role in lc.ray_resources:
-        res = dict(lc.ray_resources[role])
-        return {"num_cpus": res.pop("num_cpus", 0), "num_gpus": res.pop("num_gpus", 0), "resources": res}
-    own = "areal_brokers" if role == "broker" else f"areal_{role}"
-    if own in cluster:
-        return {"num_cpus": 0, "num_gpus": 0, "resources": {own: 1}}
-    if role == "trainer" and cluster.get("GPU", 0) >= 1:
-        return {"num_cpus": 0, "num_gpus": 1, "resources": {}}
-    cpus = lc.threads.get(role, 1) if role in ("trainer", "rollout") else 0
-    return {"num_cpus": cpus, "num_gpus": 0, "resources": {}}
-
-
-def is_custom(role: str, cfg: Any, request: dict) -> bool:
-    """True when the role's placement was asked for (ray_resources or an areal_* resource), not defaulted."""
-    return role in cfg.launcher.ray_resources or bool(request["resources"])
-
-
 def ray_options(request: dict, node_id: str | None = None, spread: bool = False) -> dict:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -91,12 +77,6 @@ def ray_options(request: dict, node_id: str | None = None, spread: bool = False)
     elif spread:
         opts["scheduling_strategy"] = "SPREAD"
     return opts
-
-
-def check_ray_resources(cfg: Any) -> None:
-    unknown = sorted(set(cfg.launcher.ray_resources) - set(ROLES))
-    if unknown:
-        raise ConfigError(f"launcher.ray_resources: unknown role(s) {', '.join(unknown)}; roles: {', '.join(ROLES)}")
 
 
 def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
@@ -141,32 +121,65 @@ def _die_with_parent(parent_pid: int) -> None:
 
 class RoleProcess:
     """A Ray actor owning one role process (`python -m areal_mq.cli broker|worker ...`), started in the
-    constructor, so a restarted actor is a restarted role. Methods run on the actor's main thread, the one
-    that forked the role (PR_SET_PDEATHSIG follows the forking thread)."""
+    constructor, so a restarted actor is a restarted role (a trainer rank's is started by its unit: `launch`).
+    Methods run on the actor's main thread, the one that forked the role (PR_SET_PDEATHSIG follows the forking
+    thread). The process sees exactly the GPUs Ray gave the actor (ray_placement.actor_devices)."""
 
-    def __init__(self, name: str, role: str, argv: list[str], env: dict, log_path: str, cwd: str | None):
+    def __init__(self, name: str, role: str, argv: list[str], env: dict, log_path: str, cwd: str | None,
+                 gpus: float = 0, placed: bool = False, start: bool = True):
         import ray
 
-        self.name, self.role, self.log_path = name, role, Path(log_path)
+        self.name, self.role, self.log_path, self.argv, self.env = name, role, Path(log_path), argv, env
+        self.cwd = cwd if cwd and os.path.isdir(cwd) else None
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
+        self.gpus = [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
         self.stopping = False
+        self.proc: subprocess.Popen | None = None
+        self.error = ""
+        try:
+            self.visible = actor_devices(self.gpus, gpus, placed, name)
+        except ConfigError as exc:  # reported by info()/where(): the driver stops the run with it
+            self.error, self.visible = str(exc), None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if start and not self.error:
+            self.launch({})
+
+    def launch(self, env: dict) -> int:
+        """Start the role process (again), with `env` over the actor's own (a trainer rank's variables)."""
         me = os.getpid()
+        devices = {} if self.visible is None else {"CUDA_VISIBLE_DEVICES": self.visible}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=True,
-                cwd=cwd if cwd and os.path.isdir(cwd) else None, preexec_fn=lambda: _die_with_parent(me))
+                [sys.executable, *self.argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **devices, **self.env, **env}, start_new_session=True,
+                cwd=self.cwd, preexec_fn=lambda: _die_with_parent(me))
+        return self.proc.pid
+
+    def where(self) -> dict:
+        return {"node_id": self.node_id, "ip": self.ip, "gpus": self.gpus, "actor_pid": os.getpid(),
+                "error": self.error}
 
     def info(self) -> dict:
-        code = self.proc.poll()
-        return {"node_id": self.node_id, "ip": self.ip, "pid": self.proc.pid, "actor_pid": os.getpid(), "code": code,
+        if self.error:
+            return {"node_id": self.node_id, "ip": self.ip, "pid": None, "actor_pid": os.getpid(), "code": 2,
+                    "reason": self.error, "error": self.error}
+        code = self.proc.poll() if self.proc is not None else None
+        return {"node_id": self.node_id, "ip": self.ip, "pid": self.proc.pid if self.proc else None,
+                "actor_pid": os.getpid(), "code": code,
                 "reason": describe_exit(code, self.log_path) if code is not None else None}
+
+    def kill_process(self) -> None:
+        """SIGKILL the role process and reap it (a trainer unit restarting)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
 
     def stop(self, grace_s: float) -> int | None:
         """SIGTERM (drain, checkpoint), SIGKILL after the grace period."""
         self.stopping = True
+        if self.proc is None:
+            return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -202,6 +215,7 @@ class RayLauncher(Launcher):
         self.cluster: dict[str, float] = {}
         self.anchors: dict[str, str] = {}  # role -> node id it is pinned to
         self.remote_cls: Any = None
+        self.unit: TrainerUnit | None = None  # launcher.trainer_ranks > 1: the ranks as one unit (ray_unit.py)
 
     def prepare(self) -> Path:
         self.ray = self.ray or import_ray()
@@ -219,6 +233,7 @@ class RayLauncher(Launcher):
                                   f": {_first_line(exc)} (--address HOST:PORT of a `ray start --head` node)") from None
             self.owns_ray = True
         self.cluster = ray.cluster_resources()
+        check_gpu_demand(self.cfg, self.cluster, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         self.place_anchors()
         return super().prepare()
 
@@ -245,7 +260,12 @@ class RayLauncher(Launcher):
         cfg.brokers.host = where["ip"]
         for name, port in where["ports"].items():
             setattr(cfg.brokers, name, port)
-        if cfg.trainer.publish_mode == "zmq":
+        if cfg.launcher.trainer_ranks > 1:  # its bundles are held from now on; rank 0 serves zmq weights
+            self.unit = TrainerUnit(self)
+            rank0_ip = self.unit.reserve()
+            if cfg.trainer.publish_mode == "zmq":
+                cfg.trainer.weight_server_host = rank0_ip
+        elif cfg.trainer.publish_mode == "zmq":
             trainer = self.probe("trainer", None)
             self.anchors["trainer"] = trainer["node_id"]
             cfg.trainer.weight_server_host = trainer["ip"]
@@ -257,7 +277,13 @@ class RayLauncher(Launcher):
 
     def plan(self, config_path: Path) -> list[Child]:
         kids = super().plan(config_path)
-        self.children = [RayChild(**vars(c), options=self.options_for(c.role)) for c in kids]
+        self.children = []
+        for c in kids:
+            if c.role == "trainer" and self.unit is not None:  # the ranks' actors are the unit's
+                self.unit.args, self.unit.env = c.args[1:], c.env
+                self.children.append(self.unit)
+            else:
+                self.children.append(RayChild(**vars(c), options=self.options_for(c.role)))
         return self.children
 
     def options_for(self, role: str) -> dict:
@@ -268,14 +294,21 @@ class RayLauncher(Launcher):
         return ray_options(request, node, spread=role in ("rollout", "reward"))
 
     # ------------------------------------------------------------ start
-    def start(self, child: Child) -> None:
-        lc = self.cfg.launcher
+    def remote_class(self) -> Any:
         if self.remote_cls is None:
             self.remote_cls = self.ray.remote(RoleProcess)
-        child.actor = self.remote_cls.options(
+        return self.remote_cls
+
+    def start(self, child: Child) -> None:
+        lc = self.cfg.launcher
+        if isinstance(child, TrainerUnit):
+            self.unit_call(child, child.start, "start")
+            return
+        gpus = child.options.get("num_gpus", 0)
+        child.actor = self.remote_class().options(
             max_restarts=lc.max_restarts if lc.on_child_death == "restart" else 0, max_task_retries=0,
             **child.options).remote(child.name, child.role, child.args[1:], child.env, str(child.log_path),
-                                    os.getcwd())
+                                    os.getcwd(), gpus, uses_placement(self.cfg))
 
     def start_all(self) -> None:
         from areal_mq.client import JobClient
@@ -290,13 +323,19 @@ class RayLauncher(Launcher):
                     probe.stats(timeout=30)
                 finally:
                     probe.close()
+            if self.failure:
+                return
         for child in self.children[1:]:
-            if not self.await_placement(child):
+            if not isinstance(child, TrainerUnit) and not self.await_placement(child):
                 return
 
     def await_placement(self, child: RayChild) -> bool:
         try:
-            self.observe(child, self.ray.get(child.actor.info.remote(), timeout=PLACE_TIMEOUT_S))
+            info = self.ray.get(child.actor.info.remote(), timeout=PLACE_TIMEOUT_S)
+            if info.get("error"):  # it was given other GPUs than it asked for
+                self.failure = f"{child.name}: {info['error']}"
+                return False
+            self.observe(child, info)
             return True
         except self.ray.exceptions.GetTimeoutError:
             self.failure = (f"{child.name} could not be placed within {PLACE_TIMEOUT_S:.0f} s: it asks for "
@@ -330,8 +369,13 @@ class RayLauncher(Launcher):
             self.say(note)
         if self.failure:
             return "failed"
-        refs = [(c, c.actor.info.remote()) for c in self.children]
+        refs = [(c, None if isinstance(c, TrainerUnit) else c.actor.info.remote()) for c in self.children]
         for child, ref in refs:
+            if isinstance(child, TrainerUnit):
+                verdict = self.check_unit(child)
+                if verdict is not None:
+                    return verdict
+                continue
             info = self.poll_one(child, ref)
             if info is None:
                 if self.failure:
@@ -351,6 +395,34 @@ class RayLauncher(Launcher):
             if not self.restart(child, info["reason"]):
                 return "failed"
         return None
+
+    def check_unit(self, unit: TrainerUnit) -> str | None:
+        """The trainer unit's verdict under the local rules: 'done', 'failed' or None (restarted or running)."""
+        verdict, reason = unit.poll()
+        if verdict == "done":
+            return "done"
+        if verdict is None or self.stopping:
+            return None
+        lc = self.cfg.launcher
+        if lc.on_child_death == "restart" and unit.restarts < lc.max_restarts:
+            self.say(f"[yellow]the trainer unit is down ({reason}); restarting all {unit.n} ranks "
+                     f"({unit.restarts + 1}/{lc.max_restarts}). Logs: {unit.log_path.parent}[/]")
+            self.event("launcher.child_restarted", child=unit.name, role=unit.role, reason=reason,
+                       restarts=unit.restarts + 1, pids=unit.pids)
+            self.unit_call(unit, unit.restart, "restart")
+            return "failed" if self.failure else None
+        self.failure = f"the trainer unit is down ({reason}). Logs: {unit.log_path.parent}"
+        self.event("launcher.child_died", child=unit.name, role=unit.role, reason=reason)
+        return "failed"
+
+    def unit_call(self, unit: TrainerUnit, call: Any, what: str) -> None:
+        """unit.start or unit.restart; whatever stops it (a GPU check, Ray's errors) stops the run by name."""
+        try:
+            call()
+        except ConfigError as exc:
+            self.failure = f"the trainer unit cannot {what}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - Ray's errors (actor lost, timeout, a task's exception)
+            self.failure = f"the trainer unit cannot {what}: {_first_line(exc)}. Logs: {unit.log_path.parent}"
 
     def poll_one(self, child: RayChild, ref: Any) -> dict | None:
         exc_mod = self.ray.exceptions
@@ -395,13 +467,18 @@ class RayLauncher(Launcher):
         self.event("launcher.child_died", child=child.name, role=child.role, reason=reason)
         return False
 
-    def stop_all(self, grace_s: float = 30.0) -> None:
-        """Workers first (SIGTERM: drain and checkpoint), the brokers last; then the actors, then Ray."""
+    def stop_all(self, grace_s: float | None = None) -> None:
+        """Workers first (SIGTERM: drain and checkpoint), the brokers last; then the actors, then Ray. The grace
+        is the local launcher's (launcher.stop_grace_s, else sized by the trainer's checkpoint)."""
+        grace_s = default_stop_grace_s(self.cfg) if grace_s is None else grace_s
         self.stopping = True
         ray = self.ray
-        placed = [c for c in self.children if c.actor is not None]
-        for group in ([c for c in placed if c.role != "broker"], [c for c in placed if c.role == "broker"]):
+        placed = [c for c in self.children if not isinstance(c, TrainerUnit) and c.actor is not None]
+        workers, brokers = [c for c in placed if c.role != "broker"], [c for c in placed if c.role == "broker"]
+        for group in (workers, brokers):
             refs = [c.actor.stop.remote(grace_s) for c in group]
+            if self.unit is not None and group is workers:
+                self.unit.stop(grace_s)  # beside the other workers, before the brokers
             for ref in refs:
                 try:
                     ray.get(ref, timeout=grace_s + 10)
@@ -409,6 +486,8 @@ class RayLauncher(Launcher):
                     pass
         for c in placed:
             ray.kill(c.actor, no_restart=True)
+        if self.unit is not None:
+            self.unit.release()
         if self.owns_ray:
             ray.shutdown()
 

@@ -169,7 +169,9 @@ def test_stop_mode_and_a_dead_actor_stop_the_run(tmp_path):
 # ---------------------------------------------------------------- on a Ray cluster
 def _placed(run_dir: Path, key: str = "node_id") -> dict[str, str]:
     """child -> node id (or `key`: pid, the role process) of its latest placement."""
-    return {r["child"]: r[key] for r in _events(run_dir, "launcher.placed")} if (run_dir / "events").exists() else {}
+    if not (run_dir / "events").exists():
+        return {}
+    return {r["child"]: r.get(key) for r in _events(run_dir, "launcher.placed")}
 
 
 def _gone(pid: int) -> bool:
@@ -244,3 +246,94 @@ def test_roles_placed_by_resources_and_a_lost_rollout_node_survived(cluster, pro
     assert trainer and "SIGKILL" in trainer[0]["reason"], trainer
     assert _placed(run_dir)["trainer"] == ids["trainer"] and _placed(run_dir, "pid")["trainer"] != old["trainer"]
     wait_for(lambda: _gone(old["rollout-0"]), 10, what="the lost rollout process to be gone")  # died with its actor
+
+
+# ---------------------------------------------------------------- a trainer unit and GPUs by placement
+@pytest.fixture
+def gpu_cluster():
+    """The brokers' node, and two nodes of two (pretend) GPUs each: Ray hands out GPU ids whether or not a
+    GPU is there, which is all placement needs; every process here runs on the CPU."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args={"num_cpus": 1, "resources": {"areal_brokers": 1}})
+    try:
+        nodes = {"head": c.head_node, "a": c.add_node(num_cpus=2, num_gpus=2), "b": c.add_node(num_cpus=2, num_gpus=2)}
+        c.wait_for_nodes()
+        yield c, nodes
+    finally:
+        c.shutdown()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+UNIT_STEPS = 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_two_rank_trainer_unit_and_gpus_by_placement_under_ray(gpu_cluster, procs, tmp_path):
+    """launcher.trainer_ranks 2 (fsdp over gloo) in a STRICT_PACK placement group of a GPU per rank, two rollout
+    workers of a GPU each: each process's environment holds exactly the GPUs Ray gave it, the ranks meet at the
+    brokers' host; kill -9 of rank 1 restarts the unit from its sharded checkpoint and the run ends with the
+    chaos audit clean (nothing trained twice, nothing acked the final policy never saw)."""
+    from .test_chaos import _audit
+
+    c, nodes = gpu_cluster
+    ids = {name: node.node_id for name, node in nodes.items()}
+    run_dir = tmp_path / "run"
+    job, bus_in, bus_out, store = free_ports(4)
+    sets = [f"run.run_dir={run_dir}", f"brokers.job_port={job}", f"brokers.bus_in_port={bus_in}",
+            f"brokers.bus_out_port={bus_out}", f"brokers.store_port={store}", "brokers.heartbeat_s=0.5",
+            "brokers.liveness=4", "brokers.reconnect_max_s=2", f"controller.total_steps={UNIT_STEPS}",
+            "launcher.on_child_death=restart", "launcher.max_restarts=2", "events.console=json",
+            "trainer.strategy=fsdp", "trainer.checkpoint_every=2", "launcher.trainer_ranks=2",
+            "launcher.rollout_workers=2", "placement.trainer.gpus_per_process=1",
+            "placement.rollout.gpus_per_process=1"]
+    driver = procs.start(["run", str(TINY), "--backend", "ray", "--address", c.address, "--skip-eval", "--quiet",
+                          *[x for s in sets for x in ("--set", s)]], "driver")
+    names = {"broker", "controller", "reward-0", "rollout-0", "rollout-1", "trainer-rank0", "trainer-rank1"}
+
+    def all_placed():
+        assert driver.poll() is None, procs.log(driver)[-3000:]
+        return (p := _placed(run_dir)) and set(p) == names and p
+
+    placed = wait_for(all_placed, 240, interval=0.5, what="every actor placed")
+    trainer_node = placed["trainer-rank0"]
+    assert placed["trainer-rank1"] == trainer_node != ids["head"]  # STRICT_PACK: both ranks on one GPU node
+    rollout_node = ids["b"] if trainer_node == ids["a"] else ids["a"]  # the trainer holds the other's GPUs
+    assert placed["rollout-0"] == placed["rollout-1"] == rollout_node
+    brokers_host = load_config(run_dir / "config.yaml").brokers.host
+
+    wait_for(lambda: (run_dir / "checkpoints" / "step00000002").is_dir(), 400, interval=0.5, what="checkpoint 2")
+    assert max(_versions(run_dir)) < UNIT_STEPS - 1, "the run ended before the kill"
+    pids = _placed(run_dir, "pid")
+    env = {name: _environ(pid) for name, pid in pids.items()}
+    given = _placed(run_dir, "gpus")  # the GPU ids Ray gave each rank's actor
+    for rank in (0, 1):  # the unit's two GPUs on its node, each rank's own at its LOCAL_RANK
+        e = env[f"trainer-rank{rank}"]
+        visible = e["CUDA_VISIBLE_DEVICES"].split(",")
+        assert sorted(visible) == ["0", "1"] and (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) == (
+            str(rank), str(rank), "2"), e
+        assert [visible[rank]] == given[f"trainer-rank{rank}"], (visible, given)
+        assert e["MASTER_ADDR"] == brokers_host and e["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # brokers' host
+    assert sorted(env[f"rollout-{i}"]["CUDA_VISIBLE_DEVICES"] for i in (0, 1)) == ["0", "1"]  # one GPU each
+    for name in ("broker", "controller", "reward-0"):  # asked for none: see none
+        assert env[name]["CUDA_VISIBLE_DEVICES"] == "", name
+
+    os.kill(pids["trainer-rank1"], signal.SIGKILL)
+    wait_for(lambda: _placed(run_dir, "pid")["trainer-rank0"] != pids["trainer-rank0"], 120, interval=0.5,
+             what="the trainer unit restarted")
+    assert _gone(pids["trainer-rank0"]), "rank 0 of the dead unit still runs"
+    assert driver.wait(400) == 0, procs.log(driver)[-3000:]
+    restarted = [r for r in _events(run_dir, "launcher.child_restarted") if r["child"] == "trainer"]
+    assert len(restarted) == 1 and "trainer-rank1" in restarted[0]["reason"] and "SIGKILL" in restarted[0]["reason"]
+    again = [r for r in _events(run_dir, "launcher.placed") if r["child"].startswith("trainer-rank")][-2:]
+    assert {r["attempt"] for r in again} == {1} and {r["node_id"] for r in again} == {trainer_node}  # same bundles
+    started = _events(run_dir, "trainer.started")
+    assert started[-1]["world_size"] == 2 and started[-1]["version"] >= 2  # resumed from a checkpoint, not from 0
+    _audit(run_dir, UNIT_STEPS)

@@ -44,5 +44,7 @@ def test_bad_placements_are_refused_by_name(placement, match):
 
 
 def test_placement_is_for_the_local_backend():
-    with pytest.raises(ConfigError, match="ray_resources"):
+    with pytest.raises(ConfigError, match=r"under Ray say how many each process gets \(placement.trainer.gpus_per_"):
         config_from_dict({"launcher": {"backend": "ray"}, "placement": {"trainer": {"gpus": [0]}}})
+    with pytest.raises(ConfigError, match="a trainer rank has one GPU"):
+        config_from_dict({"placement": {"trainer": {"gpus_per_process": 2}}})

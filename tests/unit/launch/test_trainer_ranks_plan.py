@@ -1,6 +1,6 @@
 """launcher.trainer_ranks: the trainer child becomes one torch.distributed.run unit on loopback; other roles and
-a one-rank trainer keep their plain command; Ray refuses it with a pointer (tests/integration/test_trainer_ranks.py
-runs it for real)."""
+a one-rank trainer keep their plain command; under Ray each rank is an actor of its own (launch/ray_unit.py), so the
+command stays plain (tests/integration/test_trainer_ranks.py and test_ray_backend.py run them for real)."""
 from __future__ import annotations
 
 import sys
@@ -35,5 +35,5 @@ def test_trainer_ranks_are_checked(tmp_path):
         config_from_dict({"launcher": {"trainer_ranks": 0}})
     cfg = config_from_dict({"run": {"run_dir": str(tmp_path / "r")}, "security": {"insecure": True},
                             "launcher": {"trainer_ranks": 2, "backend": "ray"}})
-    with pytest.raises(ConfigError, match="backend local"):
-        Launcher(cfg).plan(tmp_path / "c.yaml")
+    kids = {k.name: k.args for k in Launcher(cfg).plan(tmp_path / "c.yaml")}  # Ray: one actor per rank instead
+    assert "torch.distributed.run" not in kids["trainer"]  # (launch/ray_unit.py; tests/integration/test_ray_backend)
