@@ -26,6 +26,7 @@ The machine's load average is recorded before and after (the CPU is shared: time
 A plot of bytes per update over the steps goes to --plot (default docs/weights-deltas.png).
 
     python benchmarks/weights.py [--quick] [--json PATH] [--plot PATH] [--threads N] [--from-json PATH]
+    python benchmarks/weights.py --sharded [--quick] [--json PATH]   (sharded vs gather: benchmarks/weights_sharded.py)
 
 `--quick`: the tiny random Llama, 3 steps, 2 prompts, 16 tokens (same code path), under 2 minutes on 2 cores.
 benchmarks/RESULTS.md records runs.
@@ -417,8 +418,17 @@ def main() -> None:
                         help="Where the bytes-per-update plot goes (PNG).")
     parser.add_argument("--from-json", type=Path, help="Summarize the updates of an earlier run's JSON again "
                         "(table, ratios, plot; nothing is measured).")
+    parser.add_argument("--sharded", action="store_true", help="Sharded publishing against the rank-0 gather "
+                        "(benchmarks/weights_sharded.py: 2 FSDP ranks, a Qwen2.5-0.5B shape).")
+    parser.add_argument("--versions", type=int, default=6, help="--sharded: versions published.")
+    parser.add_argument("--changed", type=float, default=0.025, help="--sharded: share of elements a version changes.")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.sharded:
+        import weights_sharded
+
+        weights_sharded.main(args)
+        return
     if args.from_json:
         report = resummarize(args.from_json, args.plot)
         common.finish(report, args.json, table(report, report.get("command", common.command("weights.py"))))

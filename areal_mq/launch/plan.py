@@ -7,8 +7,9 @@ nothing loaded) and the run config:
                  LM head gathered with their gradient), the reference model (kl_coef > 0), activations of one
                  micro-batch (trainer.max_tokens_per_mb tokens: (8 H + 3 I) values per token and layer in the
                  compute dtype, H per layer with gradient checkpointing), one chunk of logits with its softmax
-                 and gradient (3 x trainer.fsdp.logprob_chunk_mb), and the publish snapshots (2 x the model in
-                 trainer.publish_dtype, on rank 0, in host memory);
+                 and gradient (3 x trainer.fsdp.logprob_chunk_mb), and the publish snapshots: gathered (2 x the
+                 model in trainer.publish_dtype, on rank 0, in host memory, not counted on a device) or, sharded
+                 (trainer.publish_layout), 2 staging copies of the rank's own shard on its device;
   rollout engine weights in the engine's dtype, the KV block pool (kv_cache_bytes, else max_kv_tokens
                  positions), and the logits of max_concurrent rows;
 and sets them against the memory each one gets: on CUDA a device each (the GPU's memory, or --device-gib),
@@ -126,6 +127,8 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
     per_token_layer = s.hidden if t.gradient_checkpointing else 8 * s.hidden + 3 * s.intermediate
     p.items.append(Item("activations", t.max_tokens_per_mb * s.layers * per_token_layer * compute))
     p.items.append(Item("logits chunk", 3 * t.fsdp.logprob_chunk_mb * (1 << 20)))
+    if t.sharded_publish:  # weights/sharded.py: the snapshot is a device copy; BackgroundPublisher keeps 2 alive
+        p.items.append(Item("publish staging (2 shard copies)", 2 * DTYPE_BYTES[t.publish_dtype] * s.params / ranks))
     return p
 
 
