@@ -110,10 +110,11 @@ class Campaign:
     """Counts for one target: inputs, outcomes, crashes, unexpected answers, hangs, RSS samples."""
 
     def __init__(self, name: str, target: Any, n: int, hang_s: float, wire_every: int, corpus: Path,
-                 save: Path | None = None):
+                 save: Path | None = None, deadline: float = float("inf")):
         from fuzz_targets import Unexpected
 
         self.name, self.target, self.n, self.hang_s, self.wire_every = name, target, n, hang_s, wire_every
+        self.deadline = deadline  # time.monotonic() at which the campaign stops early (--minutes)
         self.corpus, self.unexpected_type, self.save, self.kept = corpus, Unexpected, save, {}
         self.counts = {"inputs": 0, "crashes": 0, "unexpected": 0, "hangs": 0, "wire": 0}
         self.outcomes: dict[str, int] = {}
@@ -185,6 +186,8 @@ class Campaign:
         if engine == "random":
             c = RandomChooser(seed)
             for i in range(self.n):
+                if i % 1000 == 0 and time.monotonic() > self.deadline:
+                    break  # --minutes spent: the count says how far it got
                 self.step(c, i)
         else:
             self._run_hypothesis(seed)
@@ -250,6 +253,8 @@ def main() -> int:
     parser.add_argument("--engine", default="random", choices=("random", "hypothesis"))
     parser.add_argument("--wire-every", type=int, default=100, help="Send 1 input in K over a real CURVE socket too.")
     parser.add_argument("--hang-s", type=float, default=5.0)
+    parser.add_argument("--minutes", type=float, help="Stop each target's campaign after this long (the inputs "
+                        "done are reported): keeps a run within a shared machine's turn.")
     parser.add_argument("--corpus", type=Path, default=ROOT / "results" / "fuzz-crashes",
                         help="Where a crash's, hang's or unexpected answer's input is written.")
     parser.add_argument("--save-corpus", type=Path, help="Also keep 2 inputs of each outcome here (regression).")
@@ -264,8 +269,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix=f"fuzz-{name}-") as tmp:
             target = make_target(name, Path(tmp))
             try:
+                deadline = time.monotonic() + 60 * args.minutes if args.minutes else float("inf")
                 result = Campaign(name, target, n, args.hang_s, args.wire_every, args.corpus,
-                                  args.save_corpus).run(args.seed, args.engine)
+                                  args.save_corpus, deadline).run(args.seed, args.engine)
             finally:
                 target.close()
         report["results"].append(result)

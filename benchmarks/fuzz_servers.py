@@ -117,7 +117,7 @@ class WeightServerTarget:
     def size(self) -> dict:
         return {"served_chunks": sum(s.served_chunks for s in self.servers)}
 
-    def wire(self, frames: list[bytes], role: str, timeout_s: float = 0.05) -> list[list[bytes]]:
+    def wire(self, frames: list[bytes], role: str, timeout_s: float = 0.02) -> list[list[bytes]]:
         """One input over a real CURVE DEALER as `role` to the CURVE server (its thread answers)."""
         sock = self._wire.get(role)
         if sock is None:
