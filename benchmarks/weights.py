@@ -158,8 +158,12 @@ def route_row(catchups: list, engine: Any, ready: Any, commit: bool = True) -> d
     # the new values, not increments, so rewriting them on an engine already at this version changes nothing;
     # the rows of one version share one engine)
     patch = u.patches is not None and engine.version in (u.patch_base, ready.version)
+    kwargs = u.kwargs
+    if patch:  # staged on the fetch thread, as the rollout worker does (checks and dtype conversion off the pause)
+        stager = getattr(engine, "stage_patches", None)
+        kwargs = {"patches": stager(u.patches) if stager is not None else u.patches}
     t0 = time.perf_counter()
-    engine.update_weights(ready.version, **({"patches": u.patches} if patch else u.kwargs))
+    engine.update_weights(ready.version, **kwargs)
     pause = time.perf_counter() - t0
     if commit:
         for c, u in zip(catchups, updates):

@@ -14,8 +14,10 @@ The weights change between versions by a SYNTHETIC update (no forward/backward: 
 CPU and does not change what is measured): on every rank, a seeded `--changed` share of its shard's elements moves
 by 1 % of its value (enough to change the bf16 value), the share verl reports per RL step (2.1-2.6 %).
 The receiving side is this process: 1 and 2 workers (WeightCatchup objects fetching at once, on threads, each
-following every version by deltas) and one TorchEngine per layout in bf16 taking worker 0's update (patches of
-what changed, as the rollout worker applies them; the engine pause).
+following every version by deltas; each route of a version is measured from the same held version, as both layouts
+publish the same bytes) and one TorchEngine in bf16 taking worker 0's update (patches of what changed, as the
+rollout worker applies them; the engine pause). Every worker must end holding, bit for bit, the trainer's last
+version (checksums of the gathered model).
 Measured per version and layout: bytes fetched per worker, trainer-blocked time (the slowest rank), announce time
 (step end to WeightsReady), time until every engine holds the version (announce + fetch by all workers + the
 pause), engine pause. Ratios (medians over versions 2.., larger is better): gather_vs_sharded_blocked (target 5),
@@ -44,7 +46,10 @@ def _cfg(layout: str) -> Any:
     from areal_mq.algorithms.config import TrainerConfig
 
     return TrainerConfig(strategy="fsdp", publish_mode="zmq", publish_layout=layout, publish_dtype="bfloat16",
-                         keep_weight_versions=2, full_every=20, checkpoint_every=0, shard_publish_timeout_s=600.0)
+                         keep_weight_versions=1, full_every=20, checkpoint_every=0, shard_publish_timeout_s=600.0)
+
+
+HARNESS_PID = 0  # rank_main: the measuring process; the ranks stop waiting when it is gone
 
 
 def _wait(path: Path, timeout: float = 1800.0) -> None:
@@ -52,6 +57,11 @@ def _wait(path: Path, timeout: float = 1800.0) -> None:
     while not path.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} never appeared")
+        if HARNESS_PID:
+            try:
+                os.kill(HARNESS_PID, 0)
+            except ProcessLookupError:
+                raise SystemExit(f"the benchmark process {HARNESS_PID} is gone") from None
         time.sleep(0.01)
 
 
@@ -114,7 +124,12 @@ def rank_main(out: Path, versions: int, changed: float) -> None:
     for bg in background.values():
         if bg is not None:
             bg.close()
+    from areal_mq.weights.delta import checksum
+
+    final = trainer.strategy.full_state_dict(trainer.unwrapped, "bfloat16", keep=rank == 0)  # the reference
     if rank == 0:
+        _write(out / "final-sums.json", {k: checksum(t) for k, t in final.items()})
+        del final
         _write(out / "done.json", {})
     _wait(out / "end")
     shard_pub.close()
@@ -149,13 +164,15 @@ def run(args: Any, tmp: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}", OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", MALLOC_MMAP_THRESHOLD_="1048576")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), __file__, "--rank-main", str(tmp), str(versions), str(args.changed)]
+           "--master_port", str(_free_port()), __file__, "--rank-main", str(tmp), str(versions), str(args.changed), str(os.getpid())]
     trainer_log = open(tmp / "ranks.log", "w")
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=trainer_log, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    engines = {layout: TorchEngine(tmp / "model", EngineConfig(), dtype="bfloat16") for layout in LAYOUTS}
-    fleets = {layout: {w: [WeightCatchup(tmp, _cfg(layout), 600.0) for _ in range(w)] for w in WORKERS}
-              for layout in LAYOUTS}
+    # one engine and two workers serve both layouts: both publish the same bytes for a version, so every route
+    # is measured from the same held version (prepare changes nothing until commit), and only the last route's
+    # update is committed. Worker 0 alone is the 1-worker fleet; workers 0 and 1 at once the 2-worker fleet.
+    engine = TorchEngine(tmp / "model", EngineConfig(), dtype="bfloat16")
+    workers = [WeightCatchup(tmp, _cfg("sharded"), 600.0) for _ in range(max(WORKERS))]
     rows: list[dict] = []
     try:
         from tqdm import tqdm
@@ -175,26 +192,25 @@ def run(args: Any, tmp: Path) -> dict:
                     blocked.append(json.loads((tmp / f"blocked-{layout}-v{v}-r{r}.json").read_text())["blocked_s"])
                 row = {"version": v, "layout": layout, "shards": len(ready.shards), "blocked_s": round(max(blocked), 4),
                        "announce_s": round(got["announce_s"], 4), "full_bytes": int(ready.meta.get("bytes", 0))}
-                for w, catchups in fleets[layout].items():
-                    r = route_row(catchups, engines[layout], ready)
+                for w in WORKERS:
+                    last = layout == LAYOUTS[-1] and w == WORKERS[-1]
+                    r = route_row(workers[:w], engine, ready, commit=last)
                     row[f"w{w}"] = {**r, "update_s": round(got["announce_s"] + r["end_to_end_s"], 4)}
                 rows.append(row)
                 (tmp / f"go-{layout}-v{v}").write_text("1")
         _wait(tmp / "done.json", 600)
-        # bit-identical: every worker of both layouts holds the same bytes
-        held = [c.held for layout in LAYOUTS for cs in fleets[layout].values() for c in cs]
+        # bit-identical: every worker holds the trainer's last version (the ranks wrote its checksums, gathered)
         from areal_mq.weights.delta import checksum
 
-        sums = [{k: checksum(t) for k, t in h.items()} for h in held]
-        identical = all(s == sums[0] for s in sums)
+        want = json.loads((tmp / "final-sums.json").read_text())
+        identical = all({k: checksum(t) for k, t in c.held.items()} == want for c in workers)
     finally:
         (tmp / "end").write_text("1")
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             common.stop_process(proc)
-        for e in engines.values():
-            e.close()
+        engine.close()
     return report(rows, identical, shape, versions, args, common)
 
 
@@ -243,4 +259,5 @@ def main(args: Any) -> None:
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--rank-main":
+    HARNESS_PID = int(sys.argv[5])
     rank_main(Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))

@@ -100,11 +100,15 @@ class RolloutWorker(Role):
             return
         t0 = time.perf_counter()
         try:
-            update = self.catchup.prepare(ready)
+            update = stage(self.catchup.prepare(ready), self._stager())
         except ArealError as exc:
             self._fetch_failed(ready, attempt, exc)
             return
         self.apply(ready, update, t0, attempt)
+
+    def _stager(self) -> Any:
+        """The engine's stage_patches (checks and conversions of a patch update, done off the pause), if it has one."""
+        return getattr(self.engine, "stage_patches", None) if getattr(self.engine, "accepts_patches", False) else None
 
     def _audit_weights(self, version: int) -> None:
         """rollout.audit_weights: the checksum (weights/delta.py's, of the bytes in the published dtype) of every
@@ -132,7 +136,7 @@ class RolloutWorker(Role):
     def start_fetch(self, ready: WeightsReady, attempt: int = 1) -> None:
         """Fetch `ready` on a thread while the engine keeps decoding; on_tick applies it once it is there."""
         if self._wanted(ready):
-            self.fetching = _Fetch(self.catchup, ready, attempt)
+            self.fetching = _Fetch(self.catchup, ready, attempt, self._stager())
 
     def finish_fetch(self) -> None:
         fetch = self.fetching
@@ -329,12 +333,20 @@ class RolloutWorker(Role):
         self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held) + len(self.deferred))
 
 
+def stage(update: Any, stager: Any) -> Any:
+    """`update` with its patches staged for the engine (checked and converted on this thread, so the engine's pause is
+    only the scatter); unchanged when there are no patches or the engine stages nothing."""
+    if stager is not None and update.patches is not None:
+        update.patches = stager(update.patches)
+    return update
+
+
 class _Fetch:
     """One WeightCatchup.prepare on a daemon thread (zstd, blake2b and socket waits release the GIL, so decoding
     goes on). The thread only fetches and decodes; the worker's thread applies and commits."""
 
-    def __init__(self, catchup: WeightCatchup, ready: WeightsReady, attempt: int):
-        self.ready, self.attempt, self.t0 = ready, attempt, time.perf_counter()
+    def __init__(self, catchup: WeightCatchup, ready: WeightsReady, attempt: int, stager: Any = None):
+        self.ready, self.attempt, self.t0, self.stager = ready, attempt, time.perf_counter(), stager
         self.update: Any = None
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -342,7 +354,7 @@ class _Fetch:
 
     def _run(self, catchup: WeightCatchup) -> None:
         try:
-            self.update = catchup.prepare(self.ready)
+            self.update = stage(catchup.prepare(self.ready), self.stager)
         except BaseException as exc:  # handed to the worker's thread, which logs or re-raises it
             self.error = exc
         finally:

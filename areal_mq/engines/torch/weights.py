@@ -15,7 +15,8 @@ Tied parameters (lm_head.weight == embed_tokens.weight) count as present under e
 a verified weight delta changed (areal_mq/weights/delta.py `changed_elements`, computed off the decode loop). The
 engine pauses for a scatter of ~1 % of the elements instead of a copy of all of them; the result is the same
 parameters, element for element, as a full load of the new version (values are cast to the parameter's dtype
-exactly as `copy_` casts them).
+exactly as `copy_` casts them). `stage_patches(model, patches)` does every check and conversion beforehand (on the
+weight fetch thread), so the pause itself is only the scatter.
 """
 from __future__ import annotations
 
@@ -103,16 +104,29 @@ def load_weights_in_place(model: torch.nn.Module, tensors: Mapping[str, Any] | N
     return copied
 
 
-def patch_weights_in_place(model: torch.nn.Module, patches: Mapping[str, tuple[Any, Any]]) -> int:
-    """Write `values` at the flat `positions` of each named parameter, in place; returns the elements written.
+class StagedPatches:
+    """Weight patches already checked against a model and converted for it (positions as int64 and values in the
+    parameter's dtype, both on its device): what `stage_patches` returns and `patch_weights_in_place` applies with
+    nothing left to do but the scatter. Built on the weight fetch thread, so the engine's pause is only the write."""
 
-    Raises WeightsLoadError (and changes nothing) for an unknown name, a tied tensor patched under two names,
-    positions and values of different lengths, or a position outside the parameter.
+    def __init__(self, model: torch.nn.Module, writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+        self.model_id = id(model)
+        self.writes = writes
+
+    def __len__(self) -> int:
+        return len(self.writes)
+
+
+def stage_patches(model: torch.nn.Module, patches: Mapping[str, tuple[Any, Any]]) -> StagedPatches:
+    """Check `patches` (name -> (flat positions, values)) against `model` and convert them for it; changes nothing.
+
+    Raises WeightsLoadError for an unknown name, a tied tensor patched under two names, positions and values of
+    different lengths, or a position outside the parameter.
     """
     by_name, groups = _alias_groups(model)
     group_of = {n: i for i, g in enumerate(groups) for n in g}
     seen: dict[int, str] = {}
-    checked = []
+    writes = []
     for name, (positions, values) in patches.items():
         param = by_name.get(name)
         if param is None:
@@ -127,16 +141,29 @@ def patch_weights_in_place(model: torch.nn.Module, patches: Mapping[str, tuple[A
                                    f"{values.numel()} values (one value per position)")
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= param.numel()):
             raise WeightsLoadError(f"weight patch of {name!r} writes outside its {param.numel()} elements")
-        checked.append((param, positions, values.reshape(-1)))
+        if positions.numel():
+            writes.append((param, positions.to(param.device),
+                           values.reshape(-1).to(device=param.device, dtype=param.dtype)))
+    return StagedPatches(model, writes)
+
+
+def patch_weights_in_place(model: torch.nn.Module, patches: "Mapping[str, tuple[Any, Any]] | StagedPatches") -> int:
+    """Write `values` at the flat `positions` of each named parameter, in place; returns the elements written.
+    `patches` may be staged already (`stage_patches`, off the pause): then only the scatter runs here.
+
+    Raises WeightsLoadError (and changes nothing) for an unknown name, a tied tensor patched under two names,
+    positions and values of different lengths, a position outside the parameter, or patches staged for another
+    model.
+    """
+    staged = patches if isinstance(patches, StagedPatches) else stage_patches(model, patches)
+    if staged.model_id != id(model):
+        raise WeightsLoadError("weight patches were staged for another model")
     written = 0
     with torch.no_grad():
-        for param, positions, values in checked:
-            if positions.numel():
-                positions = positions.to(param.device)
-                values = values.to(device=param.device, dtype=param.dtype)
-                if param.is_contiguous():  # a flat scatter: ~4x faster than an n-d index_put of the same elements
-                    param.view(-1).index_copy_(0, positions, values)
-                else:  # a view into a fused tensor: write through its strides
-                    param.index_put_(torch.unravel_index(positions, param.shape), values)
-                written += positions.numel()
+        for param, positions, values in staged.writes:
+            if param.is_contiguous():  # a flat scatter: ~4x faster than an n-d index_put of the same elements
+                param.view(-1).index_copy_(0, positions, values)
+            else:  # a view into a fused tensor: write through its strides
+                param.index_put_(torch.unravel_index(positions, param.shape), values)
+            written += positions.numel()
     return written

@@ -102,3 +102,20 @@ def test_a_non_contiguous_parameter_is_patched_through_its_strides():
     patch_weights_in_place(m, {"weight": (torch.tensor([0, 5, 23]), torch.tensor([1.0, 2.0, 3.0]))})
     flat = m.weight.detach().reshape(-1)
     assert flat[[0, 5, 23]].tolist() == [1.0, 2.0, 3.0] and float(flat.sum()) == 6.0
+
+
+def test_staged_patches_give_the_same_weights_and_are_bound_to_their_model(make_engine):
+    from areal_mq.engines.torch.weights import patch_weights_in_place, stage_patches
+
+    staged_engine, plain_engine, other = make_engine(), make_engine(), make_engine()
+    v0 = published(staged_engine)
+    patches = changed_elements(v0, step(v0, 0.02, seed=5))
+    staged = stage_patches(staged_engine.model, patches)  # what the rollout worker does on its fetch thread
+    assert params(staged_engine).keys() and all(w[2].dtype == w[0].dtype for w in staged.writes)
+    assert patch_weights_in_place(staged_engine.model, staged) == patch_weights_in_place(plain_engine.model, patches)
+    for name, p in params(plain_engine).items():
+        assert torch.equal(params(staged_engine)[name], p), name
+    before = params(other)
+    with pytest.raises(WeightsLoadError, match="staged for another model"):
+        patch_weights_in_place(other.model, staged)
+    assert all(torch.equal(before[n], p) for n, p in params(other).items())
