@@ -11,6 +11,9 @@ What it measures, in one run, on the same chat-templated prompts and the same we
             load_s (135M params from disk into the live model) and resume_s = time from the end of the
             load to the first token decoded under the new version (pause + KV recompute/keep + a step),
             for kv_on_update recompute (default) and keep.
+A third column, contiguous_engine, runs the same workloads on the engine before paged KV (benchmarks/
+contiguous_engine, same config): ratios paged_vs_contiguous_{uniform,longtail} (target 1.0, issue 42: the paged
+engine must not be slower), and `contiguous_ratios` in the JSON holds that engine's own *_vs_hf_generate ratios.
 Both sides sample at temperature 1.0 and count only requested tokens (HF's padding steps are waste).
 Rounds alternate the order of the engines (the machine is shared); ratios are medians of per-round
 ratios. Headline ratios (larger is better): uniform_vs_hf_generate (target 1.0) and
@@ -28,11 +31,15 @@ vllm_vs_torch_engine_longtail. Opt-in: a vLLM start alone takes 1-4 min here (be
 at one KV memory budget, groups of 8 on a 150-token prompt, 1 in 8 answers long (2,048 tokens; 512 with --quick),
 ratios contiguous_vs_paged_concurrency and paged_vs_contiguous_tokens_per_s.
 
+--decode runs benchmarks/engine_decode.py instead: one decode step of the paged engine against the contiguous one
+(and against the paged decode that gathers every row), 16 x 1,024 / 16 x 300 / a 32-row long tail of keys, ratios
+paged_vs_contiguous_decode_{uniform_1024,uniform_300,longtail} (target 1.0: the CPU path stays as fast as before).
+
 --device cuda (or cuda:N) puts both engines' weights, KV cache and sampling on that GPU (default cpu);
 benchmarks/gpu/run.sh stage b runs the long tail at 64 and 256 concurrent on it (docs/gpu.md).
 
     python benchmarks/engine.py [--quick] [--json PATH] [--dtype bfloat16|float32] [--threads N] [--vllm]
-                                [--device cpu|cuda|cuda:N] [--reasoning]
+                                [--device cpu|cuda|cuda:N] [--reasoning | --decode]
 """
 from __future__ import annotations
 
@@ -48,7 +55,8 @@ import common  # sibling module: benchmarks/ is on sys.path when run as a script
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TARGETS = {"uniform_vs_hf_generate": 1.0, "longtail_vs_hf_generate": 1.5,
-           "update_resume_vs_0.5s": 1.0, "weights_load_vs_3s": 1.0}
+           "update_resume_vs_0.5s": 1.0, "weights_load_vs_3s": 1.0,
+           "paged_vs_contiguous_uniform": 1.0, "paged_vs_contiguous_longtail": 1.0}
 VLLM_TARGETS = {"vllm_vs_hf_generate_uniform": 1.0, "vllm_vs_hf_generate_longtail": 1.5,
                 "vllm_vs_torch_engine_longtail": 1.0}
 # quick, full
@@ -88,6 +96,7 @@ class Context:
     engine: object  # a TorchEngine, reused across runs
     slots: int
     vllm: object = None  # a VllmEngine with --vllm
+    contiguous: object = None  # the engine before paged KV (benchmarks/contiguous_engine), same config
 
 
 def make_workloads(tokenizer, q: int) -> list[Workload]:
@@ -151,6 +160,10 @@ def run_hf_generate(ctx: Context, wl: Workload) -> float:
 
 def run_vllm(ctx: Context, wl: Workload) -> float:
     return run_torch_engine(replace(ctx, engine=ctx.vllm), wl)  # same driver, the vLLM engine
+
+
+def run_contiguous(ctx: Context, wl: Workload) -> float:
+    return run_torch_engine(replace(ctx, engine=ctx.contiguous), wl)  # same driver, the pre-paged engine
 
 
 RUNNERS = {"torch_engine": run_torch_engine, "hf_generate": run_hf_generate}
@@ -244,6 +257,9 @@ def setup(args, q: int) -> Context:
     slots = SIZES["slots"][q]
     cfg = EngineConfig(max_concurrent=slots, dtype=args.dtype, seed=0)
     engine = TorchEngine(model_dir, cfg, dtype=args.dtype, tokenizer=tokenizer, device=args.device)
+    from contiguous_engine import ContiguousEngine
+
+    contiguous = ContiguousEngine(model_dir, cfg, dtype=args.dtype, tokenizer=tokenizer, device=args.device)
     hf_model = load_causal_lm(model_dir, args.dtype, engine.device)
     log(f"engine loaded the model in {engine.load_s:.2f}s on {engine.device}; threads={torch.get_num_threads()}")
     vllm = None
@@ -252,7 +268,7 @@ def setup(args, q: int) -> Context:
 
         vllm = VllmEngine(cfg, model_dir, dtype=args.dtype, seed=0)
         log(f"vLLM started in {vllm.start_s:.1f}s")
-    return Context(model_dir, tokenizer, hf_model, engine, slots, vllm)
+    return Context(model_dir, tokenizer, hf_model, engine, slots, vllm, contiguous)
 
 
 def run(args) -> dict:
@@ -261,7 +277,7 @@ def run(args) -> dict:
     q = 0 if args.quick else 1
     ctx = setup(args, q)
     workloads = make_workloads(ctx.tokenizer, q)
-    runners = dict(RUNNERS, **({"vllm": run_vllm} if ctx.vllm else {}))
+    runners = dict(RUNNERS, contiguous_engine=run_contiguous, **({"vllm": run_vllm} if ctx.vllm else {}))
     warm = Workload("warm", workloads[0].prompts[:2], [4, 4], [0.0, 0.0])
     for runner in runners.values():
         runner(ctx, warm)
@@ -277,6 +293,7 @@ def run(args) -> dict:
     vllm_updates = [measure_update_vllm(ctx, mode, SIZES["update_tokens"][q])
                     for mode in ("recompute", "keep")] if ctx.vllm else []
     ctx.engine.close()
+    ctx.contiguous.close()
     if ctx.vllm:
         ctx.vllm.close()
     results = [{"workload": wl.name, "engine": name, "requests": len(wl.prompts), "tokens": wl.tokens,
@@ -286,14 +303,19 @@ def run(args) -> dict:
     results += [{"workload": "update", "engine": "torch_engine", **u} for u in updates]
     results += [{"workload": "update", "engine": "vllm", **u} for u in vllm_updates]
 
-    def ratio(wl: str) -> float:  # per round (same load), then the median
-        pairs = zip(times[(wl, "hf_generate")], times[(wl, "torch_engine")])
-        return round(statistics.median(hf / eng for hf, eng in pairs), 3)
+    def ratio(wl: str, base: str = "hf_generate", engine: str = "torch_engine") -> float:  # per round, the median
+        pairs = zip(times[(wl, base)], times[(wl, engine)])
+        return round(statistics.median(b / eng for b, eng in pairs), 3)
 
     default = updates[0]
     ratios = {"uniform_vs_hf_generate": ratio("uniform"), "longtail_vs_hf_generate": ratio("longtail"),
               "update_resume_vs_0.5s": round(0.5 / default["resume_s"], 3),
-              "weights_load_vs_3s": round(3.0 / max(u["load_s"] for u in updates), 3)}
+              "weights_load_vs_3s": round(3.0 / max(u["load_s"] for u in updates), 3),
+              "paged_vs_contiguous_uniform": ratio("uniform", "contiguous_engine"),
+              "paged_vs_contiguous_longtail": ratio("longtail", "contiguous_engine")}
+    # the same HF ratios for the engine before paged KV: what the paged engine's must not fall below
+    before = {"uniform_vs_hf_generate": ratio("uniform", engine="contiguous_engine"),
+              "longtail_vs_hf_generate": ratio("longtail", engine="contiguous_engine")}
     if ctx.vllm:
         def versus(wl: str, base: str) -> float:
             return round(statistics.median(b / v for b, v in zip(times[(wl, base)], times[(wl, "vllm")])), 3)
@@ -302,7 +324,8 @@ def run(args) -> dict:
                       vllm_vs_hf_generate_longtail=versus("longtail", "hf_generate"),
                       vllm_vs_torch_engine_longtail=versus("longtail", "torch_engine"))
     return {"benchmark": "engine", "quick": args.quick, "machine": machine(args), "results": results,
-            "ratios": ratios, "targets": {k: v for k, v in {**TARGETS, **VLLM_TARGETS}.items() if k in ratios}}
+            "ratios": ratios, "contiguous_ratios": before,
+            "targets": {k: v for k, v in {**TARGETS, **VLLM_TARGETS}.items() if k in ratios}}
 
 
 def table(report: dict, command: str) -> str:
@@ -316,6 +339,8 @@ def table(report: dict, command: str) -> str:
             rows.append((f"{r['workload']} {r['engine']}", f"{r['tokens_per_s']:.1f}",
                          " ".join(f"{s:.1f}" for s in r["seconds"]) + f"  ({r['tokens']} tokens)"))
     rows += [("", "", ""), *common.ratio_rows(report)]
+    rows += [(f"{name} (contiguous engine, before paged KV)", f"{value:.3f}", "")
+             for name, value in report.get("contiguous_ratios", {}).items()]
     lines = common.align(rows, rule=False)
     m = report["machine"]
     lines.append(f"machine: {m['cpus']} cpus, {m['threads']} torch threads, {m['dtype']}, "
@@ -335,16 +360,20 @@ def main() -> None:
                         help="Also run vLLM in process (bash docker/install-vllm.sh; its start takes 1-4 min).")
     parser.add_argument("--reasoning", action="store_true",
                         help="Paged vs contiguous KV at one memory budget on a reasoning long tail (engine_reasoning.py).")
+    parser.add_argument("--decode", action="store_true",
+                        help="One decode step, paged vs contiguous KV, at three shapes (engine_decode.py).")
     common.add_device_arg(parser)
     args = parser.parse_args()
-    if args.reasoning:
+    if args.reasoning or args.decode:
+        import engine_decode
         import engine_reasoning
 
-        report = common.timed(engine_reasoning.run, args)
+        mode, module = ("reasoning", engine_reasoning) if args.reasoning else ("decode", engine_decode)
+        report = common.timed(module.run, args)
         extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),
                                                     ("threads", args.threads), ("device", args.device)) if v)
-        command = "python benchmarks/engine.py --reasoning" + (" --quick" if args.quick else "") + extra
-        common.finish(report, args.json, engine_reasoning.table(report, command))
+        command = f"python benchmarks/engine.py --{mode}" + (" --quick" if args.quick else "") + extra
+        common.finish(report, args.json, module.table(report, command))
         return
     report = common.timed(run, args)
     extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),

@@ -225,7 +225,7 @@ class TorchEngine(Engine):
         for s in self.rows:
             if not s.ready:
                 promised[hash(tuple(s.tokens))] = blocks_for(len(s.tokens), bs) - len(s.table)
-        room = len(self.cache.free) - max(1, self.cache.num_blocks // 100) - sum(promised.values())
+        room = self.cache.free_blocks - max(1, self.cache.num_blocks // 100) - sum(promised.values())
         while self.waiting and len(self.rows) < self.cfg.max_concurrent:
             seq = self.waiting[0]
             if reserved + seq.reserved > self.cfg.max_kv_tokens:
@@ -255,7 +255,8 @@ class TorchEngine(Engine):
     def _secure(self, seq: SeqState, start: int, end: int, keep: set[int], preempt: bool = True) -> bool:
         """Blocks of its own for positions [start, end) of `seq`, preempting the youngest rows outside `keep`
         (ids) while the pool is short; False when `seq` itself was preempted or `preempt` is off."""
-        while not (self.cache.ensure(seq.table, end) and self.cache.writable(seq.table, start, end)):
+        hint = blocks_for(seq.reserved, self.cache.block_size)  # where a new run goes (kvcache.py, Placement)
+        while not (self.cache.ensure(seq.table, end, hint) and self.cache.writable(seq.table, start, end, hint)):
             victims = [s for s in self.rows if id(s) not in keep]
             if not preempt or not victims:
                 return False

@@ -14,8 +14,10 @@ a block table per sequence):
 - `extend(cache, tables, starts, chunks)`: write the KV of token chunks (prefill / recompute), no logits; one
   vectorised KV write per layer (index tensors built once on the host from the chunk lengths).
 
-Attention over gathered blocks is torch SDPA on a [B, KV, nb*bs, hd] view of the gathered blocks (measured on
-the CPU in docs/engines.md; the eager decode reads short rows' blocks apart from long rows'; a FlexAttention block mask or a Triton kernel would skip the gather copy on a GPU).
+Attention: `decode` on the CPU reads rows whose tables are a few runs of consecutive blocks in place, as strided
+views of the pool batched by layout (inplace.py: the gather copy costs more than the attention there); every other
+row, and `decode_step` as graphs.py captures it, gathers a row's blocks into a [B, KV, nb*bs, hd] tensor for torch
+SDPA (a FlexAttention block mask or a Triton kernel would skip that copy on a GPU; not built).
 
 Refused at load (`ModelNotFound`, naming the field): a `hidden_act` other than SiLU (the MLP computes
 silu(gate) * up) and a RoPE scaling type whose tables depend on the sequence length (`dynamic`, `longrope`, ...):
@@ -45,6 +47,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from areal_mq.engines.torch import inplace
 from areal_mq.engines.torch.kvcache import PagedKVCache, blocks_for
 from areal_mq.errors import ModelNotFound
 
@@ -212,37 +215,47 @@ class LlamaRunner:
 
     def decode_step(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
                     positions: torch.Tensor, tables: torch.Tensor,
-                    groups: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
+                    groups: Sequence[tuple[int, int, int]] | None = None,
+                    views: Sequence[tuple[int, Sequence[tuple[int, int, int]]]] = ()) -> torch.Tensor:
         """The graph-ready decode step (module docstring): float32 logits [B, V]; writes K/V in place.
 
         tables [B, nb]: row b's block ids (padded with the scratch block); keys attended: nb * block_size.
         groups (host ints, eager only): (start, end, width) row ranges whose keys are read from their first `width`
         blocks only, so short rows beside a long one do not read the long one's width (rows sorted by length).
+        views (host ints, eager CPU only): the last rows, in batches (rows, [(first block, step, keys)] per run)
+        read in place from the pool (inplace.py); groups then cover the rows before them.
         Every row's position must be < its width * block_size, its block already in its table (the caller checks
         on the host)."""
         b, nb = tables.shape
         pool_blocks, bs = k_cache.shape[2], k_cache.shape[3]
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, hd]
         write_block = tables.gather(1, torch.div(positions, bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)
-        write_at = positions % bs
+        write_at = write_block * bs + positions % bs  # into a layer's pool seen as [KV, blocks * bs, hd]
+        sizes = [rows for rows, _ in views]
+        first_view = b - sum(sizes)
         parts = []  # (start, end, keys, mask [n, 1, 1, keys], gather index)
-        for start, end, width in groups or [(0, b, nb)]:
+        for start, end, width in (groups if groups is not None else [(0, b, nb)]):
             length = width * bs
             # key j of row i is visible iff j <= positions[i]
             mask = torch.arange(length, device=tokens.device).unsqueeze(0) <= positions[start:end].unsqueeze(1)
             parts.append((start, end, length, mask.view(end - start, 1, 1, length),
                           self._gather_index(tables[start:end, :width], pool_blocks)))
+        in_place = [inplace.batch_views(k_cache, v_cache, spec, rows) for rows, spec in views]
         n_groups = self.n_heads // self.n_kv
         x = F.embedding(tokens, self.embed).unsqueeze(1)  # [B, 1, D]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            k_cache[li, :, write_block, write_at] = k[:, :, 0].transpose(0, 1)  # padding rows: the scratch block
-            v_cache[li, :, write_block, write_at] = v[:, :, 0].transpose(0, 1)
+            # one index_copy_ per pool (an advanced-index assignment costs 3x more); padding rows: the scratch block
+            flat = (self.n_kv, pool_blocks * bs, self.head_dim)
+            k_cache[li].view(flat).index_copy_(1, write_at, k[:, :, 0].transpose(0, 1))
+            v_cache[li].view(flat).index_copy_(1, write_at, v[:, :, 0].transpose(0, 1))
             # a single query per sequence: fold each KV head's query group into the query axis
             qg = q.reshape(b, self.n_kv, n_groups, self.head_dim)
             outs = [F.scaled_dot_product_attention(qg[s:e], self._gather(k_cache[li], index, e - s, length, 0),
                                                    self._gather(v_cache[li], index, e - s, length, 1), attn_mask=mask)
                     for s, e, length, mask, index in parts]
+            if views:
+                outs += [inplace.attend(qb, batch, li) for qb, batch in zip(qg[first_view:].split(sizes), in_place)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = self._finish_layer(layer, x, out.reshape(b, 1, self.n_heads * self.head_dim))
         x = F.rms_norm(x[:, 0], (self.hidden,), self.final_norm, self.eps)
@@ -253,21 +266,32 @@ class LlamaRunner:
                tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """One token per sequence (block tables `tables`) at `positions` (host ints); float32 logits [B, V].
 
-        Rows are ordered by length and read in groups of a power-of-two number of blocks each (`decode_step`
-        groups), so a batch of short answers beside one long one reads the long width once, not once per row."""
+        On the CPU a row whose keys lie in at most inplace.MAX_RUNS runs of consecutive blocks (kvcache.py places
+        blocks so that most do) is read in place, in batches of rows laid out alike (inplace.py): no gather copy,
+        which costs more than the attention itself there. The other rows are ordered by length and gathered in
+        groups of a power-of-two number of blocks each (`decode_step` groups), so a batch of short answers beside
+        one long one reads the long width once, not once per row."""
         bs = cache.block_size
-        order = sorted(range(len(tokens)), key=lambda i: positions[i])
-        needs = [blocks_for(positions[i] + 1, bs) for i in order]  # ascending
+        cpu = cache.k.device.type == "cpu"
+        runs = [inplace.runs_of(tables[i], positions[i] + 1, bs) if cpu else [] for i in range(len(tokens))]
+        by_length = sorted(range(len(tokens)), key=lambda i: positions[i])
+        batches = inplace.plan([(i, runs[i]) for i in by_length if cpu and len(runs[i]) <= inplace.MAX_RUNS])
+        viewed = [i for rows, _ in batches for i in rows]
+        in_place = set(viewed)
+        order = [i for i in by_length if i not in in_place] + viewed
+        gathered = len(order) - len(viewed)
+        needs = [blocks_for(positions[i] + 1, bs) for i in order[:gathered]]  # ascending
         groups, start = [], 0  # rows whose needs share a power-of-two bucket; width: the group's largest need
-        for i in range(1, len(order) + 1):
-            if i == len(order) or (needs[i] - 1).bit_length() != (needs[start] - 1).bit_length():
+        for i in range(1, gathered + 1):
+            if i == gathered or (needs[i] - 1).bit_length() != (needs[start] - 1).bit_length():
                 groups.append((start, i, needs[i - 1]))
                 start = i
-        width = needs[-1]
+        width = max(blocks_for(positions[i] + 1, bs) for i in order)
         logits = self.decode_step(cache.k, cache.v, self.index([tokens[i] for i in order]),
                                   self.index([positions[i] for i in order]),
-                                  self.index_2d(cache.padded_tables([tables[i] for i in order], width)), groups)
-        if order == sorted(order):
+                                  self.index_2d(cache.padded_tables([tables[i] for i in order], width)), groups,
+                                  [(len(rows), spec) for rows, spec in batches])
+        if order == list(range(len(order))):
             return logits
         inverse = [0] * len(order)
         for at, i in enumerate(order):

@@ -12,10 +12,19 @@ Sharing: every block has a reference count. The n samples of one prompt point at
 (`share`); a write into a block another sequence also references first copies it (`writable`: copy-on-write,
 which in practice is the partial last prompt block, copied once per sample at its first decoded token).
 
+Placement (runs): a table grows into the block right after its last one when that block is free, and starts a new
+run elsewhere only when it is not. A new run goes to the lowest free gap with room for `hint` blocks (the most the
+sequence will hold: the engine passes prompt + max_new_tokens) after the room the run ending just before the gap
+claimed for itself, so concurrent sequences grow side by side without interleaving their blocks; when no gap has
+that room, the gap with the most, else the middle of the largest gap. Most tables are then one or two runs of
+consecutive blocks (a shared prompt run, then the sample's own), which the CPU decode reads in place, as strided
+views, with no gather copy (forward.py `decode`). Placement is bookkeeping only: any table is valid, a fragmented
+one is just read through the gather path.
+
 Memory: the pool is sized by `pool_blocks` from `kv_cache_bytes`, else a fraction of free CUDA memory, else (CPU)
 `max_kv_tokens` positions. On the CPU the pool is `torch.empty`: pages the OS never saw cost nothing until a block
 is first handed out (it is zeroed then; masked keys still meet V in the softmax product, and garbage may be NaN),
-so resident memory follows the most blocks ever in use.
+so resident memory follows the blocks ever handed out, wherever runs put them.
 
 Why KV heads before blocks: attention gathers a row's blocks with one `index_select` over (head, block) pairs
 (`gather_index`) and the result is already [rows, kv_heads, keys, head_dim] with each head's keys contiguous, the
@@ -23,6 +32,7 @@ layout SDPA reads fastest; measured on the CPU, 1.4x faster than blocks-first pl
 """
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import torch
@@ -63,8 +73,10 @@ class PagedKVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self._zero([self.scratch])
         self.refs = [0] * num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: freed blocks are reused first
-        self.fresh = 0  # blocks >= fresh were never handed out (their memory is untouched)
+        self.free_map = bytearray(b"\x01") * num_blocks  # 1 where a block is free
+        self.free_blocks = num_blocks
+        self.touched = bytearray(num_blocks)  # 1 once a block was handed out (zeroed then)
+        self.claims: dict[int, int] = {}  # last block of a run -> end of the room that run claimed to grow into
         self.peak_used = 0
         self.copies = 0  # copy-on-write block copies
 
@@ -82,7 +94,7 @@ class PagedKVCache:
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.free_blocks
 
     @property
     def nbytes(self) -> int:
@@ -94,38 +106,70 @@ class PagedKVCache:
             self.k.index_fill_(2, index, 0)
             self.v.index_fill_(2, index, 0)
 
-    def _take(self, n: int) -> list[int]:
-        blocks = [self.free.pop() for _ in range(n)]
-        new = [b for b in blocks if b >= self.fresh]
+    def _run_start(self, want: int) -> int:
+        """Where a new run of up to `want` blocks starts (module docstring, Placement); the pool has a free block."""
+        best, best_room, largest = -1, 0, (0, 0)
+        for gap in re.finditer(rb"\x01+", self.free_map):
+            s, e = gap.span()
+            start = min(max(s, self.claims.get(s - 1, s)), e)
+            if e - start >= want:
+                return start
+            if e - start > best_room:
+                best, best_room = start, e - start
+            if e - s > largest[1] - largest[0]:
+                largest = (s, e)
+        if best >= 0:
+            return best
+        s, e = largest
+        return s if s == 0 else s + (e - s) // 2
+
+    def _take(self, n: int, after: int | None = None, hint: int = 0) -> list[int]:
+        """n free blocks: consecutive after block `after` while those are free, new runs (`_run_start`) otherwise."""
+        blocks, claim = [], self.claims.pop(after, 0) if after is not None else 0
+        for i in range(n):
+            b = after + 1 if after is not None and after + 1 < self.num_blocks and self.free_map[after + 1] else -1
+            if b < 0:
+                want = max(hint - i, n - i)
+                b = self._run_start(want)
+                claim = b + want
+            self.free_map[b] = 0
+            blocks.append(b)
+            after = b
+        self.claims[after] = claim
+        new = [b for b in blocks if not self.touched[b]]
         if new:
             self._zero(new)
-            self.fresh = max(new) + 1
+            for b in new:
+                self.touched[b] = 1
         for b in blocks:
             self.refs[b] = 1
+        self.free_blocks -= n
         self.peak_used = max(self.peak_used, self.used)
         return blocks
 
-    def ensure(self, table: list[int], length: int) -> bool:
-        """Grow `table` (in place) to hold `length` positions; False (table unchanged) when the pool is short."""
+    def ensure(self, table: list[int], length: int, hint: int = 0) -> bool:
+        """Grow `table` (in place) to hold `length` positions; False (table unchanged) when the pool is short.
+        hint: the most blocks this table will hold (placement of a new run; 0: only what it needs now)."""
         need = blocks_for(length, self.block_size) - len(table)
         if need <= 0:
             return True
-        if need > len(self.free):
+        if need > self.free_blocks:
             return False
-        table.extend(self._take(need))
+        after = table[-1] if table and self.refs[table[-1]] == 1 else None  # never grow into a shared run's room
+        table.extend(self._take(need, after, hint - len(table)))
         return True
 
-    def writable(self, table: list[int], start: int, end: int) -> bool:
+    def writable(self, table: list[int], start: int, end: int, hint: int = 0) -> bool:
         """Make the blocks holding positions [start, end) of `table` this sequence's own, copying any block that is
         shared (copy-on-write); False when the pool has no block for a copy (the table is then unchanged from the
-        first block it could not copy)."""
+        first block it could not copy). hint as in `ensure`."""
         bs = self.block_size
         for i in range(start // bs, min(blocks_for(end, bs), len(table))):
             old = table[i]
             if self.refs[old] > 1:
-                if not self.free:
+                if not self.free_blocks:
                     return False
-                (new,) = self._take(1)
+                (new,) = self._take(1, table[i - 1] if i and self.refs[table[i - 1]] == 1 else None, hint - i)
                 with torch.inference_mode():
                     self.k[:, :, new] = self.k[:, :, old]
                     self.v[:, :, new] = self.v[:, :, old]
@@ -146,7 +190,9 @@ class PagedKVCache:
         for b in table:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self.free.append(b)
+                self.free_map[b] = 1
+                self.free_blocks += 1
+                self.claims.pop(b, None)
         table.clear()
 
     def padded_tables(self, tables: Sequence[Sequence[int]], width: int, rows: int | None = None) -> list[list[int]]:

@@ -14,7 +14,8 @@ def test_engine_benchmark_quick_runs(tmp_path, tiny_model_dir):
                                timeout=580)
     assert set(report["ratios"]) == set(report["targets"]) >= {"uniform_vs_hf_generate", "longtail_vs_hf_generate"}
     engines = {(r["workload"], r["engine"]) for r in report["results"]}
-    assert {("uniform", "torch_engine"), ("longtail", "hf_generate")} <= engines
+    assert {("uniform", "torch_engine"), ("longtail", "hf_generate"), ("longtail", "contiguous_engine")} <= engines
+    assert {"paged_vs_contiguous_uniform", "paged_vs_contiguous_longtail"} <= set(report["ratios"])
     assert "reproduce: python benchmarks/engine.py --quick" in stdout
 
 
@@ -27,3 +28,13 @@ def test_engine_reasoning_benchmark_quick_runs(tmp_path, tiny_model_dir):
         "contiguous_vs_paged_concurrency", "paged_vs_contiguous_tokens_per_s"}
     assert {r["engine"] for r in report["results"]} == {"paged", "contiguous"}
     assert "reproduce: python benchmarks/engine.py --reasoning --quick" in stdout
+
+
+@pytest.mark.timeout(300)
+def test_engine_decode_benchmark_quick_runs(tmp_path, tiny_model_dir):
+    report, stdout = run_quick("engine.py", tmp_path, "--decode", "--model", str(tiny_model_dir),
+                               "--dtype", "float32", timeout=280)
+    assert report["mode"] == "decode" and set(report["ratios"]) == set(report["targets"]) == {
+        "paged_vs_contiguous_decode_uniform_1024", "paged_vs_contiguous_decode_uniform_300",
+        "paged_vs_contiguous_decode_longtail"}
+    assert "reproduce: python benchmarks/engine.py --decode --quick" in stdout
