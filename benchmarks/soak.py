@@ -420,7 +420,8 @@ def _run(args, work: Path, rig: Rig) -> dict:
                     samples.append(sample(run_dir, rig))
                     next_sample += args.sample_s
                 if launcher.poll() is not None:
-                    raise RuntimeError(f"the launcher exited ({launcher.returncode}); see {work / 'launcher.out'}")
+                    tail = (work / "launcher.out").read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"the launcher exited ({launcher.returncode}); its output ends:\n{tail}")
                 rig.scan()
                 time.sleep(0.2)
             if fault:

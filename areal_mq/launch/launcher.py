@@ -230,11 +230,14 @@ class Launcher:
         import json
 
         folder = self.run_dir / "events"
-        folder.mkdir(parents=True, exist_ok=True)
         record = {"ts": time.time(), "level": "warning", "event": name, "role": "launcher", "worker_id": "launcher",
                   "pid": os.getpid(), **fields}
-        with open(folder / "launcher.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "launcher.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError:  # a full disk (ENOSPC) must not end the supervisor (the soak found it): the line is lost
+            pass
 
     def say(self, text: str) -> None:
         if self.console is not None:
