@@ -140,7 +140,7 @@ class WeightCatchup:
         tensors assembled and checked against the manifest (areal_mq/weights/sharded.py)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from areal_mq.weights.sharded import assemble, check_manifest, shard_ready, slice_held
+        from areal_mq.weights.sharded import assemble, check_manifest, check_slices, shard_ready, slice_held
 
         layout = check_manifest(ready)
         held, held_version = self.held, self.held_version
@@ -148,8 +148,10 @@ class WeightCatchup:
         def one(shard: Any) -> Update:
             part = slice_held(held, shard)
             try:
-                return self._follow_plans(shard_ready(ready, shard), deadline, part,
-                                          held_version if part is not None else -1)
+                update = self._follow_plans(shard_ready(ready, shard), deadline, part,
+                                            held_version if part is not None else -1)
+                check_slices(shard, update.hold or update.kwargs["tensors"])
+                return update
             except WeightsFetchError as exc:
                 raise WeightsFetchError(f"trainer rank {shard.rank} ({shard.endpoint}): {exc}") from exc
 
@@ -163,7 +165,7 @@ class WeightCatchup:
                                         + "; ".join(str(e) for _, e in bad)) from bad[0][1]
             parts = [f.result() for f in futures]
         try:
-            tensors = assemble(ready, layout, [p.hold or p.kwargs["tensors"] for p in parts])
+            tensors = assemble(ready, layout, [p.hold or p.kwargs["tensors"] for p in parts], checked=True)
         except WeightsFetchError as exc:
             raise WeightsFetchError(f"v{ready.version} does not assemble from its shards: {exc}") from exc
         routes = sorted({p.route for p in parts})

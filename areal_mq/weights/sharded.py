@@ -280,22 +280,31 @@ def slice_held(held: Mapping[str, "torch.Tensor"] | None, shard: WeightsShard) -
     return out
 
 
-def assemble(ready: WeightsReady, layout: Mapping[str, tuple[list[int], list[tuple[int, int, int]]]],
-             parts: list[Mapping[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
-    """The whole tensors from every shard's slices (in the manifest's tensor order), each slice checked against the
-    manifest's checksum first (DeltaError("checksum") names the rank)."""
-    import torch
-
+def check_slices(shard: WeightsShard, got: Mapping[str, "torch.Tensor"]) -> None:
+    """Every slice `shard` lists is in `got` and matches the manifest's checksum (DeltaError naming the rank). Called
+    on each shard's own fetch thread: blake2b releases the GIL, so the shards are checked side by side."""
     from areal_mq.weights.delta import DeltaError, checksum
 
-    for shard, got in zip(ready.shards, parts):
-        for name, digest in zip(shard.names, shard.checksums):
-            t = got.get(name)
-            if t is None:
-                raise DeltaError("missing", f"trainer rank {shard.rank} ({shard.endpoint}) sent no {name}")
-            if checksum(t) != digest:
-                raise DeltaError("checksum", f"trainer rank {shard.rank} ({shard.endpoint}): {name} does not match "
-                                             "the manifest's checksum")
+    for name, digest in zip(shard.names, shard.checksums):
+        t = got.get(name)
+        if t is None:
+            raise DeltaError("missing", f"trainer rank {shard.rank} ({shard.endpoint}) sent no {name}")
+        if checksum(t) != digest:
+            raise DeltaError("checksum", f"trainer rank {shard.rank} ({shard.endpoint}): {name} does not match "
+                                         "the manifest's checksum")
+
+
+def assemble(ready: WeightsReady, layout: Mapping[str, tuple[list[int], list[tuple[int, int, int]]]],
+             parts: list[Mapping[str, "torch.Tensor"]], checked: bool = False) -> dict[str, "torch.Tensor"]:
+    """The whole tensors from every shard's slices (in the manifest's tensor order), each slice checked against the
+    manifest's checksum first unless `checked` says check_slices did (DeltaError("checksum") names the rank)."""
+    import torch
+
+    from areal_mq.weights.delta import DeltaError
+
+    if not checked:
+        for shard, got in zip(ready.shards, parts):
+            check_slices(shard, got)
     out: dict[str, Any] = {}
     for name, (whole, slices) in layout.items():
         pieces = [parts[i][name] for i, _, _ in slices]
