@@ -63,7 +63,7 @@ from areal_mq.engines.torch.kvcache import blocks_for, bytes_per_token, pool_blo
 from areal_mq.engines.torch.seq import SeqState, build_output
 from areal_mq.engines.torch.session import SessionKV
 from areal_mq.engines.torch.update_gap import kv_logprob_gap
-from areal_mq.engines.torch.weights import load_weights_in_place, patch_weights_in_place
+from areal_mq.engines.torch.weights import load_weights_in_place, patch_weights_in_place, stage_patches
 from areal_mq.errors import EngineRequestError
 
 RATE_WINDOW_S = 10.0  # tokens_per_s in stats() is measured over this window
@@ -389,6 +389,11 @@ class TorchEngine(Engine):
             self._rate.popleft()
 
     # -- weights ---------------------------------------------------------------------------------
+
+    def stage_patches(self, patches: Mapping[str, Any]) -> Any:
+        """Check and convert a patch update for this engine's parameters (safe off the decode thread: it only reads
+        their shapes, dtypes and devices); update_weights(patches=staged) is then only the scatter."""
+        return stage_patches(self.model, patches)
 
     def update_weights(self, version: int, tensors: Mapping[str, Any] | None = None,
                        path: str | None = None, patches: Mapping[str, Any] | None = None) -> dict[str, float]:
