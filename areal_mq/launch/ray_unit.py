@@ -100,8 +100,15 @@ class TrainerUnit:
             raise ConfigError(f"Ray could not reserve the trainer's {self.n} bundles of {self.bundle} ({strategy}) "
                               f"within {PLACE_TIMEOUT_S:.0f} s; the cluster offers {self.launcher.cluster} "
                               "(launcher.ray_trainer_strategy, placement.trainer, docs/many-hosts.md)") from None
+        from ray.util.placement_group import placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        nodes = set(placement_group_table(self.pg)["bundles_to_node_id"].values())
+        if len(nodes) > 1 and self.cfg.trainer.publish_mode == "zmq":  # every rank binds weight_server_host
+            raise ConfigError(f"the trainer's {self.n} ranks landed on {len(nodes)} nodes ({strategy}), but "
+                              "trainer.publish_mode zmq serves every rank's weights from one address "
+                              "(trainer.weight_server_host): keep the ranks on one node (launcher.ray_trainer_"
+                              "strategy STRICT_PACK) or publish through the shared run directory (publish_mode disk)")
         probe = self.ray.remote(probe_node).options(num_cpus=0, max_retries=0, scheduling_strategy=
                                                     PlacementGroupSchedulingStrategy(self.pg, 0))
         return self.ray.get(probe.remote(), timeout=PLACE_TIMEOUT_S)["ip"]

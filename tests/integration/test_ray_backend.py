@@ -337,3 +337,22 @@ def test_a_two_rank_trainer_unit_and_gpus_by_placement_under_ray(gpu_cluster, pr
     started = _events(run_dir, "trainer.started")
     assert started[-1]["world_size"] == 2 and started[-1]["version"] >= 2  # resumed from a checkpoint, not from 0
     _audit(run_dir, UNIT_STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_layouts_the_cluster_cannot_hold_are_refused_before_anything_starts(gpu_cluster, procs, tmp_path):
+    """GPUs no node has, and a zmq-publishing trainer spread over nodes, stop `areal-mq run --backend ray` with
+    exit 2 and the reason, before any role process starts."""
+    c, _ = gpu_cluster
+    cases = [(["placement.rollout.gpus_per_process=3"], "one rollout process asks for 3 GPUs but the largest node "
+              "offers 2"),
+             (["launcher.trainer_ranks=2", "launcher.ray_trainer_strategy=STRICT_SPREAD", "trainer.publish_mode=zmq",
+               "trainer.strategy=fsdp"], "landed on 2 nodes")]
+    for i, (sets, reason) in enumerate(cases):
+        run_dir = tmp_path / f"run{i}"
+        driver = procs.start(["run", str(TINY), "--backend", "ray", "--address", c.address, "--skip-eval", "--quiet",
+                              "--set", f"run.run_dir={run_dir}", *[x for s in sets for x in ("--set", s)]], f"driver{i}")
+        assert driver.wait(120) == 2, procs.log(driver)[-3000:]
+        assert reason in " ".join(procs.log(driver).split()), procs.log(driver)[-3000:]
+        assert not (run_dir / "logs").exists() or not any((run_dir / "logs").iterdir())  # no role started
