@@ -116,9 +116,14 @@ class ShardPublisher:
 
         self.cfg, self.rank, self.world, self.log = cfg, rank, world, log
         self.keys = keys or Keyring.insecure("trainer")
-        self.server = WeightServer(cfg.weight_server_host, shard_port(cfg, rank), cfg.keep_weight_versions,
-                                   int(cfg.weight_chunk_mb * (1 << 20)), keys=self.keys, log=log, deltas=True,
-                                   chain=cfg.full_every)
+        try:
+            self.server = WeightServer(cfg.weight_server_host, shard_port(cfg, rank), cfg.keep_weight_versions,
+                                       int(cfg.weight_chunk_mb * (1 << 20)), keys=self.keys, log=log, deltas=True,
+                                       chain=cfg.full_every)
+        except WeightsFetchError as exc:
+            raise WeightsFetchError(f"trainer rank {rank}: {exc}. Sharded publishing binds every rank's weight server "
+                                    "to trainer.weight_server_host, so all ranks must run on that host; for a trainer "
+                                    "spanning hosts set trainer.publish_layout: gather") from exc
         self.refused = 0
         self._ctx = zmq.Context()
         self._zap = None

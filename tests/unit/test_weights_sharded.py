@@ -174,3 +174,17 @@ def test_the_collector_refuses_what_is_not_a_rank_shard(two_ranks):
     ready = _publish_both(zero, one, 1, _model(1))
     assert ready is not None and [s.rank for s in ready.shards] == [0, 1]
     assert zero.refused == 2
+
+
+def test_a_rank_that_cannot_bind_the_weight_host_says_what_to_do():
+    cfg = TrainerConfig(**CFG, weight_server_host="192.0.2.1")  # TEST-NET: no interface here has it
+    with pytest.raises(WeightsFetchError, match="publish_layout: gather"):
+        ShardPublisher(cfg, rank=1, world=2, exchange=lambda _: "tcp://127.0.0.1:1")
+
+
+def test_the_layout_is_resolved_and_a_sharded_layout_without_shards_is_refused():
+    assert TrainerConfig(strategy="fsdp", publish_mode="zmq").sharded_publish
+    assert not TrainerConfig(strategy="fsdp", publish_mode="disk").sharded_publish
+    assert not TrainerConfig(strategy="fsdp", publish_mode="zmq", publish_layout="gather").sharded_publish
+    with pytest.raises(ValueError, match="needs strategy fsdp and publish_mode zmq"):
+        TrainerConfig(strategy="ddp", publish_mode="zmq", publish_layout="sharded")
