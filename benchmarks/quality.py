@@ -113,6 +113,9 @@ LEVERS = {
     "sync_bf16": ("sync, trainer bf16 autocast", "sync", 0, {"trainer.precision": "bf16"}, False),
     # configs/quickstart-gpu.yaml's numerics: engine AND trainer in bf16 (model.dtype; precision auto follows it)
     "sync_bf16both": ("sync, engine and trainer bf16", "sync", 0, {"model.dtype": "bfloat16"}, False),
+    # issue 38: weights reach the workers over zmq as verified deltas (the quickstart publishes full versions on
+    # disk); the weights are bit-identical, so only the timing of updates differs. Compared with async_eta2
+    "zmq_deltas_eta2": ("async η=2, weights as zmq deltas", "async", 2, {"trainer.publish_mode": "zmq"}, False),
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
 }

@@ -188,3 +188,23 @@ def test_the_layout_is_resolved_and_a_sharded_layout_without_shards_is_refused()
     assert not TrainerConfig(strategy="fsdp", publish_mode="zmq", publish_layout="gather").sharded_publish
     with pytest.raises(ValueError, match="needs strategy fsdp and publish_mode zmq"):
         TrainerConfig(strategy="ddp", publish_mode="zmq", publish_layout="sharded")
+
+
+def test_fifty_sharded_updates_leave_the_worker_bit_identical(tmp_path, two_ranks):
+    """The issue's target: after 50 sharded updates (deltas each time, a full every trainer.full_every in the chain)
+    the worker holds exactly the published weights, checked after every update."""
+    zero, one = two_ranks
+    worker = WeightCatchup(tmp_path, TrainerConfig(**CFG), timeout_s=10.0)
+    model = _model(3)
+    g = torch.Generator().manual_seed(9)
+    routes = set()
+    for v in range(1, 51):
+        for t in model.values():
+            flat = t.view(-1)
+            hit = torch.rand(flat.numel(), generator=g) < 0.03
+            flat[hit] = (flat[hit].float() * 1.01 + 0.01).to(t.dtype)
+        update = worker.prepare(_publish_both(zero, one, v, model))
+        assert {k: checksum(t) for k, t in update.hold.items()} == {k: checksum(t) for k, t in model.items()}, v
+        worker.commit(update)
+        routes.add(update.route)
+    assert routes == {"full", "delta"}
