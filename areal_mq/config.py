@@ -374,11 +374,13 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         from areal_mq.algorithms.config import validate_off_policy
+        from areal_mq.engines.vllm.config import configure as configure_vllm
         from areal_mq.sim.config import check_time_scales
         from areal_mq.weights.ipc import check_config as check_ipc_config
 
         validate_off_policy(self.controller.max_staleness, self.trainer)
         self.placement.check(self.launcher)
+        configure_vllm(self)
         check_time_scales(self.rollout.engine.kind, self.rollout.engine.sim, self.trainer.sim)
         check_ipc_config(self)
         if abs(self.trainer.temperature - self.controller.temperature) > 1e-9:

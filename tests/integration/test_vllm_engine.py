@@ -7,7 +7,8 @@ Checks: behaviour logprobs equal log_softmax(logits / T) of a HF forward over th
 a mid-generation update stamps tokens before with v and after with v+1 (vLLM's spans agree with
 the engine's own stamps), and the tokens after follow weights B — with the KV recomputed
 ("recompute") or kept from A ("keep"), each matching its own HF reference; the prefix cache does
-not serve blocks from old weights; abort returns the partial sequence; a bad model path is a clear
+not serve blocks from old weights; an in-memory update crosses vLLM's RPC in buckets, writes no file and
+switches versions at the same point; abort returns the partial sequence; a bad model path is a clear
 error within a deadline.
 
 Run: pytest -m vllm tests/integration/test_vllm_engine.py  (needs bash docker/install-vllm.sh)
@@ -58,9 +59,17 @@ def hf(model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
+def shm_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("shm")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, shm_dir):
+    # 64 MiB buckets: an in-memory update of SmolLM2 (float32, ~540 MB) crosses vLLM's RPC in several messages;
+    # shm_dir is where the old path staged files: it must stay empty
     cfg = EngineConfig(kind="vllm", max_concurrent=4, seed=0,
-                       vllm={"kv_cache_space_gib": 1, "start_timeout_s": 1200})
+                       vllm={"kv_cache_space_gib": 1, "start_timeout_s": 1200, "weight_bucket_mb": 64,
+                             "shm_dir": str(shm_dir)})
     eng = VllmEngine(cfg, model_dir, dtype="float32")
     print(f"\nvLLM engine started in {eng.start_s:.1f} s")
     yield eng
@@ -88,7 +97,7 @@ def greedy(rid, n=48):
 
 
 def restore_a(engine, weights, version):
-    engine.update_weights(version, tensors=weights["A"])  # in-memory path: staged via /dev/shm
+    engine.update_weights(version, tensors=weights["A"])  # in memory: bytes through vLLM's RPC, no file
 
 
 def check_follows(hf, out, temperature, weights_fn):
@@ -123,6 +132,8 @@ def test_update_recompute_mid_generation(engine, hf, weights):
     assert np.array_equal(out.stats["own_versions"], out.versions)  # vLLM's spans == our stamps
     assert engine.stats()["version_mismatches"] == 0
     assert timings["tensors"] > 0 and timings["prefix_cache_reset"] == 1.0
+    print(f"\nupdate from a path ({timings['tensors']:.0f} tensors): load {timings['load_s']:.2f} s, "
+          f"total {timings['total_s']:.2f} s")
     ids = out.output_ids.tolist()
     a_lp, _ = hf.logprobs(PROMPT, ids, 0.0, weights["A"])
     b_lp, b_best = hf.logprobs(PROMPT, ids, 0.0, weights["B"])
@@ -137,6 +148,28 @@ def test_update_recompute_mid_generation(engine, hf, weights):
     restore_a(engine, weights, v0 + 2)
     again = run(engine, [greedy("a1")])["a1"]
     assert again.output_ids.tolist() == before.output_ids.tolist()
+
+
+def test_in_memory_update_mid_generation_goes_through_vllms_rpc(engine, hf, weights, shm_dir):
+    """update_weights(tensors=...) packs the tensors into buckets of raw bytes, sends them with collective_rpc and
+    the worker loads them with vLLM's own loader: nothing is written (shm_dir stays empty), every tensor arrives,
+    the version switches at the same point as from a path, and the tokens after it follow the new weights."""
+    v0 = engine.version
+    timings = {}
+    out = run(engine, [greedy("m1", 64)], on_tokens=(6, lambda e: timings.update(
+        e.update_weights(v0 + 1, tensors=weights["B"], kv_on_update="recompute"))))["m1"]
+    assert timings["buckets"] > 1 and timings["tensors"] == len(weights["B"]), timings
+    assert "stage_s" not in timings and not list(shm_dir.iterdir())
+    k = int((out.versions == v0).sum())
+    assert 0 < k < len(out.output_ids), out.versions
+    assert out.versions.tolist() == [v0] * k + [v0 + 1] * (len(out.output_ids) - k)
+    assert np.array_equal(out.stats["own_versions"], out.versions)
+    ids = out.output_ids.tolist()
+    b_lp, _ = hf.logprobs(PROMPT, ids, 0.0, weights["B"])
+    np.testing.assert_allclose(out.logprobs[k:], b_lp[k:], atol=LOGPROB_TOL)
+    print(f"\nin-memory update of {len(weights['B'])} tensors in {timings['buckets']:.0f} buckets: "
+          f"pack {timings['pack_s']:.2f} s, load {timings['load_s']:.2f} s, total {timings['total_s']:.2f} s")
+    restore_a(engine, weights, v0 + 2)
 
 
 def test_update_keep_continues_on_stale_kv(engine, hf, weights):

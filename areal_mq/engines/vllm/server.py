@@ -52,7 +52,9 @@ from areal_mq.engines.vllm.common import (
     cpu_env,
     sampling_kwargs,
     spans_to_versions,
+    vllm_on_cpu,
 )
+from areal_mq.engines.vllm.config import memory_utilization
 from areal_mq.engines.vllm.worker import EXTENSION_CLS, RELOAD_METHOD
 from areal_mq.errors import ConfigError, EngineRequestError
 
@@ -229,7 +231,8 @@ def server_command(model_dir: str, port: int = 8000, config: EngineConfig | None
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
         "--max-model-len", str(cfg.max_model_len or 2048), "--max-num-seqs", str(cfg.max_concurrent),
-        "--gpu-memory-utilization", str(cfg.vllm.gpu_memory_utilization),
+        "--gpu-memory-utilization", str(memory_utilization(cfg.vllm, vllm_on_cpu())),
+        "--tensor-parallel-size", str(cfg.vllm.tensor_parallel_size or 1),
         "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION_CLS,
         "--enable-scale-out", "--disable-log-stats",
         *([] if cfg.vllm.enable_prefix_caching else ["--no-enable-prefix-caching"]),

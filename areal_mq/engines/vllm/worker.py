@@ -1,15 +1,22 @@
-"""vLLM worker extension: in-place weight reload from a safetensors file or directory.
+"""vLLM worker extension: in-place weight updates, from memory or from a safetensors file or directory.
 
 What: `WeightSyncExtension` is mixed into vLLM's worker class (vLLM's `worker_extension_cls`), so its
-methods run inside the vLLM worker process and are reached with `collective_rpc(method, args=...)`
-(in process: `AsyncLLM.collective_rpc`; on a server: `POST /collective_rpc`).
+methods run inside the vLLM worker process (every tensor-parallel rank) and are reached with
+`collective_rpc(method, args=...)` (in process: `AsyncLLM.collective_rpc`; on a server: `POST /collective_rpc`).
 
-Why: on vLLM's CPU backend the linear layers are repacked into kernel layouts at load time, so
-calling `model.load_weights` on the live model fails and editing parameter tensors in place is silently
-ignored. The worker's own `reload_weights(weights_iterator=...)` re-runs the loader's layer-wise
-processing and does work (~0.5 s for a 135M model). Tensors cannot be arguments of collective_rpc
-(and a server's /collective_rpc takes only strings), so the weights travel as a path; the caller
-stages in-memory tensors as one safetensors file in /dev/shm first.
+    areal_load_packed(names, dtypes, shapes, blob, first, last)   in memory (engine: vllm): one bucket of
+                                                                 tensors as raw bytes in the RPC message
+    areal_reload_safetensors(path)                               a version on disk, or vllm-server
+
+How the weights reach the model: vLLM's own in-place reload (`reload_weights`: set up a layer-wise reload,
+`model.load_weights`, finalize), the loader vLLM uses at start-up, each tensor-parallel rank taking its slice of
+every full tensor. On vLLM's CPU backend the linear layers are repacked into kernel layouts at load time, so a
+bare `model.load_weights` on the live model fails and editing parameter tensors is silently ignored; the
+layer-wise reload processes (repacks) each layer once all its weights are in, on every device. In memory,
+its three steps are spread over the buckets: nothing larger than one bucket is held, on CPU or GPU, and the
+CPU run in CI goes through the same lines a GPU does (only the kernels differ).
+Why bytes and not tensors: collective_rpc's arguments cross vLLM's msgpack RPC without type information, so
+a tensor would arrive as a (dtype, shape, dangling buffer index) triple; bytes arrive as bytes.
 
 How to run: not directly. Start vLLM with `worker_extension_cls="areal_mq.engines.vllm.worker.
 WeightSyncExtension"` (engine: vllm does this) or `--worker-extension-cls` on a server.
@@ -23,6 +30,7 @@ from typing import Any, Iterator
 
 EXTENSION_CLS = "areal_mq.engines.vllm.worker.WeightSyncExtension"
 RELOAD_METHOD = "areal_reload_safetensors"
+LOAD_METHOD = "areal_load_packed"
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -49,8 +57,74 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
                 yield name, handle.get_tensor(name)
 
 
+def pack(tensors: list[tuple[str, Any]]) -> tuple[list[str], list[str], list[list[int]], bytes]:
+    """(names, dtypes, shapes, one bytes blob) of CPU tensors, for `areal_load_packed`."""
+    import torch
+
+    names, dtypes, shapes, parts = [], [], [], []
+    for name, t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        names.append(name)
+        dtypes.append(str(t.dtype).removeprefix("torch."))
+        shapes.append(list(t.shape))
+        parts.append(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return names, dtypes, shapes, b"".join(parts)
+
+
+def unpack(names: list[str], dtypes: list[str], shapes: list[list[int]], blob: bytes) -> list[tuple[str, Any]]:
+    """The tensors of `pack`, as views of one writable copy of the blob; ValueError when sizes disagree."""
+    import math
+
+    import torch
+
+    buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+    out, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dt = getattr(torch, dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        n = math.prod(shape) * dt.itemsize
+        if offset + n > len(buf):
+            raise ValueError(f"tensor {name!r} ({dtype}, {shape}) runs past the {len(buf)}-byte blob")
+        out.append((name, buf[offset:offset + n].view(dt).view(shape)))
+        offset += n
+    if offset != len(buf):
+        raise ValueError(f"the blob holds {len(buf)} bytes but the tensors take {offset}")
+    return out
+
+
 class WeightSyncExtension:
     """Methods added to vLLM's worker (self is the worker: it has reload_weights and model_runner)."""
+
+    def areal_load_packed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], blob: bytes,
+                          first: bool, last: bool) -> dict[str, Any]:
+        """Load one bucket of packed tensors in place (module docstring); `first`/`last`: the version's first and
+        final bucket. The steps of vLLM's own in-place reload (model_loader/reload/inplace.py), spread over the
+        buckets: the layer-wise reload is set up at the first, each bucket goes through the model's
+        load_weights (a layer is processed, repacked on the CPU, once all its weights are in), and the last
+        finalizes it. Generation is paused for the whole update, so half-loaded layers are never run."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                       initialize_layerwise_reload)
+
+        start = time.perf_counter()
+        tensors = unpack(names, dtypes, shapes, blob)
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()  # under CUDA graphs, the model inside the graph wrapper
+        config = self.vllm_config  # type: ignore[attr-defined]
+        with set_current_vllm_config(config):
+            if first:
+                initialize_layerwise_reload(model)
+            try:
+                model.load_weights(iter(tensors))
+            except BaseException:
+                finalize_layerwise_reload(model, config.model_config)  # untouched layers get their old tensors
+                raise
+            if last:
+                finalize_layerwise_reload(model, config.model_config)
+                for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload
+                    getattr(runner, reset, lambda: None)()
+        return {"tensors": len(tensors), "load_s": time.perf_counter() - start}
 
     def areal_reload_safetensors(self, path: str) -> dict[str, Any]:
         """Reload every weight found at `path` in place; return {"tensors": n, "load_s": seconds}."""

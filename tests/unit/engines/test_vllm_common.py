@@ -26,7 +26,7 @@ from areal_mq.engines.vllm.common import (
 )
 from areal_mq.engines.vllm.config import VllmEngineConfig
 from areal_mq.engines.vllm.worker import iter_safetensors, safetensors_files
-from areal_mq.errors import EngineRequestError, WeightsLoadError
+from areal_mq.errors import ConfigError, EngineRequestError, WeightsLoadError
 
 
 def req(prompt=(1, 2, 3), rid="r1", **sampling) -> EngineRequest:
@@ -102,8 +102,15 @@ def test_cpu_env_from_config():
 
 
 def test_config_refuses_settings_vllm_cpu_cannot_run():
+    from areal_mq.engines.vllm.config import memory_utilization
+
     with pytest.raises(ValidationError, match="gpu_memory_utilization"):
-        VllmEngineConfig(gpu_memory_utilization=0.9)
+        VllmEngineConfig(gpu_memory_utilization=1.0)
+    assert memory_utilization(VllmEngineConfig(), on_cpu=True) == 0.5  # the CPU backend's cap
+    assert memory_utilization(VllmEngineConfig(), on_cpu=False) == 0.9  # vLLM's own default on GPUs
+    assert memory_utilization(VllmEngineConfig(gpu_memory_utilization=0.95), on_cpu=False) == 0.95
+    with pytest.raises(ConfigError, match="fails to start above 0.5"):
+        memory_utilization(VllmEngineConfig(gpu_memory_utilization=0.9), on_cpu=True)
     with pytest.raises(ValidationError, match="kv_cache_space"):
         EngineConfig(kind="vllm", vllm={"kv_cache_space_gib": 0})
     with pytest.raises(ValidationError, match="extra"):
@@ -133,3 +140,55 @@ def test_weights_paths(tmp_path):
         save_file({name: torch.zeros(1)}, str(tmp_path / name))
     assert resolve_weights_path(tmp_path) == str(tmp_path.resolve())
     assert [p.name for p in safetensors_files(tmp_path)] == ["model-00001.safetensors", "model-00002.safetensors"]
+
+
+def test_packed_weights_round_trip_through_bytes():
+    """An in-memory update (engine vllm) crosses vLLM's RPC as (names, dtypes, shapes, bytes) and comes back
+    bit for bit, in buckets of about vllm.weight_bucket_mb; a blob of the wrong size is refused."""
+    from areal_mq.engines.vllm.engine import buckets
+    from areal_mq.engines.vllm.worker import pack, unpack
+
+    tensors = {"a.weight": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t(),  # not contiguous
+               "b": np.ones(4, np.float32), "c": torch.randn(300, dtype=torch.float16), "d": torch.zeros(0, 3)}
+    groups = buckets(tensors, 512)
+    assert [[n for n, _ in g] for g in groups] == [["a.weight", "b"], ["c"], ["d"]]  # c (600 bytes) alone
+    back = dict(pair for g in groups for pair in unpack(*pack(g)))
+    for name, t in tensors.items():
+        want = t if isinstance(t, torch.Tensor) else torch.from_numpy(t)
+        assert back[name].dtype == want.dtype and torch.equal(back[name], want), name
+    names, dtypes, shapes, blob = pack([("x", torch.ones(4))])
+    with pytest.raises(ValueError, match="runs past"):
+        unpack(names, dtypes, shapes, blob[:-1])
+    with pytest.raises(ValueError, match="the tensors take 16"):
+        unpack(names, dtypes, shapes, blob + b"\0")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        unpack(names, ["nonsense"], shapes, blob)
+
+
+def test_tensor_parallel_size_comes_from_placement():
+    from areal_mq.config import config_from_dict
+
+    cfg = config_from_dict({"rollout": {"engine": {"kind": "vllm"}}, "launcher": {"rollout_workers": 2},
+                            "placement": {"rollout": {"gpus": [0, 1, 2, 3], "gpus_per_process": 2}}})
+    assert cfg.rollout.engine.vllm.tensor_parallel_size == 2
+    assert config_from_dict({"rollout": {"engine": {"kind": "vllm"}}}).rollout.engine.vllm.tensor_parallel_size == 1
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 but placement.rollout.gpus_per_process 2"):
+        config_from_dict({"rollout": {"engine": {"kind": "vllm", "vllm": {"tensor_parallel_size": 4}}},
+                          "placement": {"rollout": {"gpus": [0, 1], "gpus_per_process": 2}}})
+
+
+def test_a_cuda_device_pins_the_gpus_vllm_sees():
+    from areal_mq.engines.vllm.engine import pin_cuda_device
+
+    env: dict[str, str] = {}
+    pin_cuda_device("cuda:3", 1, env)
+    assert env == {"CUDA_VISIBLE_DEVICES": "3"}
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # placement gave this worker four GPUs
+    pin_cuda_device("cuda:2", 2, env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    for spec in ("cuda", "auto", "cpu", None):
+        env = {"CUDA_VISIBLE_DEVICES": "4,5"}
+        pin_cuda_device(spec, 2, env)
+        assert env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    with pytest.raises(ConfigError, match="needs GPUs 1..2 of the 2 this worker sees"):
+        pin_cuda_device("cuda:1", 2, {"CUDA_VISIBLE_DEVICES": "4,5"})
