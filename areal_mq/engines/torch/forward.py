@@ -216,14 +216,16 @@ class LlamaRunner:
     def decode_step(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
                     positions: torch.Tensor, tables: torch.Tensor,
                     groups: Sequence[tuple[int, int, int]] | None = None,
-                    views: Sequence[tuple[int, Sequence[tuple[int, int, int]]]] = ()) -> torch.Tensor:
+                    views: Sequence[tuple[int, Sequence[tuple[int, int, int]], Sequence[int] | None]] = ()
+                    ) -> torch.Tensor:
         """The graph-ready decode step (module docstring): float32 logits [B, V]; writes K/V in place.
 
         tables [B, nb]: row b's block ids (padded with the scratch block); keys attended: nb * block_size.
         groups (host ints, eager only): (start, end, width) row ranges whose keys are read from their first `width`
         blocks only, so short rows beside a long one do not read the long one's width (rows sorted by length).
-        views (host ints, eager CPU only): the last rows, in batches (rows, [(first block, step, keys)] per run)
-        read in place from the pool (inplace.py); groups then cover the rows before them.
+        views (host ints, eager CPU only): the last rows, in batches (rows, [(first block, step, keys)] per run,
+        the last run's keys per row or None) read in place from the pool (inplace.py); groups then cover the rows
+        before them.
         Every row's position must be < its width * block_size, its block already in its table (the caller checks
         on the host)."""
         b, nb = tables.shape
@@ -231,7 +233,7 @@ class LlamaRunner:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, hd]
         write_block = tables.gather(1, torch.div(positions, bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)
         write_at = write_block * bs + positions % bs  # into a layer's pool seen as [KV, blocks * bs, hd]
-        sizes = [rows for rows, _ in views]
+        sizes = [rows for rows, _, _ in views]
         first_view = b - sum(sizes)
         parts = []  # (start, end, keys, mask [n, 1, 1, keys], gather index)
         for start, end, width in (groups if groups is not None else [(0, b, nb)]):
@@ -240,7 +242,9 @@ class LlamaRunner:
             mask = torch.arange(length, device=tokens.device).unsqueeze(0) <= positions[start:end].unsqueeze(1)
             parts.append((start, end, length, mask.view(end - start, 1, 1, length),
                           self._gather_index(tables[start:end, :width], pool_blocks)))
-        in_place = [inplace.batch_views(k_cache, v_cache, spec, rows) for rows, spec in views]
+        in_place = [inplace.batch_views(k_cache, v_cache, spec, rows) for rows, spec, _ in views]
+        masks = [None if ragged is None else inplace.last_run_mask(ragged, spec[-1][2], self.dtype, self.device)
+                 for _, spec, ragged in views]
         n_groups = self.n_heads // self.n_kv
         x = F.embedding(tokens, self.embed).unsqueeze(1)  # [B, 1, D]
         for li, layer in enumerate(self.layers):
@@ -255,7 +259,8 @@ class LlamaRunner:
                                                    self._gather(v_cache[li], index, e - s, length, 1), attn_mask=mask)
                     for s, e, length, mask, index in parts]
             if views:
-                outs += [inplace.attend(qb, batch, li) for qb, batch in zip(qg[first_view:].split(sizes), in_place)]
+                outs += [inplace.attend(qb, batch, li, mask)
+                         for qb, batch, mask in zip(qg[first_view:].split(sizes), in_place, masks)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = self._finish_layer(layer, x, out.reshape(b, 1, self.n_heads * self.head_dim))
         x = F.rms_norm(x[:, 0], (self.hidden,), self.final_norm, self.eps)
@@ -275,8 +280,8 @@ class LlamaRunner:
         cpu = cache.k.device.type == "cpu"
         runs = [inplace.runs_of(tables[i], positions[i] + 1, bs) if cpu else [] for i in range(len(tokens))]
         by_length = sorted(range(len(tokens)), key=lambda i: positions[i])
-        batches = inplace.plan([(i, runs[i]) for i in by_length if cpu and len(runs[i]) <= inplace.MAX_RUNS])
-        viewed = [i for rows, _ in batches for i in rows]
+        batches = inplace.plan([(i, runs[i]) for i in by_length if cpu and len(runs[i]) <= inplace.MAX_RUNS], bs)
+        viewed = [i for rows, _, _ in batches for i in rows]
         in_place = set(viewed)
         order = [i for i in by_length if i not in in_place] + viewed
         gathered = len(order) - len(viewed)
@@ -290,7 +295,7 @@ class LlamaRunner:
         logits = self.decode_step(cache.k, cache.v, self.index([tokens[i] for i in order]),
                                   self.index([positions[i] for i in order]),
                                   self.index_2d(cache.padded_tables([tables[i] for i in order], width)), groups,
-                                  [(len(rows), spec) for rows, spec in batches])
+                                  [(len(rows), spec, ragged) for rows, spec, ragged in batches])
         if order == list(range(len(order))):
             return logits
         inverse = [0] * len(order)

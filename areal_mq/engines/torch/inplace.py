@@ -8,7 +8,8 @@ of a group on their one shared prompt run: a step of 0) are one batch: one `as_s
 them, one attention call per run for the whole batch.
 
 - `runs_of(table, keys, block_size)`: (first block, blocks, keys) per run.
-- `plan(rows)`: rows (index, runs) -> batches (row indices, [(first block, block step between rows, keys)] per run).
+- `plan(rows, block_size)`: rows (index, runs) -> batches (row indices, [(first block, block step between rows,
+  keys)] per run, the last run's keys per row when they differ: that run is then read whole and masked).
 - `batch_views(k_pool, v_pool, spec, rows)`: views [layers, rows, KV, keys, hd] per run, made once per step.
 - `attend(q, views, layer)`: the batch's attention output [rows, KV, G, hd].
 
@@ -51,13 +52,16 @@ def runs_of(table: Sequence[int], keys: int, block_size: int) -> list[Run]:
     return out
 
 
-def plan(rows: Sequence[tuple[int, list[Run]]]) -> list[tuple[list[int], list[Run]]]:
+def plan(rows: Sequence[tuple[int, list[Run]]], block_size: int
+         ) -> list[tuple[list[int], list[Run], list[int] | None]]:
     """Batches of rows read by one view per run: (row indices, [(first block of the batch's first row, block step
-    from row to row, keys)] per run). Rows join a batch when their run key counts are the batch's and every run's
-    start is the previous row's plus the batch's (non-negative) step."""
+    from row to row, keys)] per run, the last run's keys per row or None). Rows join a batch when their runs have the
+    batch's block counts and every run's start is the previous row's plus the batch's (non-negative) step. Rows whose
+    key counts differ (only in the last run, then) read that run's whole blocks, the keys past each row's own masked
+    (those positions are in blocks the row holds: finite, zeroed when first handed out or written before)."""
     by_shape: dict[tuple[int, ...], list[tuple[int, list[Run]]]] = {}
     for index, runs in rows:
-        by_shape.setdefault(tuple(k for _, _, k in runs), []).append((index, runs))
+        by_shape.setdefault(tuple(n for _, n, _ in runs), []).append((index, runs))
     batches = []
     for members in by_shape.values():
         members.sort(key=lambda m: [first for first, _, _ in m[1]])
@@ -68,15 +72,20 @@ def plan(rows: Sequence[tuple[int, list[Run]]]) -> list[tuple[list[int], list[Ru
                 batch.append(member)
                 steps = step
                 continue
-            batches.append(_spec(batch, steps))
+            batches.append(_spec(batch, steps, block_size))
             batch, steps = [member], None
-        batches.append(_spec(batch, steps))
+        batches.append(_spec(batch, steps, block_size))
     return batches
 
 
-def _spec(batch: list[tuple[int, list[Run]]], steps: list[int] | None) -> tuple[list[int], list[Run]]:
+def _spec(batch: list[tuple[int, list[Run]]], steps: list[int] | None, block_size: int
+          ) -> tuple[list[int], list[Run], list[int] | None]:
     first_runs = batch[0][1]
-    return [i for i, _ in batch], [(f, steps[j] if steps else 0, k) for j, (f, _, k) in enumerate(first_runs)]
+    last_keys = [runs[-1][2] for _, runs in batch]
+    ragged = len(set(last_keys)) > 1
+    spec = [(f, steps[j] if steps else 0, n * block_size if ragged and j == len(first_runs) - 1 else k)
+            for j, (f, n, k) in enumerate(first_runs)]
+    return [i for i, _ in batch], spec, last_keys if ragged else None
 
 
 def batch_views(k_pool: torch.Tensor, v_pool: torch.Tensor, spec: Sequence[Run],
@@ -93,14 +102,24 @@ def batch_views(k_pool: torch.Tensor, v_pool: torch.Tensor, spec: Sequence[Run],
     return out
 
 
-def attend(q: torch.Tensor, views: Sequence[tuple[torch.Tensor, torch.Tensor]], layer: int) -> torch.Tensor:
-    """Attention of q [rows, KV, G, hd] over the batch's run views in `layer`: one kernel call per run; several runs
-    are merged by their log-sum-exps (the softmax over all of a row's keys, in float32 as the kernel computes it)."""
-    if len(views) == 1:
-        return _cpu_flash(q, views[0][0][layer], views[0][1][layer])[0]
+def last_run_mask(last_keys: Sequence[int], keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [rows, 1, 1, keys] of a ragged batch's last run: 0 for a row's own keys, -inf past them."""
+    valid = torch.arange(keys, device=device) < torch.tensor(list(last_keys), device=device).unsqueeze(1)
+    mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
+    return mask.view(len(last_keys), 1, 1, keys)
+
+
+def attend(q: torch.Tensor, views: Sequence[tuple[torch.Tensor, torch.Tensor]], layer: int,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [rows, KV, G, hd] over the batch's run views in `layer` (`mask`: the last run's, ragged
+    batches): one kernel call per run; several runs are merged by their log-sum-exps (the softmax over all of a
+    row's keys, in float32 as the kernel computes it)."""
+    last = len(views) - 1
+    if last == 0:
+        return _cpu_flash(q, views[0][0][layer], views[0][1][layer], attn_mask=mask)[0]
     outs, lses = [], []
-    for k, v in views:
-        out, lse = _cpu_flash(q, k[layer], v[layer])[:2]
+    for j, (k, v) in enumerate(views):
+        out, lse = _cpu_flash(q, k[layer], v[layer], attn_mask=mask if j == last else None)[:2]
         outs.append(out)
         lses.append(lse)
     weights = torch.softmax(torch.stack(lses), 0).unsqueeze(-1)  # [runs, rows, KV, G, 1]: exp(lse_run - lse_all)
