@@ -158,10 +158,11 @@ def route_row(catchups: list, engine: Any, ready: Any, commit: bool = True) -> d
     # the new values, not increments, so rewriting them on an engine already at this version changes nothing;
     # the rows of one version share one engine)
     patch = u.patches is not None and engine.version in (u.patch_base, ready.version)
-    kwargs = u.kwargs
+    kwargs, t0 = u.kwargs, time.perf_counter()
     if patch:  # staged on the fetch thread, as the rollout worker does (checks and dtype conversion off the pause)
         stager = getattr(engine, "stage_patches", None)
         kwargs = {"patches": stager(u.patches) if stager is not None else u.patches}
+    transfer += time.perf_counter() - t0  # the worker stages before it applies: part of the transfer, not the pause
     t0 = time.perf_counter()
     engine.update_weights(ready.version, **kwargs)
     pause = time.perf_counter() - t0
