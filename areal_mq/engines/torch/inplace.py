@@ -31,6 +31,9 @@ import torch
 from areal_mq.engines.torch.kvcache import blocks_for
 
 MAX_RUNS = 4  # a row in more runs of consecutive blocks than this is gathered instead (fragmented: a copy is cheaper)
+# a batch of rows in several runs is read in place only when it has at least this many rows: each run is a kernel
+# call and the merge a few more small ops per layer, which for a row or two cost more than gathering them
+MIN_MULTI_RUN_ROWS = 4
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (q, k, v) -> (out, log-sum-exp, ...)
 
 Run = tuple[int, int, int]
@@ -75,7 +78,7 @@ def plan(rows: Sequence[tuple[int, list[Run]]], block_size: int
             batches.append(_spec(batch, steps, block_size))
             batch, steps = [member], None
         batches.append(_spec(batch, steps, block_size))
-    return batches
+    return [b for b in batches if len(b[1]) == 1 or len(b[0]) >= MIN_MULTI_RUN_ROWS]
 
 
 def _spec(batch: list[tuple[int, list[Run]]], steps: list[int] | None, block_size: int
