@@ -157,6 +157,7 @@ class WeightServer:
         self._bound = threading.Event()
         self._error: BaseException | None = None
         self.served_chunks = 0
+        self.failed_requests = 0  # requests whose handling raised (logged; the server keeps serving)
         self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
         self._thread.start()
         if not self._bound.wait(10.0) or self._error is not None:
@@ -228,7 +229,14 @@ class WeightServer:
         try:
             while not self._stop.is_set():
                 if sock.poll(100):
-                    self._handle(sock, sock.recv_multipart(copy=False))
+                    frames = sock.recv_multipart(copy=False)
+                    try:
+                        self._handle(sock, frames)
+                    except Exception as exc:  # noqa: BLE001 - one bad request must never end the server's thread
+                        self.failed_requests += 1
+                        if self.log is not None:
+                            self.log.error("weights.server_request_failed", error=f"{type(exc).__name__}: {exc}"[:300],
+                                           failed=self.failed_requests)
         finally:
             sock.close(0)
             if zap:

@@ -89,6 +89,35 @@ def test_server_answers_garbage_with_an_error_and_keeps_serving():
         server.close()
 
 
+def test_a_request_whose_handling_raises_is_logged_and_the_server_keeps_serving(monkeypatch):
+    """Found by the weight-server fuzz campaign stalling: an exception in one request's handling ended the server's
+    thread, and every later fetch timed out while the trainer kept announcing versions."""
+    logged = []
+
+    class Log:
+        def error(self, event, **kw):
+            logged.append((event, kw))
+
+    server = WeightServer(log=Log())
+    try:
+        ready = server.publish(1, _tensors(1))
+        real, calls = server._lookup, []
+
+        def lookup_raising_once(msg):
+            calls.append(msg)
+            if len(calls) == 1:
+                raise RuntimeError("a bug reached by a strange request")
+            return real(msg)
+
+        monkeypatch.setattr(server, "_lookup", lookup_raising_once)
+        with pytest.raises(WeightsFetchError):
+            fetch_weights(ready.model_copy(update={"num_chunks": 1}), timeout_s=2)
+        _same(fetch_weights(ready, timeout_s=10), _tensors(1))  # still serving
+        assert server.failed_requests == 1 and logged[0][0] == "weights.server_request_failed"
+    finally:
+        server.close()
+
+
 def test_fetch_from_nothing_fails_within_deadline():
     with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as probe:  # a free port nobody serves
         port = probe.bind_to_random_port("tcp://127.0.0.1")
