@@ -83,6 +83,12 @@ class RolloutWorker(Role):
         self.interruptible = cfg.rollout.interruptible
         self.deferred: list[Any] = []
         self.tokens = 0
+        # measured decode speed per row against the generate lease (cfg.job_leases): a max_new_tokens answer at
+        # the measured rate must finish inside it, or the broker takes long answers back (rollout.lease_too_short)
+        self.started: dict[str, float] = {}  # request id -> submit time
+        self.row_tokens_per_s = 0.0  # moving average over finished requests of >= 16 tokens
+        self.lease_s = cfg.job_leases().get("generate", 0.0)
+        self.lease_warned_at = float("-inf")
         # weight updates: count, engine pause seconds (sum), sequences interrupted, KV tokens recomputed
         self.updates = {"weight_updates": 0, "update_pause_s": 0.0, "interrupted_seqs": 0, "recompute_tokens": 0}
         self.retry_load: tuple[WeightsReady, int, float] | None = None  # (ready, next attempt, due at)
@@ -270,6 +276,7 @@ class RolloutWorker(Role):
             self.rt.fail(job, "bad_request", str(exc))
             return
         self.jobs[job.id] = job
+        self.started[job.id] = self.clock()
         self.log.debug("rollout.request_started", job=job.id, prompt_len=len(msg.prompt_ids),
                        version=self.engine.version)
 
@@ -284,8 +291,11 @@ class RolloutWorker(Role):
     def step(self) -> None:
         for out in self.engine.step():
             job = self.jobs.pop(out.request_id, None)
+            started = self.started.pop(out.request_id, None)
             if job is None:
                 continue
+            if started is not None:
+                self._measure(len(out.output_ids), self.clock() - started)
             if (why := broken_output(out)) is not None:
                 self.rt.fail(job, "job_failed", f"generation failed on {self.rt.worker_id}: {why[:500]}")
                 continue
@@ -299,9 +309,28 @@ class RolloutWorker(Role):
                            group=job.msg.group_id, sample=job.msg.sample_index,
                            version_counts=np.unique(out.versions, return_counts=True)[1].tolist())
 
+    def _measure(self, tokens: int, seconds: float) -> None:
+        """Fold one finished request's decode speed (queueing included: what the lease sees) into the average and
+        warn, at most once a minute, when a max_new_tokens answer at that speed would outlive the generate lease."""
+        if tokens < 16 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        self.row_tokens_per_s = rate if not self.row_tokens_per_s else 0.8 * self.row_tokens_per_s + 0.2 * rate
+        longest = self.cfg.controller.max_new_tokens / self.row_tokens_per_s
+        now = self.clock()
+        if self.lease_s > 0 and longest > self.lease_s and now - self.lease_warned_at > 60.0:
+            self.lease_warned_at = now
+            self.log.warning("rollout.lease_too_short", row_tokens_per_s=round(self.row_tokens_per_s, 2),
+                             max_new_tokens=self.cfg.controller.max_new_tokens, longest_answer_s=round(longest, 1),
+                             generate_lease_s=round(self.lease_s, 1),
+                             hint="the job broker takes back an answer still decoding at its lease: set "
+                                  f"brokers.min_decode_tokens_per_s <= {self.row_tokens_per_s:.2f} (the lease is 60 s "
+                                  "+ max_new_tokens / it) or brokers.job_deadlines.generate")
+
     def stats(self) -> dict:
         fields = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
         fields.update(running=len(self.jobs), held=len(self.held), deferred=len(self.deferred), tokens=self.tokens,
+                      row_tokens_per_s=round(self.row_tokens_per_s, 3),
                       occupancy=round(len(self.jobs) / max(1, self.capacity), 3), **self.updates)
         return fields
 

@@ -310,3 +310,36 @@ def test_audit_weights_logs_the_checksum_of_every_tensor_the_engine_holds_after_
     (got,) = audits
     want = {k: checksum(t.detach().to(torch.bfloat16).contiguous()) for k, t in engine.model.state_dict().items()}
     assert got["version"] == 3 and got["checksums"] == want and set(want) == {"weight", "bias"}
+
+
+def test_a_measured_decode_rate_too_slow_for_the_generate_lease_is_named_once_a_minute(tmp_path, clock):
+    engine = FakeEngine()
+    w = _worker(tmp_path, engine, clock)
+    lease, longest = w.lease_s, w.cfg.controller.max_new_tokens
+    assert lease >= 60 + longest / w.cfg.brokers.min_decode_tokens_per_s
+
+    def finish(rids, tokens, seconds):  # requests submitted together, finished together `seconds` later
+        rids = [rids] if isinstance(rids, str) else rids
+        for rid in rids:
+            w.on_job(_job(rid))
+        clock[0] += seconds
+        engine.finished = [_output(rid, output_ids=np.arange(tokens, dtype=np.int32),
+                                   logprobs=np.zeros(tokens, np.float32), versions=np.zeros(tokens, np.int32))
+                           for rid in rids]
+        w.step()
+
+    def warned():
+        return [r for r in w.rt.log.records if r[1] == "rollout.lease_too_short"]
+
+    fast = 2 * longest / lease  # a max_new_tokens answer takes half the lease
+    finish("a", 32, 32 / fast)
+    assert not warned() and w.stats()["row_tokens_per_s"] == pytest.approx(fast, rel=1e-3)
+    slow = 0.25 * longest / lease  # four times the lease: the broker would take long answers back
+    finish([f"s{i}" for i in range(12)], 32, 32 / slow)
+    assert len(warned()) == 1  # the average crossed; at most one line a minute
+    fields = warned()[0][2]
+    assert fields["longest_answer_s"] > fields["generate_lease_s"] and "min_decode_tokens_per_s" in fields["hint"]
+    finish("late", 32, 61.0)  # a minute later, still slow on average
+    assert len(warned()) == 2
+    finish("short", 8, 100.0)  # under 16 tokens: not a measure of decode speed
+    assert len(warned()) == 2
