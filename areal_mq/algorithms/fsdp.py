@@ -101,20 +101,30 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     return norm
 
 
-def full_state_dict(lm: nn.Module, dtype: str | None, keep: bool) -> dict[str, torch.Tensor]:
-    """The whole model's state dict, gathered one tensor at a time (collective: call on every rank; each rank
-    walks the same names in the same order). Tied tensors (lm_head == embed_tokens) are gathered once under
-    their first name, as `areal_mq.weights.unique_tensors` does. Tensors go to the CPU in `dtype` (a torch dtype
-    name, None: unchanged); only a rank with `keep` stores them (the others return {})."""
+def unique_state(lm: nn.Module) -> Any:
+    """(name, tensor, this rank's local part) for each entry of `lm`'s state dict, tied tensors (lm_head ==
+    embed_tokens) once under their first name, as `areal_mq.weights.unique_tensors` keeps them. Every rank walks the
+    same names in the same order."""
     from torch.distributed.tensor import DTensor
 
-    out, seen = {}, set()
+    seen = set()
     for name, t in lm.state_dict().items():
         local = t.to_local() if isinstance(t, DTensor) else t
         key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
-        if key in seen:
-            continue
-        seen.add(key)
+        if key not in seen:
+            seen.add(key)
+            yield name, t, local
+
+
+def full_state_dict(lm: nn.Module, dtype: str | None, keep: bool) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, gathered one tensor at a time (collective: call on every rank; each rank
+    walks the same names in the same order). Tied tensors are gathered once under their first name (unique_state).
+    Tensors go to the CPU in `dtype` (a torch dtype name, None: unchanged); only a rank with `keep` stores them
+    (the others return {})."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, t, _ in unique_state(lm):
         full = t.full_tensor() if isinstance(t, DTensor) else t
         if keep:
             want = getattr(torch, dtype) if dtype is not None and full.is_floating_point() else full.dtype

@@ -59,16 +59,12 @@ def local_slices(lm: Any, dtype: str | None, rank: int, world: int
     import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from areal_mq.algorithms.fsdp import unique_state
+
     want = getattr(torch, dtype) if dtype else None
     out: dict[str, Any] = {}
     where: dict[str, tuple[int, int, list[int]]] = {}
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    for name, t in lm.state_dict().items():
-        local = t.to_local() if isinstance(t, DTensor) else t
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
-        if key in seen:
-            continue
-        seen.add(key)
+    for name, t, local in unique_state(lm):
         shape = list(t.shape)
         sharded = isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
         if sharded:
