@@ -24,26 +24,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from areal_mq.testing.netns import ip as _ip, netns_unavailable  # noqa: F401 (netns_unavailable: soak.py asks here)
 
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
-
-
-def netns_unavailable() -> str | None:
-    """Why this machine cannot cut links in network namespaces (None when it can)."""
-    if sys.platform != "linux":
-        return "network namespaces are Linux only"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces and veth pairs"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    probe = f"amqsoak{os.getpid()}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
 
 
 def mount_unavailable() -> str | None:

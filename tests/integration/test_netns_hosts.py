@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +55,7 @@ import yaml
 from . import test_chaos
 from .procs import Procs, keys, wait_for, write_config
 from .test_chaos import _events, _store_log
+from areal_mq.testing.netns import ip as _ip, netns_unavailable
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,24 +68,6 @@ WINDOW_S = 10.0  # throughput measurement window
 
 
 # ---------------------------------------------------------------- the network
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
-
-
-def netns_unavailable() -> str | None:
-    """Why this test cannot build namespaces here (None when it can)."""
-    if sys.platform != "linux":
-        return "network namespaces are Linux only"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces, veth pairs and a bridge"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    probe = f"amqprobe{os.getpid()}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
 
 
 @dataclass
