@@ -190,8 +190,9 @@ class TrainerConfig(BaseModel):
         "zmq, else gather.")
     shard_publish_timeout_s: float = Field(
         120.0, gt=0, description="Sharded publishing: how long rank 0 waits for every other rank to serve a version "
-        "before it announces it; a rank that does not is named in a trainer.shard_missing error and the version is "
-        "not announced (the next one is).")
+        "before it announces it, plus 4x the time rank 0's own publish of its shard took (so the wait grows with the "
+        "shard's bytes); a rank that does not is named in a trainer.shard_missing error and the version is not "
+        "announced (the next one is).")
     weight_chunk_mb: float = Field(64.0, gt=0, description="Target size of one WeightsChunk (a tensor is never split).")
     weight_deltas: Literal["auto", "on", "off"] = Field(
         "auto", description="Also publish each version as a lossless, checksummed delta against the previous one "

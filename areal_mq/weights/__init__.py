@@ -165,21 +165,26 @@ class WeightServer:
             raise WeightsFetchError(f"weight server could not bind tcp://{host}:{port}: {self._error}")
 
     def publish(self, version: int, tensors: Mapping[str, "torch.Tensor"],
-                digests: Mapping[str, str] | None = None) -> WeightsReady:
+                digests: Mapping[str, str] | None = None,
+                diff: Mapping[str, "torch.Tensor"] | None = None) -> WeightsReady:
         """Make `version` fetchable (the tensors must be a snapshot: they are served as they are). `digests`: their
-        checksums when the caller has them already (with deltas they are computed here otherwise)."""
+        checksums when the caller has them already (with deltas they are computed here otherwise). `diff`: the same
+        snapshot where it was taken (a trainer rank's GPU): the delta is then computed there, against the previous
+        publish's `diff`, which is what this server keeps as the next base (one snapshot of device memory) instead
+        of the host copy."""
         if digests is None and self.deltas:
             digests = {k: checksum(t) for k, t in tensors.items()}
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         chunks = make_chunks(version, tensors, self.chunk_bytes, digests)
         full = _Piece(chunks, nbytes)
         delta = None
+        base = tensors if diff is None else diff
         if self.deltas and self._last is not None and self._last[0] == version - 1 and same_layout(
-                self._last[1], tensors):
-            deltas = encode_version(self._last[1], tensors, digests)
+                self._last[1], base) and all(self._last[1][k].device == t.device for k, t in base.items()):
+            deltas = encode_version(self._last[1], base, digests)
             dchunks = make_delta_chunks(version, version - 1, deltas, self.chunk_bytes)
             delta = _Piece(dchunks, sum(d.nbytes for d in deltas))
-        self._last = (version, tensors) if self.deltas else None
+        self._last = (version, base) if self.deltas else None
         with self._lock:
             self._full[version] = full
             self._full.move_to_end(version)

@@ -7,7 +7,9 @@ What:
               followed by the new elements' raw bits, or
     "xor":    the XOR of the two tensors' raw bytes (mostly zero bytes at RL learning rates),
   each compressed with zstd, plus the checksum of `new`. Elements are compared by their bits, so NaN,
-  -0.0 and every dtype round-trip exactly.
+  -0.0 and every dtype round-trip exactly. Tensors on an accelerator are compared there (torch: compare, positions,
+  gaps, xor); only the changed positions and values, and a dense change's xor, come to the host for zstd. CPU
+  tensors are compared by numpy over zero-copy views (faster than torch on the CPU, measured).
 - `apply(base, delta)` -> the new tensor (a fresh tensor: `base` is never written), refused with DeltaError
   when the delta does not fit its base (name, dtype, shape), its payload is corrupt, or the result's
   checksum differs from the one the trainer published.
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 ENCODINGS = ("sparse", "xor")
 CHECKSUM = "blake2b-128"
 ZSTD_LEVEL = 3
+DEVICE_XOR_DENSITY = 0.25  # see _candidates_device
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -93,28 +96,76 @@ def _gap_dtype(numel: int) -> Any:
 
 
 # ---------------------------------------------------------------- encode
+def _host_bits(t: "torch.Tensor") -> np.ndarray:
+    """A 1-d integer tensor's raw bits on the host, as numpy unsigned integers of its element size."""
+    flat = t.detach().cpu().contiguous()
+    return flat.numpy().view(_UINT[flat.element_size()])
+
+
+def _device_bits(t: "torch.Tensor") -> "torch.Tensor":
+    """`t`'s raw bits as a 1-d signed integer tensor of its element size, on its own device (a view, no copy)."""
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+
+
+def _candidates_numpy(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> list[tuple[str, int, bytes]]:
+    """Both encodings, compared on the host (numpy over zero-copy views of CPU tensors: on this CPU numpy's
+    compare and flatnonzero measured 4-5x faster than torch's)."""
+    a, b = raw(base), raw(new)
+    changed = np.flatnonzero(a != b)
+    gaps = _gap_dtype(a.size)
+    out = []
+    if changed.size * (np.dtype(gaps).itemsize + a.itemsize) < a.nbytes or a.nbytes == 0:
+        step = np.diff(changed, prepend=0).astype(gaps)  # first: its position; then gaps (>= 1)
+        out.append(("sparse", int(changed.size), zc.compress(step.tobytes() + b[changed].tobytes())))
+    if not out or len(out[0][2]) > 64:  # a tiny sparse frame cannot lose to xor: skip the work
+        out.append(("xor", 0, zc.compress(np.bitwise_xor(a, b).tobytes())))
+    return out
+
+
+def _candidates_device(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> list[tuple[str, int, bytes]]:
+    """The same encodings with the compare, the positions, the gaps and the xor computed by torch on the tensors'
+    device (a trainer rank's GPU): only the changed positions and values cross to the host, and the full-size xor
+    only when the change is dense enough for it to have a chance (more than DEVICE_XOR_DENSITY of the raw
+    sparse size against the tensor's bytes; below it the sparse frame measured within ~8 % of the xor one)."""
+    import torch
+
+    a, b = _device_bits(base), _device_bits(new)
+    changed = torch.nonzero(a != b).reshape(-1)
+    gaps = _gap_dtype(a.numel())
+    nbytes = a.numel() * a.element_size()
+    sparse_raw = changed.numel() * (np.dtype(gaps).itemsize + a.element_size())
+    out = []
+    if sparse_raw < nbytes or nbytes == 0:
+        step = torch.diff(changed, prepend=changed.new_zeros(1)).cpu().numpy().astype(gaps)
+        out.append(("sparse", int(changed.numel()), zc.compress(step.tobytes() + _host_bits(b[changed]).tobytes())))
+    if not out or sparse_raw >= DEVICE_XOR_DENSITY * nbytes:
+        out.append(("xor", 0, zc.compress(_host_bits(torch.bitwise_xor(a, b)).tobytes())))
+    return out
+
+
 def encode(name: str, base: "torch.Tensor", new: "torch.Tensor", digest: str | None = None,
-           level: int = ZSTD_LEVEL) -> TensorDelta:
-    """The smaller (compressed) of the sparse and xor deltas taking `base` to `new` (same dtype and shape)."""
+           level: int = ZSTD_LEVEL, on_device: bool | None = None) -> TensorDelta:
+    """The smaller (compressed) of the sparse and xor deltas taking `base` to `new` (same dtype and shape).
+    on_device: diff with torch where the tensors live (default: when they are not on the CPU) instead of numpy on
+    the host; both give frames any receiver applies the same way."""
     import zstandard
 
     if base.dtype != new.dtype or tuple(base.shape) != tuple(new.shape):
         raise ValueError(f"{name}: a delta needs the same dtype and shape, got {base.dtype}{list(base.shape)} "
                          f"-> {new.dtype}{list(new.shape)}; publish a full version instead")
-    a, b = raw(base), raw(new)
+    if on_device is None:
+        on_device = new.device.type != "cpu"
+    if on_device and base.device != new.device:
+        raise ValueError(f"{name}: a device delta needs both versions on one device, got {base.device} and "
+                         f"{new.device}")
     zc = zstandard.ZstdCompressor(level=level, write_checksum=True)
-    changed = np.flatnonzero(a != b)
-    esize = a.itemsize
-    gaps = _gap_dtype(a.size)
-    best: tuple[str, int, bytes] | None = None
-    if changed.size * (np.dtype(gaps).itemsize + esize) < a.nbytes or a.nbytes == 0:
-        step = np.diff(changed, prepend=0).astype(gaps)  # first: its position; then gaps (>= 1)
-        best = ("sparse", int(changed.size), zc.compress(step.tobytes() + b[changed].tobytes()))
-    if best is None or len(best[2]) > 64:  # a tiny sparse frame cannot lose to xor: skip the work
-        xor = zc.compress(np.bitwise_xor(a, b).tobytes())
-        if best is None or len(xor) < len(best[2]):
-            best = ("xor", 0, xor)
-    encoding, count, payload = best
+    found = (_candidates_device if on_device else _candidates_numpy)(base, new, zc)
+    encoding, count, payload = min(found, key=lambda c: len(c[2]))
     return TensorDelta(name, _dtype_name(new), list(new.shape), encoding, count, digest or checksum(new),
                        np.frombuffer(payload, dtype=np.uint8))
 

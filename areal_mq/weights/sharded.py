@@ -24,7 +24,9 @@ Failure: a rank that does not serve a version in time is named (trainer.shard_mi
 announced: workers stay on the version they hold and move on with the next announcement; training goes on.
 Memory per rank: the staging copy of its shard (model bytes / world in publish_dtype, at most 2 alive, as
 BackgroundPublisher bounds them) plus what its server keeps (trainer.keep_weight_versions full shards and
-trainer.full_every deltas).
+trainer.full_every deltas, in host memory). On a GPU rank the delta is computed on the GPU (delta.encode with
+torch: compare, positions, xor), so the server also keeps the previous version's device snapshot as the next
+delta's base: one more shard of device memory in publish_dtype (1.9 GB per rank for 7B on 8 ranks in bf16).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from areal_mq.algorithms.config import TrainerConfig
 
 SHARD_FRAME_BYTES = 64 << 20  # a WeightsShard of 65,536 slices is ~6 MB; nothing bigger comes from a rank
+SHARD_WAIT_FACTOR = 4.0  # rank 0 waits for the others this many times its own publish time, on top of the timeout
 
 
 def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -152,10 +155,12 @@ class ShardPublisher:
         from areal_mq.protocol import encode
         from areal_mq.weights.delta import checksum
 
+        started = time.monotonic()
         slices, where = snapshot
         host = {k: (v if v.device.type == "cpu" else v.to("cpu")) for k, v in slices.items()}
         digests = {k: checksum(t) for k, t in host.items()}
-        ready = self.server.publish(version, host, digests=digests)
+        on_device = any(v.device.type != "cpu" for v in slices.values())
+        ready = self.server.publish(version, host, digests=digests, diff=slices if on_device else None)
         names = list(host)
         mine = WeightsShard(
             rank=self.rank, endpoint=self.server.endpoint, num_chunks=ready.num_chunks, base=ready.base,
@@ -167,27 +172,30 @@ class ShardPublisher:
             self._push.send_multipart(encode(WeightsReady(version=version, mode="zmq", endpoint=mine.endpoint,
                                                           shards=[mine])))
             return None
-        shards = self._collect(version, mine)
+        shards = self._collect(version, mine, time.monotonic() - started)
         if shards is None:
             return None
         return WeightsReady(version=version, mode="zmq", endpoint=self.server.endpoint,
                             num_chunks=sum(s.num_chunks for s in shards), shards=shards,
                             meta={"bytes": sum(s.bytes for s in shards), "world": self.world})
 
-    def _collect(self, version: int, mine: WeightsShard) -> list[WeightsShard] | None:
-        """Rank 0: every rank's WeightsShard of `version` (None, logged, when one is missing at the deadline)."""
+    def _collect(self, version: int, mine: WeightsShard, own_s: float = 0.0) -> list[WeightsShard] | None:
+        """Rank 0: every rank's WeightsShard of `version` (None, logged, when one is missing at the deadline). The
+        wait scales with the bytes: shard_publish_timeout_s plus SHARD_WAIT_FACTOR times what rank 0's own publish
+        of its (equal-sized) shard took, so a 70B shard is not cut off at the fixed part a small model needs."""
         got = self._pending.pop(version, {})
         got[0] = mine
         for v in [v for v in self._pending if v < version]:
             del self._pending[v]  # a version that was never complete: nobody will announce it
-        deadline = time.monotonic() + self.cfg.shard_publish_timeout_s
+        wait_s = self.cfg.shard_publish_timeout_s + SHARD_WAIT_FACTOR * own_s
+        deadline = time.monotonic() + wait_s
         while len(got) < self.world:
             left = deadline - time.monotonic()
             if left <= 0 or self._pull is None:
                 missing = sorted(set(range(self.world)) - set(got))
                 if self.log is not None:
                     self.log.error("trainer.shard_missing", version=version, missing_ranks=missing,
-                                   waited_s=self.cfg.shard_publish_timeout_s,
+                                   waited_s=round(wait_s, 1), rank0_publish_s=round(own_s, 2),
                                    hint="those ranks did not serve this version in time (dead, stuck or slow); it "
                                         "is not announced, rollout workers keep their weights until the next one")
                 return None

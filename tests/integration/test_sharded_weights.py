@@ -78,7 +78,8 @@ def run_rank(mode: str, out: Path) -> None:
 
     def publish(version, snapshot, _hf):
         if mode == "two" and rank == 1 and version == SLOW_V:
-            time.sleep(cfg.shard_publish_timeout_s + 2.0)  # the slow rank
+            # the slow rank: past rank 0's wait, which is the timeout plus 4x its own (tiny, < 1 s) publish time
+            time.sleep(cfg.shard_publish_timeout_s + 6.0)
         ready = publisher.publish(version, snapshot)
         if rank == 0:
             announced[version] = ready.model_dump(mode="json") if ready is not None else None

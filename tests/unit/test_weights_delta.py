@@ -294,3 +294,43 @@ def test_the_fetch_deadline_grows_with_the_bytes_to_move(tmp_path):
     assert catchup.budget_s == pytest.approx(6.0)
     with pytest.raises(WeightsFetchError, match="rollout.weights_min_mbps 0.001 MB/s"):
         catchup._left(time.monotonic() - 1, "full v3")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("changed", [0, 40, 3000])
+def test_the_device_diff_gives_frames_that_apply_bit_exactly(dtype, changed):
+    """The torch path a GPU rank takes (forced here on CPU tensors): same sparse frame as numpy's, a dense change
+    still goes xor, and every frame applies to exactly the new tensor."""
+    a, b = _pair(dtype, changed=changed)
+    on_dev, host = encode("w", a, b, on_device=True), encode("w", a, b, on_device=False)
+    out = apply(a, on_dev)
+    assert checksum(out) == checksum(b) == on_dev.checksum
+    if on_dev.encoding == host.encoding == "sparse":
+        assert on_dev.count == host.count == changed and bytes(on_dev.payload) == bytes(host.payload)
+    dense = encode("w", a, ~a if dtype == torch.bool else a + 1, on_device=True)
+    assert dense.encoding == "xor" and checksum(apply(a, dense)) == dense.checksum
+
+
+def test_a_server_diffs_against_the_snapshot_it_was_given_to_diff():
+    """WeightServer.publish(diff=...): the delta is computed from the `diff` tensors (a GPU rank's device snapshot)
+    and that copy is kept as the next base; receivers holding the host copy still land on the new version."""
+    a, b = _pair(torch.bfloat16, changed=25)
+    server = WeightServer(deltas=True)
+    try:
+        server.publish(1, {"w": a.clone()}, diff={"w": a.clone()})
+        ready = server.publish(2, {"w": b.clone()}, diff={"w": b.clone()})
+        assert ready.base == 1 and server._last is not None and server._last[0] == 2
+        piece = server._delta[2][1]
+        assert piece.nbytes < a.numel() * 2 // 4  # 25 of 4,000 changed: a delta, not the full bytes
+        moved = {"w": torch.empty(0)}  # a layout the next version cannot diff against: the chain restarts
+        assert server.publish(3, moved, diff=moved).base == -1
+    finally:
+        server.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_snapshot_is_diffed_on_the_gpu_and_applies_on_the_host():
+    a, b = _pair(torch.bfloat16, n=400_000, changed=5_000)
+    d = encode("w", a.cuda(), b.cuda())  # on_device by default: the tensors are on CUDA
+    assert d.encoding in ("sparse", "xor") and checksum(apply(a, d)) == checksum(b) == d.checksum
+    assert bytes(d.payload) == bytes(encode("w", a, b, on_device=True).payload)
