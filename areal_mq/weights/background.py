@@ -9,7 +9,11 @@ Bounds: at most one version waits while another is being published; a third `sub
 takes the waiting one (backpressure, counted in the step's `publish_s`). So besides what the weight server keeps
 (trainer.keep_weight_versions), at most 2 snapshots are alive: 2 x the model's bytes in publish_dtype.
 Failures are not silent: an exception in the thread is raised again by the next `submit` or `flush` in the
-trainer's own thread (the worker then stops and the launcher restarts it, as before).
+trainer's own thread (the worker then stops and the launcher restarts it, as before). A full disk (ENOSPC, EDQUOT)
+is the one failure retried in place: `trainer.publish_failed` (error, with the errno and the next try) and the same
+version again after 1, 2, 4 … 30 s, for up to `retry_s` (600 s); training goes on meanwhile until the queue is full,
+then the step waits. A restart would redo every version since the last checkpoint for the same full disk; the
+disk publisher writes a version under a temporary name and renames it, so a failed try leaves nothing half-written.
 Why a thread and not a process: the snapshot would have to be copied again to reach a process; the encoding's
 heavy parts (torch copies, checksums, zlib, zmq sends) release the GIL.
 Thread safety: the bus socket and the publisher are used by this thread only, once it started (the trainer's
@@ -17,18 +21,25 @@ thread stops touching them; zmq sockets may move between threads with the queue'
 """
 from __future__ import annotations
 
+import errno
 import queue
 import threading
 import time
 from typing import Any, Callable, Mapping
 
 
+RETRIED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # a full disk: it may free up, a restart would not help
+
+
 class BackgroundPublisher:
     """`submit(version, tensors, hf_config_json) -> seconds blocked`; `flush()`; `close()`."""
 
-    def __init__(self, publish: Callable[[int, Mapping[str, Any], str | None], Any], log: Any = None):
+    def __init__(self, publish: Callable[[int, Mapping[str, Any], str | None], Any], log: Any = None,
+                 retry_s: float = 600.0, first_delay_s: float = 1.0):
         self._publish = publish
         self._log = log
+        self.retry_s, self.first_delay_s = retry_s, first_delay_s
+        self.retries = 0  # tries that met a full disk and were repeated
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Condition()
         self._busy = 0  # submitted and not yet published
@@ -91,7 +102,7 @@ class BackgroundPublisher:
             version, tensors, hf_config_json = item
             t0 = time.perf_counter()
             try:
-                self._publish(version, tensors, hf_config_json)
+                self._publish_retrying(version, tensors, hf_config_json)
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread, which raises it
                 self._error = exc
                 with self._idle:
@@ -105,3 +116,23 @@ class BackgroundPublisher:
             with self._idle:
                 self._busy -= 1
                 self._idle.notify_all()
+
+    def _publish_retrying(self, version: int, tensors: Mapping[str, Any], hf_config_json: str | None) -> None:
+        """One publish; a full disk is retried with backoff until `retry_s` has passed (then raised as any error)."""
+        started, delay = time.monotonic(), self.first_delay_s
+        while True:
+            try:
+                self._publish(version, tensors, hf_config_json)
+                return
+            except OSError as exc:
+                waited = time.monotonic() - started
+                if exc.errno not in RETRIED_ERRNOS or self._closed or waited + delay > self.retry_s:
+                    raise
+                self.retries += 1
+                if self._log is not None:
+                    self._log.error("trainer.publish_failed", version=version, errno=errno.errorcode.get(exc.errno),
+                                    error=str(exc)[:300], retry_in_s=delay, waited_s=round(waited, 1),
+                                    hint="the disk the weights are written to is full; this version is retried in "
+                                         "place, training goes on until the publish queue is full")
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)

@@ -76,3 +76,55 @@ def test_close_publishes_what_is_queued():
     assert seen == [1, 2]
     with pytest.raises(RuntimeError, match="closed"):
         bg.submit(3, {}, None)
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def error(self, event, **kw):
+        self.lines.append((event, kw))
+
+    info = warning = error
+
+
+def test_a_full_disk_is_retried_in_place_and_the_version_lands():
+    import errno
+
+    tries, log = [], _Log()
+
+    def publish(version, tensors, cfg):
+        tries.append(version)
+        if len(tries) <= 2:
+            raise OSError(errno.ENOSPC, "No space left on device", "/run/weights/.v1.tmp")
+
+    bg = BackgroundPublisher(publish, log=log, first_delay_s=0.01)
+    bg.submit(1, {}, None)
+    bg.submit(2, {}, None)
+    assert bg.flush(30)
+    assert tries == [1, 1, 1, 2] and bg.published == 2 and bg.retries == 2
+    failed = [kw for event, kw in log.lines if event == "trainer.publish_failed"]
+    assert len(failed) == 2 and failed[0]["errno"] == "ENOSPC" and failed[0]["version"] == 1
+    bg.close()
+
+
+def test_a_disk_that_stays_full_past_the_retry_budget_is_raised_and_other_os_errors_at_once():
+    import errno
+
+    def full(version, tensors, cfg):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    bg = BackgroundPublisher(full, first_delay_s=0.01, retry_s=0.2)
+    bg.submit(1, {}, None)
+    with pytest.raises(RuntimeError, match="No space left"):
+        bg.flush(30)
+    assert bg.retries >= 2
+
+    def denied(version, tensors, cfg):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    bg = BackgroundPublisher(denied, first_delay_s=0.01)
+    bg.submit(1, {}, None)
+    with pytest.raises(RuntimeError, match="Permission denied"):
+        bg.flush(30)
+    assert bg.retries == 0
