@@ -77,18 +77,24 @@ def draw_input(c: Any, target: Any) -> dict:
             "ident": c.choice(IDENTS)}
 
 
-def run_one(target: Any, inp: dict, i: int, hang_s: float) -> str:
-    """Feed one input under an alarm; returns its outcome. Raises what the target raised (or Hang)."""
+def under_alarm(call: Any, hang_s: float, what: str) -> Any:
+    """`call()` under an alarm: Hang when it is still running after `hang_s`."""
     def alarm(*_: Any) -> None:
-        raise Hang(f"still running after {hang_s}s")
+        raise Hang(f"{what} still running after {hang_s}s")
 
     old = signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, hang_s)
     try:
-        return target.feed(inp["frames"], inp["role"], inp["ident"], inp["seed"] if inp["pristine"] else None, i)
+        return call()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def run_one(target: Any, inp: dict, i: int, hang_s: float) -> str:
+    """Feed one input under an alarm; returns its outcome. Raises what the target raised (or Hang)."""
+    return under_alarm(lambda: target.feed(inp["frames"], inp["role"], inp["ident"],
+                                           inp["seed"] if inp["pristine"] else None, i), hang_s, "input")
 
 
 def rss_mb() -> float:
@@ -127,8 +133,8 @@ class Campaign:
         inp = {**draw_input(c, self.target), "i": i}
         try:
             outcome = run_one(self.target, inp, i, self.hang_s)
-            if self.wire_every and i % self.wire_every == 0:
-                self._wire(inp)
+            if self.wire_every and i % self.wire_every == 0:  # a real socket: a stuck server is a hang, not a stall
+                under_alarm(lambda: self._wire(inp), 2 * self.hang_s, "the same input over the wire")
         except Hang as exc:
             self._fail("hangs", inp, exc)
             outcome = "hang"
