@@ -27,6 +27,7 @@ A plot of bytes per update over the steps goes to --plot (default docs/weights-d
 
     python benchmarks/weights.py [--quick] [--json PATH] [--plot PATH] [--threads N] [--from-json PATH]
     python benchmarks/weights.py --sharded [--quick] [--json PATH]   (sharded vs gather: benchmarks/weights_sharded.py)
+    python benchmarks/weights.py --codec [--quick] [--device D]      (the delta encoder per GB: weights_codec.py)
 
 `--quick`: the tiny random Llama, 3 steps, 2 prompts, 16 tokens (same code path), under 2 minutes on 2 cores.
 benchmarks/RESULTS.md records runs.
@@ -425,10 +426,20 @@ def main() -> None:
                         "(table, ratios, plot; nothing is measured).")
     parser.add_argument("--sharded", action="store_true", help="Sharded publishing against the rank-0 gather "
                         "(benchmarks/weights_sharded.py: 2 FSDP ranks, a Qwen2.5-0.5B shape).")
+    parser.add_argument("--codec", action="store_true", help="The delta encoder per GB, host numpy against torch "
+                        "on --device (benchmarks/weights_codec.py).")
+    common.add_device_arg(parser)
     parser.add_argument("--versions", type=int, default=6, help="--sharded: versions published.")
     parser.add_argument("--changed", type=float, default=0.025, help="--sharded: share of elements a version changes.")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.device != "cpu" and not args.codec:
+        parser.error("--device applies to --codec only (the update benchmarks run the trainer on the CPU)")
+    if args.codec:
+        import weights_codec
+
+        weights_codec.main(args)
+        return
     if args.sharded:
         import weights_sharded
 
