@@ -337,6 +337,11 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         bus = SignalPublisher(cfg.brokers.bus_in_addr, keys=rt.keys)
         if not cfg.trainer.sharded_publish:
             publisher = WeightPublisher(cfg.trainer, cfg.run.run_dir, keys=rt.keys, log=rt.log)
+            if trainer.world_size > 1:  # say once why a sharded trainer gathers, and what would avoid it
+                rt.log.info("trainer.publish_layout", layout="gather", world=trainer.world_size,
+                            publish_mode=cfg.trainer.publish_mode, hint="every version is gathered to rank 0 and "
+                            "published from there; with publish_mode zmq every rank serves its own shard instead "
+                            "(publish_layout auto or sharded, docs/bigger-models.md)")
         time.sleep(0.3)  # let the PUB socket connect before the first WeightsReady
     if cfg.trainer.sharded_publish:  # every rank serves its own shards; the constructor is a collective
         from areal_mq.security import Keyring
