@@ -390,6 +390,10 @@ class RunConfig(_Section):
                 "temperature, and the trainer recomputes them the same way")
         self._check_precision()
         self._check_exposure()
+        hosts = self.trainer.weight_server_hosts
+        if hosts and len(hosts) != self.launcher.trainer_ranks:
+            raise ConfigError(f"trainer.weight_server_hosts lists {len(hosts)} hosts for launcher.trainer_ranks "
+                              f"{self.launcher.trainer_ranks}: one per rank, rank 0's first")
         self._configure_reward_task()
         return self
 
@@ -449,7 +453,8 @@ class RunConfig(_Section):
 
         if not self.security.insecure:
             return
-        hosts = {"brokers.host": self.brokers.host, "trainer.weight_server_host": self.trainer.weight_server_host}
+        hosts = {"brokers.host": self.brokers.host, "trainer.weight_server_host": self.trainer.weight_server_host,
+                 **{f"trainer.weight_server_hosts[{r}]": h for r, h in enumerate(self.trainer.weight_server_hosts)}}
         exposed = {k: v for k, v in hosts.items() if not is_loopback(v)}
         if exposed:
             raise ConfigError(

@@ -182,6 +182,11 @@ class TrainerConfig(BaseModel):
     weight_server_host: str = Field("127.0.0.1", description="Interface the zmq weight server binds to.")
     weight_server_port: int = Field(0, ge=0, le=65535, description="Port of the zmq weight server (0: any free port). "
                                     "Sharded publishing: trainer rank r binds this port + r (0: any free port each).")
+    weight_server_hosts: list[str] = Field(
+        default_factory=list, description="Sharded publishing by a trainer spanning hosts: the address trainer rank r "
+        "binds (and the only one rollout workers and the bus accept for rank r), one per rank; rank 0's must be "
+        "weight_server_host. Empty: every rank binds weight_server_host (one host). The Ray backend fills it from "
+        "the nodes its placement group holds.")
     publish_layout: Literal["auto", "gather", "sharded"] = Field(
         "auto", description="Who serves the weights of a sharded trainer. sharded: every rank snapshots, encodes "
         "and serves its own FSDP shards from its own weight server (no rank gathers the model; WeightsReady.shards "
@@ -216,6 +221,17 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"publish_layout sharded serves FSDP shards over zmq: it needs strategy fsdp and "
                              f"publish_mode zmq (got strategy {self.strategy!r}, publish_mode {self.publish_mode!r}); "
                              "use publish_layout auto or gather")
+        if self.weight_server_hosts:
+            if not self.sharded_publish:
+                raise ValueError("trainer.weight_server_hosts names each rank's weight server, which only sharded "
+                                 "publishing has (strategy fsdp, publish_mode zmq, publish_layout auto or sharded); "
+                                 "leave it empty")
+            if self.weight_server_hosts[0] != self.weight_server_host:
+                raise ValueError(f"trainer.weight_server_hosts[0] ({self.weight_server_hosts[0]!r}) is rank 0's host "
+                                 f"and must equal trainer.weight_server_host ({self.weight_server_host!r})")
+            if any(not h or any(c in h for c in "/:@ ") for h in self.weight_server_hosts):
+                raise ValueError(f"trainer.weight_server_hosts must be host names or IPv4 addresses, got "
+                                 f"{self.weight_server_hosts}")
         if self.strategy == "fsdp" and self.publish_mode == "cuda_ipc":
             raise ValueError("publish_mode cuda_ipc shares the live parameters of one whole model, which no FSDP rank "
                              "holds; use publish_mode disk or zmq with strategy fsdp")

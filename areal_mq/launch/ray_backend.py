@@ -17,7 +17,8 @@ of that role (one unit each), else the defaults:
     controller  areal_controller, else the brokers' node (pinned)
     trainer     areal_trainer, else one GPU per rank when the cluster has them, else num_cpus =
                 launcher.threads.trainer (publish_mode zmq: probed and pinned like the broker; its IP is
-                trainer.weight_server_host). More than one rank: one unit in a placement group (ray_unit.py)
+                trainer.weight_server_host). More than one rank: one unit in a placement group (ray_unit.py);
+                sharded publishing over several nodes: each rank's node IP in trainer.weight_server_hosts
     rollout     areal_rollout, else num_cpus = launcher.threads.rollout (default 1); SPREAD over the nodes
     reward      areal_reward, else no resources; SPREAD
 
@@ -262,9 +263,11 @@ class RayLauncher(Launcher):
             setattr(cfg.brokers, name, port)
         if cfg.launcher.trainer_ranks > 1:  # its bundles are held from now on; rank 0 serves zmq weights
             self.unit = TrainerUnit(self)
-            rank0_ip = self.unit.reserve()
+            ips = self.unit.reserve()
             if cfg.trainer.publish_mode == "zmq":
-                cfg.trainer.weight_server_host = rank0_ip
+                cfg.trainer.weight_server_host = ips[0]
+                if cfg.trainer.sharded_publish and len(set(ips)) > 1:  # every rank serves from its own node
+                    cfg.trainer.weight_server_hosts = ips
         elif cfg.trainer.publish_mode == "zmq":
             trainer = self.probe("trainer", None)
             self.anchors["trainer"] = trainer["node_id"]

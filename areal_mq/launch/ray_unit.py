@@ -7,7 +7,9 @@ node (`Rendezvous`) where the ranks meet: MASTER_ADDR = brokers.host, so ranks o
 Why not torchrun inside one actor: a unit spanning nodes has no one host to run it on, and each rank should
 hold exactly its own bundle's GPU. The unit does torchrun's part itself:
 
-    reserve()   the placement group, in the driver's prepare (its rank-0 node may be the zmq weight server)
+    reserve()   the placement group, in the driver's prepare, and each bundle's node IP (rank 0's is the zmq
+                weight server; with sharded publishing over several nodes every rank serves its shards from its
+                own node's IP: trainer.weight_server_hosts)
     start()     actors into their bundles -> where each landed and which GPUs Ray gave it -> a new store
                 (a new port) -> each rank's environment (ray_placement.rank_envs) -> every rank process starts
     poll()      rank 0 exits 0: the run is done; any rank exits non-zero or its actor is lost: the unit is dead
@@ -85,8 +87,9 @@ class TrainerUnit:
             self.pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)}
 
     # ------------------------------------------------------------ placement
-    def reserve(self) -> str:
-        """Make the placement group and wait until Ray holds every bundle; returns rank 0's node IP."""
+    def reserve(self) -> list[str]:
+        """Make the placement group and wait until Ray holds every bundle; returns each rank's node IP, in rank
+        order (a probe in every bundle)."""
         from ray.util.placement_group import placement_group
 
         from areal_mq.launch.ray_backend import probe_node
@@ -100,18 +103,12 @@ class TrainerUnit:
             raise ConfigError(f"Ray could not reserve the trainer's {self.n} bundles of {self.bundle} ({strategy}) "
                               f"within {PLACE_TIMEOUT_S:.0f} s; the cluster offers {self.launcher.cluster} "
                               "(launcher.ray_trainer_strategy, placement.trainer, docs/many-hosts.md)") from None
-        from ray.util.placement_group import placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        nodes = set(placement_group_table(self.pg)["bundles_to_node_id"].values())
-        if len(nodes) > 1 and self.cfg.trainer.publish_mode == "zmq":  # every rank binds weight_server_host
-            raise ConfigError(f"the trainer's {self.n} ranks landed on {len(nodes)} nodes ({strategy}), but "
-                              "trainer.publish_mode zmq serves every rank's weights from one address "
-                              "(trainer.weight_server_host): keep the ranks on one node (launcher.ray_trainer_"
-                              "strategy STRICT_PACK) or publish through the shared run directory (publish_mode disk)")
-        probe = self.ray.remote(probe_node).options(num_cpus=0, max_retries=0, scheduling_strategy=
-                                                    PlacementGroupSchedulingStrategy(self.pg, 0))
-        return self.ray.get(probe.remote(), timeout=PLACE_TIMEOUT_S)["ip"]
+        probes = [self.ray.remote(probe_node).options(num_cpus=0, max_retries=0, scheduling_strategy=
+                                                      PlacementGroupSchedulingStrategy(self.pg, i)).remote()
+                  for i in range(self.n)]
+        return [w["ip"] for w in self.ray.get(probes, timeout=PLACE_TIMEOUT_S)]
 
     # ------------------------------------------------------------ start
     def start(self) -> None:

@@ -411,6 +411,14 @@ def resolve(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig", time
 _ENDPOINT = re.compile(r"^tcp://(.+):(\d{1,5})$")
 
 
+def rank_host(cfg: "TrainerConfig", rank: int) -> str:
+    """The address trainer rank `rank`'s weight server binds: trainer.weight_server_hosts[rank] when the trainer
+    spans hosts, else trainer.weight_server_host (a rank past the list gets no address anyone accepts)."""
+    if not cfg.weight_server_hosts:
+        return cfg.weight_server_host
+    return cfg.weight_server_hosts[rank] if 0 <= rank < len(cfg.weight_server_hosts) else "(no such rank)"
+
+
 def check_ready(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig") -> str | None:
     """None when `ready` points where this run's trainer publishes, else what is wrong with it."""
     if ready.mode == "base":
@@ -430,8 +438,9 @@ def check_ready(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig") 
     for endpoint, rank in [(ready.endpoint, 0)] + [(s.endpoint, s.rank) for s in ready.shards]:
         m = _ENDPOINT.match(endpoint)
         port_ok = m and (cfg.weight_server_port == 0 or int(m.group(2)) == cfg.weight_server_port + rank)
-        if not m or m.group(1) != cfg.weight_server_host or not port_ok:
-            want = f"tcp://{cfg.weight_server_host}:{cfg.weight_server_port + rank if cfg.weight_server_port else 'PORT'}"
+        host = rank_host(cfg, rank)
+        if not m or m.group(1) != host or not port_ok:
+            want = f"tcp://{host}:{cfg.weight_server_port + rank if cfg.weight_server_port else 'PORT'}"
             who = f"trainer rank {rank}'s" if ready.shards else "the trainer's"
             return f"weights endpoint {endpoint!r} is not {who} weight server ({want})"
     return None

@@ -111,18 +111,24 @@ class ShardPublisher:
                  rank: int = 0, world: int = 1, exchange: Any = None):
         import zmq
 
-        from areal_mq.weights import WeightServer
+        from areal_mq.weights import WeightServer, rank_host
 
         self.cfg, self.rank, self.world, self.log = cfg, rank, world, log
         self.keys = keys or Keyring.insecure("trainer")
+        if cfg.weight_server_hosts and len(cfg.weight_server_hosts) != world:
+            raise WeightsFetchError(f"trainer.weight_server_hosts lists {len(cfg.weight_server_hosts)} hosts for a "
+                                    f"trainer of {world} ranks: one per rank")
+        host = rank_host(cfg, rank)
         try:
-            self.server = WeightServer(cfg.weight_server_host, shard_port(cfg, rank), cfg.keep_weight_versions,
+            self.server = WeightServer(host, shard_port(cfg, rank), cfg.keep_weight_versions,
                                        int(cfg.weight_chunk_mb * (1 << 20)), keys=self.keys, log=log, deltas=True,
                                        chain=cfg.full_every)
         except WeightsFetchError as exc:
-            raise WeightsFetchError(f"trainer rank {rank}: {exc}. Sharded publishing binds every rank's weight server "
-                                    "to trainer.weight_server_host, so all ranks must run on that host; for a trainer "
-                                    "spanning hosts set trainer.publish_layout: gather") from exc
+            where = ("trainer.weight_server_hosts[%d]" % rank) if cfg.weight_server_hosts else \
+                "trainer.weight_server_host (every rank binds it when weight_server_hosts is empty)"
+            raise WeightsFetchError(f"trainer rank {rank}: {exc}. Its weight server binds {where}, which must be an "
+                                    "address of the host this rank runs on; for a trainer spanning hosts list one per "
+                                    "rank in trainer.weight_server_hosts, or set trainer.publish_layout: gather") from exc
         self.refused = 0
         self._ctx = zmq.Context()
         self._zap = None

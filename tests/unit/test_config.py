@@ -147,3 +147,14 @@ def test_generation_leases_and_retries_grow_with_the_longest_answer():
     assert named.job_leases()["generate"] == 100.0  # what the config names wins
     off = load_config(None, ["controller.max_new_tokens=8192", "brokers.job_deadline_s=0"])
     assert "generate" not in off.job_leases()  # no deadlines at all stays no deadline
+
+
+def test_per_rank_weight_hosts_are_one_per_trainer_rank_and_never_exposed_without_keys():
+    sets = ["trainer.strategy=fsdp", "trainer.publish_mode=zmq", "launcher.trainer_ranks=2",
+            "trainer.weight_server_hosts=[127.0.0.1, 127.0.0.2]"]
+    cfg = load_config(None, sets)
+    assert cfg.trainer.weight_server_hosts == ["127.0.0.1", "127.0.0.2"]
+    with pytest.raises(ConfigError, match="lists 2 hosts for launcher.trainer_ranks 3"):
+        load_config(None, [*sets, "launcher.trainer_ranks=3"])
+    with pytest.raises(ConfigError, match=r"trainer.weight_server_hosts\[1\]=10.0.0.7"):
+        load_config(None, [*sets[:3], "trainer.weight_server_hosts=[127.0.0.1, 10.0.0.7]", "security.insecure=true"])

@@ -211,3 +211,32 @@ def test_fifty_sharded_updates_leave_the_worker_bit_identical(tmp_path, two_rank
         worker.commit(update)
         routes.add(update.route)
     assert routes == {"full", "delta"}
+
+
+def test_ranks_on_several_hosts_each_serve_from_their_own_address():
+    """trainer.weight_server_hosts: rank r binds its own host (127.0.0.2 stands for a second node: all of 127/8 is
+    loopback) and check_ready accepts each rank only at its own address; the config refuses a list that does not
+    start with weight_server_host or that sharded publishing does not use."""
+    from areal_mq.weights import check_ready
+
+    cfg = TrainerConfig(**{**CFG, "weight_server_hosts": ["127.0.0.1", "127.0.0.2"]})
+    zero = ShardPublisher(cfg, rank=0, world=2, exchange=lambda c: c)
+    one = ShardPublisher(cfg, rank=1, world=2, exchange=lambda _: zero.collector)
+    try:
+        assert zero.endpoint.startswith("tcp://127.0.0.1:") and one.endpoint.startswith("tcp://127.0.0.2:")
+        ready = _publish_both(zero, one, 1, _model(1))
+        assert ready is not None and check_ready(ready, "/nonexistent", cfg) is None
+        swapped = ready.model_copy(deep=True)
+        swapped.shards[1].endpoint = swapped.shards[1].endpoint.replace("127.0.0.2", "127.0.0.1")
+        assert "trainer rank 1's weight server (tcp://127.0.0.2:PORT)" in check_ready(swapped, "/nonexistent", cfg)
+    finally:
+        zero.close()
+        one.close()
+    with pytest.raises(ValueError, match=r"weight_server_hosts\[0\].*must equal trainer.weight_server_host"):
+        TrainerConfig(**{**CFG, "weight_server_hosts": ["127.0.0.2", "127.0.0.1"]})
+    with pytest.raises(ValueError, match="only sharded publishing has"):
+        TrainerConfig(weight_server_hosts=["127.0.0.1"])
+    with pytest.raises(ValueError, match="host names or IPv4"):
+        TrainerConfig(**{**CFG, "weight_server_hosts": ["127.0.0.1", "tcp://evil:1"]})
+    with pytest.raises(WeightsFetchError, match="lists 2 hosts for a trainer of 3 ranks"):
+        ShardPublisher(cfg, rank=2, world=3, exchange=lambda _: "tcp://127.0.0.1:1")
