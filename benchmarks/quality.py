@@ -212,6 +212,9 @@ def record(run: dict, args, run_dir: Path, started: float, wall_s: float, sets: 
         samples += m["n_seqs"]
         at[m["version"]] = (samples, m["time"] - ready)
     points = sorted({e["version"]: e for e in evals if e["version"] in at}.values(), key=lambda e: e["version"])
+    if points[-1]["version"] != args.versions:  # a run whose final policy was never evaluated is no result
+        raise RuntimeError(f"{run_dir}: the final version v{args.versions} was not evaluated (evaluations at "
+                           f"{[p['version'] for p in points]}); see launcher.stderr.log")
     hist: list[int] = []
     for m in metrics:
         h = m.get("staleness_hist", [])

@@ -188,6 +188,7 @@ class TrainerWorker(Role):
         self.unacked.append(batch)
         t0 = time.perf_counter()
         self.publish()
+        self.keep_for_eval()
         metrics.update(publish_s=time.perf_counter() - t0, wait_s=waited_s, time=time.time(), **self._bound(metrics))
         if self.is_main:
             self.sinks.write(self.trainer.version, metrics)
@@ -237,6 +238,34 @@ class TrainerWorker(Role):
             self.background.submit(self.trainer.version, tensors, self.trainer.hf_config_json)
         else:
             self._announce(self.trainer.version, tensors, self.trainer.hf_config_json)
+
+    def keep_for_eval(self) -> None:
+        """publish_mode zmq and cuda_ipc leave no weights on disk, yet the held-out evaluation (`areal-mq run`'s
+        final one, eval.every's periodic ones, `areal-mq eval`) reads run_dir/weights/vN: those versions (every
+        eval.every-th and the last, controller.total_steps) are also written there in full, not announced (the
+        rollout workers still take zmq). Under fsdp that is a gather every rank joins, on the step's thread in the
+        same order on every rank, at those versions only. Costs a full write of publish_dtype bytes per such
+        version (the last trainer.keep_weight_versions of them kept)."""
+        cfg, version = self.cfg, self.trainer.version
+        if cfg.trainer.publish_mode == "disk" or cfg.trainer.sim.enabled:
+            return
+        if version < cfg.controller.total_steps and not (cfg.eval.every and version % cfg.eval.every == 0):
+            return
+        if not self.is_main and cfg.trainer.strategy != "fsdp":
+            return
+        from areal_mq.weights.disk import publish_disk
+
+        t0 = time.perf_counter()
+        tensors = self.trainer.publish_tensors()  # under fsdp a collective: rank 0 keeps the result
+        if not self.is_main:
+            return
+        from areal_mq.weights.delta import checksum
+
+        path = self.run_dir / "weights"
+        publish_disk(path, version, tensors, keep=cfg.trainer.keep_weight_versions,
+                     hf_config_json=self.trainer.hf_config_json, digests={k: checksum(t) for k, t in tensors.items()})
+        self.log_info("trainer.kept_for_eval", version=version, path=str(path / f"v{version}"),
+                      seconds=round(time.perf_counter() - t0, 2))
 
     def _announce(self, version: int, tensors: Any, hf_config_json: str | None) -> None:
         """Publish a snapshot and say so on the bus (in the background thread when there is one)."""

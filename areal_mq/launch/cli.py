@@ -128,9 +128,12 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
         from areal_mq.weights import disk_versions
 
         versions = disk_versions(Path(cfg.run.run_dir) / "weights")
-        if versions:
+        if versions and versions[-1] == cfg.controller.total_steps:
             final = Path(cfg.run.run_dir) / "weights" / f"v{versions[-1]}"
             _eval_into_run(cfg, str(final), versions[-1], console, f"policy {final.name}")
+        else:
+            console.print(f"[yellow]the final policy v{cfg.controller.total_steps} is not in run_dir/weights "
+                          f"(found {versions[-3:] or 'none'}): no final evaluation[/]")
     _plot_and_summary(cfg, console)
     if outcome == "interrupted":
         raise typer.Exit(130)

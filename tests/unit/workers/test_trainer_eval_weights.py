@@ -1,0 +1,60 @@
+"""publish_mode zmq leaves no weights on disk, yet the held-out evaluation reads run_dir/weights/vN: the trainer
+writes the versions it will evaluate (every eval.every-th and the last) there in full, exactly the published
+policy, and nothing under disk publishing (whose versions are there already).
+
+The real TrainerWorker and Trainer (tiny model) against a real in-process sample store.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import zmq
+
+from areal_mq.client import StoreClient
+from areal_mq.config import RunConfig
+from areal_mq.weights.delta import checksum
+from areal_mq.weights.disk import disk_versions, read_disk
+from areal_mq.workers.trainer import TrainerWorker
+from tests.unit.algorithms.batches import make_samples
+from tests.unit.brokers.test_sample_store import Running
+from tests.unit.workers.test_trainer_resume import Null, trainer_cls  # noqa: F401 - the fixture
+
+
+@pytest.mark.parametrize("mode", ["zmq", "disk"])
+def test_the_versions_to_evaluate_are_on_disk_whatever_the_publish_mode(tmp_path, trainer_cls, mode):  # noqa: F811
+    from areal_mq.engines.models import resolve_model
+
+    cfg = RunConfig.model_validate({
+        "run": {"run_dir": str(tmp_path / "run")}, "model": {"name": "tiny-random-llama"},
+        "controller": {"batch_groups": 1, "max_staleness": 4, "total_steps": 3}, "eval": {"every": 2},
+        "trainer": {"max_tokens_per_mb": 128, "publish_mode": mode, "publish_async": False}})
+    (tmp_path / "run").mkdir()
+    ctx = zmq.Context()
+    run = Running(ctx, "inproc://evalw", tmp_path / "store")
+    controller, store = StoreClient("inproc://evalw", ctx=ctx), StoreClient("inproc://evalw", ctx=ctx)
+    try:
+        for s in make_samples(5, n_groups=3, group_size=2, version=0, staleness=0):
+            controller.put(s)
+        worker = TrainerWorker(cfg, trainer_cls(cfg.trainer, resolve_model("tiny-random-llama")), store, Null(),
+                               Null(), rt=None)
+        worker.first_get = False
+        for _ in range(3):
+            worker.step(worker.next_batch(), 0.0)
+        assert worker.trainer.version == 3
+        weights = tmp_path / "run" / "weights"
+        if mode == "disk":  # the publisher (a stand-in here) writes disk versions; nothing is added beside it
+            assert not weights.exists()
+            return
+        assert disk_versions(weights) == [2, 3]  # v2 (eval.every) and v3 (the last); v1 never written
+        held = read_disk(weights / "v3", verify_checksums=True)
+        now = worker.trainer.publish_tensors()
+        assert {k: checksum(t) for k, t in held.items()} == {k: checksum(t) for k, t in now.items()}
+        assert (weights / "v3" / "config.json").is_file()  # loads with from_pretrained, as `areal-mq eval` does
+    finally:
+        controller.close()
+        store.close()
+        run.stop()
+        ctx.term()
