@@ -10,8 +10,9 @@ Per run: seconds per GB of the shard (median of REPEATS), the frame bytes as a s
 encoding chosen. Every frame is applied and checked against the new shard's checksum (a wrong frame fails the
 run). Ratios: numpy_vs_torch_encode_s (numpy's time over torch's at ~2 % changed: above 1, the device path is
 faster) and torch_vs_numpy_bytes (torch's frame bytes over numpy's at ~2 %: its cost in size, >= 1).
-On this CPU the device path is the slower one (torch's compare and nonzero on CPU), which is why CPU ranks keep
-numpy; on a GPU the point is the opposite, and that figure needs a GPU (docs/gpu.md).
+Both paths try the full-size xor only for a dense change (delta.XOR_DENSITY). CPU ranks use numpy (one
+thread: a publish runs beside the next training step and must not take its torch threads); on a GPU the
+compare runs at device bandwidth, a figure that needs a GPU (docs/gpu.md).
 
     python benchmarks/weights.py --codec [--quick] [--device cpu|cuda] [--json PATH]
 """

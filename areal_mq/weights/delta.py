@@ -9,7 +9,9 @@ What:
   each compressed with zstd, plus the checksum of `new`. Elements are compared by their bits, so NaN,
   -0.0 and every dtype round-trip exactly. Tensors on an accelerator are compared there (torch: compare, positions,
   gaps, xor); only the changed positions and values, and a dense change's xor, come to the host for zstd. CPU
-  tensors are compared by numpy over zero-copy views (faster than torch on the CPU, measured).
+  tensors are compared by numpy over zero-copy views, on one thread. Either way the full-size xor is tried only
+  for a dense change (XOR_DENSITY): at RL learning rates the sparse frame is within a few percent of it and the
+  xor's compression was most of the encode time.
 - `apply(base, delta)` -> the new tensor (a fresh tensor: `base` is never written), refused with DeltaError
   when the delta does not fit its base (name, dtype, shape), its payload is corrupt, or the result's
   checksum differs from the one the trainer published.
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 ENCODINGS = ("sparse", "xor")
 CHECKSUM = "blake2b-128"
 ZSTD_LEVEL = 3
-DEVICE_XOR_DENSITY = 0.25  # see _candidates_device
+XOR_DENSITY = 0.25  # the xor frame is tried only when the raw sparse size is at least this share of the bytes
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -113,8 +115,8 @@ def _device_bits(t: "torch.Tensor") -> "torch.Tensor":
 
 
 def _candidates_numpy(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> list[tuple[str, int, bytes]]:
-    """Both encodings, compared on the host (numpy over zero-copy views of CPU tensors: on this CPU numpy's
-    compare and flatnonzero measured 4-5x faster than torch's)."""
+    """The encodings worth trying, compared on the host: numpy over zero-copy views of CPU tensors, one thread,
+    so a publish beside the next training step does not take the step's torch threads."""
     a, b = raw(base), raw(new)
     changed = np.flatnonzero(a != b)
     gaps = _gap_dtype(a.size)
@@ -122,7 +124,7 @@ def _candidates_numpy(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> lis
     if changed.size * (np.dtype(gaps).itemsize + a.itemsize) < a.nbytes or a.nbytes == 0:
         step = np.diff(changed, prepend=0).astype(gaps)  # first: its position; then gaps (>= 1)
         out.append(("sparse", int(changed.size), zc.compress(step.tobytes() + b[changed].tobytes())))
-    if not out or len(out[0][2]) > 64:  # a tiny sparse frame cannot lose to xor: skip the work
+    if not out or changed.size * (np.dtype(gaps).itemsize + a.itemsize) >= XOR_DENSITY * a.nbytes:
         out.append(("xor", 0, zc.compress(np.bitwise_xor(a, b).tobytes())))
     return out
 
@@ -130,8 +132,9 @@ def _candidates_numpy(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> lis
 def _candidates_device(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> list[tuple[str, int, bytes]]:
     """The same encodings with the compare, the positions, the gaps and the xor computed by torch on the tensors'
     device (a trainer rank's GPU): only the changed positions and values cross to the host, and the full-size xor
-    only when the change is dense enough for it to have a chance (more than DEVICE_XOR_DENSITY of the raw
-    sparse size against the tensor's bytes; below it the sparse frame measured within ~8 % of the xor one)."""
+    only when the change is dense enough for it to have a chance (the raw sparse size at least XOR_DENSITY of the
+    tensor's bytes; below it the sparse frame measured within ~4-8 % of the xor one, and compressing the
+    full-size xor was most of the encode: `python benchmarks/weights.py --codec`)."""
     import torch
 
     a, b = _device_bits(base), _device_bits(new)
@@ -143,7 +146,7 @@ def _candidates_device(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> li
     if sparse_raw < nbytes or nbytes == 0:
         step = torch.diff(changed, prepend=changed.new_zeros(1)).cpu().numpy().astype(gaps)
         out.append(("sparse", int(changed.numel()), zc.compress(step.tobytes() + _host_bits(b[changed]).tobytes())))
-    if not out or sparse_raw >= DEVICE_XOR_DENSITY * nbytes:
+    if not out or sparse_raw >= XOR_DENSITY * nbytes:
         out.append(("xor", 0, zc.compress(_host_bits(torch.bitwise_xor(a, b)).tobytes())))
     return out
 
