@@ -262,8 +262,15 @@ class TrainerWorker(Role):
         from areal_mq.weights.delta import checksum
 
         path = self.run_dir / "weights"
-        publish_disk(path, version, tensors, keep=cfg.trainer.keep_weight_versions,
-                     hf_config_json=self.trainer.hf_config_json, digests={k: checksum(t) for k, t in tensors.items()})
+        try:
+            publish_disk(path, version, tensors, keep=cfg.trainer.keep_weight_versions,
+                         hf_config_json=self.trainer.hf_config_json,
+                         digests={k: checksum(t) for k, t in tensors.items()})
+        except OSError as exc:  # a full disk costs this version's evaluation, not the training run
+            if self.log:
+                self.log.error("trainer.kept_for_eval_failed", version=version, error=str(exc)[:300],
+                               hint="this version is not on disk, so it is not evaluated; training goes on")
+            return
         self.log_info("trainer.kept_for_eval", version=version, path=str(path / f"v{version}"),
                       seconds=round(time.perf_counter() - t0, 2))
 

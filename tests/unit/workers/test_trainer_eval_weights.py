@@ -58,3 +58,34 @@ def test_the_versions_to_evaluate_are_on_disk_whatever_the_publish_mode(tmp_path
         store.close()
         run.stop()
         ctx.term()
+
+
+def test_a_full_disk_costs_the_evaluation_copy_not_the_run(tmp_path, trainer_cls, monkeypatch):  # noqa: F811
+    import errno
+
+    from areal_mq.engines.models import resolve_model
+    from areal_mq.weights import disk
+
+    cfg = RunConfig.model_validate({
+        "run": {"run_dir": str(tmp_path / "run")}, "model": {"name": "tiny-random-llama"},
+        "controller": {"batch_groups": 1, "total_steps": 1}, "trainer": {"publish_mode": "zmq"}})
+    (tmp_path / "run").mkdir()
+
+    def full(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    class Log:
+        lines: list = []
+
+        def error(self, event, **kw):
+            self.lines.append(event)
+
+        info = warning = error
+
+    monkeypatch.setattr(disk, "publish_disk", full)
+    worker = TrainerWorker(cfg, trainer_cls(cfg.trainer, resolve_model("tiny-random-llama")), Null(), Null(), Null(),
+                           rt=None)
+    worker.log = Log()
+    worker.trainer.version = 1
+    worker.keep_for_eval()  # returns: the run goes on
+    assert Log.lines == ["trainer.kept_for_eval_failed"]
