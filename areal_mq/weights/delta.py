@@ -75,29 +75,6 @@ class TensorDelta:
 
 
 # ---------------------------------------------------------------- raw views
-def raw(t: "torch.Tensor") -> np.ndarray:
-    """The raw storage of `t` as 1-d unsigned integers of its element size (no copy for a contiguous CPU tensor)."""
-    import torch
-
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    return flat.view(torch.uint8).numpy().view(_UINT[flat.element_size()])
-
-
-def checksum(t: "torch.Tensor") -> str:
-    return hashlib.blake2b(memoryview(raw(t)).cast("B"), digest_size=16).hexdigest()
-
-
-def _dtype_name(t: "torch.Tensor") -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _gap_dtype(numel: int) -> Any:
-    return np.uint32 if numel < 2 ** 32 else np.uint64
-
-
-# ---------------------------------------------------------------- encode
 def _host_bits(t: "torch.Tensor") -> np.ndarray:
     """A 1-d integer tensor's raw bits on the host, as numpy unsigned integers of its element size."""
     flat = t.detach().cpu().contiguous()
@@ -114,17 +91,46 @@ def _device_bits(t: "torch.Tensor") -> "torch.Tensor":
     return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
 
 
+def raw(t: "torch.Tensor") -> np.ndarray:
+    """The raw storage of `t` as 1-d unsigned integers of its element size (no copy for a contiguous CPU tensor)."""
+    return _host_bits(_device_bits(t))
+
+
+def checksum(t: "torch.Tensor") -> str:
+    return hashlib.blake2b(memoryview(raw(t)).cast("B"), digest_size=16).hexdigest()
+
+
+def _dtype_name(t: "torch.Tensor") -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _gap_dtype(numel: int) -> Any:
+    return np.uint32 if numel < 2 ** 32 else np.uint64
+
+
+# ---------------------------------------------------------------- encode
+def _worth_trying(changed: int, numel: int, esize: int) -> tuple[bool, bool]:
+    """(sparse, xor): which encodings to build for `changed` of `numel` elements of `esize` bytes. Sparse while its
+    raw size is under the tensor's; xor only for a dense change (raw sparse size >= XOR_DENSITY of the bytes) or
+    when sparse is out; at least one of them."""
+    nbytes = numel * esize
+    sparse_raw = changed * (np.dtype(_gap_dtype(numel)).itemsize + esize)
+    sparse = sparse_raw < nbytes or nbytes == 0
+    return sparse, not sparse or sparse_raw >= XOR_DENSITY * nbytes
+
+
 def _candidates_numpy(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> list[tuple[str, int, bytes]]:
     """The encodings worth trying, compared on the host: numpy over zero-copy views of CPU tensors, one thread,
     so a publish beside the next training step does not take the step's torch threads."""
     a, b = raw(base), raw(new)
     changed = np.flatnonzero(a != b)
     gaps = _gap_dtype(a.size)
+    sparse, xor = _worth_trying(changed.size, a.size, a.itemsize)
     out = []
-    if changed.size * (np.dtype(gaps).itemsize + a.itemsize) < a.nbytes or a.nbytes == 0:
+    if sparse:
         step = np.diff(changed, prepend=0).astype(gaps)  # first: its position; then gaps (>= 1)
         out.append(("sparse", int(changed.size), zc.compress(step.tobytes() + b[changed].tobytes())))
-    if not out or changed.size * (np.dtype(gaps).itemsize + a.itemsize) >= XOR_DENSITY * a.nbytes:
+    if xor:
         out.append(("xor", 0, zc.compress(np.bitwise_xor(a, b).tobytes())))
     return out
 
@@ -140,13 +146,12 @@ def _candidates_device(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> li
     a, b = _device_bits(base), _device_bits(new)
     changed = torch.nonzero(a != b).reshape(-1)
     gaps = _gap_dtype(a.numel())
-    nbytes = a.numel() * a.element_size()
-    sparse_raw = changed.numel() * (np.dtype(gaps).itemsize + a.element_size())
+    sparse, xor = _worth_trying(changed.numel(), a.numel(), a.element_size())
     out = []
-    if sparse_raw < nbytes or nbytes == 0:
+    if sparse:
         step = torch.diff(changed, prepend=changed.new_zeros(1)).cpu().numpy().astype(gaps)
         out.append(("sparse", int(changed.numel()), zc.compress(step.tobytes() + _host_bits(b[changed]).tobytes())))
-    if not out or sparse_raw >= XOR_DENSITY * nbytes:
+    if xor:
         out.append(("xor", 0, zc.compress(_host_bits(torch.bitwise_xor(a, b)).tobytes())))
     return out
 
