@@ -187,8 +187,7 @@ class TrainerWorker(Role):
             self.unacked_since = time.monotonic()
         self.unacked.append(batch)
         t0 = time.perf_counter()
-        self.publish()
-        self.keep_for_eval()
+        self.keep_for_eval(self.publish())
         metrics.update(publish_s=time.perf_counter() - t0, wait_s=waited_s, time=time.time(), **self._bound(metrics))
         if self.is_main:
             self.sinks.write(self.trainer.version, metrics)
@@ -213,39 +212,42 @@ class TrainerWorker(Role):
         return {"staleness_bound": eta, "staleness_violations": violations, "dropped_stale": dropped,
                 "dropped_stale_total": self.stale_total}
 
-    def publish(self) -> None:
+    def publish(self) -> Any:
         """Publish the trainer's current version. The snapshot (Trainer.publish_tensors: a copy; under fsdp a
         gather every rank takes part in) is made here; rank 0 then publishes it in the background
-        (self.background) or, without one, before returning."""
+        (self.background) or, without one, before returning. Returns that full snapshot when this layout made one
+        (every rank of a gathering fsdp trainer: {} off rank 0), else None."""
         if not self.is_main and self.cfg.trainer.strategy != "fsdp":
-            return
+            return None
         if self.cfg.trainer.publish_mode == "cuda_ipc":  # the live parameters, copied on their device (weights/ipc.py)
             ready = self.publisher.publish(self.trainer.version, self.trainer.unwrapped.state_dict(),
                                            self.trainer.hf_config_json)
             self.bus.publish("weights", ready)
-            return
+            return None
         if self.sharded:  # every rank: a device copy of its own shards, no collective (weights/sharded.py)
             snapshot = self.trainer.publish_slices()
             if self.background is not None:
                 self.background.submit(self.trainer.version, snapshot, self.trainer.hf_config_json)
             else:
                 self._announce_shard(self.trainer.version, snapshot, self.trainer.hf_config_json)
-            return
+            return None
         tensors = self.trainer.publish_tensors()  # gather layout under fsdp, a collective: rank 0 keeps the result
         if not self.is_main:
-            return
+            return tensors
         if self.background is not None:
             self.background.submit(self.trainer.version, tensors, self.trainer.hf_config_json)
         else:
             self._announce(self.trainer.version, tensors, self.trainer.hf_config_json)
+        return tensors
 
-    def keep_for_eval(self) -> None:
+    def keep_for_eval(self, snapshot: Any = None) -> None:
         """publish_mode zmq and cuda_ipc leave no weights on disk, yet the held-out evaluation (`areal-mq run`'s
         final one, eval.every's periodic ones, `areal-mq eval`) reads run_dir/weights/vN: those versions (every
         eval.every-th and the last, controller.total_steps) are also written there in full, not announced (the
         rollout workers still take zmq). Under fsdp that is a gather every rank joins, on the step's thread in the
         same order on every rank, at those versions only. Costs a full write of publish_dtype bytes per such
-        version (the last trainer.keep_weight_versions of them kept)."""
+        version (the last trainer.keep_weight_versions of them kept). `snapshot`: the full snapshot publish() just
+        made (a copy nobody changes; None when its layout made none), reused instead of gathering again."""
         cfg, version = self.cfg, self.trainer.version
         if cfg.trainer.publish_mode == "disk" or cfg.trainer.sim.enabled:
             return
@@ -256,7 +258,8 @@ class TrainerWorker(Role):
         from areal_mq.weights.disk import publish_disk
 
         t0 = time.perf_counter()
-        tensors = self.trainer.publish_tensors()  # under fsdp a collective: rank 0 keeps the result
+        # under fsdp a collective (every rank takes the same branch: publish() returned a snapshot on all or none)
+        tensors = snapshot if snapshot is not None else self.trainer.publish_tensors()
         if not self.is_main:
             return
         from areal_mq.weights.delta import checksum
