@@ -54,9 +54,10 @@ class EngineConfig(BaseModel):
         description="torch engine: positions per KV block. Smaller wastes less in each sequence's last block and "
                     "shares more of a prompt; larger gathers fewer, bigger pieces per attention read.",
     )
-    cuda_graphs: bool = Field(
-        False,
-        description="torch engine: decode in fixed-shape buckets (batch: powers of two up to max_concurrent, padded "
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch engine (auto: on for an engine on CUDA, off on the CPU, where the padding costs and "
+                    "nothing is captured): decode in fixed-shape buckets (batch: powers of two up to max_concurrent, padded "
                     "rows write to the scratch block; blocks per row: a power of two covering >= 64 keys) and, on "
                     "CUDA, replay each bucket's captured CUDA graph with the block tables as an input. On the CPU "
                     "the padded step runs eagerly.",

@@ -15,12 +15,14 @@ What it measures, on SmolLM2-135M's exact config with random weights (random_mod
             (weight bytes + B c kv bytes) / HBM bandwidth; --quick: batch 1 and 4 x 32 context, tiny shapes.
 Targets (issue 25): engine >= 5x HF at 64; >= 10,000 tok/s at 256. Issue 42 (SmolLM2 shape, GPU): decode step
 <= 1.0 ms at batch 1 and <= 3 ms at batch 256 x 1,024 (reported in `ceiling`, judged in RESULTS.md).
-The engine uses CUDA graphs on CUDA when this tree's engine has them (rollout.engine.cuda_graphs).
+The engine uses CUDA graphs on CUDA when this tree's engine has them (rollout.engine.cuda_graphs);
+STAGE_B_CUDA_GRAPHS=0 measures it without them.
 
     python benchmarks/gpu/stage_b_engine.py [--device cuda] [--quick] [--out DIR] [--hbm-gbps N]
 """
 from __future__ import annotations
 
+import os
 import statistics
 
 import report
@@ -53,7 +55,8 @@ def make_engine(model_dir, args, slots: int, max_len: int):
     from areal_mq.engines.config import EngineConfig
     from areal_mq.engines.torch.engine import TorchEngine
 
-    extra = {"cuda_graphs": "cuda" in str(args.device)} if "cuda_graphs" in EngineConfig.model_fields else {}
+    graphs = "cuda" in str(args.device) and os.environ.get("STAGE_B_CUDA_GRAPHS", "1") != "0"
+    extra = {"cuda_graphs": graphs} if "cuda_graphs" in EngineConfig.model_fields else {}
     cfg = EngineConfig(max_concurrent=slots, dtype="bfloat16", seed=0, max_model_len=max_len,
                        max_kv_tokens=slots * max_len, prefill_chunk_tokens=max(128, 4 * max_len), **extra)
     return TorchEngine(model_dir, cfg, dtype="bfloat16", seed=0, device=args.device)
@@ -208,7 +211,8 @@ def run(args) -> dict:
             "model": {**describe(model_dir, args.quick), "weight_bytes": weights, "kv_bytes_per_token": kv,
                       "dtype": "bfloat16"}, "hbm_bytes_per_s": hbm_bytes_per_s(args), "longtail": rows,
             "decode_sweep": sweep, "ceiling": points, "prefill_tokens_per_s": round(big["prefill_tokens"] / big["prefill_s"], 1),
-            "ratios": ratios, "targets": TARGETS, "torch_threads": torch.get_num_threads()}
+            "ratios": ratios, "targets": TARGETS, "torch_threads": torch.get_num_threads(),
+            "cuda_graphs": "cuda" in str(args.device) and os.environ.get("STAGE_B_CUDA_GRAPHS", "1") != "0"}
 
 
 def markdown(r: dict) -> str:

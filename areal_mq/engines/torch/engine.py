@@ -92,7 +92,10 @@ class TorchEngine(Engine):
         self.runner = LlamaRunner(self.model, self.max_len)
         self.cache = self.runner.new_cache(self._pool_blocks(), self.cfg.kv_block_size)
         self.decoder = None  # exact-shape eager decode (runner.decode) unless cuda_graphs
-        if self.cfg.cuda_graphs:
+        graphs = self.cfg.cuda_graphs
+        if graphs == "auto":  # measured on an H200 with paged KV: 3.7x the eager long tail (benchmarks/RESULTS.md)
+            graphs = self.device.type == "cuda"
+        if graphs:
             self.decoder = BucketedDecoder(self.runner, self.cache, self.cfg.max_concurrent,
                                            capture=self.device.type == "cuda")
         self.vocab_size = self.runner.vocab_size

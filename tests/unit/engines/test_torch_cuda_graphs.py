@@ -34,8 +34,12 @@ def _greedy(engine, prompts, n=24):
     return run_all(engine)
 
 
+def test_auto_captures_on_cuda(tiny_model_dir, tiny_tokenizer):
+    assert _engine(tiny_model_dir, tiny_tokenizer).decoder.capture  # the default, auto, is on for CUDA
+
+
 def test_captured_decode_equals_eager_on_cuda(tiny_model_dir, tiny_tokenizer, prompts):
-    eager = _greedy(_engine(tiny_model_dir, tiny_tokenizer), prompts)
+    eager = _greedy(_engine(tiny_model_dir, tiny_tokenizer, cuda_graphs=False), prompts)
     graphed_engine = _engine(tiny_model_dir, tiny_tokenizer, cuda_graphs=True)
     graphed = _greedy(graphed_engine, prompts)
     assert graphed_engine.decoder.capture and graphed_engine.decoder.graphs  # it really replayed graphs
@@ -54,7 +58,7 @@ def test_in_place_update_is_visible_to_a_captured_graph(tiny_model_dir, tiny_tok
     after = _greedy(graphed, prompts[:2])
     assert graphed.decoder.graphs.keys() >= captured.keys()
     assert all(graphed.decoder.graphs[k] is v for k, v in captured.items())  # replayed, not re-captured
-    fresh = _engine(tiny_model_dir, tiny_tokenizer)  # eager, loaded with the new weights from the start
+    fresh = _engine(tiny_model_dir, tiny_tokenizer, cuda_graphs=False)  # eager, loaded with the new weights from the start
     fresh.update_weights(1, tensors=state)
     want = _greedy(fresh, prompts[:2])
     for rid, out in want.items():

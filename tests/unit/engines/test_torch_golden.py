@@ -50,3 +50,9 @@ def test_the_kv_pool_is_sized_by_kv_cache_bytes_and_refuses_requests_larger_than
     engine.submit(EngineRequest("fits", [1] * 90, SamplingSpec(max_new_tokens=20)))
     with pytest.raises(ConfigError, match="raise kv_cache_bytes to at least"):
         make_engine(max_concurrent=3, kv_cache_bytes=per_token * 48, kv_block_size=16)  # 2 blocks for 3 sequences
+
+
+def test_cuda_graphs_auto_is_eager_on_the_cpu_and_true_buckets_without_capture(make_engine):
+    assert make_engine().decoder is None  # auto (the default): nothing to capture on the CPU, no padding paid
+    bucketed = make_engine(cuda_graphs=True)
+    assert bucketed.decoder is not None and not bucketed.decoder.capture
