@@ -39,9 +39,18 @@ from areal_mq.messages import Ack, Error, Heartbeat, Kind, Sample, SampleBatch, 
 from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
 DROPPED_RECENT = 1000  # stats()["dropped_recent"]: the controller settles the groups the store dropped
+MAX_DROP_REASON = 64  # the store writes "stale"; a longer reason in the log is a damaged record
 _ID_CHUNK = 10_000  # ids per record when the log is compacted (keeps every record small)
 ACTIONS = {Kind.SAMPLE: "store:put", Kind.GET_BATCH: "store:take", Kind.BATCH_ACK: "store:take",
            Kind.STATS_REQUEST: "stats"}
+
+
+def _record_ids(rec: dict) -> list[str]:
+    """A log record's sample ids: a list of strings (what the store writes), else TypeError (quarantined)."""
+    ids = rec["ids"]
+    if not isinstance(ids, list) or not all(isinstance(x, str) for x in ids):
+        raise TypeError("a record's ids must be a list of strings")
+    return ids
 
 
 @dataclass
@@ -129,18 +138,23 @@ class SampleStore:
                 self.samples[sample.sample_id] = sample
                 self.record_bytes[sample.sample_id] = nbytes
         elif op == "lease":  # a served batch survives a store restart: it is not served or dropped again
-            ids = [str(x) for x in rec["ids"] if x in self.samples]
+            ids = [x for x in _record_ids(rec) if x in self.samples]
+            taken = set(ids)
             for lease in self.leases.values():
-                lease.sample_ids = [x for x in lease.sample_ids if x not in ids]
+                lease.sample_ids = [x for x in lease.sample_ids if x not in taken]
             self.leases[str(rec["batch"])] = Lease(str(rec["batch"]), ids, b"", time.monotonic() + self.lease_s)
         elif op == "release":
             self.leases.pop(str(rec["batch"]), None)
         elif op in ("ack", "drop", "done"):
-            ids = [str(s) for s in rec["ids"]]
+            ids = _record_ids(rec)
+            reason = rec.get("reason", "") if op == "drop" else ""
+            if not isinstance(reason, str) or len(reason) > MAX_DROP_REASON:
+                # a damaged record's reason was once str()-ed per id: a 66 KB record took 8 s (fuzz, issue 40)
+                raise ValueError(f"a drop record's reason must be a string of at most {MAX_DROP_REASON} characters")
             for sid in ids:
                 self._forget(sid)
             if op == "drop":
-                self.dropped_recent.extend((sid, str(rec.get("reason", ""))) for sid in ids)
+                self.dropped_recent.extend((sid, reason) for sid in ids)
         else:
             raise ValueError(f"unknown op {op!r}")
 

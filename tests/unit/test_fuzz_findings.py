@@ -16,6 +16,10 @@ tests/fuzz_corpus/ by tests/integration/test_fuzz.py).
 7. A Sample whose meta was nested ~500 deep decoded but could not be encoded again (encode recurses per level): the
    store could neither serve it nor compact a log holding it, so it could not start. Bodies deeper than
    protocol.MAX_DEPTH are bad_fields now.
+8. A damaged store log record `{"op": "drop", "ids": [...], "reason": <a big nested value>}` was applied, its
+   reason str()-ed once per id: a 66 KB record took 8 s to replay and each id kept its own copy of the text
+   (tests/fuzz_corpus/crash-store-log-drop-reason-per-id.json). A reason must be a short string and ids a list
+   of strings, else the record is quarantined like any other it cannot read.
 """
 from __future__ import annotations
 
@@ -258,3 +262,23 @@ def test_a_body_nested_past_max_depth_is_bad_fields_and_what_decodes_encodes_aga
             with pytest.raises(ProtocolError) as err:
                 protocol.decode(frames)
             assert err.value.code == "bad_fields" and "nested deeper" in str(err.value)
+
+
+def test_a_store_log_record_with_a_huge_reason_or_ids_that_are_not_strings_is_quarantined(tmp_path):
+    from areal_mq.brokers.sample_log import SampleLog
+
+    log_file = SampleLog(tmp_path / "samples.log")
+    log_file.append({"op": "drop", "ids": ["a", "b"], "reason": "stale"})
+    log_file.append({"op": "drop", "ids": [f"x{i}" for i in range(2000)], "reason": [[list(range(50))] * 40]})
+    log_file.append({"op": "ack", "ids": [1, 2]})
+    log_file.append({"op": "lease", "batch": "b1", "ids": {"not": "a list"}})
+    log_file.close()
+    ctx = zmq.Context()
+    store = SampleStore(ctx, "inproc://store-log", tmp_path, lease_s=10.0, max_frame_bytes=1 << 20, log=RecordingLog())
+    try:
+        assert store.log_file.bad_records == 3
+        assert list(store.dropped_recent) == [("a", "stale"), ("b", "stale")]
+        assert "x0" not in store.done
+    finally:
+        store.close()
+        ctx.term()
