@@ -122,7 +122,7 @@ class Campaign:
         self.name, self.target, self.n, self.hang_s, self.wire_every = name, target, n, hang_s, wire_every
         self.deadline = deadline  # time.monotonic() at which the campaign stops early (--minutes)
         self.corpus, self.unexpected_type, self.save, self.kept = corpus, Unexpected, save, {}
-        self.counts = {"inputs": 0, "crashes": 0, "unexpected": 0, "hangs": 0, "wire": 0}
+        self.counts = {"inputs": 0, "crashes": 0, "unexpected": 0, "hangs": 0, "wire": 0, "wire_answered": 0}
         self.outcomes: dict[str, int] = {}
         self.failures: dict[str, dict] = {}  # first input of each distinct failure (type + place)
         self.rss: list[float] = []
@@ -160,11 +160,13 @@ class Campaign:
         if not getattr(self.target, "wire_capable", False):
             return
         role = inp["role"] if inp["role"] in ("controller", "trainer", "rollout", "reward", "observer") else "observer"
-        for frames in self.target.wire(inp["frames"], role):
+        answers = self.target.wire(inp["frames"], role)
+        for frames in answers:
             env = protocol.decode(frames, 1 << 30)
             if env.kind.value == "error" and env.msg.code not in ERROR_CODES:
                 raise self.unexpected_type(f"over the wire: undocumented code {env.msg.code}")
         self.counts["wire"] += 1
+        self.counts["wire_answered"] += bool(answers)  # a wire path nothing answers is a broken harness, not a pass
 
     def _keep(self, inp: dict, outcome: str) -> None:
         """With --save-corpus: the first 2 inputs of each outcome, as regression inputs for tests/fuzz_corpus."""
@@ -236,10 +238,10 @@ class Campaign:
 
 
 def table(report: dict) -> str:
-    rows = [("target", "inputs", "wire", "crashes", "unexpected", "hangs", "health", "RSS MB warm->end", "growth",
+    rows = [("target", "inputs", "wire (answered)", "crashes", "unexpected", "hangs", "health", "RSS MB warm->end", "growth",
              "inputs/s")]
     for r in report["results"]:
-        rows.append((r["target"], r["inputs"], r["wire"], r["crashes"], r["unexpected"], r["hangs"],
+        rows.append((r["target"], r["inputs"], f"{r['wire']} ({r.get('wire_answered', '-')})", r["crashes"], r["unexpected"], r["hangs"],
                      r["health"][:20], f"{r['rss_warm_mb']:.0f}->{r['rss_end_mb']:.0f}", f"{r['rss_growth_pct']}%",
                      r["inputs_per_s"]))
     lines = common.align(rows)

@@ -118,14 +118,18 @@ class WeightServerTarget:
         return {"served_chunks": sum(s.served_chunks for s in self.servers)}
 
     def wire(self, frames: list[bytes], role: str, timeout_s: float = 0.02) -> list[list[bytes]]:
-        """One input over a real CURVE DEALER as `role` to the CURVE server (its thread answers)."""
+        """One input over a real CURVE DEALER as `role` to the CURVE server (its thread answers). The server's
+        key is the trainer's (until 2026-11-28 this used the broker's: every handshake failed, nothing reached
+        the server over the wire, and the DEALER filled its queue and blocked, the "stuck DEALER" of seed 71)."""
         sock = self._wire.get(role)
         if sock is None:
-            sock = self._wire[role] = self.keys.client(role).client(self.ctx.socket(zmq.DEALER))
+            sock = self._wire[role] = self.keys.client(role).client(self.ctx.socket(zmq.DEALER), "trainer")
             sock.linger = 0
             sock.connect(self.servers[1].endpoint)
         if not frames:
             return []
+        if not sock.poll(2000, zmq.POLLOUT):
+            raise Unexpected(f"the CURVE weight server takes no frames from a {role} DEALER (its queue is full)")
         sock.send_multipart(frames)
         got, deadline = [], time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -89,3 +89,21 @@ def test_the_campaign_driver_runs(tmp_path):
     (result,) = report["results"]
     assert report["benchmark"] == "fuzz" and result["inputs"] == 200 and result["crashes"] == 0
     assert "weights-full" in proc.stdout and "command:" in proc.stdout
+
+
+@pytest.mark.parametrize("name, seed", [("job", "stats_request"), ("store", "stats_request"),
+                                        ("weight-server", "full-v2-0")])
+def test_the_wire_path_reaches_the_curve_server(name, seed, tmp_path):
+    """The campaign's 1-in-K real-socket inputs must reach the server: the weight server's wire path once used the
+    broker's key, every CURVE handshake failed, and 10^6 inputs ran with no frame over the wire (a stuck DEALER
+    was the only sign). A valid request over that path is answered."""
+    target = fuzz.make_target(name, tmp_path)
+    try:
+        answers = []
+        for _ in range(20):  # the first sends may go out before the CURVE handshake completes
+            answers = target.wire(target.seeds[seed], "rollout", timeout_s=0.5)
+            if answers:
+                break
+    finally:
+        target.close()
+    assert answers, f"no answer over the wire from the {name} server"
