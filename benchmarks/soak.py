@@ -208,6 +208,28 @@ class Rig:
                 self.hosts.close()
 
 
+def _send(pid: int, sig: int) -> bool:
+    """Signal `pid`; False when it is already gone."""
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _signal_role(run_dir: Path, role: str, pid: int | None, sig: int, tries: int = 5) -> int | None:
+    """Signal the role's newest live process. If it is gone before the signal (the launcher was restarting it), look
+    again once a second for `tries` seconds. Returns the pid signalled, or None. (The first 60-minute soak,
+    2026-11-28, ended at minute 46 with a ProcessLookupError here: the role's process exited between the lookup and
+    the kill.)"""
+    for _ in range(tries):
+        if pid is not None and _send(pid, sig):
+            return pid
+        time.sleep(1.0)
+        pid = live_pids(run_dir).get(role)
+    return None
+
+
 def inject(fault: dict, run_dir: Path, launcher: subprocess.Popen, rig: "Rig") -> dict:
     """Do one fault now; returns what was done (pid, when)."""
     pid = live_pids(run_dir).get(fault["role"])
@@ -231,20 +253,23 @@ def inject(fault: dict, run_dir: Path, launcher: subprocess.Popen, rig: "Rig") -
         done["skipped"] = "no live process"
         return done
     if fault["kind"] == "kill":
-        os.kill(pid, signal.SIGKILL)
+        done["pid"] = _signal_role(run_dir, fault["role"], pid, signal.SIGKILL)
     elif fault["kind"] == "pause":
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(fault["pause_s"])
-        os.kill(pid, signal.SIGCONT)
+        done["pid"] = _signal_role(run_dir, fault["role"], pid, signal.SIGSTOP)
+        if done["pid"] is not None:
+            time.sleep(fault["pause_s"])
+            _send(done["pid"], signal.SIGCONT)
     else:  # corrupt_log: the broker dies mid-write and leaves a torn record behind
         os.kill(launcher.pid, signal.SIGSTOP)
         try:
-            os.kill(pid, signal.SIGKILL)
+            _send(pid, signal.SIGKILL)  # gone already: the torn tail is still written before its restart
             time.sleep(0.2)
             with open(run_dir / "store" / "samples.log", "ab") as f:
                 f.write(b"SLOG" + (4096).to_bytes(4, "little") + os.urandom(37))
         finally:
             os.kill(launcher.pid, signal.SIGCONT)
+    if done["pid"] is None:
+        done["skipped"] = "its process was gone before the signal, and no new one within 5 s"
     return done
 
 
@@ -425,7 +450,11 @@ def _run(args, work: Path, rig: Rig) -> dict:
                 rig.scan()
                 time.sleep(0.2)
             if fault:
-                done.append(inject(fault, run_dir, launcher, rig))
+                try:
+                    done.append(inject(fault, run_dir, launcher, rig))
+                except OSError as exc:  # a fault the rig could not inject is reported, not the end of the soak
+                    done.append({**fault, "t": time.time(), "pid": None, "version_before": 0,
+                                 "skipped": f"inject failed: {type(exc).__name__}: {exc}"[:300]})
         time.sleep(args.settle_s)  # the last fault's recovery
         samples.append(sample(run_dir, rig))
     finally:
@@ -467,9 +496,11 @@ def table(report: dict) -> str:
     lines = common.align(rows)
     counts: dict[str, int] = {}
     for f in report["faults"]:
-        counts[f["kind"]] = counts.get(f["kind"], 0) + 1
+        if not f.get("skipped"):
+            counts[f["kind"]] = counts.get(f["kind"], 0) + 1
+    skipped = sum(1 for f in report["faults"] if f.get("skipped"))
     a = {k: v for k, v in report["audit"].items() if k != "errors"}
-    lines += [f"faults: {counts}", "audit: " + ", ".join(f"{k} {v}" for k, v in a.items())]
+    lines += [f"faults injected: {counts}; skipped: {skipped}", "audit: " + ", ".join(f"{k} {v}" for k, v in a.items())]
     errors = report["audit"]["errors"]
     lines.append(f"named errors: {errors['by_name']}")
     lines.append(f"tracebacks in process output: {errors['tracebacks']}; exceptions: {errors['exceptions']}")
