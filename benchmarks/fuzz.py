@@ -210,6 +210,7 @@ class Campaign:
         return {"target": self.name, **self.counts, "outcomes": dict(sorted(self.outcomes.items())),
                 "health": health, "rss_warm_mb": warm, "rss_end_mb": end,
                 "rss_growth_pct": round(100 * (end - warm) / warm, 1) if warm else 0.0,
+                "rss_mb_series": self.rss[::max(1, len(self.rss) // 50)] + self.rss[-1:],  # a plateau or a slope
                 "inputs_per_s": round(self.counts["inputs"] / max(wall, 1e-9), 1), "wall_s": round(wall, 1),
                 "state_end": self.sizes[-1] if self.sizes else {}, "hypothesis_stopped": self.hypothesis_stopped,
                 "failures": list(self.failures.values())[:10]}
