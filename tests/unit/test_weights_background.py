@@ -128,3 +128,28 @@ def test_a_disk_that_stays_full_past_the_retry_budget_is_raised_and_other_os_err
     with pytest.raises(RuntimeError, match="Permission denied"):
         bg.flush(30)
     assert bg.retries == 0
+
+
+def test_safetensors_own_full_disk_error_is_retried_too_and_other_library_errors_are_not():
+    from safetensors import SafetensorError
+
+    tries = []
+
+    def publish(version, tensors, cfg):  # what the 60-minute soak saw end the trainer 9 times
+        tries.append(version)
+        if len(tries) == 1:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    bg = BackgroundPublisher(publish, log=_Log(), first_delay_s=0.01)
+    bg.submit(1, {}, None)
+    assert bg.flush(30) and tries == [1, 1] and bg.retries == 1
+    bg.close()
+
+    def broken(version, tensors, cfg):
+        raise SafetensorError("Error while serializing: invalid header")
+
+    bg = BackgroundPublisher(broken, first_delay_s=0.01)
+    bg.submit(1, {}, None)
+    with pytest.raises(RuntimeError, match="invalid header"):
+        bg.flush(30)
+    assert bg.retries == 0
