@@ -153,3 +153,30 @@ def test_safetensors_own_full_disk_error_is_retried_too_and_other_library_errors
     with pytest.raises(RuntimeError, match="invalid header"):
         bg.flush(30)
     assert bg.retries == 0
+
+
+def test_close_returns_after_the_thread_died_with_a_version_still_queued():
+    """The 60-minute soak's idle trainer: the thread failed on v1 while v2 sat in the queue (size 1), and close()'s
+    blocking put(None) on that full queue never returned, so the failing trainer never exited."""
+    import threading
+
+    release = threading.Event()
+
+    def publish(version, tensors, cfg):
+        release.wait(10)
+        raise ValueError("not a full disk")
+
+    bg = BackgroundPublisher(publish, first_delay_s=0.01)
+    bg.submit(1, {}, None)  # the thread takes it and waits
+    bg.submit(2, {}, None)  # queued: the queue is full
+    release.set()
+    with pytest.raises(RuntimeError, match="not a full disk"):
+        bg.flush(30)
+    def close():
+        with pytest.raises(RuntimeError):  # close() flushes first, and says why the thread ended
+            bg.close()
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(20)
+    assert not closer.is_alive()
