@@ -102,14 +102,11 @@ class BackgroundPublisher:
             self._closed = True
             # never a blocking put: a thread that died on an error leaves a queued version nobody takes, and a
             # put(None) on that full queue kept a failing trainer alive and idle for 15 minutes in the 60-minute soak
-            try:
-                self._queue.put_nowait(None)
-            except queue.Full:
-                if self._thread.is_alive():  # it takes the queued version next, then this None
-                    try:
-                        self._queue.put(None, timeout=10.0)
-                    except queue.Full:
-                        pass
+            if self._thread.is_alive():  # a dead thread reads nothing more; a live one takes what is queued, then None
+                try:
+                    self._queue.put(None, timeout=10.0)
+                except queue.Full:
+                    pass
             self._thread.join(timeout=10.0)
 
     def _raise(self) -> None:
