@@ -26,3 +26,21 @@ def test_a_live_process_gets_the_signal(tmp_path):
         assert live.wait(10) == -signal.SIGKILL
     finally:
         live.kill()
+
+
+def test_the_audit_counts_a_compacted_sample_as_stored_and_a_summarized_drop_as_no_ack(tmp_path):
+    """The 10-minute soak of 2026-11-28 reported 540 samples 'trained but never stored': a compaction had replaced
+    their put records by one `done` record. The audit reads that record as stored, and not as an ack (a done id
+    may have been dropped)."""
+    from areal_mq import protocol
+    from areal_mq.brokers.sample_log import SampleLog
+
+    from tests.unit.brokers.test_sample_store import _sample
+
+    log = SampleLog(tmp_path / "store" / "samples.log")
+    log.append({"op": "done", "ids": ["s0", "s1"]})  # what a compaction writes for s0 (acked) and s1 (dropped)
+    log.append_put(protocol.encode(_sample(2, 0)))
+    log.append({"op": "ack", "ids": ["s2"]})
+    log.close()
+    seen = soak.store_log(tmp_path)
+    assert seen["put"] == {"s2"} and seen["done"] == {"s0", "s1"} and seen["ack"] == {"s2"}

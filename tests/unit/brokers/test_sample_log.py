@@ -266,3 +266,75 @@ def test_an_acked_batch_leaves_no_lease_behind_after_a_restart(ctx, tmp_path):
         assert store.stats()["leased"] == 0 and store.leases == {}
     finally:
         store.close()
+
+
+_FULL_DISK_SCRIPT = r"""
+import resource, signal, sys
+from pathlib import Path
+from areal_mq.brokers.sample_log import SampleLog
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like a full disk
+path = Path(sys.argv[1])
+log = SampleLog(path)
+log.append({"op": "ack", "ids": ["before"]})
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 100, hard))
+failed = 0
+for i in range(3):  # each record is bigger than the room left: the kernel writes part of it, then refuses
+    try:
+        log.append({"op": "put", "frames": [b"x" * 500]})
+    except OSError:
+        failed += 1
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space comes back
+log.append({"op": "ack", "ids": ["after"]})
+log.close()
+print(failed, path.stat().st_size, log.size)
+"""
+
+
+def test_a_write_that_fails_part_way_leaves_no_bytes_before_later_records(tmp_path):
+    """Found by the 10-minute soak of 2026-11-28: a full disk cut three put records part-way, the store wrote
+    good records after them once space came back, and the next replay quarantined the partial ones as a bad
+    record mid-log. A failed write is now cut back, so the log holds only whole records."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "samples.log"
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK_SCRIPT, str(path)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    failed, on_disk, counted = map(int, out)
+    assert failed == 3 and on_disk == counted
+    events = RecordingLog()
+    log = SampleLog(path, log=events)
+    records = [rec for _o, _n, rec in log.replay()]
+    assert records == [{"op": "ack", "ids": ["before"]}, {"op": "ack", "ids": ["after"]}]
+    assert log.bad_records == 0 and not events.named("store.log_tail_cut")
+    assert not (tmp_path / "bad-records").exists()
+
+
+def test_a_failed_write_the_file_cannot_cut_back_is_cut_before_the_next_one(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from areal_mq.brokers import sample_log
+
+    log = SampleLog(tmp_path / "samples.log")
+    log.append({"op": "ack", "ids": ["a"]})
+    good = log.size
+
+    def half_then_full(fd, views):
+        os.write(fd, bytes(views[0])[:5])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def cannot_cut(fd, length):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as m:
+        m.setattr(sample_log.os, "writev", half_then_full)
+        m.setattr(sample_log.os, "ftruncate", cannot_cut)
+        with pytest.raises(OSError, match="No space"):
+            log.append({"op": "ack", "ids": ["lost"]})
+    assert (tmp_path / "samples.log").stat().st_size == good + 5  # the partial bytes are still there ...
+    log.append({"op": "ack", "ids": ["b"]})  # ... until the next write cuts them first
+    log.close()
+    assert [rec["ids"] for _o, _n, rec in SampleLog(tmp_path / "samples.log").replay()] == [["a"], ["b"]]
