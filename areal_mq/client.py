@@ -249,8 +249,12 @@ class JobClient:
         self.sock.close(0)
 
 
+DISK_FULL_RETRY_S = 1.0  # how often a StoreClient sends a request again while the store answers disk_full
+
+
 class StoreClient:
-    """Request/response with the sample store; every call retries across store restarts until its deadline."""
+    """Request/response with the sample store; every call retries across store restarts and a full store disk
+    (Error disk_full) until its deadline."""
 
     def __init__(self, address: str, *, keys: Keyring | None = None, heartbeat_s: float = 1.0,
                  ctx: zmq.Context | None = None, max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES):
@@ -264,6 +268,7 @@ class StoreClient:
         req_id = protocol.new_id()
         frames = protocol.encode(msg, id=req_id)
         deadline = time.monotonic() + timeout
+        full = None  # the store's last disk_full answer: waited out (resent every DISK_FULL_RETRY_S) until the deadline
         while True:
             send(self.sock, frames)
             resend_at = min(deadline, time.monotonic() + resend_s)
@@ -276,9 +281,20 @@ class StoreClient:
                     continue  # a late answer to an earlier attempt
                 # An Error naming no request answers one whose id the store could not read (a header over the
                 # limit): with one call at a time it can only be this one (waiting would take the whole deadline)
+                if isinstance(env.msg, Error) and env.msg.code == "disk_full" and time.monotonic() < deadline:
+                    full = env.msg
+                    time.sleep(min(DISK_FULL_RETRY_S, max(0.0, deadline - time.monotonic())))
+                    break
                 if isinstance(env.msg, Error):
                     raise JobFailed(f"sample store refused {msg.kind.value}: [{env.msg.code}] {env.msg.message}")
                 return env.msg
+            else:
+                full = None  # no answer in time: the store may be gone, not full
+            if full is not None and time.monotonic() < deadline:
+                continue  # same socket: the store is up, only its disk is full
+            if full is not None:
+                raise JobFailed(f"sample store refused {msg.kind.value} until the deadline ({timeout:.0f} s): "
+                                f"[{full.code}] {full.message}")
             if time.monotonic() >= deadline:
                 raise BrokerUnavailable(f"sample store {self.address} did not answer {msg.kind.value} "
                                         f"within {timeout:.1f}s (is it running, and is this client's key in its key "

@@ -235,10 +235,13 @@ class SampleLog:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.unlink(missing_ok=True)
         new = SampleLog(tmp, fsync=False, log=self.log, max_record_bytes=self.max_record_bytes)
-        fill(new)
-        f = new._open()
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            fill(new)
+            os.fsync(new._open().fileno())
+        except BaseException:  # a full disk mid-rewrite: the old log stays, the partial copy goes
+            new.close()
+            tmp.unlink(missing_ok=True)
+            raise
         new.close()
         self.close()
         if self.legacy and self.path.exists():  # keep the old-format file: it may hold what v1 could not read

@@ -16,6 +16,10 @@ Invariants:
   count is not durable: a store restart forgets the unreported ones);
 - with CURVE keys only the controller puts samples and only the trainer takes and acks them (anyone
   authenticated may ask for stats); others get Error(forbidden);
+- a full disk (a log write fails with ENOSPC, EDQUOT or EFBIG) changes nothing: every write comes before the
+  state it records, a failed write leaves no bytes (sample_log.py), and the request is answered
+  Error(disk_full), which a StoreClient retries until its deadline; lease expiry and parked requests wait for
+  the next tick;
 - memory is bounded: at most `max_samples` held (a put beyond: Error store_full), `max_waiters` parked
   GetBatch requests (the oldest is answered empty), waits cut to `max_wait_ms`, the newest `max_done_ids`
   acked/dropped ids remembered; the log is replayed record by record and compacted (live samples and the
@@ -25,6 +29,8 @@ Log format, checksums and what replay does with a damaged record: brokers/sample
 from __future__ import annotations
 
 import collections
+import errno
+import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +46,7 @@ from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
 DROPPED_RECENT = 1000  # stats()["dropped_recent"]: the controller settles the groups the store dropped
 MAX_DROP_REASON = 64  # the store writes "stale"; a longer reason in the log is a damaged record
+FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _ID_CHUNK = 10_000  # ids per record when the log is compacted (keeps every record small)
 ACTIONS = {Kind.SAMPLE: "store:put", Kind.GET_BATCH: "store:take", Kind.BATCH_ACK: "store:take",
            Kind.STATS_REQUEST: "stats"}
@@ -229,12 +236,21 @@ class SampleStore:
             self.counters["forbidden"] += 1
             self.refusals.warning("store.forbidden", key=kind.value, kind=kind.value, error=why)
             self._send(ident, protocol.encode(Error(code="forbidden", message=why, ref_id=env.id), reply_to=env.id))
-        elif kind == Kind.SAMPLE:
-            self._on_put(ident, env, frames)
-        elif kind == Kind.GET_BATCH:
-            self._on_get(ident, env.id, env.msg)
-        elif kind == Kind.BATCH_ACK:
-            self._on_ack(ident, env.id, env.msg)
+        elif kind in (Kind.SAMPLE, Kind.GET_BATCH, Kind.BATCH_ACK):
+            try:
+                if kind == Kind.SAMPLE:
+                    self._on_put(ident, env, frames)
+                elif kind == Kind.GET_BATCH:
+                    self._on_get(ident, env.id, env.msg)
+                else:
+                    self._on_ack(ident, env.id, env.msg)
+            except OSError as exc:
+                if not self._disk_full(exc, kind.value):
+                    raise
+                self._send(ident, protocol.encode(Error(code="disk_full", message=(
+                    f"the sample store could not write its log ({errno.errorcode.get(exc.errno, exc.errno)}: no "
+                    "space on its disk); nothing of this request was recorded: send it again"), ref_id=env.id),
+                    reply_to=env.id))
         elif kind == Kind.HEARTBEAT:
             self._send(ident, protocol.encode(Heartbeat(peer_id="store"), reply_to=env.id))
         elif kind == Kind.STATS_REQUEST:
@@ -242,6 +258,16 @@ class SampleStore:
         else:
             self._send(ident, protocol.encode(Error(code="bad_request", message=(
                 f"the sample store does not take {kind.value} messages"), ref_id=env.id), reply_to=env.id))
+
+    def _disk_full(self, exc: OSError, doing: str) -> bool:
+        """Count and log (rate-limited) a log write that met a full disk; False for any other OSError."""
+        if exc.errno not in FULL_DISK_ERRNOS:
+            return False
+        self.counters["disk_full"] += 1
+        self.refusals.warning("store.disk_full", key="disk_full", doing=doing, error=f"{exc}"[:200],
+                              hint="free space on the run directory's disk; requests are refused with disk_full "
+                                   "and retried by their senders meanwhile")
+        return True
 
     def _on_put(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
         sample: Sample = env.msg
@@ -330,10 +356,12 @@ class SampleStore:
         self.unreported_stale += self._drop_stale(msg.version, msg.max_staleness)
         if len(self.pending) < msg.n_samples:
             return False
-        ids = [self.pending.popleft() for _ in range(msg.n_samples)]
+        ids = list(itertools.islice(self.pending, msg.n_samples))
         batch_id = protocol.new_id()
+        self.log_file.append({"op": "lease", "batch": batch_id, "ids": ids})  # durable: see _apply; before the state
+        for _ in ids:
+            self.pending.popleft()
         self.leases[batch_id] = Lease(batch_id, ids, waiter.client, time.monotonic() + self.lease_s)
-        self.log_file.append({"op": "lease", "batch": batch_id, "ids": ids})  # durable: see _apply
         batch = SampleBatch(batch_id=batch_id, samples=[self.samples[s] for s in ids],
                             dropped_stale=self.unreported_stale)
         self.unreported_stale = 0
@@ -346,30 +374,32 @@ class SampleStore:
         self._send(waiter.client, protocol.encode(SampleBatch(batch_id="", samples=[]), reply_to=waiter.req_id))
 
     def _serve_waiters(self) -> None:
-        still = []
-        for waiter in self.waiters:
-            if not self._try_serve(waiter):
-                still.append(waiter)
-        self.waiters = still
+        for waiter in list(self.waiters):  # a served one leaves at once: a write failing mid-way serves none twice
+            if self._try_serve(waiter):
+                self.waiters.remove(waiter)
 
     def _release(self, lease: Lease, reason: str) -> None:
-        self.leases.pop(lease.batch_id, None)
         self.log_file.append({"op": "release", "batch": lease.batch_id})
+        self.leases.pop(lease.batch_id, None)
         back = [s for s in lease.sample_ids if s in self.samples and s not in self.done]
         self.pending.extendleft(reversed(back))
         self.counters["released"] += len(back)
         self.log.info("store.lease_released", batch=lease.batch_id, samples=len(back), reason=reason)
 
     def tick(self, now: float) -> None:
-        for lease in [l for l in self.leases.values() if l.expires < now]:
-            self._release(lease, "lease expired")
         expired = [w for w in self.waiters if w.deadline <= now]
         if expired:
             self.waiters = [w for w in self.waiters if w.deadline > now]
             for w in expired:
                 self._reply_empty(w)
-        if self.waiters and self.pending:
-            self._serve_waiters()
+        try:
+            for lease in [l for l in self.leases.values() if l.expires < now]:
+                self._release(lease, "lease expired")
+            if self.waiters and self.pending:
+                self._serve_waiters()
+        except OSError as exc:  # a full disk: what was not written is tried again on the next tick
+            if not self._disk_full(exc, "tick"):
+                raise
 
     def _send(self, ident: bytes, frames: list) -> None:
         if not ident:
