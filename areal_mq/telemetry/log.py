@@ -106,23 +106,75 @@ class BusPublisher:
         self._thread.join(timeout)
 
 
+MAX_BACKLOG_BYTES = 16 << 20  # an events file's unwritten lines kept while its disk is full (EventsFile)
+
+
+class EventsFile:
+    """A process's events file, written so that a full disk delays lines instead of losing or garbling them.
+
+    Lines go to the file unbuffered (one os.write each). A write that fails (ENOSPC, EIO) or is cut short keeps
+    what was not written, in order, in a backlog of at most `max_backlog` bytes, and the next line written first
+    tries the backlog again: once space returns every line lands whole and in order (a partial line's rest
+    follows it). Only lines beyond the backlog bound are dropped, counted in `dropped`. The soak of 2026-11-28 lost
+    two `trainer.step` lines under a full disk (the old sink dropped them; Python's buffer also wrote a few of
+    the "dropped" lines later, one of them cut in half), and its audit then saw two versions never trained."""
+
+    def __init__(self, path: Path, max_backlog: int = MAX_BACKLOG_BYTES):
+        self.fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.max_backlog = max_backlog
+        self.backlog = bytearray()  # unwritten bytes: whole lines, the first maybe the rest of a started one
+        self.dropped = 0
+        self.reason = ""
+
+    def write(self, line: str) -> bool:
+        """Queue one line and write what the disk takes; never raises. True once nothing is left behind."""
+        data = (line + "\n").encode()
+        if self.backlog:
+            self.flush()  # space may be back: make room before judging the bound
+        if len(self.backlog) + len(data) > self.max_backlog:
+            self.dropped += 1
+        else:
+            self.backlog += data
+        return self.flush()
+
+    def flush(self) -> bool:
+        while self.backlog and self.fd is not None:
+            try:
+                n = self._raw_write(self.backlog)
+            except OSError as exc:
+                self.reason = f"{type(exc).__name__}: {exc}"[:200]
+                return False
+            del self.backlog[:n]
+        return not self.backlog
+
+    def _raw_write(self, data: bytearray) -> int:
+        return os.write(self.fd, data)
+
+    def close(self) -> None:
+        """Write what is left if the disk takes it now; what it does not take is lost with the process."""
+        self.flush()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class EventSink:
     """The structlog processor at the end of the chain: fans an event out, then drops it."""
 
     def __init__(self, file_path: Path | None, publisher: BusPublisher | None, console: str, min_level: int,
                  stream: TextIO | None = None):
-        self._file = open(file_path, "a", buffering=1, encoding="utf-8") if file_path else None
+        self._file = EventsFile(file_path) if file_path else None
         self._publisher = publisher
         self._console = console
         self._min_level = min_level
         self._stream = stream or sys.stderr
         self._color = console == "pretty" and self._stream.isatty()
         self._lock = threading.Lock()
-        # Lines the events file or the console could not take (a full disk: ENOSPC; a closed pipe). A process must
+        # Lines the console could not take (a closed pipe, a full disk under a redirected stderr). A process must
         # not die because it cannot log: the line is dropped, counted, and once writing works again one
         # `events.lines_dropped` line says how many went and why (the soak's disk_full fault found processes
-        # ending on ENOSPC from a log call).
-        self._dropped = {"file": 0, "console": 0}
+        # ending on ENOSPC from a log call). The events file keeps its lines back instead (EventsFile).
+        self._dropped = 0
         self._drop_reason = ""
 
     def __call__(self, logger: Any, method: str, event_dict: dict) -> Any:
@@ -140,29 +192,36 @@ class EventSink:
         line = to_json(record)
         with self._lock:
             if self._file:
-                self._write("file", lambda text: self._file.write(text + "\n"), line, record)
+                dropped = self._file.dropped
+                if self._file.write(line) and dropped:  # the backlog overflowed once: say so when it has drained
+                    self._file.dropped -= dropped
+                    self._file.write(to_json(self._note(record, dropped, "file", self._file.reason)))
             if self._console == "json":
-                self._write("console", lambda text: print(text, file=self._stream, flush=True), line, record)
+                self._write(line, record)
             elif self._console == "pretty":
-                self._write("console", lambda text: print(text, file=self._stream, flush=True),
-                            format_pretty(record, self._color), record)
+                self._write(format_pretty(record, self._color), record)
         if self._publisher:
             self._publisher.put(record)
         raise structlog.DropEvent
 
-    def _write(self, where: str, write: Any, text: str, record: dict) -> None:
-        """Write one line; on OSError drop it and count it (see __init__)."""
+    @staticmethod
+    def _note(record: dict, lines: int, where: str, reason: str) -> dict:
+        return {"ts": time.time(), "level": "warning", **{k: record[k] for k in ("run_id", "role", "worker_id", "pid")
+                if k in record}, "lines": lines, "to": where, "reason": reason, "event": "events.lines_dropped"}
+
+    def _write(self, text: str, record: dict) -> None:
+        """One console line; on OSError drop it and count it (see __init__)."""
+        def write(line: str) -> None:
+            print(line, file=self._stream, flush=True)
+
         try:
-            if self._dropped[where]:
-                note = {"ts": time.time(), "level": "warning", **{k: record[k] for k in ("run_id", "role", "worker_id",
-                        "pid") if k in record}, "lines": self._dropped[where], "to": where,
-                        "reason": self._drop_reason, "event": "events.lines_dropped"}
-                write(to_json(note) if where == "file" or self._console == "json" else
-                      format_pretty(note, self._color))
-                self._dropped[where] = 0
+            if self._dropped:
+                note = self._note(record, self._dropped, "console", self._drop_reason)
+                write(to_json(note) if self._console == "json" else format_pretty(note, self._color))
+                self._dropped = 0
             write(text)
         except OSError as exc:
-            self._dropped[where] += 1
+            self._dropped += 1
             self._drop_reason = f"{type(exc).__name__}: {exc}"[:200]
 
     def close(self) -> None:
