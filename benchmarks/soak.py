@@ -360,6 +360,26 @@ def named_errors(run_dir: Path, work: Path) -> dict:
             "exceptions": dict(sorted(crashes.items(), key=lambda kv: -kv[1])[:20])}
 
 
+def checkpoint_audit(run_dir: Path, trained_by_version: dict[int, list[str]]) -> dict:
+    """The trainer's own durable record, read beside its events: the newest checkpoint's `consumed_ids`, every
+    sample it trained on, in training order. A second source for "trained twice", and the check on the events: a
+    version whose `trainer.step` line is missing (an events file that lost lines) shows up here, not as a loss."""
+    import json
+
+    from areal_mq.algorithms.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        return {"checkpoint_version": None}
+    state = json.loads((path / "trainer_state.json").read_text())
+    consumed = list(state.get("consumed_ids", []))
+    covered = {sid for v, ids in trained_by_version.items() if v <= state["version"] for sid in ids}
+    return {"checkpoint_version": state["version"], "checkpoint_consumed": len(consumed),
+            "checkpoint_trained_twice": len(consumed) - len(set(consumed)),
+            "in_checkpoint_not_in_step_events": len(set(consumed) - covered),
+            "in_step_events_not_in_checkpoint": len(covered - set(consumed))}
+
+
 def audit(run_dir: Path, published: soak_faults.PublishedChecksums, work: Path) -> dict:
     last: dict[int, dict] = {}
     for step in events(run_dir, "trainer.step"):
@@ -383,9 +403,12 @@ def audit(run_dir: Path, published: soak_faults.PublishedChecksums, work: Path) 
         "log_tail_cuts": len(events(run_dir, "store.log_tail_cut")),  # one per corrupt_log fault: the torn record
         "log_bad_records": len(events(run_dir, "store.log_record_bad")),
         **weights_audit(run_dir, published),
+        **checkpoint_audit(run_dir, {v: last[v]["sample_ids"] for v in last}),
         "errors": named_errors(run_dir, work),
     }
     checks["ok"] = (checks["versions_contiguous"] and not checks["trained_twice"] and not checks["trained_never_stored"]
+                    and not checks.get("checkpoint_trained_twice")
+                    and not checks.get("in_step_events_not_in_checkpoint")
                     and not checks["acked_never_trained"] and not checks["dropped_without_reason"]
                     and not checks["dropped_and_trained"] and not checks["staleness_violations"]
                     and not checks["loaded_unpublished_versions"] and not checks["engine_weights_wrong"]

@@ -44,3 +44,20 @@ def test_the_audit_counts_a_compacted_sample_as_stored_and_a_summarized_drop_as_
     log.close()
     seen = soak.store_log(tmp_path)
     assert seen["put"] == {"s2"} and seen["done"] == {"s0", "s1"} and seen["ack"] == {"s2"}
+
+
+def test_the_checkpoint_shows_a_trained_version_whose_step_line_the_events_lost(tmp_path):
+    """The second 60-minute soak (2026-11-28) lost two trainer.step lines under a full disk; the trainer's newest
+    checkpoint still named those versions' samples. The audit reads both and says which source lacks what."""
+    import json
+
+    ckpt = tmp_path / "checkpoints" / "step00000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 3, "consumed_ids": ["a", "b", "c", "d", "e", "f"]}))
+    steps = {1: ["a", "b"], 3: ["e", "f"], 4: ["g", "h"]}  # version 2's line lost; 4 trained after the checkpoint
+    got = soak.checkpoint_audit(tmp_path, steps)
+    assert got == {"checkpoint_version": 3, "checkpoint_consumed": 6, "checkpoint_trained_twice": 0,
+                   "in_checkpoint_not_in_step_events": 2, "in_step_events_not_in_checkpoint": 0}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 3, "consumed_ids": ["a", "b", "a", "e"]}))
+    got = soak.checkpoint_audit(tmp_path, steps)
+    assert got["checkpoint_trained_twice"] == 1 and got["in_step_events_not_in_checkpoint"] == 1  # "f"
