@@ -268,9 +268,9 @@ class StoreClient:
         req_id = protocol.new_id()
         frames = protocol.encode(msg, id=req_id)
         deadline = time.monotonic() + timeout
-        full = None  # the store's last disk_full answer: waited out (resent every DISK_FULL_RETRY_S) until the deadline
         while True:
             send(self.sock, frames)
+            full = None  # a disk_full answer to this send: resent every DISK_FULL_RETRY_S until the deadline
             resend_at = min(deadline, time.monotonic() + resend_s)
             while time.monotonic() < resend_at:
                 if not self.sock.poll(int(max(1, (resend_at - time.monotonic()) * 1000)), zmq.POLLIN):
@@ -281,20 +281,18 @@ class StoreClient:
                     continue  # a late answer to an earlier attempt
                 # An Error naming no request answers one whose id the store could not read (a header over the
                 # limit): with one call at a time it can only be this one (waiting would take the whole deadline)
-                if isinstance(env.msg, Error) and env.msg.code == "disk_full" and time.monotonic() < deadline:
+                if isinstance(env.msg, Error) and env.msg.code == "disk_full":
                     full = env.msg
                     time.sleep(min(DISK_FULL_RETRY_S, max(0.0, deadline - time.monotonic())))
                     break
                 if isinstance(env.msg, Error):
                     raise JobFailed(f"sample store refused {msg.kind.value}: [{env.msg.code}] {env.msg.message}")
                 return env.msg
-            else:
-                full = None  # no answer in time: the store may be gone, not full
-            if full is not None and time.monotonic() < deadline:
-                continue  # same socket: the store is up, only its disk is full
             if full is not None:
-                raise JobFailed(f"sample store refused {msg.kind.value} until the deadline ({timeout:.0f} s): "
-                                f"[{full.code}] {full.message}")
+                if time.monotonic() >= deadline:
+                    raise JobFailed(f"sample store refused {msg.kind.value} until the deadline ({timeout:.0f} s): "
+                                    f"[{full.code}] {full.message}")
+                continue  # same socket: the store is up, only its disk is full
             if time.monotonic() >= deadline:
                 raise BrokerUnavailable(f"sample store {self.address} did not answer {msg.kind.value} "
                                         f"within {timeout:.1f}s (is it running, and is this client's key in its key "

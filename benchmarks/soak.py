@@ -373,11 +373,12 @@ def checkpoint_audit(run_dir: Path, trained_by_version: dict[int, list[str]]) ->
         return {"checkpoint_version": None}
     state = json.loads((path / "trainer_state.json").read_text())
     consumed = list(state.get("consumed_ids", []))
+    unique = set(consumed)
     covered = {sid for v, ids in trained_by_version.items() if v <= state["version"] for sid in ids}
     return {"checkpoint_version": state["version"], "checkpoint_consumed": len(consumed),
-            "checkpoint_trained_twice": len(consumed) - len(set(consumed)),
-            "in_checkpoint_not_in_step_events": len(set(consumed) - covered),
-            "in_step_events_not_in_checkpoint": len(covered - set(consumed))}
+            "checkpoint_trained_twice": len(consumed) - len(unique),
+            "in_checkpoint_not_in_step_events": len(unique - covered),
+            "in_step_events_not_in_checkpoint": len(covered - unique)}
 
 
 def audit(run_dir: Path, published: soak_faults.PublishedChecksums, work: Path) -> dict:

@@ -184,8 +184,8 @@ class SampleLog:
         came back, and replay had to quarantine it as a bad record (the 10-minute soak of 2026-11-28)."""
         start = self.size
         fd = self._file.fileno()
-        views = [memoryview(p).cast("B") for p in pieces]
-        views = [v for v in views if v.nbytes]
+        views = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
+        total = sum(v.nbytes for v in views)
         try:
             while views:
                 done = os.writev(fd, views[:_IOV_MAX])
@@ -203,7 +203,7 @@ class SampleLog:
                 self._cut_to = start
                 self.close()
             raise
-        self.size = start + sum(memoryview(p).nbytes for p in pieces)
+        self.size = start + total
 
     def _write(self, pieces: list) -> int:
         n = sum(memoryview(p).nbytes for p in pieces)

@@ -192,9 +192,8 @@ class EventSink:
         line = to_json(record)
         with self._lock:
             if self._file:
-                dropped = self._file.dropped
-                if self._file.write(line) and dropped:  # the backlog overflowed once: say so when it has drained
-                    self._file.dropped -= dropped
+                if self._file.write(line) and self._file.dropped:  # the backlog overflowed: say so once it drained
+                    dropped, self._file.dropped = self._file.dropped, 0
                     self._file.write(to_json(self._note(record, dropped, "file", self._file.reason)))
             if self._console == "json":
                 self._write(line, record)

@@ -108,6 +108,18 @@ def test_a_full_disk_is_retried_in_place_and_the_version_lands():
     bg.close()
 
 
+def _raised_without_retry(error: Exception, match: str) -> None:
+    """A publish failing with `error` (not a full disk) is raised from flush() at once, never retried."""
+    def publish(version, tensors, cfg):
+        raise error
+
+    bg = BackgroundPublisher(publish, first_delay_s=0.01)
+    bg.submit(1, {}, None)
+    with pytest.raises(RuntimeError, match=match):
+        bg.flush(30)
+    assert bg.retries == 0
+
+
 def test_a_disk_that_stays_full_past_the_retry_budget_is_raised_and_other_os_errors_at_once():
     import errno
 
@@ -120,14 +132,7 @@ def test_a_disk_that_stays_full_past_the_retry_budget_is_raised_and_other_os_err
         bg.flush(30)
     assert bg.retries >= 2
 
-    def denied(version, tensors, cfg):
-        raise PermissionError(errno.EACCES, "Permission denied")
-
-    bg = BackgroundPublisher(denied, first_delay_s=0.01)
-    bg.submit(1, {}, None)
-    with pytest.raises(RuntimeError, match="Permission denied"):
-        bg.flush(30)
-    assert bg.retries == 0
+    _raised_without_retry(PermissionError(errno.EACCES, "Permission denied"), "Permission denied")
 
 
 def test_safetensors_own_full_disk_error_is_retried_too_and_other_library_errors_are_not():
@@ -145,14 +150,7 @@ def test_safetensors_own_full_disk_error_is_retried_too_and_other_library_errors
     assert bg.flush(30) and tries == [1, 1] and bg.retries == 1
     bg.close()
 
-    def broken(version, tensors, cfg):
-        raise SafetensorError("Error while serializing: invalid header")
-
-    bg = BackgroundPublisher(broken, first_delay_s=0.01)
-    bg.submit(1, {}, None)
-    with pytest.raises(RuntimeError, match="invalid header"):
-        bg.flush(30)
-    assert bg.retries == 0
+    _raised_without_retry(SafetensorError("Error while serializing: invalid header"), "invalid header")
 
 
 def test_close_returns_after_the_thread_died_with_a_version_still_queued():
