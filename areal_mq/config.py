@@ -161,9 +161,13 @@ class MetricsConfig(_Section):
         False, description="Also write TensorBoard event files to run_dir/tensorboard/ (needs `pip install "
         "'areal-mq[tensorboard]'`).")
     wandb: bool = Field(
-        False, description="Also log to an offline Weights & Biases run in run_dir/wandb/, uploaded later with "
-        "`wandb sync` (needs `pip install 'areal-mq[wandb]'`).")
-    wandb_project: str = Field("areal-mq", description="W&B project of the offline run.")
+        False, description="Also log to a Weights & Biases run (one per process, in run_dir/wandb/; needs `pip "
+        "install 'areal-mq[wandb]'`), online or offline by metrics.wandb_mode.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: nothing leaves the host, `wandb sync run_dir/wandb/offline-run-*` uploads "
+        "later; online: live on the W&B server (needs `wandb login` or WANDB_API_KEY in every process's "
+        "environment, and the network).")
+    wandb_project: str = Field("areal-mq", description="W&B project of the run.")
     prometheus: bool = Field(
         False, description="Serve Prometheus metrics from every process, each on its own port (needs `pip install "
         "'areal-mq[prometheus]'`; areal_mq/telemetry/prometheus.py, dashboard in docker/grafana/).")
@@ -216,6 +220,10 @@ class EvalConfig(_Section):
 
     every: int = Field(0, ge=0, description="Evaluate every N versions in the background (0 = only at the end).")
     size: int = Field(200, ge=1, description="Held-out problems per evaluation.")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="KV pool of the evaluation's own engine, bytes. None: the rollout engine's setting. "
+        "A periodic evaluation (every > 0) on GPUs shares the first rollout engine's device unless placement.eval "
+        "gives it one: engine + evaluation must fit that device (`areal-mq plan` counts both).")
 
 
 class ControllerConfig(_Section):
@@ -303,17 +311,21 @@ class PlacementConfig(_Section):
     rollout: RolePlacement = Field(default_factory=RolePlacement)
     reward: RolePlacement = Field(default_factory=RolePlacement)
     agent: RolePlacement = Field(default_factory=RolePlacement)
+    eval: RolePlacement = Field(
+        default_factory=RolePlacement, description="The periodic evaluation's GPUs (one process, started by the "
+        "launcher every eval.every versions). Empty: beside the first rollout engine (its GPUs), never a trainer's.")
 
     def processes(self, launcher: "LauncherConfig") -> dict[str, tuple[int, int]]:
         """role -> (processes, GPUs each)."""
         return {"trainer": (launcher.trainer_ranks, 1),
                 "rollout": (launcher.rollout_workers, self.rollout.gpus_per_process or 1),
                 "reward": (launcher.reward_workers, self.reward.gpus_per_process or 1),
-                "agent": (launcher.agent_workers, self.agent.gpus_per_process or 1)}
+                "agent": (launcher.agent_workers, self.agent.gpus_per_process or 1),
+                "eval": (1, len(self.eval.gpus) or 1)}
 
     def check(self, launcher: "LauncherConfig") -> None:
         owner: dict[int, str] = {}
-        named = [r for r in ("trainer", "rollout", "reward", "agent") if getattr(self, r).gpus]
+        named = [r for r in ("trainer", "rollout", "reward", "agent", "eval") if getattr(self, r).gpus]
         if named and launcher.backend != "local":
             raise ConfigError(f"placement.{named[0]}.gpus names GPU indices, which is for launcher.backend local; under "
                               f"Ray say how many each process gets (placement.{named[0]}.gpus_per_process: N) and Ray "
@@ -342,6 +354,8 @@ class PlacementConfig(_Section):
         None to leave the environment as it is (no role names GPUs)."""
         if not any(getattr(self, r).gpus for r in ("trainer", "rollout", "reward", "agent")):
             return None
+        if role == "eval" and not self.eval.gpus:  # beside the first engine: never on a trainer's device unasked
+            return self.visible("rollout", 0, launcher)
         place = getattr(self, role, None)
         if place is None or not place.gpus:
             return ""
@@ -395,7 +409,17 @@ class RunConfig(_Section):
             raise ConfigError(f"trainer.weight_server_hosts lists {len(hosts)} hosts for launcher.trainer_ranks "
                               f"{self.launcher.trainer_ranks}: one per rank, rank 0's first")
         self._configure_reward_task()
+        self._check_eval_placement()
         return self
+
+    def _check_eval_placement(self) -> None:
+        from areal_mq.launch.ray_placement import uses_placement
+
+        if self.launcher.backend == "ray" and self.eval.every > 0 and uses_placement(self):
+            raise ConfigError(
+                f"eval.every {self.eval.every} under launcher.backend ray with GPU placement: the periodic evaluation "
+                "runs in the driver, whose GPUs Ray gives to the roles; set eval.every: 0 (the base and final "
+                "evaluations still run, while no role holds a GPU)")
 
     def job_leases(self) -> dict[str, float]:
         """Per-service job leases the job broker applies: brokers.job_deadlines, plus a 'generate' lease sized

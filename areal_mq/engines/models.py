@@ -47,6 +47,8 @@ FORMAT_VERSION = 1  # bump when a builder changes, so stale caches are rebuilt
 TINY_SEED = 1234
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# what a copy of a model's tokenizer takes along (a chat template may live in its own file since transformers 4.43)
+TOKENIZER_COPY = (*TOKENIZER_FILES, "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "merges.txt")
 
 
 def models_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -109,10 +109,10 @@ def _copy_tokenizer(dst: Path) -> None:
     49,152 ids are a subset of every shape's vocabulary; only decoding text would notice the difference."""
     import shutil
 
-    from areal_mq.engines.models import TOKENIZER_FILES, resolve_model
+    from areal_mq.engines.models import TOKENIZER_COPY, resolve_model
 
     src = resolve_model("tiny-random-llama")
-    for name in TOKENIZER_FILES + ("special_tokens_map.json",):
+    for name in TOKENIZER_COPY:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
 

@@ -17,8 +17,18 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from areal_mq.errors import ConfigError
+
 
 EVAL_BATCH = 128  # requests decoded together in a held-out evaluation
+NO_EVAL_SET = ("no held-out problems for data.name {name!r}: set data.eval_name to a test split (a .jsonl/.parquet file "
+               "or DIR:test), or run with --skip-eval")
+
+
+def check_eval_set(cfg: Any) -> None:
+    """ConfigError (one line, before any process or model load) when a run that evaluates has no held-out set."""
+    if cfg.data.resolved_eval_name() is None and not getattr(cfg.data, "sources", None):
+        raise ConfigError(NO_EVAL_SET.format(name=cfg.data.name))
 
 
 def eval_setup(cfg: Any, n: int | None) -> tuple:
@@ -34,10 +44,12 @@ def eval_setup(cfg: Any, n: int | None) -> tuple:
 
     problems = load_eval_problems(cfg.data)[: n or cfg.eval.size]
     if not problems:
-        raise ValueError("no held-out problems: set data.eval_name")
+        raise ConfigError(NO_EVAL_SET.format(name=cfg.data.name))
     tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
     fmt = ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
-    engine_cfg = cfg.rollout.engine.model_copy(update={"max_concurrent": max(cfg.rollout.engine.max_concurrent, EVAL_BATCH)})
+    engine_cfg = cfg.rollout.engine.model_copy(update={"max_concurrent": max(cfg.rollout.engine.max_concurrent, EVAL_BATCH),
+                                                       **({"kv_cache_bytes": cfg.eval.kv_cache_bytes}
+                                                          if cfg.eval.kv_cache_bytes else {})})
     # a held-out evaluation is generation: it runs where the rollout engine runs (rollout.device, else model.device)
     return problems, tokenizer, fmt, build_engine(engine_cfg, cfg.model, seed=cfg.run.seed,
                                                   device=role_device(cfg, "rollout"))
@@ -47,7 +59,6 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
              progress: bool = True, max_new_tokens: int | None = None) -> dict:
     from areal_mq.devices import release_device_memory
     from areal_mq.engines.base import EngineRequest
-    from areal_mq.grading import grade
     from areal_mq.messages import SamplingSpec
 
     problems, tokenizer, fmt, engine = eval_setup(cfg, n)
@@ -63,20 +74,52 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
         engine.close()
         del engine  # the launcher evaluates in its own process: its model and KV pool must not outlive this
         release_device_memory()
+    return {**summarize(outputs, problems), "weights": weights or "base",
+            "version": version if version is not None else 0, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def summarize(outputs: list, problems: list) -> dict:
+    """Accuracy of `outputs` (engine outputs: request_id, text, finish_reason) on `problems`, overall and per group.
+
+    n / strict / lenient / truncated over all; by_level ("L5") for problems with a level, by_subject for those
+    with meta["subject"] (MATH), by_source when the problems come from several sources (meta["source"]). A
+    problem without a level, subject or source counts in "all" only."""
+    from areal_mq.grading import grade
+
     by_id = {p.id: p for p in problems}
-    totals: dict = defaultdict(lambda: [0, 0, 0])  # level -> [n, strict, lenient]
+    totals: dict = defaultdict(lambda: [0, 0, 0])  # (group, key) -> [n, strict, lenient]
     for out in outputs:
-        verdict = grade(out.text, by_id[out.request_id].answer)
-        for key in ("all", f"L{by_id[out.request_id].level}"):
-            totals[key][0] += 1
-            totals[key][1] += int(verdict.strict)
-            totals[key][2] += int(verdict.lenient)
-    n_all, strict, lenient = totals["all"]
-    return {"n": n_all, "strict": strict / n_all, "lenient": lenient / n_all, "weights": weights or "base",
-            "version": version if version is not None else 0, "seconds": round(time.perf_counter() - t0, 1),
-            "truncated": sum(o.finish_reason == "length" for o in outputs) / n_all,
-            "by_level": {k: {"n": v[0], "strict": v[1] / v[0], "lenient": v[2] / v[0]}
-                         for k, v in sorted(totals.items()) if k != "all"}}
+        p = by_id[out.request_id]
+        verdict = grade(out.text, p.answer)
+        for group in _groups(p):
+            totals[group][0] += 1
+            totals[group][1] += int(verdict.strict)
+            totals[group][2] += int(verdict.lenient)
+    n_all, strict, lenient = totals[("all", "all")]
+    n_all = n_all or 1  # no outputs: rates of 0, not a ZeroDivisionError
+    result = {"n": totals[("all", "all")][0], "strict": strict / n_all, "lenient": lenient / n_all,
+              "truncated": sum(o.finish_reason == "length" for o in outputs) / n_all,
+              "by_level": _table(totals, "by_level")}
+    if any(group == "by_subject" for group, _ in totals):
+        result["by_subject"] = _table(totals, "by_subject")
+    if sum(group == "by_source" for group, _ in totals) > 1:
+        result["by_source"] = _table(totals, "by_source")
+    return result
+
+
+def _groups(p: Any) -> list[tuple[str, str]]:
+    groups = [("all", "all")]
+    if p.level is not None:
+        groups.append(("by_level", f"L{p.level}"))
+    for group, field in (("by_subject", "subject"), ("by_source", "source")):
+        if p.meta.get(field) is not None:
+            groups.append((group, str(p.meta[field])))
+    return groups
+
+
+def _table(totals: dict, group: str) -> dict:
+    return {key: {"n": v[0], "strict": v[1] / v[0], "lenient": v[2] / v[0]}
+            for (g, key), v in sorted(totals.items()) if g == group}
 
 
 def base_eval_cached(cfg: Any, progress: bool = True) -> dict:

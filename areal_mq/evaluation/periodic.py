@@ -6,6 +6,8 @@ display and `areal-mq plot` pick it up. The final version is evaluated by `areal
 Why pinned: the trainer prunes old versions (`trainer.keep_weight_versions`), so before starting the
 evaluation the version's files are hard-linked into `run_dir/eval_pins/vN` — the evaluation reads exactly the
 weights of version N even if the trainer deletes weights/vN meanwhile, and it costs no copy.
+Where: on the GPUs of `placement.eval`, else beside the first rollout engine (its CUDA_VISIBLE_DEVICES), never on
+the launcher's first visible GPU, which a node layout gives to trainer rank 0 (`areal-mq plan` counts it there).
 Why in the background, niced, with one thread: on a 2-core machine an evaluation competes with training, so
 it takes what is idle and never blocks the run. At most one evaluation runs at a time; when several versions
 are due it evaluates the newest and records the skipped ones in its log (`eval_pins/skipped.txt`).
@@ -60,6 +62,7 @@ class PeriodicEval:
     every: int
     last_step: int
     threads: int = 1
+    visible: str | None = None  # CUDA_VISIBLE_DEVICES of the evaluation (None: the launcher's environment)
     done: set[int] = field(default_factory=set)
     proc: subprocess.Popen | None = None
     current: int | None = None
@@ -71,7 +74,8 @@ class PeriodicEval:
 
         run_dir = Path(cfg.run.run_dir)
         done = {int(e["version"]) for e in read_jsonl(run_dir / "eval.jsonl") if isinstance(e.get("version"), int)}
-        return cls(Path(config_path), run_dir, cfg.eval.every, cfg.controller.total_steps, done=done)
+        return cls(Path(config_path), run_dir, cfg.eval.every, cfg.controller.total_steps, done=done,
+                   visible=cfg.placement.visible("eval", 0, cfg.launcher))
 
     @property
     def pins(self) -> Path:
@@ -104,6 +108,8 @@ class PeriodicEval:
         cmd = [sys.executable, "-m", "areal_mq.cli", "eval", "--config", str(self.config_path), "--weights",
                str(pinned), "--version", str(version), "--append-to", str(self.run_dir), "--no-progress"]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        if self.visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.visible
         self._log(version).parent.mkdir(parents=True, exist_ok=True)
         with open(self._log(version), "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

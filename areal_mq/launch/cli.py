@@ -2,6 +2,7 @@
 
     areal-mq run configs/quickstart.yaml [--set a.b=v] [--resume RUN_DIR]
     areal-mq run configs/quickstart.yaml --backend ray [--address HOST:PORT]   # roles as Ray actors
+    areal-mq run configs/qwen2.5-7b-2nodes.yaml --rehearse [--steps 4]          # the layout at toy scale, here
     areal-mq eval --config configs/quickstart.yaml [--weights RUN_DIR/weights/vN] [--n 200]
     areal-mq plot RUN_DIR
 """
@@ -70,22 +71,66 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
         backend: Optional[str] = typer.Option(None, "--backend", help="local (default): every process on this host; "
                                               "ray: each role a Ray actor (launcher.backend; docs/many-hosts.md)."),
         address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join, HOST:PORT of its head "
-                                              "(launcher.ray_address; default $RAY_ADDRESS or a new local Ray).")) -> None:
+                                              "(launcher.ray_address; default $RAY_ADDRESS or a new local Ray)."),
+        rehearse: bool = typer.Option(False, "--rehearse", help="Rehearse this layout at toy scale on this machine "
+                                      "before paying for GPUs: a small random model of the same family, every process "
+                                      "the config asks for (GPU indices become pretend devices), the full-scale plan, "
+                                      "a few steps, one trainer rank killed and resumed; writes RUN_DIR/rehearsal.json "
+                                      "and exits 1 naming the role and the config field on any failure "
+                                      "(areal_mq/launch/rehearsal.py, docs/gpu-layouts.md)."),
+        steps: int = typer.Option(4, "--steps", min=2, max=100, help="--rehearse: training steps (versions) to run."),
+        device_gib: Optional[float] = typer.Option(None, "--device-gib", help="--rehearse: one GPU's memory for the "
+                                                   "full-scale plan (default: this machine's GPU, else 80).")) -> None:
     """Run the whole system: brokers, controller, rollout, reward and trainer processes (this host, or Ray)."""
     if not config and not resume:
         typer.echo("error: give a CONFIG or --resume RUN_DIR", err=True)
         raise typer.Exit(2)
     from rich.console import Console
 
-    from areal_mq.errors import ConfigError
-    from areal_mq.launch.launcher import Launcher
-
-    cfg = _cfg(config, [*(set_ or []), *(["security.insecure=true"] if insecure else []),
-                        *([f"launcher.backend={backend}"] if backend else [])], resume)
+    overrides = [*(set_ or []), *(["security.insecure=true"] if insecure else []),
+                 *([f"launcher.backend={backend}"] if backend else [])]
+    cfg = _cfg(config, overrides, resume)
     if address:
         cfg.launcher.ray_address = address  # as given (a YAML override could read HOST:PORT as a number)
     console = Console(stderr=True, soft_wrap=True)
+    if rehearse:
+        from areal_mq.errors import ConfigError
+        from areal_mq.launch.rehearsal import rehearse as rehearse_layout
+
+        try:
+            report = rehearse_layout(cfg, console, steps=steps, device_gib=device_gib, quiet=quiet)
+        except ConfigError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2)
+        raise typer.Exit(0 if report["ok"] else 1)
+    if not skip_eval and not resume:
+        _check_eval_set(cfg)
     _check_memory(cfg)
+    outcome, _ = execute(cfg, console, skip_eval=skip_eval, quiet=quiet, resume=bool(resume))
+    if outcome == "failed":
+        raise typer.Exit(1)
+    if outcome == "interrupted":
+        raise typer.Exit(130)
+
+
+def _check_eval_set(cfg) -> None:
+    from areal_mq.errors import ConfigError
+    from areal_mq.evaluation.heldout import check_eval_set
+
+    try:
+        check_eval_set(cfg)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
+def execute(cfg, console, *, skip_eval: bool, quiet: bool, resume: bool) -> tuple[str, object]:
+    """Start, supervise and stop one run of `cfg` (the body of `areal-mq run`, also what a rehearsal runs):
+    the base evaluation, every process, the periodic and final evaluations, the plot. Returns (outcome, launcher): outcome
+    'done', 'failed' (launcher.failure says why) or 'interrupted'."""
+    from areal_mq.errors import ConfigError
+    from areal_mq.launch.launcher import Launcher
+
     if cfg.launcher.backend == "ray":  # ports are settled on the brokers' node
         from areal_mq.launch.ray_backend import RayLauncher
 
@@ -123,7 +168,7 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
             launcher.evaluator.wait(timeout_s=600 if outcome == "done" else 0)
     if outcome == "failed":
         console.print(f"[red]run stopped: {launcher.failure}[/]")
-        raise typer.Exit(1)
+        return outcome, launcher
     if outcome == "done" and not skip_eval:
         from areal_mq.weights import disk_versions
 
@@ -135,8 +180,7 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
             console.print(f"[yellow]the final policy v{cfg.controller.total_steps} is not in run_dir/weights "
                           f"(found {versions[-3:] or 'none'}): no final evaluation[/]")
     _plot_and_summary(cfg, console)
-    if outcome == "interrupted":
-        raise typer.Exit(130)
+    return outcome, launcher
 
 
 def _claim_ports(cfg, console):

@@ -13,9 +13,18 @@ nothing loaded) and the run config:
   rollout engine weights in the engine's dtype, the KV block pool (kv_cache_bytes, else max_kv_tokens
                  positions), and the logits of max_concurrent rows; a vLLM engine's weights and KV per GPU of its
                  tensor_parallel_size, held to its gpu_memory_utilization of the device;
+  evaluation    a periodic held-out evaluation (eval.every > 0) is an engine of its own (weights, its KV pool:
+                 eval.kv_cache_bytes, else the rollout engine's), on the GPUs of placement.eval or, by default,
+                 beside the first rollout engine: the two are counted together against that device;
 and sets them against the memory each one gets: on CUDA a device each (the GPU's memory, or --device-gib),
 on the CPU the host's memory, which every process shares. `refusals` name the process, the numbers and the
 knob to turn; `areal-mq run` runs the same check first.
+The model is the config's local directory, a public shape name (`--set model.name=qwen2.5-7b`,
+engines/shapes.py), or, when the named directory is not on this machine yet, the public shape its name reads as
+("/models/Qwen2.5-7B-Instruct" -> qwen2.5-7b, said in `Plan.notes`): a plan is worth most before the download.
+Occupancy (`occupancy`): how many sequences admission can keep in flight ((η + 1) x batch_groups and
+max_concurrent_groups, times group_size) against the rows all engines decode at once (rollout_workers x
+max_concurrent); under 50 % the plan warns, since the GPUs the engines were sized for sit idle.
 Where the numbers come from: the per-parameter bytes are exact; the activation count (8 H + 3 I per token and
 layer: the inputs of the attention and MLP projections, the gate/up outputs and the activation, the norms)
 is the structure of a Llama/Qwen decoder layer; tests/unit/launch/test_plan.py holds the estimate within 25 %
@@ -76,6 +85,8 @@ class Plan:
     device: str  # "cuda" (a device per process) or "cpu" (one host memory for all)
     capacity: float  # bytes of one device, or of the host
     refusals: list[str]
+    occupancy: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def table(self) -> str:
         rows = [f"model: {self.shape.params / 1e9:.2f} B parameters, {self.shape.layers} layers; "
@@ -88,8 +99,51 @@ class Plan:
         if self.device == "cpu":
             total = sum(p.nbytes * p.count for p in self.processes)
             rows.append(f"  all processes      {total / GIB:7.2f} GiB of {self.capacity / GIB:.1f} GiB")
+        occ = self.occupancy
+        if occ:
+            rows.append(f"  engine occupancy   {occ['occupancy']:.0%}: admission keeps {occ['sequences']} sequences in "
+                        f"flight ({occ['limited_by']}) for {occ['engine_rows']} engine rows "
+                        f"({occ['engines']} x {occ['rows_per_engine']})")
+        rows += [f"note: {n}" for n in self.notes]
+        rows += [f"WARNING: {w}" for w in self.warnings]
         rows += [f"REFUSED: {r}" for r in self.refusals] or ["fits"]
         return "\n".join(rows)
+
+    @property
+    def warnings(self) -> list[str]:
+        occ = self.occupancy
+        if occ and occ["occupancy"] < LOW_OCCUPANCY:
+            return [f"the engines can be at most {occ['occupancy']:.0%} busy: {occ['limited_by']} caps the sequences "
+                    f"in flight at {occ['sequences']} for {occ['engine_rows']} engine rows; raise "
+                    "controller.max_concurrent_groups (and controller.batch_groups or max_staleness where the "
+                    "staleness bound is the cap), or lower rollout.engine.max_concurrent"]
+        return []
+
+    def to_json(self) -> dict:
+        return {"params": self.shape.params, "layers": self.shape.layers, "device": self.device,
+                "capacity_gib": round(self.capacity / GIB, 2), "refusals": self.refusals, "warnings": self.warnings,
+                "notes": self.notes, "occupancy": self.occupancy,
+                "processes": [{"role": p.role, "count": p.count, "gib_each": round(p.nbytes / GIB, 2),
+                               "items": {i.name: round(i.nbytes / GIB, 3) for i in p.items}} for p in self.processes]}
+
+
+LOW_OCCUPANCY = 0.5
+
+
+def occupancy(cfg: Any) -> dict:
+    """Sequences admission can keep in flight against the rows all engines decode at once (the module docstring).
+    The staleness bound admits (η + v + 1) x batch_groups groups up to version v, of which about batch_groups x v
+    were trained: (η + 1) x batch_groups in flight at most, in steady state."""
+    c, lc = cfg.controller, cfg.launcher
+    by_staleness = (cfg.staleness_bound + 1) * c.batch_groups
+    groups = min(by_staleness, c.max_concurrent_groups)
+    limited_by = (f"controller.max_concurrent_groups {c.max_concurrent_groups}" if c.max_concurrent_groups <= by_staleness
+                  else f"the staleness bound (η {cfg.staleness_bound} + 1) x batch_groups {c.batch_groups}")
+    rows = lc.rollout_workers * cfg.rollout.engine.max_concurrent
+    sequences = groups * c.group_size
+    return {"sequences": sequences, "groups": groups, "limited_by": f"{limited_by} x group_size {c.group_size}",
+            "engines": lc.rollout_workers, "rows_per_engine": cfg.rollout.engine.max_concurrent,
+            "engine_rows": rows, "occupancy": round(min(1.0, sequences / rows), 4)}
 
 
 def read_shape(model_dir: str | Path) -> Shape:
@@ -165,21 +219,64 @@ def host_bytes() -> float:
     return 16.0 * GIB
 
 
+def shape_for_name(name: str) -> str | None:
+    """The public shape (engines/shapes.py) a model name or directory reads as: "qwen2.5-7b",
+    "/models/Qwen2.5-7B-Instruct" -> "qwen2.5-7b"; None when none matches."""
+    from areal_mq.engines.shapes import SHAPES
+
+    base = Path(name.rstrip("/")).name.lower()
+    for suffix in ("-instruct", "-chat", "-base", "-it"):
+        base = base.removesuffix(suffix)
+    return base if base in SHAPES else None
+
+
+def plan_model_dir(cfg: Any) -> tuple[Path, list[str]]:
+    """(a directory with the config.json to plan against, notes). ConfigError, one line, when the model is
+    neither here, nor a known model name, nor a public shape."""
+    from areal_mq.engines.models import models_cache_dir, resolve_model
+    from areal_mq.errors import ConfigError, ModelNotFound
+
+    name = cfg.model.name
+    named = Path(name).expanduser()
+    if (named / "config.json").is_file():
+        return named, []
+    from areal_mq.engines.shapes import SHAPES
+
+    shape = name.lower() if name.lower() in SHAPES else None
+    if shape is None:
+        try:
+            return resolve_model(name, cfg.model.cache_dir), []
+        except ModelNotFound as exc:
+            shape = shape_for_name(name)
+            if shape is None:
+                raise ConfigError(f"{exc} To plan before downloading, name a public shape: --set model.name=SHAPE "
+                                  f"({', '.join(SHAPES)})") from None
+    from areal_mq.engines.shapes import hf_config
+
+    folder = models_cache_dir(cfg.model.cache_dir).parent / "shapes" / shape
+    if not (folder / "config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        hf_config(shape).save_pretrained(str(folder))
+    notes = [] if shape == name.lower() else [f"{name} is not on this machine: planned against the public {shape} "
+                                              "config (engines/shapes.py)"]
+    return folder, notes
+
+
 def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path | None = None) -> Plan:
     """The plan of `cfg` (see the module docstring). `device_gib`: one device's memory (default: the first
     CUDA device's when the trainer runs on CUDA, else the host's memory shared by every process)."""
     from areal_mq.devices import resolve_device
 
+    notes: list[str] = []
     if model_dir is None:
-        from areal_mq.engines.models import resolve_model
-
-        named = Path(cfg.model.name).expanduser()
-        model_dir = named if (named / "config.json").is_file() else resolve_model(cfg.model.name, cfg.model.cache_dir)
+        model_dir, notes = plan_model_dir(cfg)
     s = read_shape(model_dir)
     ranks = cfg.launcher.trainer_ranks
     procs = [trainer_rank(cfg, s, ranks)]
     if cfg.rollout.engine.kind in ("torch", "vllm", "vllm-server"):
         procs.append(engine(cfg, s))
+        if cfg.eval.every > 0:
+            procs.append(evaluation(cfg, s))
     on_cuda = device_gib is not None or resolve_device(cfg.trainer.device or cfg.model.device).type == "cuda"
     if on_cuda:
         if device_gib is None:
@@ -188,16 +285,49 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
             device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
         capacity, refusals = device_gib * GIB, []
         for p in procs:
-            if p.nbytes > capacity * p.device_share:
+            if p.role.startswith("evaluation"):
+                refusals += _evaluation_refusal(cfg, procs, p, capacity)
+            elif p.nbytes > capacity * p.device_share:
                 refusals.append(_refusal(cfg, p, capacity, s))
-        return Plan(s, procs, "cuda", capacity, refusals)
+        return Plan(s, procs, "cuda", capacity, refusals, occupancy(cfg), notes)
     capacity = host_bytes()
     total = sum(p.nbytes * p.count for p in procs)
     refusals = [] if total <= capacity else [
         f"the processes need {total / GIB:.1f} GiB together and the host has {capacity / GIB:.1f} GiB: on one "
         "host every process shares its memory (FSDP ranks too), so use a smaller model, fewer "
         "launcher.rollout_workers, a smaller rollout.engine.max_kv_tokens or trainer.max_tokens_per_mb, or GPUs"]
-    return Plan(s, procs, "cpu", capacity, refusals)
+    return Plan(s, procs, "cpu", capacity, refusals, occupancy(cfg), notes)
+
+
+def evaluation(cfg: Any, s: Shape) -> Process:
+    """The periodic evaluation's engine (evaluation/heldout.py: at least EVAL_BATCH rows, its own KV pool)."""
+    from areal_mq.algorithms.trainer import rollout_dtype
+    from areal_mq.evaluation.heldout import EVAL_BATCH
+
+    e = cfg.rollout.engine
+    width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
+    own = bool(cfg.placement.eval.gpus)
+    p = Process("evaluation" if own else "evaluation (beside rollout engine 0)", 1)
+    p.items.append(Item("weights", width * s.params))
+    kv = cfg.eval.kv_cache_bytes or e.kv_cache_bytes
+    rows = max(e.max_concurrent, EVAL_BATCH)
+    if not kv:
+        kv = min(e.max_kv_tokens, rows * (e.max_model_len or 2048)) * 2 * s.layers * s.kv_heads * s.head_dim * width
+    p.items.append(Item("KV pool", kv))
+    p.items.append(Item("logits", rows * s.vocab * 4 * 2))
+    return p
+
+
+def _evaluation_refusal(cfg: Any, procs: list[Process], ev: Process, capacity: float) -> list[str]:
+    shared = [p for p in procs if p.role.startswith("rollout")] if not cfg.placement.eval.gpus else []
+    need = ev.nbytes + sum(p.nbytes for p in shared)
+    if need <= capacity:
+        return []
+    where = "its own GPU" if not shared else "the first rollout engine's GPU, beside that engine"
+    return [f"the periodic evaluation (eval.every {cfg.eval.every}) runs on {where}: {need / GIB:.1f} GiB there and "
+            f"a device has {capacity / GIB:.1f} GiB; lower eval.kv_cache_bytes, give it a GPU of its own "
+            "(placement.eval.gpus), or set eval.every: 0 (the base and final evaluations run when nothing else holds "
+            "a GPU)"]
 
 
 def _refusal(cfg: Any, p: Process, capacity: float, s: Shape) -> str:

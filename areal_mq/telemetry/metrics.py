@@ -7,8 +7,9 @@ What: `MetricsSinks.from_config(cfg, role, log)` builds the sinks of the config'
     benchmarks read);
   - TensorBoard (`metrics.tensorboard: true`, extra `tensorboard`): event files in run_dir/tensorboard/,
     the finite numeric values tagged "<role>/<key>" at `step`;
-  - Weights & Biases (`metrics.wandb: true`, extra `wandb`): an offline run in run_dir/wandb/ (nothing goes
-    over the network; `wandb sync` uploads it later).
+  - Weights & Biases (`metrics.wandb: true`, extra `wandb`): a run per process in run_dir/wandb/, offline by
+    default (nothing goes over the network; `wandb sync` uploads it later) or live with
+    `metrics.wandb_mode: online` (W&B's own login: WANDB_API_KEY or `wandb login`).
   - Prometheus (`metrics.prometheus: true`, extra `prometheus`): this process's /metrics endpoint on
     `metrics.prometheus_host:prometheus_port`, fed by every write (areal_mq/telemetry/prometheus.py).
 Why: a sink switched on without its package fails at startup with a ConfigError naming the pip extra,
@@ -82,14 +83,15 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """An offline W&B run in run_dir/wandb/ (one per process), named <run name>-<role>, grouped by run name."""
+    """A W&B run in run_dir/wandb/ (one per process; metrics.wandb_mode: offline or online), named
+    <run name>-<role>, grouped by run name."""
 
     name = "wandb"
 
     def __init__(self, wandb: ModuleType, cfg: Any, role: str):
         self.role = role
         self.run = wandb.init(
-            project=cfg.metrics.wandb_project, dir=cfg.run.run_dir, mode="offline", name=f"{cfg.run.name}-{role}",
+            project=cfg.metrics.wandb_project, dir=cfg.run.run_dir, mode=cfg.metrics.wandb_mode, name=f"{cfg.run.name}-{role}",
             group=cfg.run.name, job_type=role, config=cfg.model_dump(mode="json"), reinit="create_new",
             # console off: wandb would otherwise wrap stdout/stderr, where the events go
             settings=wandb.Settings(console="off", silent=True))
