@@ -12,6 +12,7 @@ Why: users keep their data as Parquet or as `datasets` directories as often as J
 so they read records from here and never care about the format.
 Parquet needs `pyarrow`, a `datasets` directory the `datasets` library: `pip install 'areal-mq[datasets]'`.
 Nothing is downloaded: a name that is not a local file or directory is an error.
+`source_labels(names)` gives each source a short unique label (ids in a mix, evaluation's by_source).
 """
 from __future__ import annotations
 
@@ -115,3 +116,26 @@ def _rows(rows: Any, where: str) -> Iterator[tuple[int, str, dict[str, Any]]]:
             raise DataFormatError(f"{where} row {i}: expected a record with named fields, got {type(row).__name__}")
         # a table has one schema for all rows: a field a row lacks is null there, so null reads as missing
         yield i, f"{where} row {i}", {k: v for k, v in row.items() if v is not None}
+
+
+def source_labels(names: list[str]) -> list[str]:
+    """Short unique labels of source names: the file stem, with as many parent folders as it takes to tell
+    them apart. ["/data/math/train.jsonl", "/data/gsm8k/train.parquet"] -> ["math/train", "gsm8k/train"]."""
+    parts = [_label_parts(n) for n in names]
+    depth = [1] * len(names)
+    while True:
+        labels = ["/".join(reversed(p[:d])) for p, d in zip(parts, depth)]
+        clashing = [i for i, label in enumerate(labels) if labels.count(label) > 1 and depth[i] < len(parts[i])]
+        if not clashing:
+            break
+        for i in clashing:
+            depth[i] += 1
+    labels = [label if labels.count(label) == 1 else name for label, name in zip(labels, names)]
+    return [label if labels[:i].count(label) == 0 else f"{label}-{labels[:i].count(label) + 1}"
+            for i, label in enumerate(labels)]
+
+
+def _label_parts(name: str) -> list[str]:
+    """The stem then its parent folders, innermost first: "/data/math/train.jsonl" -> ["train", "math", "data"]."""
+    path = Path(name)
+    return [path.stem, *(part for part in reversed(path.parent.parts) if part not in ("/", ".", ""))]

@@ -21,13 +21,13 @@ from areal_mq.errors import ConfigError
 
 
 EVAL_BATCH = 128  # requests decoded together in a held-out evaluation
-NO_EVAL_SET = ("no held-out problems for data.name {name!r}: set data.eval_name to a test split (a .jsonl/.parquet file "
-               "or DIR:test), or run with --skip-eval")
+NO_EVAL_SET = ("data.eval_name is not set and data.name {name!r} has no built-in held-out split: set data.eval_name to a "
+               "test split (a .jsonl/.parquet file or DIR:test), or run with --skip-eval")
 
 
 def check_eval_set(cfg: Any) -> None:
     """ConfigError (one line, before any process or model load) when a run that evaluates has no held-out set."""
-    if cfg.data.resolved_eval_name() is None and not getattr(cfg.data, "sources", None):
+    if not cfg.data.has_eval_set():
         raise ConfigError(NO_EVAL_SET.format(name=cfg.data.name))
 
 

@@ -121,14 +121,13 @@ def _exists(name: str | None) -> bool:
 
 
 def _sample_format(name: str, fmt: str) -> str:
-    if fmt in ("gsm8k", "math"):
-        return fmt
+    """Which shipped sample stands in for a missing file: by its name (gsm8k, math500, math), else its format."""
     low = name.lower()
     if "gsm8k" in low:
         return "gsm8k"
     if "math500" in low or "math-500" in low:
         return "math500"
-    return "math"
+    return fmt if fmt in ("gsm8k", "math") else "math"
 
 
 def toy_data(data: dict) -> tuple[dict, dict]:
@@ -252,14 +251,15 @@ class Watch:
     moment the first checkpoint before the last step exists (once per rehearsal). A thread, not the launcher's
     1 s supervision tick: a toy trainer takes a step in a fraction of a second, and the kill must land mid-run."""
 
-    def __init__(self, run_dir: Path, steps: int):
+    def __init__(self, run_dir: Path, steps: int, ranks: int):
         import threading
 
         self.run_dir = run_dir
         self.config_path = run_dir / "config.yaml"
         self.steps = steps
+        self.ranks = ranks
         self.started: dict[str, set[int]] = {}
-        self.last: list[dict] = []  # the newest snapshot with the trainer alive: the layout at the end of the run
+        self.last: list[dict] = []  # the newest snapshot with every trainer rank and the controller alive
         self.kill: dict | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread()
@@ -268,6 +268,7 @@ class Watch:
         import threading
 
         self._stop.clear()
+        self.last = []  # each run (the first, a resumed one) is judged by its own end
         self._thread = threading.Thread(target=self._run, name="rehearsal-watch", daemon=True)
         self._thread.start()
         return self
@@ -290,8 +291,9 @@ class Watch:
         procs = role_processes(self.config_path)
         for p in procs:
             self.started.setdefault(p["role"], set()).add(p["pid"])
-        if any(p["role"] == "trainer" for p in procs):
-            self.last = procs
+        roles = [p["role"] for p in procs]
+        if roles.count("trainer") >= self.ranks and "controller" in roles:  # the controller ends by itself at the
+            self.last = procs  # last version, a moment before the trainer
 
     def _checkpoint_before_last(self) -> bool:
         try:
@@ -301,7 +303,7 @@ class Watch:
         return any(n[4:].isdigit() and 0 < int(n[4:]) < self.steps for n in names)
 
     def _kill_one_rank(self) -> None:
-        ranks = [p for p in self.last if p["role"] == "trainer"]
+        ranks = [p for p in role_processes(self.config_path) if p["role"] == "trainer"]
         if not ranks:
             return
         victim = max(ranks, key=lambda p: p["rank"])  # the last rank: a non-zero one where there are several
@@ -383,18 +385,18 @@ def check_resume(run_dir: Path, watch: Watch, cfg: Any) -> tuple[dict, list[dict
     return report, []
 
 
-def check_engines(run_dir: Path, cfg: Any, resume: dict) -> tuple[dict, list[dict]]:
+def check_engines(run_dir: Path, cfg: Any) -> tuple[dict, list[dict]]:
+    """The versions each engine loaded over the rehearsal; every engine must have loaded a published one (a short
+    resumed run may train from the store's backlog alone, so 'after the resume' is reported, not required)."""
     versions: dict[str, list[int]] = {}
     for e in read_events(run_dir, "rollout", "rollout.weights_updated"):
         versions.setdefault(e.get("worker_id", "?"), []).append(int(e.get("version", -1)))
-    floor = max([r["version"] for r in resume.get("resumed", []) if isinstance(r.get("version"), int)], default=0)
     failures = []
     for i in range(cfg.launcher.rollout_workers):
         name = f"rollout-{i}"
-        if max(versions.get(name, [-1])) <= floor:
+        if max(versions.get(name, [-1])) < 1:
             failures.append(_failure("rollout", f"trainer.publish_mode ({cfg.trainer.publish_mode})",
-                                     f"{name} never loaded a version after v{floor}: the trainer's weights did not "
-                                     "reach it"))
+                                     f"{name} never loaded a published version: the trainer's weights did not reach it"))
     return {k: sorted(set(v)) for k, v in sorted(versions.items())}, failures
 
 
@@ -445,7 +447,7 @@ def rehearse(cfg: Any, console: Any, steps: int = 4, device_gib: float | None = 
                     "toy": {"model": toy.model, "data": toy.data, "notes": toy.notes,
                             "occupancy": _occupancy(toy.cfg)}}
     _clean(run_dir)
-    watch = Watch(run_dir.resolve(), steps)
+    watch = Watch(run_dir.resolve(), steps, toy.cfg.launcher.trainer_ranks)
     ray = _pretend_ray(toy.cfg)
     runs: list[dict] = []
     try:
@@ -464,11 +466,17 @@ def rehearse(cfg: Any, console: Any, steps: int = 4, device_gib: float | None = 
     if runs[-1]["outcome"] != "done":
         failures.append(_failure(_role_of(runs[-1]["failure"]), runs[-1].get("field", "launcher (the log named in the "
                                  "reason)"), f"the run ended {runs[-1]['outcome']}: {runs[-1]['failure']}"))
+    if not watch.started:  # nothing started: the first failure is the whole story
+        report.update(roles={}, resume={}, engines={}, evaluations=[], failures=failures, ok=False,
+                      seconds=round(time.time() - started, 1))
+        (run_dir / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
+        _say(console, report)
+        return report
     report["roles"], more = check_processes(toy.cfg, watch)
     failures += more
     report["resume"], more = check_resume(run_dir, watch, toy.cfg)
     failures += more
-    report["engines"], more = check_engines(run_dir, toy.cfg, report["resume"])
+    report["engines"], more = check_engines(run_dir, toy.cfg)
     failures += more
     report["evaluations"], more = check_evals(run_dir, toy.cfg, steps)
     failures += more

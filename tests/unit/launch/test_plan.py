@@ -94,8 +94,10 @@ def test_the_shipped_node_config_fits_its_node(tmp_path):
     cfg = load_config(ROOT / "configs" / "qwen2.5-1.5b-node.yaml", [f"model.name={model}"])
     result = make_plan(cfg, device_gib=80)
     assert not result.refusals, result.table()
-    assert [p.count for p in result.processes] == [4, 4]
+    assert [p.count for p in result.processes] == [4, 4, 1]  # trainer ranks, engines, the periodic evaluation
+    assert result.processes[2].role == "evaluation (beside rollout engine 0)"
     assert cfg.placement.visible("rollout", 3, cfg.launcher) == "7"
+    assert cfg.placement.visible("eval", 0, cfg.launcher) == "4"  # engine 0's GPU, never trainer rank 0's
     tight = make_plan(cfg, device_gib=40)  # the engines' 40 GiB KV pool does not fit a 40 GB card
     assert tight.refusals and "kv_cache_bytes" in tight.refusals[0]
 
@@ -118,3 +120,67 @@ def test_a_vllm_engine_is_counted_per_gpu_of_its_tensor_parallel_size_and_held_t
     assert not split.refusals, split.table()  # the same engine over 2 GPUs: half the weights and KV on each
     assert "1 of 2 GPUs" in split.table()
     assert split.processes[1].nbytes < 0.6 * engine.nbytes
+
+
+def test_a_public_shape_name_or_an_absent_model_dir_plans_against_the_public_config(tmp_path):
+    """A plan is worth most before the download: `model.name=qwen2.5-7b`, or the config's /models/... path that is
+    not here yet (read as the public shape, with a note); anything else is one clear ConfigError."""
+    from areal_mq.config import load_config
+    from areal_mq.errors import ConfigError
+    from areal_mq.launch.plan import shape_for_name
+
+    assert shape_for_name("/models/Qwen2.5-7B-Instruct") == "qwen2.5-7b"
+    assert shape_for_name("/models/Mistral-7B") is None
+    cache = f"model.cache_dir={tmp_path / 'models'}"
+    named = make_plan(load_config(None, ["model.name=qwen2.5-7b", cache]), device_gib=80)
+    assert 7.5e9 < named.shape.params < 7.7e9 and not named.notes
+    guessed = make_plan(load_config(ROOT / "configs" / "qwen2.5-7b-2nodes.yaml", [cache]), device_gib=80)
+    assert guessed.shape.params == named.shape.params
+    assert "not on this machine" in guessed.notes[0] and "qwen2.5-7b" in guessed.table()
+    with pytest.raises(ConfigError, match="public shape"):
+        make_plan(load_config(None, ["model.name=/nowhere/Mistral-7B", cache]), device_gib=80)
+
+
+def test_the_plan_reports_engine_occupancy_and_warns_below_half():
+    from areal_mq.launch.plan import occupancy
+
+    starved = config_from_dict({"controller": {"group_size": 8, "batch_groups": 32, "max_staleness": 4,
+                                               "max_concurrent_groups": 32},
+                                "rollout": {"engine": {"max_concurrent": 256}}, "launcher": {"rollout_workers": 4}})
+    occ = occupancy(starved)
+    assert occ["occupancy"] == 0.25 and "max_concurrent_groups" in occ["limited_by"]
+    by_bound = config_from_dict({"controller": {"group_size": 8, "batch_groups": 32, "max_staleness": 4,
+                                                "max_concurrent_groups": 500},
+                                 "rollout": {"engine": {"max_concurrent": 256}}, "launcher": {"rollout_workers": 8}})
+    assert occupancy(by_bound)["occupancy"] == 0.625 and "staleness bound" in occupancy(by_bound)["limited_by"]
+    sync = config_from_dict({"run": {"mode": "sync"}, "controller": {"group_size": 4, "batch_groups": 4,
+                                                                     "max_concurrent_groups": 16}})
+    assert occupancy(sync)["sequences"] == 16  # η = 0: one batch in flight
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_fills_its_engines(path, tmp_path):
+    """The issue-50 target: every shipped config's engines >= 90 % occupied by the plan's arithmetic."""
+    from areal_mq.config import load_config
+    from areal_mq.launch.plan import occupancy
+
+    occ = occupancy(load_config(path))
+    assert occ["occupancy"] >= 0.9, occ
+
+
+def test_the_periodic_evaluation_is_counted_beside_engine_0_or_on_its_own_gpu(tmp_path):
+    model = _config_dir(tmp_path, "qwen2.5-7b")
+    base = {"model": {"name": str(model), "dtype": "bfloat16", "device": "cuda"}, "eval": {"every": 10},
+            "trainer": {"strategy": "fsdp"}, "launcher": {"trainer_ranks": 2, "rollout_workers": 1},
+            "placement": {"trainer": {"gpus": [0, 1]}, "rollout": {"gpus": [2]}},
+            "rollout": {"engine": {"kv_cache_bytes": 48 * GIB, "max_concurrent": 128}}}
+    beside = make_plan(config_from_dict(base), device_gib=80)
+    assert any("periodic evaluation" in r and "placement.eval.gpus" in r for r in beside.refusals), beside.table()
+    small = make_plan(config_from_dict({**base, "eval": {"every": 10, "kv_cache_bytes": 4 * GIB},
+                                        "rollout": {"engine": {"kv_cache_bytes": 40 * GIB, "max_concurrent": 128}}}),
+                      device_gib=80)
+    assert not small.refusals, small.table()
+    own = make_plan(config_from_dict({**base, "placement": {**base["placement"], "eval": {"gpus": [3]}}}),
+                    device_gib=80)
+    assert not own.refusals and own.processes[-1].role == "evaluation", own.table()
+    assert config_from_dict(base).placement.visible("eval", 0, config_from_dict(base).launcher) == "2"

@@ -159,3 +159,19 @@ def test_a_failing_sink_is_dropped_with_one_warning_and_the_others_go_on(tmp_pat
     broken_at_close.close()
     assert log.at("warning")[1:] == [("metrics.sink_disabled",
                                  {"sink": "broken", "during": "close", "error": "OSError: still full"})]
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_wandb_mode_comes_from_the_config(tmp_path, mode):
+    """metrics.wandb_mode reaches wandb.init (a GPU user watches live); the W&B module is passed in, as the sink
+    takes it, so this runs where wandb is not installed."""
+    from types import SimpleNamespace
+
+    from areal_mq.telemetry.metrics import WandbSink
+
+    calls = []
+    fake = SimpleNamespace(init=lambda **kw: calls.append(kw) or SimpleNamespace(), Settings=lambda **kw: kw)
+    WandbSink(fake, config(tmp_path, "metrics.wandb=true", f"metrics.wandb_mode={mode}"), "trainer")
+    assert calls[0]["mode"] == mode and calls[0]["project"] == "areal-mq"
+    with pytest.raises(ConfigError, match="wandb_mode"):
+        config(tmp_path, "metrics.wandb_mode=live")

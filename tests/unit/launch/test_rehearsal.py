@@ -1,0 +1,85 @@
+"""The rehearsal's toy config (areal_mq/launch/rehearsal.py): same family, same layout, toy sizes, data samples."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_mq.config import load_config
+from areal_mq.errors import ConfigError
+from areal_mq.launch.rehearsal import role_processes, toy_config
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def toy(tmp_path, name, *overrides, steps=4):
+    cfg = load_config(ROOT / "configs" / name, list(overrides))
+    return cfg, toy_config(cfg, steps, tmp_path / "run-rehearsal", tmp_path / "cache")
+
+
+def model_config(toy_result) -> dict:
+    return json.loads((Path(toy_result.cfg.model.name) / "config.json").read_text())
+
+
+def test_the_7b_layout_keeps_its_processes_placement_and_family_at_toy_size(tmp_path):
+    cfg, t = toy(tmp_path, "qwen2.5-7b-2nodes.yaml")
+    c = t.cfg
+    conf = model_config(t)
+    assert conf["model_type"] == "qwen2" and conf["tie_word_embeddings"] is False  # Qwen2.5-7B: untied head
+    assert conf["num_hidden_layers"] == 2 and conf["hidden_size"] == 64
+    assert (c.launcher.trainer_ranks, c.launcher.rollout_workers, c.launcher.reward_workers) == (8, 8, 4)
+    assert c.launcher.backend == "ray" and c.launcher.on_child_death == "restart"
+    assert c.placement.rollout.gpus_per_process == 1 and c.trainer.strategy == "fsdp"
+    assert c.trainer.publish_mode == "zmq" and c.trainer.gradient_checkpointing
+    assert c.model.device == "cpu" and c.model.dtype == cfg.model.dtype
+    assert c.controller.total_steps == 4 and c.controller.max_new_tokens <= 16 and c.trainer.checkpoint_every == 1
+    assert c.rollout.engine.kv_cache_bytes is None and c.rollout.engine.max_concurrent <= 8
+    assert c.run.run_dir == str(tmp_path / "run-rehearsal")
+    assert "math sample" in " ".join(t.data["replaced"])  # /data/math/... is not on this machine
+    assert Path(c.data.name).is_file() and Path(c.data.eval_name).is_file()
+
+
+def test_a_tied_family_stays_tied_and_gpu_indices_stay_pretend_devices(tmp_path):
+    _, t = toy(tmp_path, "qwen2.5-1.5b-node.yaml")
+    assert model_config(t)["tie_word_embeddings"] is True  # Qwen2.5-1.5B ties its head
+    c = t.cfg
+    assert c.placement.trainer.gpus == [0, 1, 2, 3] and c.placement.visible("rollout", 2, c.launcher) == "6"
+    assert c.eval.every == 2 and c.eval.size <= 4  # a periodic evaluation inside 4 steps
+    assert c.launcher.threads["trainer"] == 1
+
+
+def test_the_configs_own_data_is_kept_where_it_exists(tmp_path):
+    from areal_mq.data.samples import SAMPLES
+
+    train, test = SAMPLES["gsm8k"]
+    _, t = toy(tmp_path, "qwen2.5-1.5b-node.yaml", f"data.name={train}", f"data.eval_name={test}")
+    assert t.cfg.data.name == train and t.data == {"source": "the config's own files"}
+
+
+def test_a_model_of_unknown_family_is_one_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="model.name.*public shape"):
+        toy(tmp_path, "tiny.yaml", "model.name=/nowhere/Mistral-7B")
+
+
+def test_role_processes_reads_role_rank_and_devices_from_proc(tmp_path):
+    """What the rehearsal checks each process against: its own /proc entry (role, RANK, CUDA_VISIBLE_DEVICES).
+    A stand-in process with the cmdline shape of a role process (it imports nothing of ours)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("{}")
+    script = "import time; time.sleep(30)"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "5", "RANK": "3"}
+    proc = subprocess.Popen([sys.executable, "-c", script, "areal_mq.cli", "worker", "rollout", "--config", str(config)],
+                            env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while not (found := role_processes(config)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert found == [{"pid": proc.pid, "role": "rollout", "rank": 3, "cuda_visible_devices": "5"}]
+    finally:
+        proc.kill()
+        proc.wait()
