@@ -242,9 +242,14 @@ def plan(config: Optional[str] = typer.Argument(None, help="YAML run config (def
                                                     "the first CUDA device's where the trainer runs on CUDA, else "
                                                     "the host's memory shared by every process).")) -> None:
     """The memory each process of a run will need, against what it gets; exit 2 when something cannot fit."""
+    from areal_mq.errors import ArealError
     from areal_mq.launch.plan import make_plan
 
-    result = make_plan(_load(config, set_), device_gib=device_gib)
+    try:
+        result = make_plan(_load(config, set_), device_gib=device_gib)
+    except ArealError as exc:  # a model that is neither here, a known name nor a public shape: one line
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     typer.echo(result.table())
     if result.refusals:
         raise typer.Exit(2)

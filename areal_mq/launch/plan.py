@@ -128,6 +128,7 @@ class Plan:
 
 
 LOW_OCCUPANCY = 0.5
+DEFAULT_DEVICE_GIB = 80.0  # an 80 GB H100/A100: a GPU layout planned where there is no GPU
 
 
 def occupancy(cfg: Any) -> dict:
@@ -277,12 +278,17 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
         procs.append(engine(cfg, s))
         if cfg.eval.every > 0:
             procs.append(evaluation(cfg, s))
-    on_cuda = device_gib is not None or resolve_device(cfg.trainer.device or cfg.model.device).type == "cuda"
+    asked = cfg.trainer.device or cfg.model.device
+    on_cuda = device_gib is not None or asked.startswith("cuda") or resolve_device(asked).type == "cuda"
     if on_cuda:
         if device_gib is None:
             import torch
 
-            device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+            if torch.cuda.is_available():
+                device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+            else:  # planning a GPU layout from a laptop, before the node exists
+                device_gib = DEFAULT_DEVICE_GIB
+                notes.append(f"no GPU here: planned for {DEFAULT_DEVICE_GIB:.0f} GiB devices (--device-gib N for others)")
         capacity, refusals = device_gib * GIB, []
         for p in procs:
             if p.role.startswith("evaluation"):

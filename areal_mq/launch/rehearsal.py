@@ -36,7 +36,6 @@ from typing import Any
 
 from areal_mq.errors import ConfigError
 
-GPU_GIB_DEFAULT = 80.0  # the full-scale plan's device where this machine has none (an 80 GB H100/A100)
 TOY_ROWS = 8  # rows of a rehearsal engine
 TOY_NEW_TOKENS = 16
 TOY_EVAL = 4  # held-out problems per rehearsal evaluation
@@ -190,8 +189,11 @@ def toy_config(cfg: Any, steps: int, run_dir: Path, cache: Path) -> Toy:
         toy.notes.append("controller.drop_uniform_groups off: a random model earns equal rewards in most groups")
         c["drop_uniform_groups"] = False
     t = d["trainer"]
+    # a toy trainer publishes faster than the launcher's 1 s tick: keep every version, so the periodic evaluation
+    # finds the one it is due (a real run prunes to keep_weight_versions long after that tick)
     t.update(max_tokens_per_mb=min(t["max_tokens_per_mb"], 2048), checkpoint_every=1,
-             ppo_n_minibatches=min(t["ppo_n_minibatches"], 2))
+             ppo_n_minibatches=min(t["ppo_n_minibatches"], 2),
+             keep_weight_versions=max(t["keep_weight_versions"], steps + 1))
     lc = d["launcher"]
     lc["threads"] = {role: 1 for role in ("trainer", "rollout", "reward", "controller", "agent", "broker")}
     lc["stop_grace_s"] = 30.0
@@ -415,19 +417,13 @@ def check_evals(run_dir: Path, cfg: Any, steps: int) -> tuple[list[dict], list[d
 
 # ---------------------------------------------------------------- the rehearsal
 def full_plan(cfg: Any, device_gib: float | None) -> tuple[dict, list[dict], str]:
-    from areal_mq.devices import resolve_device
+    """The config's plan at full scale (a GPU layout on a machine without one: 80 GiB devices, noted)."""
     from areal_mq.launch.plan import make_plan
 
-    on_cuda = "cuda" in (cfg.trainer.device or cfg.model.device) or resolve_device(cfg.model.device).type == "cuda"
-    if device_gib is None and on_cuda:
-        import torch
-
-        device_gib = (torch.cuda.get_device_properties(0).total_memory / (1 << 30) if torch.cuda.is_available()
-                      else GPU_GIB_DEFAULT)
     if cfg.trainer.sim.enabled and cfg.rollout.engine.kind == "sim":
         return {"skipped": "a simulated engine and trainer"}, [], ""
     plan = make_plan(cfg, device_gib=device_gib)
-    failures = [_failure("plan", "see the reason", r) for r in plan.refusals]
+    failures = [_failure("plan", _field_in(r), r) for r in plan.refusals]
     return plan.to_json(), failures, plan.table()
 
 
@@ -492,10 +488,12 @@ def _execute(cfg: Any, console: Any, quiet: bool, resume: bool, watch: Watch) ->
 
     from areal_mq.launch.cli import execute
 
+    from areal_mq.errors import ArealError
+
     try:
         with watch:
             outcome, launcher = execute(cfg, console, skip_eval=False, quiet=quiet, resume=resume)
-    except ConfigError as exc:
+    except ArealError as exc:
         return {"outcome": "failed", "failure": f"launcher: {exc}", "field": _field_in(str(exc))}
     except (click.exceptions.Exit, SystemExit) as exc:
         return {"outcome": "failed", "failure": f"launcher: exit {getattr(exc, 'exit_code', exc)} before the run "
