@@ -1,8 +1,26 @@
 """The error tree. Every message says what was wrong and what to do about it."""
 from __future__ import annotations
 
+import errno
 import importlib
 from types import ModuleType
+
+# A full disk, the one definition (issue 52): no space, a quota, a file-size limit. Every writer that can wait for
+# space (the sample store's log, the background publisher, the events sink) asks `full_disk_errno`.
+FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# libraries that raise their own error for a full disk with the OS error in its text (safetensors' SafetensorError:
+# the 60-minute soak of 2026-11-28 saw 9 such publishes end the trainer instead of being retried in place)
+FULL_DISK_TEXT = {"No space left on device": errno.ENOSPC, "os error 28": errno.ENOSPC,
+                  "Disk quota exceeded": errno.EDQUOT, "os error 122": errno.EDQUOT,
+                  "File too large": errno.EFBIG, "os error 27": errno.EFBIG}
+
+
+def full_disk_errno(exc: BaseException) -> int | None:
+    """The errno when `exc` is a full disk (an OSError, or a library's error that names one), else None."""
+    if isinstance(exc, OSError):
+        return exc.errno if exc.errno in FULL_DISK_ERRNOS else None
+    text = str(exc)
+    return next((code for marker, code in FULL_DISK_TEXT.items() if marker in text), None)
 
 
 class ArealError(Exception):

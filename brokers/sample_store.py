@@ -40,13 +40,12 @@ import zmq
 
 from areal_mq import protocol
 from areal_mq.brokers.sample_log import SampleLog
-from areal_mq.errors import ProtocolError
+from areal_mq.errors import ProtocolError, full_disk_errno
 from areal_mq.messages import Ack, Error, Heartbeat, Kind, Sample, SampleBatch, Stats, length_bucket
 from areal_mq.security import Keyring, RateLimited, peer_role, refusal
 
 DROPPED_RECENT = 1000  # stats()["dropped_recent"]: the controller settles the groups the store dropped
 MAX_DROP_REASON = 64  # the store writes "stale"; a longer reason in the log is a damaged record
-FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _ID_CHUNK = 10_000  # ids per record when the log is compacted (keeps every record small)
 ACTIONS = {Kind.SAMPLE: "store:put", Kind.GET_BATCH: "store:take", Kind.BATCH_ACK: "store:take",
            Kind.STATS_REQUEST: "stats"}
@@ -261,7 +260,7 @@ class SampleStore:
 
     def _disk_full(self, exc: OSError, doing: str) -> bool:
         """Count and log (rate-limited) a log write that met a full disk; False for any other OSError."""
-        if exc.errno not in FULL_DISK_ERRNOS:
+        if full_disk_errno(exc) is None:
             return False
         self.counters["disk_full"] += 1
         self.refusals.warning("store.disk_full", key="disk_full", doing=doing, error=f"{exc}"[:200],

@@ -27,21 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-
-RETRIED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # a full disk: it may free up, a restart would not help
-# safetensors raises its own SafetensorError (not an OSError) for a full disk, with the OS error in its text: the
-# 60-minute soak (2026-11-28) saw 9 such publishes end the trainer instead of being retried in place
-FULL_DISK_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
-
-
-def _full_disk_errno(exc: BaseException) -> int | None:
-    """ENOSPC/EDQUOT when `exc` is a full disk (an OSError, or a library's error that names one), else None."""
-    if isinstance(exc, OSError):
-        return exc.errno if exc.errno in RETRIED_ERRNOS else None
-    text = str(exc)
-    if any(t in text for t in FULL_DISK_TEXT):
-        return errno.EDQUOT if ("quota" in text or "error 122" in text) else errno.ENOSPC
-    return None
+from areal_mq.errors import full_disk_errno
 
 
 class BackgroundPublisher:
@@ -145,7 +131,7 @@ class BackgroundPublisher:
                 return
             except Exception as exc:  # noqa: BLE001 - only a full disk is retried; the rest is raised as it was
                 waited = time.monotonic() - started
-                code = _full_disk_errno(exc)
+                code = full_disk_errno(exc)
                 if code is None or self._closed or waited + delay > self.retry_s:
                     raise
                 self.retries += 1

@@ -178,3 +178,17 @@ def test_close_returns_after_the_thread_died_with_a_version_still_queued():
     closer.start()
     closer.join(20)
     assert not closer.is_alive()
+
+
+def test_one_definition_of_a_full_disk_for_every_writer():
+    """areal_mq.errors.full_disk_errno is what the publisher and the sample store both ask (issue 52 item 6): an
+    OSError by errno, a library's own error by the OS error in its text; anything else is not a full disk."""
+    import errno
+
+    from areal_mq.errors import full_disk_errno
+
+    assert full_disk_errno(OSError(errno.ENOSPC, "No space left on device")) == errno.ENOSPC
+    assert full_disk_errno(OSError(errno.EFBIG, "File too large")) == errno.EFBIG
+    assert full_disk_errno(OSError(errno.EIO, "I/O error")) is None
+    assert full_disk_errno(RuntimeError("I/O error: Disk quota exceeded (os error 122)")) == errno.EDQUOT
+    assert full_disk_errno(RuntimeError("shape mismatch")) is None
