@@ -44,6 +44,10 @@ from areal_mq.actor.roles import Role, RoleLoop
 
 STORE_UNACKED = "store_unacked"  # checkpoint extra: ids trained into it whose ack follows the save
 ACK_CHUNK = 10_000  # ids per BatchAck when a resumed trainer acks them (far below the 4 MiB header limit)
+# a checkpoint write cut by a full disk is tried again in place after 1, 2, 4 ... (at most 30) s, as the publisher
+# does, instead of ending the trainer (the fault soak's finding; issue 52 item 6)
+CHECKPOINT_RETRY_BASE_S = 1.0
+CHECKPOINT_RETRY_MAX_S = 30.0
 
 
 def staleness_violations(staleness_hist: list[int], max_staleness: int) -> int:
@@ -295,9 +299,29 @@ class TrainerWorker(Role):
 
         self.ckpt_requested = False
         extra = {STORE_UNACKED: [s.sample_id for batch in self.unacked for s in batch.samples]}  # see resume()
-        path = save_checkpoint(self.trainer, self.ckpt_root, extra)
+        path = self._retry_full_disk(lambda: save_checkpoint(self.trainer, self.ckpt_root, extra))
         self.ack_all()
         self.log_info("trainer.checkpoint", path=str(path), version=self.trainer.version)
+
+    def _retry_full_disk(self, save: Any) -> Any:
+        """`save()`, tried again in place while it meets a full disk (a single process: under several ranks the
+        save is collective and one rank cannot retry alone, so the error ends the unit and the launcher restarts
+        it from the last checkpoint, as before). The batches trained since stay unacked meanwhile: nothing is lost."""
+        from areal_mq.errors import full_disk_errno
+
+        pause = CHECKPOINT_RETRY_BASE_S
+        while True:
+            try:
+                return save()
+            except Exception as exc:  # noqa: BLE001 - only a full disk is retried; anything else is raised
+                if full_disk_errno(exc) is None or self.trainer.world_size > 1:
+                    raise
+                if self.log:
+                    self.log.warning("trainer.checkpoint_disk_full", version=self.trainer.version,
+                                     error=str(exc)[:200], retry_in_s=pause,
+                                     hint="free space on the run directory's disk; the trainer waits and retries")
+                time.sleep(pause)
+                pause = min(2 * pause, CHECKPOINT_RETRY_MAX_S)
 
     def ack_all(self) -> None:
         if self.is_main:

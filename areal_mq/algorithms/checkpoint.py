@@ -85,21 +85,11 @@ def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, k
     if trainer.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if sharded:  # the config and tokenizer, for export_checkpoint
-            trainer.unwrapped.config.save_pretrained(str(tmp))
-        else:
-            trainer.unwrapped.save_pretrained(str(tmp), safe_serialization=True)
-        _copy_tokenizer(trainer.model_path, tmp)
-        blobs = {"scheduler": trainer.scheduler.state_dict()}
-        if not sharded:
-            blobs["optimizer"] = trainer.optimizer.state_dict()
-        torch.save(blobs, tmp / STATE_PT)
-        state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
-                 "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids, "extra": extra,
-                 "strategy": trainer.strategy.name}
-        if trainer.scaler is not None:  # fp16: the loss scale carries on where it was
-            state["loss_scaler"] = trainer.scaler.state_dict()
-        (tmp / STATE_JSON).write_text(json.dumps(state))
+        try:
+            _write_main_files(trainer, tmp, extra, sharded)
+        except BaseException:  # a full disk: the partial copy must not hold the space a retry needs
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     acc.wait_for_everyone()
     if sharded:  # every rank writes its own shards of the model and AdamW state
         from areal_mq.algorithms.fsdp import save_sharded
@@ -114,6 +104,28 @@ def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, k
         prune_checkpoints(root, keep or trainer.cfg.keep_checkpoints)
     acc.wait_for_everyone()
     return final
+
+
+def _write_main_files(trainer: "Trainer", tmp: Path, extra: dict, sharded: bool) -> None:
+    """Rank 0's part of a checkpoint: the config (and full weights unsharded), tokenizer, scheduler/optimizer state
+    and the JSON state."""
+    import torch
+
+    if sharded:  # the config and tokenizer, for export_checkpoint
+        trainer.unwrapped.config.save_pretrained(str(tmp))
+    else:
+        trainer.unwrapped.save_pretrained(str(tmp), safe_serialization=True)
+    _copy_tokenizer(trainer.model_path, tmp)
+    blobs = {"scheduler": trainer.scheduler.state_dict()}
+    if not sharded:
+        blobs["optimizer"] = trainer.optimizer.state_dict()
+    torch.save(blobs, tmp / STATE_PT)
+    state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
+             "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids, "extra": extra,
+             "strategy": trainer.strategy.name}
+    if trainer.scaler is not None:  # fp16: the loss scale carries on where it was
+        state["loss_scaler"] = trainer.scaler.state_dict()
+    (tmp / STATE_JSON).write_text(json.dumps(state))
 
 
 def list_checkpoints(root: Path) -> list[Path]:

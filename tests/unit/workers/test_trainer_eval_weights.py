@@ -89,3 +89,51 @@ def test_a_full_disk_costs_the_evaluation_copy_not_the_run(tmp_path, trainer_cls
     worker.trainer.version = 1
     worker.keep_for_eval()  # returns: the run goes on
     assert Log.lines == ["trainer.kept_for_eval_failed"]
+
+
+def test_a_checkpoint_cut_by_a_full_disk_is_retried_in_place(tmp_path, trainer_cls, monkeypatch):  # noqa: F811
+    """Issue 52 item 6: the write of a checkpoint that meets a full disk is tried again (the partial copy removed,
+    so it holds no space) instead of ending the trainer; any other error still ends it."""
+    import errno
+
+    from areal_mq.engines.models import resolve_model
+    from areal_mq.workers import trainer as trainer_mod
+
+    cfg = RunConfig.model_validate({
+        "run": {"run_dir": str(tmp_path / "run")}, "model": {"name": "tiny-random-llama"},
+        "controller": {"batch_groups": 1, "total_steps": 1}, "trainer": {"publish_mode": "zmq"}})
+    (tmp_path / "run").mkdir()
+    import torch
+
+    real, calls = torch.save, []
+
+    def save_until_space(obj, path, *a, **kw):  # the first two writes of the JSON-side state meet a full disk
+        calls.append(str(path))
+        if len(calls) <= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, path, *a, **kw)
+
+    class Log:
+        lines: list = []
+
+        def warning(self, event, **kw):
+            self.lines.append(event)
+
+        info = error = warning
+
+    monkeypatch.setattr(trainer_mod, "CHECKPOINT_RETRY_BASE_S", 0.01)
+    monkeypatch.setattr(torch, "save", save_until_space)
+    worker = TrainerWorker(cfg, trainer_cls(cfg.trainer, resolve_model("tiny-random-llama")), Null(), Null(), Null(),
+                           rt=None)
+    worker.log = Log()
+    worker.checkpoint()
+    assert Log.lines.count("trainer.checkpoint_disk_full") == 2 and "trainer.checkpoint" in Log.lines
+    root = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in root.iterdir()] == [f"step{worker.trainer.version:08d}"]  # no partial copy left
+
+    def broken(*a, **kw):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(OSError, match="I/O error"):
+        worker.checkpoint()
