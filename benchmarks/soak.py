@@ -361,18 +361,20 @@ def named_errors(run_dir: Path, work: Path) -> dict:
 
 
 def checkpoint_audit(run_dir: Path, trained_by_version: dict[int, list[str]]) -> dict:
-    """The trainer's own durable record, read beside its events: the newest checkpoint's `consumed_ids`, every
-    sample it trained on, in training order. A second source for "trained twice", and the check on the events: a
-    version whose `trainer.step` line is missing (an events file that lost lines) shows up here, not as a loss."""
+    """The trainer's own durable record, read beside its events: every sample trained into the newest checkpoint,
+    in training order (checkpoints/trained_ids.jsonl up to its version; a checkpoint from before that file held
+    them all in its `consumed_ids`). A second source for "trained twice", and the check on the events: a version
+    whose `trainer.step` line is missing (an events file that lost lines) shows up here, not as a loss."""
     import json
 
-    from areal_mq.algorithms.checkpoint import latest_checkpoint
+    from areal_mq.algorithms.checkpoint import TRAINED_IDS, latest_checkpoint, trained_ids
 
     path = latest_checkpoint(run_dir / "checkpoints")
     if path is None:
         return {"checkpoint_version": None}
     state = json.loads((path / "trainer_state.json").read_text())
-    consumed = list(state.get("consumed_ids", []))
+    consumed = (trained_ids(run_dir / "checkpoints", state["version"])
+                if (run_dir / "checkpoints" / TRAINED_IDS).is_file() else list(state.get("consumed_ids", [])))
     unique = set(consumed)
     covered = {sid for v, ids in trained_by_version.items() if v <= state["version"] for sid in ids}
     return {"checkpoint_version": state["version"], "checkpoint_consumed": len(consumed),

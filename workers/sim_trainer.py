@@ -40,6 +40,7 @@ class SimTrainer:
         self.sleep, self.clock = sleep, clock
         self.version = 0
         self.consumed_ids: list[str] = []
+        self.resumed_ids: list[str] = []  # no checkpoints: a resume has nothing to ack again
         self.busy_s = 0.0
         self.started = clock()
 

@@ -119,13 +119,13 @@ class TrainerWorker(Role):
             extra = load_checkpoint(self.trainer, path)
             # the acks of the batches inside this checkpoint may not have reached the store (a crash right
             # after saving): send them now. Older checkpoints do not name them: ack every consumed id.
-            unacked = extra.get(STORE_UNACKED, self.trainer.consumed_ids)
+            unacked = extra.get(STORE_UNACKED, self.trainer.resumed_ids)
             self.log_info("trainer.resumed", checkpoint=str(path), version=self.trainer.version,
-                          consumed=len(self.trainer.consumed_ids), acking=len(unacked))
+                          consumed=self.trainer.consumed_total, acking=len(unacked))
             if self.is_main:
                 for i in range(0, len(unacked), ACK_CHUNK):  # bounded requests, whatever the history
                     self.store.ack("", list(unacked[i:i + ACK_CHUNK]))
-        self.consumed = set(self.trainer.consumed_ids)
+        self.consumed = set(self.trainer.resumed_ids)  # acked at that checkpoint: older ids are never served again
         if self.trainer.version > 0:
             self.publish()  # rollout workers must move to the resumed policy
 

@@ -6,8 +6,13 @@ What: `save_checkpoint(trainer, root, extra)` writes root/step{version:08d}/ con
 - trainer_state.pt: optimizer and scheduler state dicts (torch.load(weights_only=True)-safe);
 - rng_rank{r}.pt: python / numpy / torch RNG states of every data-parallel rank, plus the CUDA RNG state
   of the rank's GPU when it trains on one (a CPU-only resume of a GPU checkpoint restores the rest);
-- trainer_state.json: policy version, optimizer steps, ids of consumed samples and the caller's
-  opaque `extra` dict (e.g. the controller's dataset position; must be JSON-serialisable).
+- trainer_state.json: policy version, optimizer steps, the ids of the samples trained since the previous
+  checkpoint (`consumed_ids`: what a resume acks again and skips if served twice) with the count of all of them
+  (`consumed_total`), and the caller's opaque `extra` dict (e.g. the controller's dataset position; JSON-safe).
+The whole history of trained ids is stored apart, appended once per checkpoint to root/trained_ids.jsonl
+(`{"version": V, "base": B, "ids": [...]}`: the ids trained from checkpoint B to V; a resumed trainer's lines
+supersede the rolled-back ones, `trained_ids(root, V)` reads the chain): a checkpoint's JSON stays the size of one
+checkpoint interval however long the run (it held every id of the run before, issue 52 item 6).
 Under trainer.strategy fsdp the model and AdamW state are instead `sharded/`, a torch.distributed.checkpoint
 directory every rank writes its own shards to (resharded on load: a checkpoint of 2 ranks resumes on 1 and
 vice versa); `export_checkpoint(dir, out)` turns it into the plain Hugging Face directory above.
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
     from areal_mq.algorithms.trainer import Trainer
 
 STATE_JSON = "trainer_state.json"
+TRAINED_IDS = "trained_ids.jsonl"  # beside the checkpoints: every trained id, one line per checkpoint
 STATE_PT = "trainer_state.pt"
 SHARDED = "sharded"  # torch.distributed.checkpoint directory of an fsdp trainer (model + AdamW shards)
 _NAME = re.compile(r"^step(\d{8})$")
@@ -98,12 +104,34 @@ def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, k
     torch.save(_rng_state(trainer.device), tmp / f"rng_rank{trainer.rank}.pt")
     acc.wait_for_everyone()
     if trainer.is_main:
+        with open(root / TRAINED_IDS, "a") as f:  # before the rename: a checkpoint never lacks its line
+            f.write(json.dumps({"version": trainer.version, "base": trainer.checkpoint_base,
+                                "ids": trainer.consumed_ids}) + "\n")
         if final.exists():  # the same version saved again (e.g. after a resume): replace it
             shutil.rmtree(final)
         tmp.rename(final)
         prune_checkpoints(root, keep or trainer.cfg.keep_checkpoints)
     acc.wait_for_everyone()
+    trainer.checkpoint_base, trainer.consumed_ids = trainer.version, []  # the next interval starts here
     return final
+
+
+def trained_ids(root: str | Path, version: int) -> list[str]:
+    """Every sample id trained into checkpoint `version`, in training order, from root/trained_ids.jsonl: the
+    chain of lines base -> version, later lines superseding what a resume rolled back."""
+    chain: list[dict] = []
+    path = Path(root) / TRAINED_IDS
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash: its checkpoint was never renamed into place
+        while chain and chain[-1]["version"] > rec["base"]:
+            chain.pop()
+        chain.append(rec)
+    while chain and chain[-1]["version"] > version:
+        chain.pop()
+    return [sid for rec in chain for sid in rec["ids"]]
 
 
 def _write_main_files(trainer: "Trainer", tmp: Path, extra: dict, sharded: bool) -> None:
@@ -121,8 +149,8 @@ def _write_main_files(trainer: "Trainer", tmp: Path, extra: dict, sharded: bool)
         blobs["optimizer"] = trainer.optimizer.state_dict()
     torch.save(blobs, tmp / STATE_PT)
     state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
-             "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids, "extra": extra,
-             "strategy": trainer.strategy.name}
+             "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids,
+             "consumed_total": trainer.consumed_total, "extra": extra, "strategy": trainer.strategy.name}
     if trainer.scaler is not None:  # fp16: the loss scale carries on where it was
         state["loss_scaler"] = trainer.scaler.state_dict()
     (tmp / STATE_JSON).write_text(json.dumps(state))
@@ -198,7 +226,11 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> dict:
         _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True), trainer.device)
     trainer.version = int(state["version"])
     trainer.optimizer_steps = int(state["optimizer_steps"])
-    trainer.consumed_ids = list(state["consumed_ids"])
+    # the interval the checkpoint closed: a resume acks these again and skips them if the store serves them twice;
+    # the next interval starts empty at this version (checkpoints before issue 52 held every id: the same use)
+    trainer.resumed_ids = list(state["consumed_ids"])
+    trainer.consumed_ids, trainer.checkpoint_base = [], trainer.version
+    trainer.consumed_total = int(state.get("consumed_total", len(trainer.resumed_ids)))
     if trainer.scaler is not None and "loss_scaler" in state:
         trainer.scaler.load_state_dict(state["loss_scaler"])
     return dict(state.get("extra", {}))

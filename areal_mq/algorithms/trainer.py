@@ -191,7 +191,10 @@ class Trainer:
             self.ref_model = self.strategy.wrap(PolicyLogprobs(ref, chunk_mb, autocast), train=False)
         self.version = 0
         self.optimizer_steps = 0
-        self.consumed_ids: list[str] = []
+        self.consumed_ids: list[str] = []  # trained since the last checkpoint (algorithms/checkpoint.py)
+        self.consumed_total = 0  # trained over the run
+        self.checkpoint_base = 0  # the version of the checkpoint this interval started from
+        self.resumed_ids: list[str] = []  # the interval the loaded checkpoint closed (load_checkpoint)
 
     def _accelerator(self, given: Any, spec: str, engine_dtype: str) -> tuple[Any, "torch.device"]:
         """The Accelerator (given, or made for the resolved device) and the device this rank trains on."""
@@ -387,6 +390,7 @@ class Trainer:
             metrics.update(loss_scale=self.scaler.scale, fp16_skipped_steps=self.scaler.skipped - skipped)
         self.version += 1
         self.consumed_ids.extend(s.sample_id for s in samples)
+        self.consumed_total += len(samples)
         metrics["version"] = self.version
         return {k: v if isinstance(v, list) else int(v) if isinstance(v, (int, np.integer)) else float(v)
                 for k, v in metrics.items()}

@@ -61,3 +61,19 @@ def test_the_checkpoint_shows_a_trained_version_whose_step_line_the_events_lost(
     (ckpt / "trainer_state.json").write_text(json.dumps({"version": 3, "consumed_ids": ["a", "b", "a", "e"]}))
     got = soak.checkpoint_audit(tmp_path, steps)
     assert got["checkpoint_trained_twice"] == 1 and got["in_step_events_not_in_checkpoint"] == 1  # "f"
+
+
+def test_the_audit_reads_the_trained_ids_log_beside_the_checkpoints(tmp_path):
+    """A checkpoint's JSON holds only its interval (issue 52 item 6); the audit reads the whole chain from
+    checkpoints/trained_ids.jsonl up to the newest checkpoint's version."""
+    import json
+
+    ckpt = tmp_path / "checkpoints" / "step00000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 3, "consumed_ids": ["e", "f"]}))
+    (tmp_path / "checkpoints" / "trained_ids.jsonl").write_text(
+        json.dumps({"version": 1, "base": 0, "ids": ["a", "b"]}) + "\n"
+        + json.dumps({"version": 3, "base": 1, "ids": ["c", "d", "e", "f"]}) + "\n")
+    got = soak.checkpoint_audit(tmp_path, {1: ["a", "b"], 2: ["c", "d"], 3: ["e", "f"]})
+    assert got == {"checkpoint_version": 3, "checkpoint_consumed": 6, "checkpoint_trained_twice": 0,
+                   "in_checkpoint_not_in_step_events": 0, "in_step_events_not_in_checkpoint": 0}

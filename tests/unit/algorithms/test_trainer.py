@@ -119,7 +119,9 @@ def test_resume_reaches_the_same_parameters_as_an_uninterrupted_run(tiny_model_d
     resumed = Trainer(cfg, tiny_model_dir)
     assert load_checkpoint(resumed, ckpt) == {"dataset_pos": 17}
     assert resumed.version == 2 and resumed.optimizer_steps == 4
-    assert resumed.consumed_ids == [s.sample_id for b in batches[:2] for s in b]
+    assert resumed.resumed_ids == [s.sample_id for b in batches[:2] for s in b]  # the interval it closed
+    assert resumed.consumed_ids == [] and resumed.checkpoint_base == 2
+    assert resumed.consumed_total == sum(len(b) for b in batches[:2])
     for b in batches[2:]:
         resumed.train_step(b)
     _assert_same_params(resumed, _params(resumed), expected, "after resume")
@@ -226,3 +228,20 @@ def test_several_minibatches_still_recompute_the_proximal_policy(tiny_model_dir)
     trainer = Trainer(TrainerConfig(lr=1e-3, max_tokens_per_mb=64, ppo_n_minibatches=2), tiny_model_dir)
     m = trainer.train_step(make_samples(8, n_groups=2))
     assert m["prox_from_forward"] == 0 and m["prox_recompute_s"] > 0
+
+
+def test_the_trained_ids_live_apart_from_the_checkpoints_and_a_resume_supersedes_the_rolled_back_ones(tmp_path):
+    """Issue 52 item 6: a checkpoint's JSON holds one interval's ids; the run's whole history is the chain of
+    checkpoints/trained_ids.jsonl lines, where a trainer resumed from an older checkpoint replaces what it redid."""
+    import json
+
+    from areal_mq.algorithms.checkpoint import trained_ids
+
+    lines = [{"version": 2, "base": 0, "ids": ["a", "b"]}, {"version": 4, "base": 2, "ids": ["c", "d"]},
+             {"version": 6, "base": 4, "ids": ["e"]},
+             {"version": 6, "base": 4, "ids": ["e2"]},  # resumed from v4 (v6's checkpoint lost): redone
+             {"version": 8, "base": 6, "ids": ["f"]}]
+    (tmp_path / "trained_ids.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"version": 9, "ba')
+    assert trained_ids(tmp_path, 8) == ["a", "b", "c", "d", "e2", "f"]
+    assert trained_ids(tmp_path, 4) == ["a", "b", "c", "d"]
+    assert trained_ids(tmp_path / "absent", 4) == []
