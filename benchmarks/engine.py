@@ -35,11 +35,14 @@ ratios contiguous_vs_paged_concurrency and paged_vs_contiguous_tokens_per_s.
 (and against the paged decode that gathers every row), 16 x 1,024 / 16 x 300 / a 32-row long tail of keys, ratios
 paged_vs_contiguous_decode_{uniform_1024,uniform_300,longtail} (target 1.0: the CPU path stays as fast as before).
 
+--eval runs benchmarks/engine_eval.py instead: the quickstart's held-out evaluation (200 problems, greedy, 128 at
+once, fp32) on the paged engine against the contiguous one, identical answers checked, ratio paged_vs_contiguous_eval.
+
 --device cuda (or cuda:N) puts both engines' weights, KV cache and sampling on that GPU (default cpu);
 benchmarks/gpu/run.sh stage b runs the long tail at 64 and 256 concurrent on it (docs/gpu.md).
 
     python benchmarks/engine.py [--quick] [--json PATH] [--dtype bfloat16|float32] [--threads N] [--vllm]
-                                [--device cpu|cuda|cuda:N] [--reasoning | --decode]
+                                [--device cpu|cuda|cuda:N] [--reasoning | --decode | --eval]
 """
 from __future__ import annotations
 
@@ -362,15 +365,20 @@ def main() -> None:
                         help="Paged vs contiguous KV at one memory budget on a reasoning long tail (engine_reasoning.py).")
     parser.add_argument("--decode", action="store_true",
                         help="One decode step, paged vs contiguous KV, at three shapes (engine_decode.py).")
+    parser.add_argument("--eval", action="store_true",
+                        help="The quickstart's held-out evaluation, paged vs contiguous KV (engine_eval.py).")
     common.add_device_arg(parser)
     args = parser.parse_args()
-    if args.reasoning or args.decode:
+    if args.reasoning or args.decode or args.eval:
         import engine_decode
+        import engine_eval
         import engine_reasoning
 
-        mode, module = ("reasoning", engine_reasoning) if args.reasoning else ("decode", engine_decode)
+        mode, module = (("reasoning", engine_reasoning) if args.reasoning else ("decode", engine_decode)
+                        if args.decode else ("eval", engine_eval))
         report = common.timed(module.run, args)
-        extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),
+        dtype = None if args.eval else args.dtype  # the evaluation runs in the quickstart's own dtype
+        extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", dtype),
                                                     ("threads", args.threads), ("device", args.device)) if v)
         command = f"python benchmarks/engine.py --{mode}" + (" --quick" if args.quick else "") + extra
         common.finish(report, args.json, module.table(report, command))

@@ -38,3 +38,13 @@ def test_engine_decode_benchmark_quick_runs(tmp_path, tiny_model_dir):
         "paged_vs_contiguous_decode_uniform_1024", "paged_vs_contiguous_decode_uniform_300",
         "paged_vs_contiguous_decode_longtail"}
     assert "reproduce: python benchmarks/engine.py --decode --quick" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_engine_eval_benchmark_quick_runs(tmp_path, tiny_model_dir):
+    """The quickstart's held-out evaluation on both engines: same greedy answers, one ratio (issue 51 item 4)."""
+    report, stdout = run_quick("engine.py", tmp_path, "--eval", "--model", str(tiny_model_dir))
+    assert report["mode"] == "eval" and set(report["ratios"]) == set(report["targets"]) == {"paged_vs_contiguous_eval"}
+    assert report["workload"]["problems"] == 32 and report["workload"]["differing_answers"] <= 1
+    assert "reproduce: python benchmarks/engine.py --eval --quick" in stdout
