@@ -11,7 +11,8 @@ What: before anyone pays for a GPU node, run the same layout end to end on a CPU
      pretend GPUs and Ray hands them out); the data is the config's own where its files exist, else a sample in
      the same format shipped with the project (areal_mq/data/samples, said in the report);
   3. `steps` versions through the same code as `areal-mq run` (launch/cli.py `execute`), with one trainer rank
-     killed (SIGKILL) once a checkpoint exists: the restart policy restarts it (launcher.on_child_death: restart),
+     killed (SIGKILL) once a checkpoint exists and every engine holds a published version (at the last checkpoint
+     before the end, regardless): the restart policy restarts it (launcher.on_child_death: restart),
      or the rehearsal resumes the run as a user would (`--resume`, on_child_death: stop); either way the trainer
      must log `trainer.resumed` and finish;
   4. RUN_DIR/rehearsal.json (RUN_DIR = run.run_dir + "-rehearsal"): per role the processes started and alive at
@@ -285,9 +286,22 @@ class Watch:
             if time.monotonic() >= snap_at:
                 snap_at = time.monotonic() + 0.5
                 self._snapshot()
-            if self.kill is None and self._checkpoint_before_last():
+            if self.kill is None and (newest := self._checkpoint_before_last()) and (
+                    newest >= self.steps - 1 or self._engines_hold_a_version()):
                 self._snapshot()
                 self._kill_one_rank()
+
+    def _engines_hold_a_version(self) -> bool:
+        """Every rollout worker has loaded a published version (so the kill cannot come before the publishing
+        layout was shown to work; at the last checkpoint before the end the rank is killed regardless)."""
+        want = [p["pid"] for p in self.last if p["role"] == "rollout"]
+        files = list((self.run_dir / "events").glob("rollout*.jsonl"))
+        if not want or len(files) < len(want):
+            return False
+        try:
+            return all('"rollout.weights_updated"' in f.read_text(errors="replace") for f in files)
+        except OSError:
+            return False
 
     def _snapshot(self) -> None:
         procs = role_processes(self.config_path)
@@ -297,12 +311,13 @@ class Watch:
         if roles.count("trainer") >= self.ranks and "controller" in roles:  # the controller ends by itself at the
             self.last = procs  # last version, a moment before the trainer
 
-    def _checkpoint_before_last(self) -> bool:
+    def _checkpoint_before_last(self) -> int:
+        """The newest checkpoint's version before the last step (0: none yet)."""
         try:
             names = [e.name for e in os.scandir(self.run_dir / "checkpoints") if e.name.startswith("step")]
         except OSError:
-            return False
-        return any(n[4:].isdigit() and 0 < int(n[4:]) < self.steps for n in names)
+            return 0
+        return max((int(n[4:]) for n in names if n[4:].isdigit() and 0 < int(n[4:]) < self.steps), default=0)
 
     def _kill_one_rank(self) -> None:
         ranks = [p for p in role_processes(self.config_path) if p["role"] == "trainer"]
