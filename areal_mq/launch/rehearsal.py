@@ -3,14 +3,14 @@
 What: before anyone pays for a GPU node, run the same layout end to end on a CPU:
   1. the full-scale plan of the config as written (`areal-mq plan`, against the public shape when the model is not
      here yet): its refusals fail the rehearsal, its engine occupancy is reported;
-  2. the toy config (`toy_config`): the model becomes a small random model of the same family (model_type, tied
+  2. the toy config (launch/toy.py `toy_config`): the model becomes a small random model of the same family (model_type, tied
      or untied head, q/k/v biases, q/k norms: engines/shapes.py) with the real tokenizer where the model directory
      is here (else SmolLM2's, said in the report); every process count, the strategy, the publishing layout,
      checkpoints, evaluations, the restart policy and the placement stay; GPU indices become pretend devices
      (each process still gets its CUDA_VISIBLE_DEVICES, checked in /proc; under Ray a local cluster announces
      pretend GPUs and Ray hands them out); the data is the config's own where its files exist, else a sample in
      the same format shipped with the project (areal_mq/data/samples, said in the report);
-  3. `steps` versions through the same code as `areal-mq run` (launch/cli.py `execute`), with one trainer rank
+  3. `steps` versions through the same code as `areal-mq run` (launch/job.py `execute`), with one trainer rank
      killed (SIGKILL) once a checkpoint exists and every engine holds a published version (at the last checkpoint
      before the end, regardless): the restart policy restarts it (launcher.on_child_death: restart),
      or the rehearsal resumes the run as a user would (`--resume`, on_child_death: stop); either way the trainer
@@ -31,193 +31,12 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_mq.errors import ConfigError
+from areal_mq.launch.toy import rehearsal_dir, toy_config
 
-TOY_ROWS = 8  # rows of a rehearsal engine
-TOY_NEW_TOKENS = 16
-TOY_EVAL = 4  # held-out problems per rehearsal evaluation
 ROLES = ("broker", "controller", "trainer", "rollout", "reward", "agent")
-
-
-@dataclass
-class Toy:
-    cfg: Any
-    notes: list[str] = field(default_factory=list)
-    model: dict = field(default_factory=dict)
-    data: dict = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------- the toy config
-def model_family(cfg: Any) -> tuple[dict, Path | None]:
-    """The architecture fields a toy model copies (model_type, tie_word_embeddings, ...) and the model directory
-    when it is on this machine (its tokenizer is then the rehearsal's)."""
-    from areal_mq.engines.shapes import SHAPES
-    from areal_mq.launch.plan import shape_for_name
-
-    named = Path(cfg.model.name).expanduser()
-    if not (named / "config.json").is_file():
-        from areal_mq.engines.models import resolve_model
-        from areal_mq.errors import ModelNotFound
-
-        shape = cfg.model.name.lower() if cfg.model.name.lower() in SHAPES else shape_for_name(cfg.model.name)
-        if shape is not None:
-            return dict(SHAPES[shape]), None
-        try:
-            named = resolve_model(cfg.model.name, cfg.model.cache_dir)
-        except ModelNotFound as exc:
-            raise ConfigError(f"model.name: {exc} A rehearsal needs the model's family: name a public shape "
-                              f"(--set model.name=SHAPE: {', '.join(SHAPES)}) or a directory with its config.json") from None
-    return json.loads((named / "config.json").read_text()), (named if _has_tokenizer(named) else None)
-
-
-def _has_tokenizer(path: Path) -> bool:
-    from areal_mq.engines.models import TOKENIZER_FILES
-
-    return any((path / f).is_file() for f in TOKENIZER_FILES)
-
-
-def toy_model(cfg: Any, cache: Path) -> tuple[Path, dict]:
-    """A 2-layer random model of the config's family in `cache` (built once per family), and what it is."""
-    from areal_mq.engines.models import TOKENIZER_COPY
-    from areal_mq.engines.shapes import TINY, build_random_model
-
-    family, local = model_family(cfg)
-    kind = family.get("model_type")
-    if f"tiny-{kind}" not in TINY:
-        raise ConfigError(f"model.name: a rehearsal builds llama, qwen2 and qwen3 models; {cfg.model.name} is "
-                          f"{kind!r}")
-    tied = bool(family.get("tie_word_embeddings", False))
-    overrides: dict = {"tie_word_embeddings": tied}
-    if local is not None:  # the real tokenizer: its vocabulary and special ids
-        overrides.update({k: family[k] for k in ("vocab_size", "bos_token_id", "eos_token_id") if family.get(k) is not None})
-    dst = cache / f"{kind}-{'tied' if tied else 'untied'}-{'own' if local else 'smollm2'}-tokenizer"
-    if local is not None:
-        dst = dst.with_name(f"{dst.name}-{abs(hash(str(local.resolve()))) % 10**8}")
-    build_random_model(dst, f"tiny-{kind}", **overrides)
-    if local is not None:
-        import shutil
-
-        for name in TOKENIZER_COPY:
-            if (local / name).is_file():
-                shutil.copy2(local / name, dst / name)
-    return dst, {"family": kind, "tied": tied, "path": str(dst),
-                 "tokenizer": str(local) if local else "SmolLM2's (the model is not on this machine)"}
-
-
-def _exists(name: str | None) -> bool:
-    from areal_mq.data.config import ARITH_SOURCES
-
-    if name is None or name in ARITH_SOURCES:
-        return True
-    path = Path(name)
-    if path.exists():
-        return True
-    head, _, _ = name.rpartition(":")
-    return bool(head) and Path(head).is_dir()
-
-
-def _sample_format(name: str, fmt: str) -> str:
-    """Which shipped sample stands in for a missing file: by its name (gsm8k, math500, math), else its format."""
-    low = name.lower()
-    if "gsm8k" in low:
-        return "gsm8k"
-    if "math500" in low or "math-500" in low:
-        return "math500"
-    return fmt if fmt in ("gsm8k", "math") else "math"
-
-
-def toy_data(data: dict) -> tuple[dict, dict]:
-    """The config's data where its files exist; else the shipped sample of the same format (data/samples)."""
-    report: dict = {"source": "the config's own files"}
-    missing: list[str] = []
-    entries = data.get("sources") or [data]
-    for entry in entries:
-        for key in ("name", "eval_name"):
-            name = entry.get(key)
-            if _exists(name):
-                continue
-            from areal_mq.data.samples import SAMPLES
-
-            kind = _sample_format(name, entry.get("format") or data.get("format") or "auto")
-            train, test = SAMPLES[kind]
-            entry[key] = str(train if key == "name" else test)
-            if kind != "gsm8k":  # the sample's own layout (MATH, MATH-500), not a generic template
-                entry["format"] = "math"
-            missing.append(f"{name} -> the {kind} sample {entry[key]}")
-    if missing:
-        report = {"source": "samples shipped with areal-mq (the config's files are not on this machine)",
-                  "replaced": missing}
-    return data, report
-
-
-def rehearsal_dir(cfg: Any) -> Path:
-    run_dir = Path(cfg.run.run_dir)
-    target = run_dir.with_name(run_dir.name + "-rehearsal")
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        return target
-    except OSError:  # /shared/runs/... on a laptop
-        target = Path("runs") / f"{cfg.run.name}-rehearsal"
-        target.mkdir(parents=True, exist_ok=True)
-        return target
-
-
-def toy_config(cfg: Any, steps: int, run_dir: Path, cache: Path) -> Toy:
-    """The config at toy scale (the module docstring); ConfigError naming the field when it cannot be."""
-    from areal_mq.config import config_from_dict
-
-    d = cfg.model_dump(mode="json")
-    toy = Toy(cfg=None)
-    model_dir, toy.model = toy_model(cfg, cache)
-    d["model"].update(name=str(model_dir), device="cpu", cache_dir=cfg.model.cache_dir)
-    d["run"]["run_dir"] = str(run_dir)
-    d["rollout"]["device"] = d["trainer"]["device"] = None
-    e = d["rollout"]["engine"]
-    if e["kind"] in ("vllm", "vllm-server") and not _importable("vllm"):
-        toy.notes.append(f"rollout.engine.kind {e['kind']}: vLLM is not installed here; rehearsed with the torch engine")
-        e["kind"] = "torch"
-    e.update(max_concurrent=min(e["max_concurrent"], TOY_ROWS), kv_cache_bytes=None,
-             max_kv_tokens=min(e["max_kv_tokens"], 4096), cuda_graphs=False,
-             max_model_len=min(e["max_model_len"], 1024) if e.get("max_model_len") else None)
-    c = d["controller"]
-    c.update(group_size=min(c["group_size"], 4), batch_groups=2, max_concurrent_groups=4, total_steps=steps,
-             max_new_tokens=TOY_NEW_TOKENS)
-    if c["drop_uniform_groups"]:
-        toy.notes.append("controller.drop_uniform_groups off: a random model earns equal rewards in most groups")
-        c["drop_uniform_groups"] = False
-    t = d["trainer"]
-    # a toy trainer publishes faster than the launcher's 1 s tick: keep every version, so the periodic evaluation
-    # finds the one it is due (a real run prunes to keep_weight_versions long after that tick)
-    t.update(max_tokens_per_mb=min(t["max_tokens_per_mb"], 2048), checkpoint_every=1,
-             ppo_n_minibatches=min(t["ppo_n_minibatches"], 2),
-             keep_weight_versions=max(t["keep_weight_versions"], steps + 1))
-    lc = d["launcher"]
-    lc["threads"] = {role: 1 for role in ("trainer", "rollout", "reward", "controller", "agent", "broker")}
-    lc["stop_grace_s"] = 30.0
-    lc["max_restarts"] = max(1, lc["max_restarts"])
-    if lc.get("ray_address"):
-        toy.notes.append(f"launcher.ray_address {lc['ray_address']}: rehearsed on a local Ray with pretend GPUs")
-        lc["ray_address"] = None
-    d["brokers"].update(host="127.0.0.1", auto_ports=True)
-    d["eval"].update(size=min(d["eval"]["size"], TOY_EVAL), kv_cache_bytes=None,
-                     every=max(1, steps // 2) if d["eval"]["every"] else 0)
-    d["data"], toy.data = toy_data(d["data"])
-    d["data"]["max_problems"] = min(d["data"].get("max_problems") or 64, 64)
-    try:
-        toy.cfg = config_from_dict(d, "the rehearsal's toy config")
-    except ConfigError as exc:
-        raise ConfigError(f"the toy version of this config is invalid: {exc}") from None
-    return toy
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 # ---------------------------------------------------------------- processes, seen from /proc
@@ -251,19 +70,25 @@ def role_processes(config_path: Path) -> list[dict]:
 
 class Watch:
     """The rehearsal's watcher thread: snapshots the role processes (every 0.5 s) and kills one trainer rank the
-    moment the first checkpoint before the last step exists (once per rehearsal). A thread, not the launcher's
+    moment a checkpoint before the last step exists and (under on_child_death: stop, where the run ends with the
+    rank) every engine has loaded a published version (once per rehearsal). A thread, not the launcher's
     1 s supervision tick: a toy trainer takes a step in a fraction of a second, and the kill must land mid-run."""
 
-    def __init__(self, run_dir: Path, steps: int, ranks: int):
+    def __init__(self, run_dir: Path, steps: int, ranks: int, restarts: bool = False):
         import threading
 
         self.run_dir = run_dir
         self.config_path = run_dir / "config.yaml"
         self.steps = steps
         self.ranks = ranks
+        # on_child_death restart: the engines live through the kill and load the resumed trainer's versions, so
+        # the kill need not wait for them (waiting serialises the unit's restart behind the engines' start)
+        self.restarts = restarts
         self.started: dict[str, set[int]] = {}
         self.last: list[dict] = []  # the newest snapshot with every trainer rank and the controller alive
         self.kill: dict | None = None
+        self._loaded: set[str] = set()  # rollout events files that show a weight load
+        self._engines_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread()
 
@@ -287,21 +112,27 @@ class Watch:
                 snap_at = time.monotonic() + 0.5
                 self._snapshot()
             if self.kill is None and (newest := self._checkpoint_before_last()) and (
-                    newest >= self.steps - 1 or self._engines_hold_a_version()):
+                    self.restarts or newest >= self.steps - 1 or self._engines_hold_a_version()):
                 self._snapshot()
                 self._kill_one_rank()
 
     def _engines_hold_a_version(self) -> bool:
         """Every rollout worker has loaded a published version (so the kill cannot come before the publishing
-        layout was shown to work; at the last checkpoint before the end the rank is killed regardless)."""
-        want = [p["pid"] for p in self.last if p["role"] == "rollout"]
-        files = list((self.run_dir / "events").glob("rollout*.jsonl"))
-        if not want or len(files) < len(want):
+        layout was shown to work; at the last checkpoint before the end the rank is killed regardless). Read at most
+        every 0.2 s, each events file until it shows a load: a cheap look beside a run on 2 cores."""
+        now = time.monotonic()
+        if now < self._engines_at:
             return False
-        try:
-            return all('"rollout.weights_updated"' in f.read_text(errors="replace") for f in files)
-        except OSError:
-            return False
+        self._engines_at = now + 0.2
+        want = sum(p["role"] == "rollout" for p in self.last)
+        for f in (self.run_dir / "events").glob("rollout*.jsonl"):
+            if f.name not in self._loaded:
+                try:
+                    if '"rollout.weights_updated"' in f.read_text(errors="replace"):
+                        self._loaded.add(f.name)
+                except OSError:
+                    pass
+        return want > 0 and len(self._loaded) >= want
 
     def _snapshot(self) -> None:
         procs = role_processes(self.config_path)
@@ -445,7 +276,7 @@ def full_plan(cfg: Any, device_gib: float | None) -> tuple[dict, list[dict], str
 def rehearse(cfg: Any, console: Any, steps: int = 4, device_gib: float | None = None, quiet: bool = False) -> dict:
     """Rehearse `cfg` (the module docstring); returns the report written to RUN_DIR/rehearsal.json."""
     from areal_mq.engines.models import models_cache_dir
-    from areal_mq.launch.cli import _check_memory
+    from areal_mq.launch.job import check_memory
 
     started = time.time()
     plan_json, failures, table = full_plan(cfg, device_gib)
@@ -458,11 +289,12 @@ def rehearse(cfg: Any, console: Any, steps: int = 4, device_gib: float | None = 
                     "toy": {"model": toy.model, "data": toy.data, "notes": toy.notes,
                             "occupancy": _occupancy(toy.cfg)}}
     _clean(run_dir)
-    watch = Watch(run_dir.resolve(), steps, toy.cfg.launcher.trainer_ranks)
+    watch = Watch(run_dir.resolve(), steps, toy.cfg.launcher.trainer_ranks,
+                  restarts=toy.cfg.launcher.on_child_death == "restart")
     ray = _pretend_ray(toy.cfg)
     runs: list[dict] = []
     try:
-        _check_memory(toy.cfg)
+        check_memory(toy.cfg)
         runs.append(_execute(toy.cfg, console, quiet, False, watch))
         if runs[-1]["outcome"] == "failed" and watch.kill is not None and toy.cfg.launcher.on_child_death == "stop":
             console.print("[yellow]rehearsal: the run stopped at the killed rank (on_child_death: stop); resuming it "
@@ -501,7 +333,7 @@ def _execute(cfg: Any, console: Any, quiet: bool, resume: bool, watch: Watch) ->
     """One `areal-mq run` of the toy config; a ConfigError or an early exit becomes the outcome 'failed'."""
     import click
 
-    from areal_mq.launch.cli import execute
+    from areal_mq.launch.job import execute
 
     from areal_mq.errors import ArealError
 

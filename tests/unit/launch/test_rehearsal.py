@@ -1,4 +1,5 @@
-"""The rehearsal's toy config (areal_mq/launch/rehearsal.py): same family, same layout, toy sizes, data samples."""
+"""The rehearsal's toy config (areal_mq/launch/toy.py: same family, same layout, toy sizes, data samples) and its
+view of the processes (areal_mq/launch/rehearsal.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,8 @@ import pytest
 
 from areal_mq.config import load_config
 from areal_mq.errors import ConfigError
-from areal_mq.launch.rehearsal import role_processes, toy_config
+from areal_mq.launch.rehearsal import role_processes
+from areal_mq.launch.toy import toy_config
 
 ROOT = Path(__file__).resolve().parents[3]
 

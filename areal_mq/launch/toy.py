@@ -1,0 +1,197 @@
+"""The toy version of a run config that a rehearsal runs (launch/rehearsal.py): same layout, toy sizes.
+
+What: `toy_config(cfg, steps, run_dir, cache)` keeps every process count, the strategy, the publishing layout, the
+checkpoints, the evaluations, the restart policy and the placement of `cfg`, and replaces what a CPU cannot hold: the
+model by a 2-layer random model of the same family (`toy_model`: model_type, tied head, Qwen2 biases, Qwen3 q/k norms;
+the model's own tokenizer where its directory is here), the sizes (engine rows, KV, answer length, batch, steps), the
+devices (cpu; GPU indices stay as pretend devices), and data files that are not on this machine (`toy_data`: the
+shipped sample of the same format). A field it cannot keep is a ConfigError naming it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_mq.errors import ConfigError
+
+TOY_ROWS = 8  # rows of a rehearsal engine
+TOY_NEW_TOKENS = 16
+TOY_EVAL = 4  # held-out problems per rehearsal evaluation
+
+@dataclass
+class Toy:
+    cfg: Any
+    notes: list[str] = field(default_factory=list)
+    model: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- the toy config
+def model_family(cfg: Any) -> tuple[dict, Path | None]:
+    """The architecture fields a toy model copies (model_type, tie_word_embeddings, ...) and the model directory
+    when it is on this machine (its tokenizer is then the rehearsal's)."""
+    from areal_mq.engines.shapes import SHAPES
+    from areal_mq.launch.plan import shape_for_name
+
+    named = Path(cfg.model.name).expanduser()
+    if not (named / "config.json").is_file():
+        from areal_mq.engines.models import resolve_model
+        from areal_mq.errors import ModelNotFound
+
+        shape = cfg.model.name.lower() if cfg.model.name.lower() in SHAPES else shape_for_name(cfg.model.name)
+        if shape is not None:
+            return dict(SHAPES[shape]), None
+        try:
+            named = resolve_model(cfg.model.name, cfg.model.cache_dir)
+        except ModelNotFound as exc:
+            raise ConfigError(f"model.name: {exc} A rehearsal needs the model's family: name a public shape "
+                              f"(--set model.name=SHAPE: {', '.join(SHAPES)}) or a directory with its config.json") from None
+    return json.loads((named / "config.json").read_text()), (named if _has_tokenizer(named) else None)
+
+
+def _has_tokenizer(path: Path) -> bool:
+    from areal_mq.engines.models import TOKENIZER_FILES
+
+    return any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
+def toy_model(cfg: Any, cache: Path) -> tuple[Path, dict]:
+    """A 2-layer random model of the config's family in `cache` (built once per family), and what it is."""
+    from areal_mq.engines.models import TOKENIZER_COPY
+    from areal_mq.engines.shapes import TINY, build_random_model
+
+    family, local = model_family(cfg)
+    kind = family.get("model_type")
+    if f"tiny-{kind}" not in TINY:
+        raise ConfigError(f"model.name: a rehearsal builds llama, qwen2 and qwen3 models; {cfg.model.name} is "
+                          f"{kind!r}")
+    tied = bool(family.get("tie_word_embeddings", False))
+    overrides: dict = {"tie_word_embeddings": tied}
+    if local is not None:  # the real tokenizer: its vocabulary and special ids
+        overrides.update({k: family[k] for k in ("vocab_size", "bos_token_id", "eos_token_id") if family.get(k) is not None})
+    dst = cache / f"{kind}-{'tied' if tied else 'untied'}-{'own' if local else 'smollm2'}-tokenizer"
+    if local is not None:
+        dst = dst.with_name(f"{dst.name}-{abs(hash(str(local.resolve()))) % 10**8}")
+    build_random_model(dst, f"tiny-{kind}", **overrides)
+    if local is not None:
+        import shutil
+
+        for name in TOKENIZER_COPY:
+            if (local / name).is_file():
+                shutil.copy2(local / name, dst / name)
+    return dst, {"family": kind, "tied": tied, "path": str(dst),
+                 "tokenizer": str(local) if local else "SmolLM2's (the model is not on this machine)"}
+
+
+def _exists(name: str | None) -> bool:
+    from areal_mq.data.config import ARITH_SOURCES
+
+    if name is None or name in ARITH_SOURCES:
+        return True
+    path = Path(name)
+    if path.exists():
+        return True
+    head, _, _ = name.rpartition(":")
+    return bool(head) and Path(head).is_dir()
+
+
+def _sample_format(name: str, fmt: str) -> str:
+    """Which shipped sample stands in for a missing file: by its name (gsm8k, math500, math), else its format."""
+    low = name.lower()
+    if "gsm8k" in low:
+        return "gsm8k"
+    if "math500" in low or "math-500" in low:
+        return "math500"
+    return fmt if fmt in ("gsm8k", "math") else "math"
+
+
+def toy_data(data: dict) -> tuple[dict, dict]:
+    """The config's data where its files exist; else the shipped sample of the same format (data/samples)."""
+    report: dict = {"source": "the config's own files"}
+    missing: list[str] = []
+    entries = data.get("sources") or [data]
+    for entry in entries:
+        for key in ("name", "eval_name"):
+            name = entry.get(key)
+            if _exists(name):
+                continue
+            from areal_mq.data.samples import SAMPLES
+
+            kind = _sample_format(name, entry.get("format") or data.get("format") or "auto")
+            train, test = SAMPLES[kind]
+            entry[key] = str(train if key == "name" else test)
+            if kind != "gsm8k":  # the sample's own layout (MATH, MATH-500), not a generic template
+                entry["format"] = "math"
+            missing.append(f"{name} -> the {kind} sample {entry[key]}")
+    if missing:
+        report = {"source": "samples shipped with areal-mq (the config's files are not on this machine)",
+                  "replaced": missing}
+    return data, report
+
+
+def rehearsal_dir(cfg: Any) -> Path:
+    run_dir = Path(cfg.run.run_dir)
+    target = run_dir.with_name(run_dir.name + "-rehearsal")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        return target
+    except OSError:  # /shared/runs/... on a laptop
+        target = Path("runs") / f"{cfg.run.name}-rehearsal"
+        target.mkdir(parents=True, exist_ok=True)
+        return target
+
+
+def toy_config(cfg: Any, steps: int, run_dir: Path, cache: Path) -> Toy:
+    """The config at toy scale (the module docstring); ConfigError naming the field when it cannot be."""
+    from areal_mq.config import config_from_dict
+
+    d = cfg.model_dump(mode="json")
+    toy = Toy(cfg=None)
+    model_dir, toy.model = toy_model(cfg, cache)
+    d["model"].update(name=str(model_dir), device="cpu", cache_dir=cfg.model.cache_dir)
+    d["run"]["run_dir"] = str(run_dir)
+    d["rollout"]["device"] = d["trainer"]["device"] = None
+    e = d["rollout"]["engine"]
+    if e["kind"] in ("vllm", "vllm-server") and not _importable("vllm"):
+        toy.notes.append(f"rollout.engine.kind {e['kind']}: vLLM is not installed here; rehearsed with the torch engine")
+        e["kind"] = "torch"
+    e.update(max_concurrent=min(e["max_concurrent"], TOY_ROWS), kv_cache_bytes=None,
+             max_kv_tokens=min(e["max_kv_tokens"], 4096), cuda_graphs=False,
+             max_model_len=min(e["max_model_len"], 1024) if e.get("max_model_len") else None)
+    c = d["controller"]
+    c.update(group_size=min(c["group_size"], 4), batch_groups=2, max_concurrent_groups=4, total_steps=steps,
+             max_new_tokens=TOY_NEW_TOKENS)
+    if c["drop_uniform_groups"]:
+        toy.notes.append("controller.drop_uniform_groups off: a random model earns equal rewards in most groups")
+        c["drop_uniform_groups"] = False
+    t = d["trainer"]
+    # a toy trainer publishes faster than the launcher's 1 s tick: keep every version, so the periodic evaluation
+    # finds the one it is due (a real run prunes to keep_weight_versions long after that tick)
+    t.update(max_tokens_per_mb=min(t["max_tokens_per_mb"], 2048), checkpoint_every=1,
+             ppo_n_minibatches=min(t["ppo_n_minibatches"], 2),
+             keep_weight_versions=max(t["keep_weight_versions"], steps + 1))
+    lc = d["launcher"]
+    lc["threads"] = {role: 1 for role in ("trainer", "rollout", "reward", "controller", "agent", "broker")}
+    lc["stop_grace_s"] = 30.0
+    lc["max_restarts"] = max(1, lc["max_restarts"])
+    if lc.get("ray_address"):
+        toy.notes.append(f"launcher.ray_address {lc['ray_address']}: rehearsed on a local Ray with pretend GPUs")
+        lc["ray_address"] = None
+    d["brokers"].update(host="127.0.0.1", auto_ports=True)
+    d["eval"].update(size=min(d["eval"]["size"], TOY_EVAL), kv_cache_bytes=None,
+                     every=max(1, steps // 2) if d["eval"]["every"] else 0)
+    d["data"], toy.data = toy_data(d["data"])
+    d["data"]["max_problems"] = min(d["data"].get("max_problems") or 64, 64)
+    try:
+        toy.cfg = config_from_dict(d, "the rehearsal's toy config")
+    except ConfigError as exc:
+        raise ConfigError(f"the toy version of this config is invalid: {exc}") from None
+    return toy
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
