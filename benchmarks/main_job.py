@@ -34,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (sibling modules of this script)
 
+from areal_mq.telemetry.tail import read_events  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,7 +55,7 @@ def run_once(python: str, repo: Path, config: str, steps: int, run_dir: Path, ex
         raise SystemExit(f"{run_dir}: fewer than 2 training steps recorded")
     first, last = metrics[0], metrics[-1]
     window = last["time"] - first["time"]
-    gen = [r.get("gen_tokens_per_s") for r in _events(run_dir, "controller", "controller.stats")
+    gen = [r.get("gen_tokens_per_s") for r in read_events(run_dir, "controller.stats")
            if first["time"] <= r.get("ts", 0) <= last["time"] and r.get("gen_tokens_per_s")]
     return {"steps": len(metrics), "wall_s": round(wall, 1), "window_s": round(window, 1),
             "s_per_step": round(window / (len(metrics) - 1), 2),
@@ -61,19 +63,6 @@ def run_once(python: str, repo: Path, config: str, steps: int, run_dir: Path, ex
             "train_s": round(sum(m.get("step_s", 0.0) for m in metrics[1:]), 1),
             "publish_s": round(sum(m.get("publish_s", 0.0) or 0.0 for m in metrics[1:]), 1),
             "gen_tokens_per_s": round(statistics.mean(gen), 1) if gen else None}
-
-
-def _events(run_dir: Path, prefix: str, name: str) -> list[dict]:
-    out = []
-    for path in sorted((run_dir / "events").glob(f"{prefix}*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == name:
-                out.append(rec)
-    return out
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_mq.launch.toy import rehearsal_dir, toy_config
+from areal_mq.telemetry.tail import read_events
 
 ROLES = ("broker", "controller", "trainer", "rollout", "reward", "agent")
 
@@ -164,19 +165,6 @@ class Watch:
 
 
 # ---------------------------------------------------------------- the report
-def read_events(run_dir: Path, prefix: str, event: str) -> list[dict]:
-    out = []
-    for path in sorted((run_dir / "events").glob(f"{prefix}*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == event:
-                out.append(rec)
-    return out
-
-
 def expected_processes(cfg: Any) -> dict[str, int]:
     lc = cfg.launcher
     want = {"broker": 1, "controller": 1, "trainer": lc.trainer_ranks, "rollout": lc.rollout_workers,
@@ -224,7 +212,7 @@ def check_resume(run_dir: Path, watch: Watch, cfg: Any) -> tuple[dict, list[dict
     if watch.kill is None:
         return {"killed": None}, [_failure("trainer", "trainer.checkpoint_every", "no checkpoint was written, so no "
                                            "trainer rank was killed and nothing was resumed")]
-    resumed = [e for e in read_events(run_dir, "trainer", "trainer.resumed") if e["ts"] >= watch.kill["time"]]
+    resumed = [e for e in read_events(run_dir, "trainer.resumed") if e["ts"] >= watch.kill["time"]]
     report = {"killed": watch.kill, "policy": cfg.launcher.on_child_death,
               "resumed": [{"checkpoint": e.get("checkpoint"), "version": e.get("version")} for e in resumed]}
     if not resumed:
@@ -237,7 +225,7 @@ def check_engines(run_dir: Path, cfg: Any) -> tuple[dict, list[dict]]:
     """The versions each engine loaded over the rehearsal; every engine must have loaded a published one (a short
     resumed run may train from the store's backlog alone, so 'after the resume' is reported, not required)."""
     versions: dict[str, list[int]] = {}
-    for e in read_events(run_dir, "rollout", "rollout.weights_updated"):
+    for e in read_events(run_dir, "rollout.weights_updated"):
         versions.setdefault(e.get("worker_id", "?"), []).append(int(e.get("version", -1)))
     failures = []
     for i in range(cfg.launcher.rollout_workers):

@@ -73,7 +73,9 @@ def toy_model(cfg: Any, cache: Path) -> tuple[Path, dict]:
         overrides.update({k: family[k] for k in ("vocab_size", "bos_token_id", "eos_token_id") if family.get(k) is not None})
     dst = cache / f"{kind}-{'tied' if tied else 'untied'}-{'own' if local else 'smollm2'}-tokenizer"
     if local is not None:
-        dst = dst.with_name(f"{dst.name}-{abs(hash(str(local.resolve()))) % 10**8}")
+        import hashlib  # a stable name per model directory (hash() of a str changes with every process)
+
+        dst = dst.with_name(f"{dst.name}-{hashlib.sha256(str(local.resolve()).encode()).hexdigest()[:10]}")
     build_random_model(dst, f"tiny-{kind}", **overrides)
     if local is not None:
         import shutil
