@@ -31,14 +31,22 @@ class DataFormatError(ConfigError):
 SOURCE_FORMS = "a .jsonl file, a .parquet file, or a `datasets` directory saved with save_to_disk (DIR or DIR:split)"
 
 
-def read_source(name: str | Path) -> Iterator[tuple[int, str, dict[str, Any]]]:
-    """Yield (1-based line/row, where, record) of a JSONL file, a Parquet file or a saved `datasets` directory."""
+def locate(name: str | Path) -> tuple[Path, str | None]:
+    """(path, split) a source name stands for: the file or directory itself, or DIR and the split of DIR:split
+    (a saved DatasetDict). Nothing is read; the path need not exist."""
     text = str(name)
-    path, split = Path(text), None
+    path = Path(text)
     if not path.exists() and ":" in text:
         head, _, tail = text.rpartition(":")
         if Path(head).is_dir():
-            path, split = Path(head), tail
+            return Path(head), tail
+    return path, None
+
+
+def read_source(name: str | Path) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """Yield (1-based line/row, where, record) of a JSONL file, a Parquet file or a saved `datasets` directory."""
+    text = str(name)
+    path, split = locate(text)
     if path.is_dir():
         yield from _read_saved_dataset(path, split)
     elif path.is_file() and path.suffix.lower() in (".parquet", ".pq"):

@@ -298,11 +298,8 @@ def rehearse(cfg: Any, console: Any, steps: int = 4, device_gib: float | None = 
         failures.append(_failure(_role_of(runs[-1]["failure"]), runs[-1].get("field", "launcher (the log named in the "
                                  "reason)"), f"the run ended {runs[-1]['outcome']}: {runs[-1]['failure']}"))
     if not watch.started:  # nothing started: the first failure is the whole story
-        report.update(roles={}, resume={}, engines={}, evaluations=[], failures=failures, ok=False,
-                      seconds=round(time.time() - started, 1))
-        (run_dir / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
-        _say(console, report)
-        return report
+        report.update(roles={}, resume={}, engines={}, evaluations=[])
+        return _finish(report, failures, started, console)
     report["roles"], more = check_processes(toy.cfg, watch)
     failures += more
     report["resume"], more = check_resume(run_dir, watch, toy.cfg)
@@ -311,8 +308,13 @@ def rehearse(cfg: Any, console: Any, steps: int = 4, device_gib: float | None = 
     failures += more
     report["evaluations"], more = check_evals(run_dir, toy.cfg, steps)
     failures += more
+    return _finish(report, failures, started, console)
+
+
+def _finish(report: dict, failures: list[dict], started: float, console: Any) -> dict:
+    """The verdict into the report, RUN_DIR/rehearsal.json written, the summary shown."""
     report.update(failures=failures, ok=not failures, seconds=round(time.time() - started, 1))
-    (run_dir / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
+    (Path(report["run_dir"]) / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
     _say(console, report)
     return report
 

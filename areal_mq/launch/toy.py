@@ -89,14 +89,9 @@ def toy_model(cfg: Any, cache: Path) -> tuple[Path, dict]:
 
 def _exists(name: str | None) -> bool:
     from areal_mq.data.config import ARITH_SOURCES
+    from areal_mq.data.sources import locate
 
-    if name is None or name in ARITH_SOURCES:
-        return True
-    path = Path(name)
-    if path.exists():
-        return True
-    head, _, _ = name.rpartition(":")
-    return bool(head) and Path(head).is_dir()
+    return name is None or name in ARITH_SOURCES or locate(name)[0].exists()
 
 
 def _sample_format(name: str, fmt: str) -> str:
