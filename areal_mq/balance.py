@@ -13,7 +13,7 @@ The split that makes both pipelines equally fast, f * D * c_g = (1 - f) * D * c_
 equivalently, devices in proportion to the device-seconds each phase actually used. The store depth and the
 staleness explain the direction in the reason (a deep store: training is behind; staleness near η with idle
 generation slots: generation waits on the bound). Checked by tests/unit/sim/test_balance.py and, against a
-sweep of splits for three length distributions, by `python benchmarks/scale.py --balance`.
+sweep of splits for three length distributions, by `python benchmarks/speed/scale.py --balance`.
 """
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ class BrokerConfig(_Section):
     fsync: bool = Field(
         False, description="Sample store: fsync every log record before acknowledging it. Off: an acknowledged "
         "sample or ack survives a crash or kill -9 of the store (the OS holds it). On: it also survives power loss "
-        "or a kernel crash, at the cost of one disk flush per put/ack (benchmarks/store.py).")
+        "or a kernel crash, at the cost of one disk flush per put/ack (benchmarks/speed/store.py).")
     store_max_samples: int = Field(
         10_000, ge=1, description="Samples the store holds (pending or leased) before it refuses a put with "
         "Error store_full.")
@@ -211,7 +211,7 @@ class RolloutConfig(_Section):
         "version (the paper's non-interruptible ablation; slower, the engine idles while it drains).")
     audit_weights: bool = Field(
         False, description="After every weight load, log the checksum of each tensor the engine now holds, cast to "
-        "trainer.publish_dtype (rollout.weights_audit): benchmarks/soak.py compares them with the checksums the "
+        "trainer.publish_dtype (rollout.weights_audit): benchmarks/faults/soak.py compares them with the checksums the "
         "trainer published. Costs one pass over the weights per load (torch engine only); for audits and soaks.")
 
 

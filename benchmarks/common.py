@@ -1,8 +1,10 @@
 """Small helpers every benchmark script shares: loopback ports, process CPU time, machine description,
 logging, stopping processes, the common flags (--quick, --json), the wall time, the JSON file and the table.
 
-Imported as a sibling module (`import common`): the scripts are run as `python benchmarks/NAME.py`, which puts
-this directory first on sys.path.
+Imported as `import common` by the scripts of every kind (`python benchmarks/KIND/NAME.py`; each puts benchmarks/
+on sys.path first). Importing it puts the kinds' folders (speed, quality, faults, baselines) on sys.path too, so a
+script imports a module of another kind by its name (quality.py uses speed/e2e.py, speed/engine.py the frozen
+baselines/contiguous_engine).
 """
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+KINDS = ("speed", "quality", "faults", "baselines")
+for _kind in KINDS:
+    if str(Path(__file__).resolve().parent / _kind) not in sys.path:
+        sys.path.append(str(Path(__file__).resolve().parent / _kind))
 
 
 def free_ports(n: int) -> list[int]:

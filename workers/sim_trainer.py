@@ -7,7 +7,7 @@ clock (trainer.sim.time_scale real seconds per simulated second). Versions are p
 WeightsReady(mode="sim"): there are no weights; simulated engines model the load pause, real engines refuse it.
 Each step's metrics line (run_dir/metrics.jsonl) carries the simulated step time, the batch's tokens and the
 staleness of every trained sequence (version at training minus the oldest version among its tokens) as
-`stale_K` counts, which benchmarks/scale.py reads, and per generated token as the real trainer reports it
+`stale_K` counts, which benchmarks/speed/scale.py reads, and per generated token as the real trainer reports it
 (`staleness_hist`, `staleness_max`), so the worker's staleness invariant (`staleness_violations`,
 `dropped_stale`) is checked and exported the same way.
 Why: issue 17 (scale by simulation) — only the GPUs are simulated; store, bus and protocol are real.

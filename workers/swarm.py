@@ -6,7 +6,7 @@ heartbeats (areal_mq/actor/link.py's WorkerLink, the one the worker runtime driv
 workers/swarm_links.py), so the real job broker sees N workers. One SUB socket on the signal bus
 feeds WeightsReady / Control to all of them. Optionally the process also serves the `reward` service with a
 simulated instant reward (`rollout.engine.sim.reward_capacity`) and a `probe` service that records dispatch
-latency (client -> broker -> worker; the probes come from benchmarks/scale.py).
+latency (client -> broker -> worker; the probes come from benchmarks/speed/scale.py).
 
     areal-mq worker swarm --config CFG --set rollout.engine.kind=sim --set rollout.engine.sim.workers=64
 

@@ -66,7 +66,7 @@ class TrainerConfig(BaseModel):
         "(bf16 when rollout.engine.dtype, or model.dtype where that is auto, is bfloat16; fp16 when it is float16; "
         "else fp32), on any device: "
         "the behaviour weights compare the trainer's logprobs with the engine's, and a bf16 trainer against an "
-        "fp32 engine is off-policy by numerics alone (benchmarks/RESULTS.md, GPU stage q). Under strategy fsdp, "
+        "fp32 engine is off-policy by numerics alone (benchmarks/quality/RESULTS.md, GPU stage q). Under strategy fsdp, "
         "bf16 and fp16 are FSDP2's MixedPrecisionPolicy (parameters cast for compute, gradients reduced in fp32). "
         "Each step's metrics carry mismatch_kl (engine vs trainer on the same weights) to choose by evidence."
     )

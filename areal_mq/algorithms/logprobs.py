@@ -16,7 +16,7 @@ recompute and their gradient beside them), 0.5 GiB with this Function.
 The matmul follows autocast like the model's own lm_head would (bf16 under a bf16 autocast), the softmax is fp32.
 How to run its tests and benchmark:
     python -m pytest tests/unit/algorithms/test_logprobs_chunked.py
-    python benchmarks/logprobs.py --quick
+    python benchmarks/speed/logprobs.py --quick
 """
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def compute_precision(cfg: TrainerConfig, engine_dtype: str) -> str:
     (areal_mq/algorithms/loss.py) divide the trainer's probabilities by the engine's, so a bf16 trainer
     against an fp32 engine is off-policy by numerics alone, and more so as the policy sharpens; on an H200 the
     weight at staleness 0 grew from 1.3 at the first step to 106 by version 36 of the quickstart, whose
-    held-out accuracy at v50 was 30 % against the fp32 CPU runs' 42 % (benchmarks/RESULTS.md, GPU stage q)."""
+    held-out accuracy at v50 was 30 % against the fp32 CPU runs' 42 % (benchmarks/quality/RESULTS.md, GPU stage q)."""
     if cfg.precision != "auto":
         return cfg.precision
     return {"bfloat16": "bf16", "float16": "fp16"}.get(engine_dtype, "fp32")

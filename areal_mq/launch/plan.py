@@ -28,7 +28,7 @@ max_concurrent); under 50 % the plan warns, since the GPUs the engines were size
 Where the numbers come from: the per-parameter bytes are exact; the activation count (8 H + 3 I per token and
 layer: the inputs of the attention and MLP projections, the gate/up outputs and the activation, the norms)
 is the structure of a Llama/Qwen decoder layer; tests/unit/launch/test_plan.py holds the estimate within 25 %
-of the peaks benchmarks/trainer_fsdp.py measured (single process and per FSDP rank).
+of the peaks benchmarks/speed/trainer_fsdp.py measured (single process and per FSDP rank).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ trainer that takes `batch_groups` groups when it is idle, trains for the timing 
 publishes v+1 to every engine at once (the engines model the update pause).
 Why: (1) the simulator's own correctness test — with zero infrastructure cost and a constant decode time its
 sync and async throughput must match the closed form (tests/unit/sim/test_closed_form.py); (2) quick sweeps of
-the generation:training split (benchmarks/scale.py --balance), where running real processes for every split
+the generation:training split (benchmarks/speed/scale.py --balance), where running real processes for every split
 would take hours. The real-process simulation (workers/swarm.py + real brokers) measures what this leaves out:
 infrastructure cost.
 

@@ -1,5 +1,5 @@
 """Network namespaces for tests and benchmarks that build hosts of their own (tests/integration/test_netns_hosts.py,
-the soak's link cuts in benchmarks/soak_faults.py).
+the soak's link cuts in benchmarks/faults/soak_faults.py).
 
 - `ip(*args, check=True)`: run iproute2's `ip` (20 s limit), output captured.
 - `netns_unavailable()`: why this machine cannot create network namespaces (None when it can): not Linux, not root,

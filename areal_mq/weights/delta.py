@@ -140,7 +140,7 @@ def _candidates_device(base: "torch.Tensor", new: "torch.Tensor", zc: Any) -> li
     device (a trainer rank's GPU): only the changed positions and values cross to the host, and the full-size xor
     only when the change is dense enough for it to have a chance (the raw sparse size at least XOR_DENSITY of the
     tensor's bytes; below it the sparse frame measured within ~4-8 % of the xor one, and compressing the
-    full-size xor was most of the encode: `python benchmarks/weights.py --codec`)."""
+    full-size xor was most of the encode: `python benchmarks/speed/weights.py --codec`)."""
     import torch
 
     a, b = _device_bits(base), _device_bits(new)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # benchmarks/: common.py, engine.py, trainer.py
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: common.py (which adds speed/: engine.py, trainer.py, ...)
 import common  # noqa: E402
 
 ROOT = HERE.parents[1]

@@ -7,7 +7,7 @@
 #   c   trainer tokens/s vs a plain fwd+bwd+AdamW loop         (stage_c_trainer.py; random weights)
 #   d   colocated weight update: disk, zmq, cuda_ipc           (stage_d_update.py; random weights)
 #   e   configs/quickstart-gpu.yaml to v50, held-out accuracy  (stage_e_quickstart.py; real weights)
-#   f   e2e async vs sync                                      (stage_f_e2e.py -> benchmarks/e2e.py; real weights)
+#   f   e2e async vs sync                                      (stage_f_e2e.py -> benchmarks/speed/e2e.py; real weights)
 #   g   FSDP2 trainer (world 1) vs plain loop, Qwen2.5-1.5B / Qwen3-4B shapes (stage_g_fsdp.py; random weights)
 #   q   quality study: sync vs async η=2 pairs, workers side by side (stage_q_quality.py; real weights; not in all)
 #       its own flags go in Q_ARGS (e.g. Q_ARGS="--seeds-at-once 4 --deadline-s 480"), its limit in Q_TIMEOUT (590 s)

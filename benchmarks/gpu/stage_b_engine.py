@@ -28,7 +28,7 @@ import statistics
 import report
 from report import common
 
-import engine as eb  # benchmarks/engine.py: Workload, Context, the two runners
+import engine as eb  # benchmarks/speed/engine.py: Workload, Context, the two runners
 
 SIZES = {  # quick, full
     "concurrency": ((4, 8), (64, 256)), "prompt": (12, 150), "short": (4, 128), "long_factor": (4, 8),

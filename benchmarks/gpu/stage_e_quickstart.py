@@ -22,7 +22,7 @@ import time
 import report
 from report import common
 
-import e2e_report  # benchmarks/e2e_report.py: summarize_run, version_time
+import e2e_report  # benchmarks/speed/e2e_report.py: summarize_run, version_time
 
 CONFIG = report.ROOT / "configs" / "quickstart-gpu.yaml"
 CPU_STRICT_V50 = 0.45  # README: the CPU quickstart's v50, 200 held-out problems, seed 0

@@ -1,6 +1,6 @@
-"""Stage f: end-to-end asynchronous vs synchronous RL on one device (benchmarks/e2e.py --device).
+"""Stage f: end-to-end asynchronous vs synchronous RL on one device (benchmarks/speed/e2e.py --device).
 
-What: runs benchmarks/e2e.py (sync, async η=2, async η=4, sync again on configs/quickstart.yaml's task, the
+What: runs benchmarks/speed/e2e.py (sync, async η=2, async η=4, sync again on configs/quickstart.yaml's task, the
 same samples each; see its docstring) with --device, sized to fit one 10-minute GPU command (10 steps per
 mode, the last version evaluated on 50 held-out problems; --quick: the tiny random Llama as e2e.py --quick),
 and stores its report as OUT/stage_f.json with its table in results.md.
@@ -18,7 +18,7 @@ import sys
 import report
 from report import common
 
-import e2e_report  # benchmarks/e2e_report.py: the e2e table
+import e2e_report  # benchmarks/speed/e2e_report.py: the e2e table
 
 FULL = ["--steps", "10", "--eval-n", "50", "--eval-versions", "10"]
 TIMEOUT_S = {True: 900, False: 570}
@@ -33,7 +33,7 @@ def main() -> None:
     common.logger("gpu-f")(" ".join(cmd[1:]))
     rc = subprocess.run(cmd, cwd=report.ROOT, timeout=TIMEOUT_S[args.quick]).returncode
     if rc != 0 or not json_path.is_file():
-        raise SystemExit(f"stage f: benchmarks/e2e.py exited {rc} without a report ({json_path})")
+        raise SystemExit(f"stage f: benchmarks/speed/e2e.py exited {rc} without a report ({json_path})")
     r = json.loads(json_path.read_text())
     r.update(title="e2e async vs sync", machine={**r["machine"], "device": common.device_name(args.device)})
     report.write(args.out, "f", r, "```\n" + e2e_report.table(r, " ".join(["python", *cmd[1:]])) + "\n```")

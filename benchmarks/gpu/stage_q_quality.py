@@ -1,6 +1,6 @@
 """Stage q: the quality study's sync vs async η=2 pairs, several seeds at once on one GPU machine (issue 27).
 
-What it measures: benchmarks/quality.py (configs/quickstart.yaml: same task, sizes, learning rate and length as
+What it measures: benchmarks/quality/quality.py (configs/quickstart.yaml: same task, sizes, learning rate and length as
 the CPU study; only `model.device` differs) for `--modes sync,async_eta2`, run by 2 x `--seeds-at-once` S
 quality.py processes side by side: one per mode and slot, slot j running seeds j, j + S, ... in turn (so both
 runs of a seed go at the same time and a round of S pairs ends together), each worker with its own results file
@@ -11,7 +11,7 @@ which is what this stage buys.
 Equal trained samples is the study's comparison and is not touched by neighbours; wall time is (the runs share
 the GPU and the cores), so the report's equal-wall-time figures from this stage are not the speed-up.
 At `--deadline-s` the workers still running are interrupted (each stops its run; a run cut off records
-nothing); the finished runs are merged into OUT/quality_gpu.jsonl, reported by benchmarks/quality_report.py
+nothing); the finished runs are merged into OUT/quality_gpu.jsonl, reported by benchmarks/quality/quality_report.py
 (paired difference per seed, 95 % interval) into OUT/stage_q.json, OUT/results.md and OUT/quality_gpu.png, and
 the worker logs and every run's launcher output go to OUT/q_logs.tar.gz.
 Sizes on an H200 (2026-11-26, 8 runs side by side, 50 versions): async η=2 trains in 215-233 s and sync in
@@ -37,7 +37,7 @@ from pathlib import Path
 import report
 from report import common
 
-import quality  # benchmarks/quality.py: MODES, BASES, the study's settings
+import quality  # benchmarks/quality/quality.py: MODES, BASES, the study's settings
 import quality_report
 
 MODES = ("sync", "async_eta2")

@@ -1,4 +1,4 @@
-"""benchmarks/e2e.py --quick once, so the sync-vs-async benchmark does not rot (slow: four whole-system runs).
+"""benchmarks/speed/e2e.py --quick once, so the sync-vs-async benchmark does not rot (slow: four whole-system runs).
 
 Checks the JSON shape of BENCHMARKS.md, that every run trained the same number of samples, that
 each mode's staleness respects its bound, that evaluations and the plot were produced and that the
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_quick_benchmark_writes_the_documented_json(tmp_path):
     png = tmp_path / "acc.png"
-    report, stdout = run_quick("e2e.py", tmp_path, "--out", str(tmp_path / "runs"), "--plot", str(png), timeout=1400)
+    report, stdout = run_quick("speed/e2e.py", tmp_path, "--out", str(tmp_path / "runs"), "--plot", str(png), timeout=1400)
     assert set(report) >= {"benchmark", "quick", "machine", "results", "ratios", "targets"}
     assert report["targets"] == {"async_vs_sync_samples_per_s": 1.5}
     assert set(report["ratios"]) == {"async_vs_sync_samples_per_s", "async_eta4_vs_sync_samples_per_s"}
@@ -44,5 +44,5 @@ def test_quick_benchmark_writes_the_documented_json(tmp_path):
 
     assert png.stat().st_size > 10_000
     lines = stdout.strip().splitlines()
-    assert lines[-2].startswith("command: python benchmarks/e2e.py --quick")
+    assert lines[-2].startswith("command: python benchmarks/speed/e2e.py --quick")
     assert any(line.startswith("async_vs_sync_samples_per_s") for line in lines)

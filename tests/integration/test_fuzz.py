@@ -1,8 +1,8 @@
 """A short fuzz pass over every target, and the regression corpus replayed (issue 40, part 2).
 
-The campaign driver is benchmarks/fuzz.py (10^6-input runs, counts in benchmarks/RESULTS.md); this is its fast
-pass: Hypothesis draws the same mutations (benchmarks/fuzz_mutate.py) over the same targets
-(benchmarks/fuzz_targets.py, fuzz_files.py) for a few seconds each, so a failure shrinks to a minimal input.
+The campaign driver is benchmarks/faults/fuzz.py (10^6-input runs, counts in benchmarks/RESULTS.md); this is its fast
+pass: Hypothesis draws the same mutations (benchmarks/faults/fuzz_mutate.py) over the same targets
+(benchmarks/faults/fuzz_targets.py, fuzz_files.py) for a few seconds each, so a failure shrinks to a minimal input.
 Every input must end in a documented refusal or a correct answer, and the component must still serve a valid
 request afterwards. tests/fuzz_corpus/ holds the inputs that once failed (with the fix that made them pass) and
 a few of each outcome the campaigns saw; each is replayed and must still end the way it did.
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "faults")]  # common.py; the fuzz modules
 
 import fuzz  # noqa: E402
 from fuzz_mutate import DataChooser  # noqa: E402
@@ -77,11 +77,11 @@ def test_the_regression_corpus_replays_to_the_same_end(path, tmp_path):
 
 
 def test_the_campaign_driver_runs(tmp_path):
-    """benchmarks/fuzz.py itself, briefly (the flags, the table, the JSON shape); no speed asserted."""
+    """benchmarks/faults/fuzz.py itself, briefly (the flags, the table, the JSON shape); no speed asserted."""
     import subprocess
 
     out = tmp_path / "fuzz.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fuzz.py"), "--target", "weights-full",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "faults" / "fuzz.py"), "--target", "weights-full",
                            "--inputs", "200", "--seed", "3", "--json", str(out), "--corpus", str(tmp_path / "c")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

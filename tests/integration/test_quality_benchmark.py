@@ -1,4 +1,4 @@
-"""benchmarks/quality.py --quick, then again: the study's code path stays alive and a rerun resumes.
+"""benchmarks/quality/quality.py --quick, then again: the study's code path stays alive and a rerun resumes.
 
 Slow: two whole-system runs of the tiny config (sync and async η=2, 2 versions, seed 0, 8 held-out problems of
 arith:test-large), then the same command again, which must skip both (nothing appended, no run started) and
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def test_quick_study_writes_one_line_per_run_and_a_rerun_skips_them(tmp_path):
     results, png = tmp_path / "quality.jsonl", tmp_path / "quality.png"
     extra = ("--out", str(tmp_path / "runs"), "--results", str(results), "--plot", str(png))
-    report, stdout = run_quick("quality.py", tmp_path, *extra, timeout=800)
+    report, stdout = run_quick("quality/quality.py", tmp_path, *extra, timeout=800)
 
     assert set(report) >= {"benchmark", "quick", "machine", "results", "ratios", "targets"}
     setup, *modes = report["results"]
@@ -48,14 +48,14 @@ def test_quick_study_writes_one_line_per_run_and_a_rerun_skips_them(tmp_path):
         assert not (run_dir / "weights").exists()  # pruned
     assert png.stat().st_size > 10_000
     out = stdout.strip().splitlines()
-    assert out[-2].startswith("command: python benchmarks/quality.py --quick")
+    assert out[-2].startswith("command: python benchmarks/quality/quality.py --quick")
 
-    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", *extra],
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality" / "quality.py"), "--quick", *extra],
                            cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("done, skipped") == 2 and "versions" not in again.stderr  # no run started
     assert [json.loads(x) for x in results.read_text().splitlines()] == lines  # nothing appended
 
-    plan = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--plan", *extra],
+    plan = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality" / "quality.py"), "--quick", "--plan", *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert plan.returncode == 0 and "2 runs, 2 done" in plan.stdout and "0.0 h of machine time left" in plan.stdout

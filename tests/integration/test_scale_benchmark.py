@@ -1,4 +1,4 @@
-"""Keeps benchmarks/scale.py from rotting: its --quick mode (real job broker, bus and store processes, the real
+"""Keeps benchmarks/speed/scale.py from rotting: its --quick mode (real job broker, bus and store processes, the real
 controller, the simulated trainer and a swarm of 64 simulated rollout workers; sync and async η=2) runs and
 writes the documented JSON shape. No speed is asserted: only what holds on any machine — both modes trained the
 same number of sequences, no trained sequence was staler than its mode's η, every simulated worker's dispatch
@@ -13,7 +13,7 @@ from .bench_smoke import run_quick
 
 @pytest.mark.slow
 def test_scale_benchmark_quick_mode(tmp_path):
-    report, stdout = run_quick("scale.py", tmp_path, timeout=300)
+    report, stdout = run_quick("speed/scale.py", tmp_path, timeout=300)
     assert set(report["ratios"]) == set(report["targets"]) == {"async_vs_sync_samples_per_s_64"}
     sync, async_ = report["results"]
     assert (sync["name"], async_["name"], sync["n"], async_["n"]) == ("sync", "async_eta2", 64, 64)
@@ -22,4 +22,4 @@ def test_scale_benchmark_quick_mode(tmp_path):
     for r in (sync, async_):
         assert r["samples_per_s"] > 0 and 0 <= r["gpu_idle"] <= 1 and r["probes"] > 0
         assert set(r["cpu_pct"]) == {"job", "bus", "store", "controller", "swarm"}
-    assert "async_vs_sync_samples_per_s_64" in stdout and "command: python benchmarks/scale.py --quick" in stdout
+    assert "async_vs_sync_samples_per_s_64" in stdout and "command: python benchmarks/speed/scale.py --quick" in stdout

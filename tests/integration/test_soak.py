@@ -1,4 +1,4 @@
-"""A 3-minute soak: benchmarks/soak.py --quick, a real tiny run under a seeded nemesis (kill -9 any role, SIGSTOP
+"""A 3-minute soak: benchmarks/faults/soak.py --quick, a real tiny run under a seeded nemesis (kill -9 any role, SIGSTOP
 and SIGCONT, a torn record in the store's log before a broker restart, a rollout or reward host's link cut in a
 network namespace, the run directory's disk filled) every 8-15 s, then the audit (issue 40).
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)  # ~4-5 min; more on a loaded 2-core machine
 def test_a_three_minute_soak_loses_nothing_and_recovers_from_every_fault(tmp_path):
     out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--seed", "1",
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "faults" / "soak.py"), "--quick", "--seed", "1",
                              "--json", str(out), "--plot", str(plot)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:

@@ -1,4 +1,4 @@
-"""Keeps benchmarks/weights.py from rotting: its --quick mode (tiny random Llama, 3 steps at each lr, the same code
+"""Keeps benchmarks/speed/weights.py from rotting: its --quick mode (tiny random Llama, 3 steps at each lr, the same code
 path: quickstart rollouts, the real Trainer, zmq and disk fleets of 1 and 4 catch-ups, the engine's pause) runs and
 writes the documented JSON shape and a plot. No speed or size is asserted (benchmarks/RESULTS.md has the figures).
 
@@ -12,7 +12,7 @@ from .bench_smoke import run_quick
 @pytest.mark.slow
 def test_weights_benchmark_quick_mode(tmp_path):
     plot = tmp_path / "bytes.png"
-    report, stdout = run_quick("weights.py", tmp_path, "--plot", str(plot), timeout=300)
+    report, stdout = run_quick("speed/weights.py", tmp_path, "--plot", str(plot), timeout=300)
     assert set(report["ratios"]) >= {"full_vs_delta_bytes_bf16", "full_vs_delta_bytes_bf16_lr1e-5",
                                      "full_vs_delta_bytes_fp32", "full_vs_delta_pause_zmq"}
     assert set(report["targets"]) == {"full_vs_delta_bytes_bf16", "full_vs_delta_pause_zmq"}
@@ -28,4 +28,4 @@ def test_weights_benchmark_quick_mode(tmp_path):
     assert all(0 <= u[d]["delta_bytes"] < u[d]["full_bytes"] for u in updates for d in ("bfloat16", "float32"))
     assert len(report["machine"]["loadavg_at_start"]) == len(report["machine"]["loadavg_at_end"]) == 3
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
-    assert "full_vs_delta_pause_zmq" in stdout and "command: python benchmarks/weights.py --quick" in stdout
+    assert "full_vs_delta_pause_zmq" in stdout and "command: python benchmarks/speed/weights.py --quick" in stdout

@@ -1,4 +1,4 @@
-"""benchmarks/quality.py's defaults: a run of another length never overwrites the study's figure."""
+"""benchmarks/quality/quality.py's defaults: a run of another length never overwrites the study's figure."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,7 @@ from argparse import Namespace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "quality")]  # common.py; the quality study
 import quality  # noqa: E402
 
 

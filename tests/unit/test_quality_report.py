@@ -1,4 +1,4 @@
-"""benchmarks/quality_report.py's statistics on made-up runs, against numbers worked out by hand."""
+"""benchmarks/quality/quality_report.py's statistics on made-up runs, against numbers worked out by hand."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "benchmarks" / d) for d in ("", "quality")]
 import quality_report as q  # noqa: E402
 
 T975_2 = 4.302653  # t(0.975, 2 degrees of freedom)
@@ -58,8 +58,8 @@ def test_paired_differences_per_seed_and_at_equal_wall_time(tmp_path):
     assert by["sync"]["staleness_hist"] == [9, 6, 3] and by["sync"]["dropped_stale"] == 3
     assert (tmp_path / "q.png").stat().st_size > 10_000
     assert by["async_eta2"]["speedup_vs_sync"]["diffs"] == pytest.approx([2.0, 2.0, 2.0])
-    table = q.table(rep, "python benchmarks/quality.py")
-    assert "+2.0 [" in table and " 2.00x " in table and " 1.7 " in table and table.splitlines()[-1] == "command: python benchmarks/quality.py"
+    table = q.table(rep, "python benchmarks/quality/quality.py")
+    assert "+2.0 [" in table and " 2.00x " in table and " 1.7 " in table and table.splitlines()[-1] == "command: python benchmarks/quality/quality.py"
 
 
 def test_a_mode_without_sync_seeds_is_not_paired(tmp_path):

@@ -1,4 +1,4 @@
-"""The soak's nemesis signals a role's process that may be gone by then (benchmarks/soak.py): the first 60-minute
+"""The soak's nemesis signals a role's process that may be gone by then (benchmarks/faults/soak.py): the first 60-minute
 soak ended at minute 46 on a ProcessLookupError when a role's process exited between the lookup and the kill."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "faults")]  # common.py; the soak modules
 
 import soak  # noqa: E402
 

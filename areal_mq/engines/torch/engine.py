@@ -40,7 +40,7 @@ reads the sampled tokens and logprobs back once per step, after it. With `cuda_g
 fixed-shape buckets (batch, blocks per row), replayed as CUDA graphs on CUDA (graphs.py).
 
 How to run: `build_engine(EngineConfig(), ModelConfig())` from areal_mq.engines; tests in
-tests/unit/engines/test_torch_engine*.py; throughput in benchmarks/engine.py.
+tests/unit/engines/test_torch_engine*.py; throughput in benchmarks/speed/engine.py.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ directly: it returns the log-sum-exp that merges several runs exactly, and skips
 On CUDA the decode gathers (graphs.py captures that step; a per-run launch would cost more than the copy there).
 
 How to run: used by forward.py `LlamaRunner.decode`; tests in tests/unit/engines/test_torch_inplace.py; speed in
-`python benchmarks/engine.py --decode`.
+`python benchmarks/speed/engine.py --decode`.
 """
 from __future__ import annotations
 

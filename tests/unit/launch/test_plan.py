@@ -1,4 +1,4 @@
-"""`areal-mq plan`: the memory estimate holds within 25 % of what benchmarks/trainer_fsdp.py measured (one process
+"""`areal-mq plan`: the memory estimate holds within 25 % of what benchmarks/speed/trainer_fsdp.py measured (one process
 and per FSDP rank, Qwen2.5-0.5B shape, benchmarks/results/trainer_fsdp.json); a 7B config is refused on one
 80 GB GPU with ddp, naming the knob, and accepted with fsdp over 8. Model configs are the public ones
 (areal_mq/engines/shapes.py), saved locally: nothing is downloaded or loaded."""

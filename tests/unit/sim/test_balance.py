@@ -1,5 +1,5 @@
 """The generation:training split recommendation (areal_mq/balance.py): a pure function of live figures, and the
-controller's advisor that feeds it. The sweep against the best split lives in `benchmarks/scale.py --balance`.
+controller's advisor that feeds it. The sweep against the best split lives in `benchmarks/speed/scale.py --balance`.
 
 Run: pytest tests/unit/sim/test_balance.py -q
 """
