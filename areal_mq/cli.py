@@ -152,19 +152,34 @@ def serve_openai(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = 
 
 
 @checkpoint_app.command("export")
-def checkpoint_export(checkpoint: str = typer.Argument(..., help="A checkpoint directory (stepNNNNNNNN)."),
-                      out: str = typer.Argument(..., help="Where to write the Hugging Face directory.")) -> None:
-    """Write a plain Hugging Face directory (config, fp32 safetensors, tokenizer) from a checkpoint; a sharded
-    (trainer.strategy fsdp) checkpoint is read in this one process, whatever world size wrote it."""
-    from pathlib import Path
+def checkpoint_export(checkpoint: str = typer.Argument(..., help="A checkpoint directory (run_dir/checkpoints/"
+                                                       "stepNNNNNNNN, ddp or fsdp, any world size; a checkpoints "
+                                                       "folder means its newest) or a Hugging Face model directory."),
+                      out: str = typer.Argument(..., help="The directory to write; it must not exist or be empty "
+                                                "unless --force."),
+                      dtype: str = typer.Option("bfloat16", help="Weight dtype of the export: bfloat16 (the default, "
+                                                "what inference engines load) or float32 (the trainer's fp32 "
+                                                "master weights, exactly)."),
+                      max_shard_size: str = typer.Option("5GB", help="Largest safetensors file, e.g. 5GB (10^9 "
+                                                         "bytes), 500MB, 2GiB; a tensor larger gets a file of its "
+                                                         "own."),
+                      force: bool = typer.Option(False, help="Replace a non-empty OUT (only once the new export "
+                                                 "is complete)."),
+                      progress: bool = typer.Option(True, help="A progress bar over the tensors (on stderr).")) -> None:
+    """Write the model directory users deploy: sharded safetensors (model-0000i-of-0000n + model.safetensors.index.json)
+    in --dtype, config.json, tokenizer and generation_config, streamed tensor by tensor from the checkpoint (memory:
+    one tensor, never the whole model; docs/bigger-models.md#export)."""
+    from areal_mq.algorithms.export import export_model
+    from areal_mq.errors import ArealError
 
-    from areal_mq.algorithms.checkpoint import STATE_JSON, export_checkpoint
-
-    if not (Path(checkpoint) / STATE_JSON).is_file():
-        typer.echo(f"error: {checkpoint} is not a trainer checkpoint (no {STATE_JSON}); pass a "
-                   "run_dir/checkpoints/stepNNNNNNNN directory", err=True)
+    try:
+        done = export_model(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
+                            progress=progress)
+    except (ArealError, OSError) as exc:  # a missing checkpoint, an unknown dtype, a full disk
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    typer.echo(f"exported to {export_checkpoint(Path(checkpoint), Path(out))}")
+    typer.echo(f"exported {done.tensors} tensors ({done.total_size / 1e9:.2f} GB, {done.dtype}) in "
+               f"{len(done.files)} file(s) to {done.out}")
 
 
 @keys_app.command("generate")

@@ -72,6 +72,10 @@ class RewardError(ArealError):
     """A reward function failed, timed out or was misconfigured."""
 
 
+class ExportError(ArealError):
+    """A checkpoint cannot be exported as asked (missing, unreadable, unknown dtype, an output that exists)."""
+
+
 class SecurityError(ArealError):
     """Keys are missing or unusable, or a setting would expose a socket without authentication."""
 
