@@ -112,7 +112,7 @@ class WeightCatchup:
     def prepare(self, ready: WeightsReady) -> Update:
         """The update taking the engine to `ready.version`. Raises WeightsRefused (outside this run),
         WeightsFetchError (server silent or refusing, files gone, every plan failed)."""
-        from areal_mq.weights import check_ready, resolve
+        from areal_mq.weights.client import check_ready, resolve
 
         t0 = time.perf_counter()
         why = check_ready(ready, self.run_dir, self.cfg)
@@ -235,7 +235,7 @@ class WeightCatchup:
         return left
 
     def _full(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> dict[str, Any]:
-        from areal_mq.weights import fetch_weights
+        from areal_mq.weights.client import fetch_weights
         from areal_mq.weights.disk import read_disk
 
         if ready.mode == "disk":
@@ -252,7 +252,7 @@ class WeightCatchup:
         return fetch_weights(at, self._left(deadline, f"full v{piece.version}"), keys=self.keys)
 
     def _delta(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> list[Any]:
-        from areal_mq.weights import fetch_delta
+        from areal_mq.weights.client import fetch_delta
         from areal_mq.weights.disk import DELTA_FILE, DiskDelta
 
         if ready.mode == "disk":
