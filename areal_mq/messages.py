@@ -438,6 +438,28 @@ MAX_WEIGHT_SHARDS = 4096  # WeightsReady.shards: trainer ranks publishing their 
 MAX_SHARD_SLICES = 1 << 16  # WeightsShard slices: tensors one rank serves (a 70B model has ~730 tensors)
 
 
+class WeightsAdapter(BaseModel):
+    """What a LoRA publication carries beside its tensors (trainer.lora, areal_mq/algorithms/lora.py), as
+    WeightsReady.adapter. The version's tensors are then the adapter only, named `<module>.lora_A.weight` [rank, in]
+    and `<module>.lora_B.weight` [out, rank] by the base model's module paths; they travel like any version (disk,
+    zmq, deltas, checksums). A receiver computes W = W_base + scaling * B @ A for every named module from the base
+    it was started with (never from the previous version), or hands the adapter to an engine that serves adapters
+    (vLLM's LoRA API) under the name `areal-v<version>`. `base_checksum` names the base the adapter was trained on;
+    a worker whose base differs refuses the version.
+    Example: WeightsAdapter(rank=16, alpha=32.0, target_modules=["q_proj", "v_proj"], base_checksum="3f9a...c2")
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(ge=1, le=1024)
+    alpha: float = Field(gt=0, le=1e6)
+    target_modules: list[str] | Literal["all-linear"] = Field("all-linear", max_length=32)
+    base_checksum: str = Field("", pattern=r"^([0-9a-f]{16,64})?$")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class WeightsShard(BaseModel):
     """One trainer rank's part of a sharded publish (trainer.publish_layout sharded), as listed in WeightsReady.shards.
 
@@ -495,6 +517,7 @@ class WeightsReady(Message):
     Sharded (trainer.publish_layout sharded, areal_mq/weights/sharded.py): `shards` lists every trainer rank's
     weight server and the slices it holds (WeightsShard); a worker fetches from all of them at once and assembles
     the tensors. `endpoint` is then rank 0's server; `links`/`base` are empty/-1 (each shard has its own).
+    Adapter (trainer.lora): `adapter` set says the tensors are a LoRA adapter to apply to the base (WeightsAdapter).
     Example: WeightsReady(version=4, mode="disk", path="/runs/r1/weights/v4")
     Example: WeightsReady(version=5, mode="zmq", endpoint="tcp://10.0.0.2:5601", num_chunks=3, base=4,
                           delta_chunks=1, links=[WeightsLink(version=4, chunks=3, bytes=270_000_000),
@@ -514,10 +537,13 @@ class WeightsReady(Message):
     delta_chunks: int = Field(0, ge=0)  # zmq: chunks of that delta
     links: list[WeightsLink] = Field(default_factory=list, max_length=MAX_WEIGHT_LINKS)
     shards: list[WeightsShard] = Field(default_factory=list, max_length=MAX_WEIGHT_SHARDS)
+    adapter: WeightsAdapter | None = None  # a LoRA publication: the tensors are the adapter only (WeightsAdapter)
     meta: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_delta(self) -> "WeightsReady":
+        if self.adapter is not None and self.mode not in ("disk", "zmq"):
+            raise ValueError(f"an adapter WeightsReady travels by disk or zmq, got mode {self.mode!r}")
         if self.shards and self.mode != "zmq":
             raise ValueError(f"a sharded WeightsReady (shards) is served over zmq, got mode {self.mode!r}")
         if len({s.rank for s in self.shards}) != len(self.shards):

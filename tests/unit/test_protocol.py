@@ -189,3 +189,22 @@ def test_peek_reply_to_reads_what_it_can():
     assert protocol.peek_reply_to([msgpack.packb({"reply_to": 5})]) == ""
     assert protocol.peek_reply_to([]) == ""
     assert protocol.peek_reply_to([b"\x00" * (protocol.MAX_HEADER_BYTES + 1)]) == ""
+
+
+def test_adapter_weights_ready_round_trips_and_hostile_forms_are_refused():
+    """docs/protocol.md `weights_adapter`: rank and alpha bounded, a hex base checksum, disk or zmq only."""
+    from areal_mq.messages import WeightsAdapter
+
+    msg = WeightsReady(version=7, mode="zmq", endpoint="tcp://127.0.0.1:5601", num_chunks=1,
+                       adapter=WeightsAdapter(rank=16, alpha=32.0, target_modules=["q_proj"], base_checksum="ab" * 8))
+    got = protocol.decode(_wire(protocol.encode(msg))).msg
+    assert got == msg and got.adapter.scaling == 2.0
+    good = _wire_header(msg)["body"]["adapter"]
+    for bad in ({"rank": 0}, {"rank": 4096}, {"alpha": -1.0}, {"base_checksum": "../../etc"},
+                {"target_modules": ["x"] * 33}, {"code": "import os"}):
+        frames = [msgpack.packb(_wire_header(msg, body={"adapter": {**good, **bad}}), use_bin_type=True)]
+        with pytest.raises(ProtocolError, match="adapter"):
+            protocol.decode(frames)
+    frames = [msgpack.packb(_wire_header(msg, body={"mode": "cuda_ipc"}), use_bin_type=True)]
+    with pytest.raises(ProtocolError, match="adapter"):
+        protocol.decode(frames)
