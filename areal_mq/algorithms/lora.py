@@ -10,11 +10,8 @@ What:
 - `adapter_tensors(model)`: what a trainer publishes and checkpoints, named by the base model's module paths
   (`model.layers.0.self_attn.q_proj.lora_A.weight`, `...lora_B.weight`), so an engine maps them to its own weights
   by name without knowing PEFT.
-- `merge(base, adapter, scaling)`: W + scaling * B @ A for every adapted linear, computed in fp32 and rounded once to
-  the base's dtype: what an engine that holds full weights loads, and what a merged export writes. Always from the
-  base (never from the previous merge), so rounding does not accumulate over versions.
-- `check_adapter(adapter, base_shapes, ...)`: what a receiver checks before merging anything from the wire: names map
-  to base linears, both halves present, shapes agree, the rank is bounded, nothing else is in it.
+- `merge` and `check_adapter` (areal_mq/weights/adapter.py, re-exported): the adapter form every receiver checks
+  and merges (W + scaling * B @ A from the kept base, rounded once).
 
 Why PEFT: the field's library for it (TRL, verl and AReaL use it): target-module matching, dropout and
 `disable_adapter` are its, tested by many; this module only pins the dtypes and names the public forms.
@@ -30,20 +27,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from areal_mq.errors import WeightsLoadError
+from areal_mq.weights.adapter import MAX_RANK, AdapterError, check_adapter, merge, pairs  # noqa: F401
 
 if TYPE_CHECKING:
     import torch
 
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the base model's own module paths
-HALVES = ("lora_A", "lora_B")
-MAX_RANK = 1024
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-_ADAPTER_KEY = re.compile(r"^((?:[A-Za-z_][A-Za-z0-9_]{0,63}\.|[0-9]{1,6}\.){1,16})(lora_A|lora_B)\.weight$")
-
-
-class AdapterError(WeightsLoadError):
-    """An adapter that cannot be applied to this base (names, halves, shapes, rank)."""
 
 
 class LoraConfig(BaseModel):
@@ -121,55 +111,3 @@ def load_adapter(model: Any, tensors: Mapping[str, "torch.Tensor"]) -> None:
     missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if missing:
         raise AdapterError(f"adapter tensors the model has no place for: {missing[:4]}")
-
-
-def pairs(adapter: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{module path: (A, B)} from adapter tensors named `<module>.lora_A.weight` / `<module>.lora_B.weight`."""
-    halves: dict[str, dict[str, Any]] = {}
-    for key, t in adapter.items():
-        m = _ADAPTER_KEY.match(key) if isinstance(key, str) else None
-        if m is None:
-            raise AdapterError(f"adapter tensor {str(key)[:120]!r} is not named <module>.lora_A.weight or "
-                               "<module>.lora_B.weight")
-        halves.setdefault(m.group(1)[:-1], {})[m.group(2)] = t
-    out = {}
-    for module, h in halves.items():
-        if set(h) != set(HALVES):
-            raise AdapterError(f"adapter module {module!r} has {sorted(h)}, needs both lora_A and lora_B")
-        out[module] = (h["lora_A"], h["lora_B"])
-    return out
-
-
-def check_adapter(adapter: Mapping[str, Any], base_shapes: Mapping[str, tuple[int, ...]],
-                  max_rank: int = MAX_RANK) -> dict[str, tuple[Any, Any]]:
-    """The adapter's (A, B) per module after checking it against the base's weight shapes ({name: shape}).
-    Raises AdapterError naming the first problem; a receiver calls this before merging anything it was sent."""
-    out = pairs(adapter)
-    for module, (a, b) in out.items():
-        shape = base_shapes.get(module + ".weight")
-        if shape is None or len(shape) != 2:
-            raise AdapterError(f"adapter module {module!r} is not a linear of this model")
-        if a.dim() != 2 or b.dim() != 2:
-            raise AdapterError(f"adapter module {module!r}: A and B must be matrices")
-        rank = a.shape[0]
-        if not 1 <= rank <= max_rank or b.shape[1] != rank:
-            raise AdapterError(f"adapter module {module!r}: rank {rank} (A {list(a.shape)}, B {list(b.shape)}) "
-                               f"is not consistent or exceeds {max_rank}")
-        if (b.shape[0], a.shape[1]) != tuple(shape):
-            raise AdapterError(f"adapter module {module!r}: B @ A is {[b.shape[0], a.shape[1]]}, the weight is "
-                               f"{list(shape)}")
-    return out
-
-
-def merge(base: Mapping[str, "torch.Tensor"], adapter: Mapping[str, "torch.Tensor"],
-          scaling: float) -> dict[str, "torch.Tensor"]:
-    """{"<module>.weight": W + scaling * B @ A} for every adapted module, in fp32 on W's device, rounded once to
-    W's dtype. `base` holds the base weights by name (the kept, never-merged copy)."""
-    import torch
-
-    out = {}
-    for module, (a, b) in check_adapter(adapter, {k: tuple(v.shape) for k, v in base.items()}).items():
-        w = base[module + ".weight"]
-        delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)
-        out[module + ".weight"] = (w.to(torch.float32) + scaling * delta).to(w.dtype)
-    return out

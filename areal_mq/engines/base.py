@@ -82,6 +82,9 @@ class Engine(abc.ABC):
     # True where update_weights also takes patches= (name -> (flat positions, values)): only the elements a weight
     # delta changed, written in place (the torch engine); other engines get the full state dict.
     accepts_patches: bool = False
+    # True where update_weights also takes adapter= (a LoRA version staged by stage_adapter(tensors, scaling), merged
+    # from the kept base: the torch engine); WeightsReady.adapter versions go to such engines (docs/protocol.md).
+    accepts_adapters: bool = False
 
     @abc.abstractmethod
     def update_weights(

@@ -63,6 +63,7 @@ from areal_mq.engines.torch.kvcache import blocks_for, bytes_per_token, pool_blo
 from areal_mq.engines.torch.seq import SeqState, build_output
 from areal_mq.engines.torch.session import SessionKV
 from areal_mq.engines.torch.update_gap import kv_logprob_gap
+from areal_mq.engines.torch.adapter import AdapterState
 from areal_mq.engines.torch.weights import load_weights_in_place, patch_weights_in_place, stage_patches
 from areal_mq.errors import EngineRequestError
 
@@ -73,6 +74,7 @@ class TorchEngine(Engine):
     """Continuous-batching engine over a LlamaRunner (see module docstring)."""
 
     accepts_patches = True  # update_weights(version, patches=...): only the changed elements (weight deltas)
+    accepts_adapters = True  # update_weights(version, adapter=stage_adapter(...)): LoRA versions (adapter.py)
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, dtype: str = "float32",
                  seed: int | None = None, tokenizer: Any = None, device: Any = "cpu"):
@@ -90,6 +92,7 @@ class TorchEngine(Engine):
         limit = getattr(self.model.config, "max_position_embeddings", 2048)
         self.max_len = min(self.cfg.max_model_len or min(limit, 2048), limit)
         self.runner = LlamaRunner(self.model, self.max_len)
+        self.adapters: AdapterState | None = None  # LoRA versions: the kept base (made by the first stage_adapter)
         self.cache = self.runner.new_cache(self._pool_blocks(), self.cfg.kv_block_size)
         self.decoder = None  # exact-shape eager decode (runner.decode) unless cuda_graphs
         graphs = self.cfg.cuda_graphs
@@ -398,15 +401,28 @@ class TorchEngine(Engine):
         their shapes, dtypes and devices); update_weights(patches=staged) is then only the scatter."""
         return stage_patches(self.model, patches)
 
+    def stage_adapter(self, tensors: Mapping[str, Any], scaling: float) -> Any:
+        """Check and merge a LoRA adapter version from the kept base (adapter.py; safe off the decode thread);
+        update_weights(adapter=staged) is then only the copies."""
+        if self.adapters is None:
+            self.adapters = AdapterState(self.model)
+        return self.adapters.stage(tensors, scaling)
+
     def update_weights(self, version: int, tensors: Mapping[str, Any] | None = None,
-                       path: str | None = None, patches: Mapping[str, Any] | None = None) -> dict[str, float]:
+                       path: str | None = None, patches: Mapping[str, Any] | None = None,
+                       adapter: Any = None) -> dict[str, float]:
         """A full state dict (tensors= or path=) or, from a worker that knows what changed since the weights the
-        engine holds, only the changed elements (patches=: name -> (flat positions, values))."""
+        engine holds, only the changed elements (patches=: name -> (flat positions, values)), or a LoRA adapter
+        version staged by stage_adapter (adapter=: merged into the weights from the kept base)."""
         t0 = time.perf_counter()
-        if patches is not None:
+        if adapter is not None:
+            n = self.adapters.apply(adapter)
+        elif patches is not None:
             n = patch_weights_in_place(self.model, patches)
         else:
             n = load_weights_in_place(self.model, tensors=tensors, path=path)
+            if self.adapters is not None:
+                self.adapters.reset()  # the full version is the base any later adapter applies to
         t1 = time.perf_counter()
         self.version = int(version)
         gap = kv_logprob_gap(self.runner, self.cache, self.rows, self.cfg.kv_gap_rows) if self.cfg.kv_gap_rows else {}
