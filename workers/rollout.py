@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_mq.errors import ArealError, EngineRequestError, WeightsRefused
+from areal_mq.errors import ArealError, EngineRequestError, WeightsLoadError, WeightsRefused
 from areal_mq.messages import GenerateRequest, GenerateResult, WeightsReady
 from areal_mq.actor.roles import Role, RoleLoop
 from areal_mq.weights.catchup import WeightCatchup
@@ -113,8 +113,11 @@ class RolloutWorker(Role):
         self.apply(ready, update, t0, attempt)
 
     def _stager(self) -> Any:
-        """The engine's stage_patches (checks and conversions of a patch update, done off the pause), if it has one."""
-        return getattr(self.engine, "stage_patches", None) if getattr(self.engine, "accepts_patches", False) else None
+        """The engine's stage_patches (checks and conversions of a patch update, done off the pause) and stage_adapter
+        (a LoRA version merged from the kept base, off the pause), each None where the engine has none."""
+        patches = getattr(self.engine, "stage_patches", None) if getattr(self.engine, "accepts_patches", False) else None
+        adapters = getattr(self.engine, "stage_adapter", None) if getattr(self.engine, "accepts_adapters", False) else None
+        return patches, adapters
 
     def _audit_weights(self, version: int) -> None:
         """rollout.audit_weights: the checksum (weights/delta.py's, of the bytes in the published dtype) of every
@@ -362,11 +365,18 @@ class RolloutWorker(Role):
         self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held) + len(self.deferred))
 
 
-def stage(update: Any, stager: Any) -> Any:
+def stage(update: Any, stagers: tuple[Any, Any]) -> Any:
     """`update` with its patches staged for the engine (checked and converted on this thread, so the engine's pause is
-    only the scatter); unchanged when there are no patches or the engine stages nothing."""
-    if stager is not None and update.patches is not None:
-        update.patches = stager(update.patches)
+    only the scatter), or its LoRA adapter merged from the engine's base (WeightsLoadError where the engine takes no
+    adapters); unchanged when there are no patches or the engine stages nothing."""
+    patches, adapters = stagers
+    if update.adapter is not None:
+        if adapters is None:
+            raise WeightsLoadError(f"v{update.version} is a LoRA adapter (trainer.lora) and this rollout engine takes "
+                                   "no adapters: use engine.kind torch")
+        update.kwargs = {"adapter": adapters(update.kwargs["tensors"], update.adapter.scaling)}
+    elif patches is not None and update.patches is not None:
+        update.patches = patches(update.patches)
     return update
 
 
@@ -374,7 +384,7 @@ class _Fetch:
     """One WeightCatchup.prepare on a daemon thread (zstd, blake2b and socket waits release the GIL, so decoding
     goes on). The thread only fetches and decodes; the worker's thread applies and commits."""
 
-    def __init__(self, catchup: WeightCatchup, ready: WeightsReady, attempt: int, stager: Any = None):
+    def __init__(self, catchup: WeightCatchup, ready: WeightsReady, attempt: int, stager: Any = (None, None)):
         self.ready, self.attempt, self.t0, self.stager = ready, attempt, time.perf_counter(), stager
         self.update: Any = None
         self.error: BaseException | None = None

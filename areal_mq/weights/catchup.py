@@ -50,6 +50,8 @@ class Update:
     # (Engine.accepts_patches): the engine's pause is then a scatter of what changed, not a copy of everything
     patches: dict[str, Any] | None = None
     patch_base: int = -1
+    # a LoRA version (WeightsReady.adapter): kwargs["tensors"] is the adapter, merged by the engine from its base
+    adapter: Any = None
 
 
 def plans(ready: WeightsReady, held: int) -> list[tuple[str, list[WeightsLink]]]:
@@ -113,6 +115,7 @@ class WeightCatchup:
         """The update taking the engine to `ready.version`. Raises WeightsRefused (outside this run),
         WeightsFetchError (server silent or refusing, files gone, every plan failed)."""
         from areal_mq.weights.client import check_ready, resolve
+        from areal_mq.weights.disk import read_disk
 
         t0 = time.perf_counter()
         why = check_ready(ready, self.run_dir, self.cfg)
@@ -125,11 +128,15 @@ class WeightCatchup:
             return update
         if ready.mode not in ("disk", "zmq") or (ready.base < 0 and not ready.links):
             kwargs = resolve(ready, self.run_dir, self.cfg, self.budget_s, self.keys)
+            if ready.adapter is not None and "path" in kwargs:  # an adapter is small: read it here, the engine merges
+                kwargs = {"tensors": read_disk(kwargs["path"])}
             return Update(ready.version, kwargs, route="path" if "path" in kwargs else "full" if kwargs else "none",
-                          fetch_s=time.perf_counter() - t0)
+                          fetch_s=time.perf_counter() - t0, adapter=ready.adapter)
         held, held_version = self.held, self.held_version  # one consistent view while another thread commits
         update = self._follow_plans(ready, time.monotonic() + self.budget_s, held, held_version)
-        if held is not None:  # what changed since the weights the engine holds, found here, off the decode loop
+        if ready.adapter is not None:  # the engine merges the whole (small) adapter from its base: no patches
+            update.adapter = ready.adapter
+        elif held is not None:  # what changed since the weights the engine holds, found here, off the decode loop
             update.patches, update.patch_base = _patches(held, update.hold), held_version
         update.fetch_s = time.perf_counter() - t0
         return update

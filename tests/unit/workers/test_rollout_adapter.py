@@ -1,0 +1,67 @@
+"""A LoRA version (WeightsReady.adapter) through the rollout worker's real load path: published on disk, read by
+the catch-up, merged by the torch engine from its base; an engine that takes no adapters refuses it by name."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from areal_mq.config import load_config  # noqa: E402
+from areal_mq.messages import WeightsAdapter  # noqa: E402
+from areal_mq.testing import FakeRuntime  # noqa: E402
+from areal_mq.weights.adapter import merge  # noqa: E402
+from areal_mq.weights.disk import publish_disk  # noqa: E402
+from areal_mq.workers.rollout import RolloutWorker  # noqa: E402
+
+from .test_rollout_worker_logic import FakeEngine  # noqa: E402
+
+
+def _adapter(model, rank=2):
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("q_proj.weight", "down_proj.weight")):
+            module = name.removesuffix(".weight")
+            out[module + ".lora_A.weight"] = torch.randn(rank, p.shape[1], generator=g) * 0.2
+            out[module + ".lora_B.weight"] = torch.randn(p.shape[0], rank, generator=g) * 0.2
+    return out
+
+
+def _worker(tmp_path, engine):
+    cfg = load_config(None, [f"run.run_dir={tmp_path}"])
+    rt = FakeRuntime("generate", "rollout-test", role="rollout")
+    return RolloutWorker(cfg, engine, rt), rt
+
+
+def test_an_adapter_version_on_disk_is_merged_by_the_torch_engine(tmp_path):
+    from areal_mq.engines.config import EngineConfig
+    from areal_mq.engines.models import resolve_model
+    from areal_mq.engines.torch.engine import TorchEngine
+
+    engine = TorchEngine(resolve_model("tiny-random-llama"), EngineConfig(seed=0, threads=1))
+    base = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
+    adapter = _adapter(engine.model)
+    ready = publish_disk(tmp_path / "weights", 1, adapter).model_copy(
+        update={"adapter": WeightsAdapter(rank=2, alpha=4.0, target_modules=["q_proj", "down_proj"])})
+    worker, rt = _worker(tmp_path, engine)
+    worker.load(ready)
+    assert engine.version == 1
+    want = merge(base, adapter, 2.0)
+    params = dict(engine.model.named_parameters())
+    assert len(want) == 4 and all(torch.equal(params[k], v) for k, v in want.items())
+    untouched = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(params[untouched], base[untouched])
+    (updated,) = [f for _, e, f in rt.log.records if e == "rollout.weights_updated"]
+    assert updated["version"] == 1 and updated["tensors"] == 4.0
+
+
+def test_an_engine_without_adapters_refuses_an_adapter_version_by_name(tmp_path):
+    engine = FakeEngine()
+    adapter = {"m.lora_A.weight": torch.zeros(2, 3), "m.lora_B.weight": torch.zeros(3, 2)}
+    ready = publish_disk(tmp_path / "weights", 1, adapter).model_copy(
+        update={"adapter": WeightsAdapter(rank=2, alpha=4.0)})
+    worker, rt = _worker(tmp_path, engine)
+    worker.load(ready)
+    assert engine.version == 0 and engine.loads == []
+    errors = [f["error"] for _, e, f in rt.log.records if e in ("rollout.weights_retry", "rollout.weights_failed")]
+    assert errors and "takes no adapters" in errors[0]
