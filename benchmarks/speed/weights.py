@@ -28,6 +28,7 @@ A plot of bytes per update over the steps goes to --plot (default docs/weights-d
     python benchmarks/speed/weights.py [--quick] [--json PATH] [--plot PATH] [--threads N] [--from-json PATH]
     python benchmarks/speed/weights.py --sharded [--quick] [--json PATH]   (sharded vs gather: benchmarks/speed/weights_sharded.py)
     python benchmarks/speed/weights.py --codec [--quick] [--device D]      (the delta encoder per GB: weights_codec.py)
+    python benchmarks/speed/weights.py --lora [--quick] [--json PATH]      (an adapter version vs a full one: weights_lora.py)
 
 `--quick`: the tiny random Llama, 3 steps, 2 prompts, 16 tokens (same code path), under 2 minutes on 2 cores.
 benchmarks/RESULTS.md records runs.
@@ -427,6 +428,8 @@ def main() -> None:
                         "(table, ratios, plot; nothing is measured).")
     parser.add_argument("--sharded", action="store_true", help="Sharded publishing against the rank-0 gather "
                         "(benchmarks/speed/weights_sharded.py: 2 FSDP ranks, a Qwen2.5-0.5B shape).")
+    parser.add_argument("--lora", action="store_true", help="A LoRA adapter version against a full version: bytes "
+                        "and the engine's pause (benchmarks/speed/weights_lora.py).")
     parser.add_argument("--codec", action="store_true", help="The delta encoder per GB, host numpy against torch "
                         "on --device (benchmarks/speed/weights_codec.py).")
     common.add_device_arg(parser)
@@ -440,6 +443,11 @@ def main() -> None:
         import weights_codec
 
         weights_codec.main(args)
+        return
+    if args.lora:
+        import weights_lora
+
+        weights_lora.main(args)
         return
     if args.sharded:
         import weights_sharded

@@ -29,3 +29,14 @@ def test_weights_benchmark_quick_mode(tmp_path):
     assert len(report["machine"]["loadavg_at_start"]) == len(report["machine"]["loadavg_at_end"]) == 3
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert "full_vs_delta_pause_zmq" in stdout and "command: python benchmarks/speed/weights.py --quick" in stdout
+
+
+@pytest.mark.slow
+def test_weights_lora_benchmark_quick_mode(tmp_path):
+    """--lora: an adapter version against a full one on the tiny model; both ratios and per-round pauses reported."""
+    report, stdout = run_quick("speed/weights.py", tmp_path, "--lora", timeout=300)
+    assert report["benchmark"] == "weights_lora" and set(report["ratios"]) == set(report["targets"])
+    (row,) = report["models"]
+    assert row["model"] == "tiny-random-llama" and 0 < row["lora_bytes"] < row["full_bytes"]
+    assert len(row["pause_s"]["full"]) == len(row["pause_s"]["lora"]) == 2
+    assert "command: python benchmarks/speed/weights.py --lora --quick" in stdout
