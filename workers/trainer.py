@@ -221,14 +221,16 @@ class TrainerWorker(Role):
         gather every rank takes part in) is made here; rank 0 then publishes it in the background
         (self.background) or, without one, before returning. Returns that full snapshot when this layout made one
         (every rank of a gathering fsdp trainer: {} off rank 0), else None."""
-        if not self.is_main and self.cfg.trainer.strategy != "fsdp":
+        if not self.is_main and not self.trainer.strategy.gathers_collectively:
             return None
         if self.cfg.trainer.publish_mode == "cuda_ipc":  # the live parameters, copied on their device (weights/ipc.py)
             ready = self.publisher.publish(self.trainer.version, self.trainer.unwrapped.state_dict(),
                                            self.trainer.hf_config_json)
             self.bus.publish("weights", ready)
             return None
-        if self.sharded:  # every rank: a device copy of its own shards, no collective (weights/sharded.py)
+        if self.sharded:  # a device copy of this rank's own shards, no collective (weights/sharded.py)
+            if self.publisher is None:  # HSDP: a rank outside the serving replica group serves nothing
+                return None
             snapshot = self.trainer.publish_slices()
             if self.background is not None:
                 self.background.submit(self.trainer.version, snapshot, self.trainer.hf_config_json)
@@ -257,7 +259,7 @@ class TrainerWorker(Role):
             return
         if version < cfg.controller.total_steps and not (cfg.eval.every and version % cfg.eval.every == 0):
             return
-        if not self.is_main and cfg.trainer.strategy != "fsdp":
+        if not self.is_main and not self.trainer.strategy.gathers_collectively:
             return
         from areal_mq.weights.disk import publish_disk
 
@@ -406,13 +408,16 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
                             "published from there; with publish_mode zmq every rank serves its own shard instead "
                             "(publish_layout auto or sharded, docs/bigger-models.md)")
         time.sleep(0.3)  # let the PUB socket connect before the first WeightsReady
-    if cfg.trainer.sharded_publish:  # every rank serves its own shards; the constructor is a collective
+    group = trainer.strategy.publish_group(trainer.rank) if cfg.trainer.sharded_publish else None
+    if group is not None:  # the serving ranks serve their own shards; the constructor is a collective
         from areal_mq.security import Keyring
         from areal_mq.weights.sharded import ShardPublisher
 
         publisher = ShardPublisher(cfg.trainer, rt.keys if rt is not None else Keyring.from_config(cfg, "trainer"),
-                                   rt.log if rt is not None else None, trainer.rank, trainer.world_size,
+                                   rt.log if rt is not None else None, group[0], group[1],
                                    exchange=_exchange_collector)
+    elif cfg.trainer.sharded_publish:  # HSDP, another replica group: join the endpoint exchange, serve nothing
+        _exchange_collector("")
     worker = TrainerWorker(cfg, trainer, store, bus, publisher, rt, sinks)
     try:
         worker.resume()

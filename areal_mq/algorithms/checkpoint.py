@@ -13,9 +13,11 @@ The whole history of trained ids is stored apart, appended once per checkpoint t
 (`{"version": V, "base": B, "ids": [...]}`: the ids trained from checkpoint B to V; a resumed trainer's lines
 supersede the rolled-back ones, `trained_ids(root, V)` reads the chain): a checkpoint's JSON stays the size of one
 checkpoint interval however long the run (it held every id of the run before, issue 52 item 6).
-Under trainer.strategy fsdp the model and AdamW state are instead `sharded/`, a torch.distributed.checkpoint
-directory every rank writes its own shards to (resharded on load: a checkpoint of 2 ranks resumes on 1 and
-vice versa); `export_checkpoint(dir, out)` turns it into the plain Hugging Face directory above.
+What holds the model and the optimizer is the strategy's (`trainer.strategy.save_main / save_shards / load`,
+areal_mq/algorithms/strategy.py): ddp writes the Hugging Face directory above; fsdp writes `sharded/`, a
+torch.distributed.checkpoint directory every rank writes its own shards to (resharded on load: a checkpoint of
+2 ranks, or of a 2 x 2 HSDP mesh, resumes on 1 and vice versa); `export_checkpoint(dir, out)` turns it into the
+plain Hugging Face directory above. A checkpoint resumes under a strategy of the same `checkpoint_format`.
 The directory is written under a temporary name and renamed into place, so a crash never leaves a
 half checkpoint under a real name; older checkpoints beyond `keep_checkpoints` are pruned.
 `load_checkpoint(trainer, dir)` restores all of it and returns `extra`; `latest_checkpoint(root)`
@@ -87,20 +89,16 @@ def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, k
     tmp = root / f".step{trainer.version:08d}.tmp"
     extra = extra or {}
     json.dumps(extra)  # fail before writing anything if `extra` cannot be stored
-    sharded = trainer.strategy.name == "fsdp"
     if trainer.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            _write_main_files(trainer, tmp, extra, sharded)
+            _write_main_files(trainer, tmp, extra)
         except BaseException:  # a full disk: the partial copy must not hold the space a retry needs
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     acc.wait_for_everyone()
-    if sharded:  # every rank writes its own shards of the model and AdamW state
-        from areal_mq.algorithms.fsdp import save_sharded
-
-        save_sharded(trainer, tmp / SHARDED)
+    trainer.strategy.save_shards(trainer, tmp / SHARDED)  # collective: what each rank writes (fsdp: its shards)
     torch.save(_rng_state(trainer.device), tmp / f"rng_rank{trainer.rank}.pt")
     acc.wait_for_everyone()
     if trainer.is_main:
@@ -134,23 +132,18 @@ def trained_ids(root: str | Path, version: int) -> list[str]:
     return [sid for rec in chain for sid in rec["ids"]]
 
 
-def _write_main_files(trainer: "Trainer", tmp: Path, extra: dict, sharded: bool) -> None:
-    """Rank 0's part of a checkpoint: the config (and full weights unsharded), tokenizer, scheduler/optimizer state
-    and the JSON state."""
+def _write_main_files(trainer: "Trainer", tmp: Path, extra: dict) -> None:
+    """Rank 0's part of a checkpoint: the strategy's (the config or the whole model, maybe the optimizer), the
+    tokenizer, the scheduler state and the JSON state."""
     import torch
 
-    if sharded:  # the config and tokenizer, for export_checkpoint
-        trainer.unwrapped.config.save_pretrained(str(tmp))
-    else:
-        trainer.unwrapped.save_pretrained(str(tmp), safe_serialization=True)
+    blobs = trainer.strategy.save_main(trainer, tmp)
     _copy_tokenizer(trainer.model_path, tmp)
-    blobs = {"scheduler": trainer.scheduler.state_dict()}
-    if not sharded:
-        blobs["optimizer"] = trainer.optimizer.state_dict()
-    torch.save(blobs, tmp / STATE_PT)
+    torch.save({**blobs, "scheduler": trainer.scheduler.state_dict()}, tmp / STATE_PT)
     state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
              "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids,
-             "consumed_total": trainer.consumed_total, "extra": extra, "strategy": trainer.strategy.name}
+             "consumed_total": trainer.consumed_total, "extra": extra, "strategy": trainer.strategy.name,
+             "format": trainer.strategy.checkpoint_format}
     if trainer.scaler is not None:  # fp16: the loss scale carries on where it was
         state["loss_scaler"] = trainer.scaler.state_dict()
     (tmp / STATE_JSON).write_text(json.dumps(state))
@@ -174,30 +167,11 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_model_weights(trainer: "Trainer", path: Path) -> None:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"checkpoint {path} has no *.safetensors weights")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    model = trainer.unwrapped
-    tied = _tied_names(model)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    bad_missing = [m for m in missing if m not in tied]
-    if bad_missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {bad_missing[:5]}, "
-                         f"unexpected {list(unexpected)[:5]}; was it saved from a different model?")
-
-
-def _tied_names(model) -> set[str]:
-    """State-dict names that alias an earlier tensor (tied weights: saved once)."""
-    seen, tied = set(), set()
-    for name, t in model.state_dict().items():
-        (tied.add(name) if t.data_ptr() in seen else seen.add(t.data_ptr()))
-    return tied
+def checkpoint_format(path: Path) -> str:
+    """How checkpoint `path` holds its model: "dcp" (per-rank shards under sharded/) or "hf" (a Hugging Face
+    directory); the JSON's "format", or for a checkpoint written before it, whether sharded/ exists."""
+    state = json.loads((path / STATE_JSON).read_text())
+    return state.get("format") or ("dcp" if (path / SHARDED).is_dir() else "hf")
 
 
 def load_checkpoint(trainer: "Trainer", path: Path) -> dict:
@@ -208,18 +182,12 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> dict:
         raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STATE_JSON})")
     state = json.loads((path / STATE_JSON).read_text())
     saved = state.get("strategy", "ddp")
-    if (saved == "fsdp") != (trainer.strategy.name == "fsdp"):
+    if checkpoint_format(path) != trainer.strategy.checkpoint_format:
         raise ValueError(f"checkpoint {path} was written by a {saved} trainer and this one is "
                          f"{trainer.strategy.name}: set trainer.strategy: {saved} to resume it, or export it "
                          "(`areal-mq checkpoint export`) and start a new run from the exported model")
     blobs = torch.load(path / STATE_PT, map_location="cpu", weights_only=True)
-    if saved == "fsdp":  # resharded on load: any world size resumes it
-        from areal_mq.algorithms.fsdp import load_sharded
-
-        load_sharded(trainer, path / SHARDED)
-    else:
-        _load_model_weights(trainer, path)
-        trainer.optimizer.load_state_dict(blobs["optimizer"])
+    trainer.strategy.load(trainer, path, blobs, path / SHARDED)
     trainer.scheduler.load_state_dict(blobs["scheduler"])
     rng_file = path / f"rng_rank{trainer.rank}.pt"
     if rng_file.is_file():  # absent if the world size grew: that rank keeps its seeded RNG
@@ -239,9 +207,8 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> dict:
 def export_checkpoint(path: Path, out: Path) -> Path:
     """A plain Hugging Face directory (config, fp32 safetensors, tokenizer) from checkpoint `path`: the sharded
     model of an fsdp checkpoint is read in this one process (no process group), a ddp checkpoint is copied."""
-    state = json.loads((path / STATE_JSON).read_text())
     out = Path(out)
-    if state.get("strategy", "ddp") != "fsdp":
+    if checkpoint_format(path) == "hf":
         out.mkdir(parents=True, exist_ok=True)
         for f in path.iterdir():
             if f.suffix in (".safetensors", ".json") and f.name not in (STATE_JSON,) or f.name in TOKENIZER_FILES:

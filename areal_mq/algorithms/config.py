@@ -32,6 +32,20 @@ class FsdpConfig(BaseModel):
         False, description="Keep the sharded fp32 parameters, gradients and AdamW state in host memory (FSDP2 "
         "CPUOffloadPolicy): the device then holds only the layers being computed; the optimizer step runs on the "
         "CPU. For a model whose 16 bytes per parameter / world size do not fit the device.")
+    load: Literal["slices", "broadcast", "full"] = Field(
+        "slices", description="How each rank gets its shards (areal_mq/algorithms/loading.py). slices: the model is "
+        "built on the meta device, sharded, and every rank reads only the rows it owns from the checkpoint's "
+        "safetensors, memory-mapped (host peak per rank ~ its fp32 shard, 4 bytes x parameters / shard ranks); "
+        "broadcast: the same, rank 0 reading each tensor whole and broadcasting it (+ the largest tensor per rank); "
+        "full: the old path, every rank loads the whole model in fp32 first (4 bytes x parameters per rank), kept "
+        "for comparison (benchmarks/speed/trainer.py --load).")
+    replicate: int = Field(
+        1, ge=1, description="HSDP: replica groups of the trainer's ranks. 1: one flat FSDP mesh over every rank. "
+        "R > 1: a 2-D mesh, R groups of launcher.trainer_ranks / R ranks; parameters sharded within a group and "
+        "replicated across groups (16 bytes x parameters / (ranks / R) per rank), gradients reduce-scattered "
+        "within a group and all-reduced across groups. Set ranks / R to the GPUs of one node so each layer's "
+        "all-gather stays on the node's links and only one gradient all-reduce crosses nodes "
+        "(docs/bigger-models.md). Sharded publishing is served by group 0 alone.")
     logprob_chunk_mb: float = Field(
         256.0, gt=0, description="Byte budget of one chunk of fp32 logits in the chunked logprob/entropy "
         "computation (any strategy): tokens per chunk = budget / (4 * vocabulary).")

@@ -1,6 +1,13 @@
 """FSDP2 for the trainer: the one room where the policy is sharded (trainer.strategy: fsdp).
 
-What: `shard_policy(policy, cfg, precision, device)` applies `fully_shard` to each decoder layer and then to the
+What: `FsdpStrategy` is the strategy seam's (areal_mq/algorithms/strategy.py) sharded room. Its `build` makes the
+policy on the meta device, shards it and materialises this rank's shards only from the checkpoint
+(areal_mq/algorithms/loading.py, trainer.fsdp.load), so no rank ever holds the whole model.
+The mesh is 1-D (every rank a shard) or, with trainer.fsdp.replicate R > 1, 2-D HSDP: R replica groups of
+world / R ranks each (`replicate` x `shard`, rank = replica * shard_size + shard index); parameters are sharded
+within a group and replicated across groups, FSDP2 reduce-scatters gradients within a group and all-reduces them
+across groups. Put a group on one node (launcher placement) and only the all-reduce crosses nodes.
+`shard_policy(policy, cfg, precision, device)` applies `fully_shard` to each decoder layer and then to the
 root (the PolicyLogprobs wrapper: embeddings, final norm and LM head, tied or not, form the root's group), with a
 MixedPrecisionPolicy from trainer.precision (parameters cast for compute, gradients reduced in fp32) and an
 optional CPUOffloadPolicy (trainer.fsdp.offload). `clip_grad_norm` is the DTensor-aware global norm clip,
@@ -18,6 +25,7 @@ Run: tests/integration/test_trainer_fsdp.py (2 CPU ranks under torch.distributed
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -44,11 +52,23 @@ def ensure_process_group(device: torch.device) -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def device_mesh(device: torch.device) -> Any:
+def mesh_shape(world: int, replicate: int) -> tuple[int, int]:
+    """(replica groups, ranks per group) for trainer.fsdp.replicate; a clear error when it does not divide."""
+    if replicate < 1 or world % replicate:
+        raise ConfigError(f"trainer.fsdp.replicate {replicate} must divide the trainer's {world} ranks "
+                          "(launcher.trainer_ranks): HSDP makes `replicate` groups of world / replicate ranks")
+    return replicate, world // replicate
+
+
+def device_mesh(device: torch.device, replicate: int = 1) -> Any:
+    """The 1-D mesh of every rank, or HSDP's 2-D (replicate, shard) mesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    groups, per = mesh_shape(dist.get_world_size(), replicate)
+    if groups == 1:
+        return init_device_mesh(device.type, (per,))
+    return init_device_mesh(device.type, (groups, per), mesh_dim_names=("replicate", "shard"))
 
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
@@ -77,7 +97,7 @@ def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     ensure_process_group(device)
-    mesh = device_mesh(device)
+    mesh = device_mesh(device, fsdp_cfg.replicate)
     offload = fsdp_cfg.offload and device.type != "cpu"  # on a CPU device the shards are in host memory already
     kw = dict(mesh=mesh, mp_policy=mixed_precision(precision),
               offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy())
@@ -173,3 +193,130 @@ def export_hf(path: Path, config_dir: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def local_slices(lm: nn.Module, dtype: str | None, shard_index: int) -> tuple[dict[str, torch.Tensor],
+                                                                              dict[str, tuple[int, int, list[int]]]]:
+    """This rank's own rows of `lm`'s state dict for sharded publishing, copied on their device in `dtype` (floating
+    tensors), and where each sits: name -> (start row, rows, whole shape). No collective. A tensor FSDP did not
+    shard is served whole by shard index 0. The rows come from the DTensor's own layout (loading.local_box), so
+    a 1-D mesh and HSDP's (replicate, shard) mesh read the same; anything but dim-0 sharding is refused
+    (WeightsFetchError: use trainer.publish_layout gather)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from areal_mq.algorithms.loading import local_box
+    from areal_mq.errors import WeightsFetchError
+
+    want = getattr(torch, dtype) if dtype else None
+    out: dict[str, torch.Tensor] = {}
+    where: dict[str, tuple[int, int, list[int]]] = {}
+    for name, t, local in unique_state(lm):
+        shape = list(t.shape)
+        placements = tuple(t.placements) if isinstance(t, DTensor) else ()
+        if any(isinstance(p, Shard) and p.dim != 0 for p in placements) or \
+                not all(isinstance(p, (Shard, Replicate)) for p in placements):
+            raise WeightsFetchError(f"{name}: placements {placements} are not FSDP2's dim-0 sharding; use "
+                                    "trainer.publish_layout gather")
+        if any(isinstance(p, Shard) for p in placements):
+            box, offset = local_box(t)
+            start, rows = (offset[0], box[0]) if shape else (0, 0)
+        elif shard_index != 0:
+            continue
+        else:
+            start, rows = 0, (shape[0] if shape else 0)
+        if shape and rows == 0:
+            continue  # more ranks than rows: this rank holds none of it
+        cast = want if want is not None and local.is_floating_point() else local.dtype
+        out[name] = local.detach().to(dtype=cast, copy=True).contiguous()
+        where[name] = (start, rows, shape)
+    return out, where
+
+
+class FsdpStrategy:
+    """FSDP2: parameters, gradients and AdamW state sharded over the ranks (HSDP with trainer.fsdp.replicate)."""
+
+    name = "fsdp"
+    lockstep = True  # every rank runs the busiest rank's forward count: the all-gathers are collectives
+    gathers_collectively = True  # a full snapshot is gathered tensor by tensor, every rank taking part
+    checkpoint_format = "dcp"  # torch.distributed.checkpoint shards, resharded on load
+
+    def __init__(self, cfg: Any, precision: str):
+        self.cfg, self.precision = cfg, precision
+        self.accelerator: Any = None
+        self.device = torch.device("cpu")
+
+    # ---------------------------------------------------------------- precision and building
+    @property
+    def accelerate_precision(self) -> str:
+        return "no"  # bf16 and fp16 are FSDP2's MixedPrecisionPolicy (mixed_precision), not Accelerate's autocast
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        return None
+
+    def bind(self, accelerator: Any, device: torch.device) -> None:
+        self.accelerator, self.device = accelerator, device
+
+    def build(self, model_path: str | Path, train: bool = True) -> tuple[nn.Module, Any]:
+        """(the Hugging Face model, the sharded policy). trainer.fsdp.load slices/broadcast: built on the meta
+        device, sharded, then this rank's shards materialised from the checkpoint (loading.py); full: the old
+        path, the whole model loaded in fp32 on every rank, then sharded."""
+        from areal_mq.algorithms import loading
+        from areal_mq.algorithms.ddp import enable_gradient_checkpointing
+        from areal_mq.algorithms.policy import PolicyLogprobs
+
+        how = self.cfg.fsdp.load
+        whole = how == "full" or self.device.type == "meta"
+        lm = loading.load_whole(model_path, self.device) if whole else loading.meta_causal_lm(model_path)
+        if train and self.cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(lm)
+        lm.train(train)
+        if not train:
+            lm.requires_grad_(False)
+        policy = shard_policy(PolicyLogprobs(lm, self.cfg.fsdp.logprob_chunk_mb), self.cfg.fsdp, self.precision,
+                              self.device, train=train)
+        if not whole:  # offload: the shards live in host memory, FSDP moves each layer to the device to compute
+            at = torch.device("cpu") if self.cfg.fsdp.offload else self.device
+            loading.materialise(policy, lm, model_path, at, how)
+        return lm, policy
+
+    # ---------------------------------------------------------------- the step
+    def accumulate(self, model: Any, last: bool) -> Any:
+        return contextlib.nullcontext()  # each micro-batch reduce-scatters into the sharded gradients
+
+    def clip(self, model: Any, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(list(model.parameters()), max_norm).to(self.device)  # offload: computed on the CPU
+
+    # ---------------------------------------------------------------- publishing
+    def full_state_dict(self, lm: nn.Module, dtype: str | None, keep: bool) -> dict:
+        return full_state_dict(lm, dtype, keep)
+
+    def publish_group(self, rank: int) -> tuple[int, int] | None:
+        """(shard index, shard count) of `rank` in the one replica group that serves sharded weights (replica 0),
+        or None for a rank of another replica group: it serves nothing and never waits on a publish."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        groups, per = mesh_shape(world, self.cfg.fsdp.replicate)
+        return (rank, per) if rank < per else None
+
+    def local_slices(self, lm: nn.Module, dtype: str | None) -> tuple[dict, dict]:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        group = self.publish_group(rank)
+        if group is None:
+            return {}, {}
+        return local_slices(lm, dtype, group[0])
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_main(self, trainer: Any, tmp: Path) -> dict:
+        """Rank 0's files: the config (for export); the model and AdamW state are every rank's shards."""
+        trainer.unwrapped.config.save_pretrained(str(tmp))
+        return {}
+
+    def save_shards(self, trainer: Any, shard_dir: Path) -> None:
+        save_sharded(trainer, shard_dir)  # looked up at call time: the torn-save test replaces it
+
+    def load(self, trainer: Any, path: Path, blobs: dict, shard_dir: Path) -> None:
+        load_sharded(trainer, shard_dir)  # resharded on load: any world size and mesh shape resumes it

@@ -27,8 +27,11 @@ when the rollout engine computes in bf16, fp32 when it computes in fp32, on any 
 compare the trainer's logprobs with the engine's) and the TF32 policy is set explicitly (trainer.tf32). A step keeps its
 statistics on the device and reads them back ONCE (`_reduce`): no host sync per micro-batch.
 
-Strategy (trainer.strategy, areal_mq/algorithms/strategy.py): ddp (every rank holds the whole model) or fsdp
-(FSDP2 shards parameters, gradients and AdamW state per decoder layer; areal_mq/algorithms/fsdp.py).
+Strategy (trainer.strategy, areal_mq/algorithms/strategy.py): ddp (every rank holds the whole model,
+areal_mq/algorithms/ddp.py) or fsdp (FSDP2 shards parameters, gradients and AdamW state per decoder layer, the model
+built on the meta device and each rank's shards read from the checkpoint; HSDP with trainer.fsdp.replicate;
+areal_mq/algorithms/fsdp.py). The strategy object owns the precision setup, how the model is built, the checkpoint
+format and what each rank publishes: nothing here asks which one it is.
 
 How to run: in-process (`Trainer(cfg, path)`), or data-parallel on CPU with
 `accelerate launch --multi_gpu --num_processes 2 SCRIPT` (torchrun + gloo; accelerate 1.15's `--cpu`
@@ -152,43 +155,30 @@ class Trainer:
         """`device`: a spec (auto|cpu|cuda|cuda:N, `meta` for the device-guard tests), default trainer.device
         or auto; the worker passes role_device(cfg, "trainer"). `engine_dtype`: the dtype the rollout engine
         computes in (`rollout_dtype(cfg)`), which trainer.precision auto follows."""
-        import torch
         from accelerate.utils import set_seed
 
         from areal_mq.algorithms.optim import build_optimizer, build_scheduler
         from areal_mq.algorithms.scaler import LossScaler
-        from areal_mq.algorithms.policy import PolicyLogprobs
         from areal_mq.algorithms.strategy import build_strategy
-        from areal_mq.engines.models import load_causal_lm
 
         self.cfg = cfg
         self.model_path = Path(model_path)
-        self.precision = None
-        self.accelerator, self.device = self._accelerator(accelerator, device or cfg.device or "auto", engine_dtype)
+        self.precision = compute_precision(cfg, engine_dtype)
+        self.strategy = build_strategy(cfg, self.precision)  # the precision setup, building, checkpoints, publishing
+        self.accelerator, self.device = self._accelerator(accelerator, device or cfg.device or "auto")
+        self.strategy.bind(self.accelerator, self.device)
         apply_tf32_policy(self.device, cfg.tf32)
         set_seed(cfg.seed)
-        model = load_causal_lm(self.model_path, "float32")  # fp32 master weights; bf16 = autocast
-        if cfg.gradient_checkpointing:  # renamed in transformers 5 (the old name warns)
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable()
-        model.to(self.device).train()
-        self.unwrapped = model
-        self.strategy = build_strategy(cfg, self.accelerator, self.precision, self.device)
-        chunk_mb = cfg.fsdp.logprob_chunk_mb
-        # fp16 under ddp: the policy's own autocast (Accelerate refuses fp16 on a CPU); under fsdp the
-        # MixedPrecisionPolicy casts the parameters. Either way the loss is scaled (areal_mq/algorithms/scaler.py)
-        autocast = torch.float16 if self.precision == "fp16" and cfg.strategy != "fsdp" else None
+        # fp32 master weights (bf16/fp16 = autocast or FSDP2's MixedPrecisionPolicy); under fsdp sharded before
+        # the optimizer is made, so AdamW's state sits beside each rank's own shards
+        self.unwrapped, self.model = self.strategy.build(self.model_path, train=True)
         self.scaler = (LossScaler(cfg.loss_scale_init, cfg.loss_scale_growth_interval)
-                       if self.precision == "fp16" else None)
-        # sharded (FSDP) before the optimizer: AdamW's state is then made beside each rank's own shards
-        self.model = self.strategy.wrap(PolicyLogprobs(model, chunk_mb, autocast))
-        self.optimizer = build_optimizer(model, cfg)
+                       if self.precision == "fp16" else None)  # fp16: the loss is scaled (algorithms/scaler.py)
+        self.optimizer = build_optimizer(self.unwrapped, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.ref_model = None
-        if cfg.kl_coef > 0:  # sharded like the policy under fsdp: 4 bytes per parameter / world size more
-            ref = load_causal_lm(self.model_path, "float32").to(self.device).eval()
-            ref.requires_grad_(False)
-            self.ref_model = self.strategy.wrap(PolicyLogprobs(ref, chunk_mb, autocast), train=False)
+        if cfg.kl_coef > 0:  # built like the policy: under fsdp 4 bytes per parameter / shard ranks more
+            self.ref_model = self.strategy.build(self.model_path, train=False)[1]
         self.version = 0
         self.optimizer_steps = 0
         self.consumed_ids: list[str] = []  # trained since the last checkpoint (algorithms/checkpoint.py)
@@ -196,7 +186,7 @@ class Trainer:
         self.checkpoint_base = 0  # the version of the checkpoint this interval started from
         self.resumed_ids: list[str] = []  # the interval the loaded checkpoint closed (load_checkpoint)
 
-    def _accelerator(self, given: Any, spec: str, engine_dtype: str) -> tuple[Any, "torch.device"]:
+    def _accelerator(self, given: Any, spec: str) -> tuple[Any, "torch.device"]:
         """The Accelerator (given, or made for the resolved device) and the device this rank trains on."""
         import torch
         from accelerate import Accelerator
@@ -205,15 +195,12 @@ class Trainer:
         from areal_mq.errors import ConfigError
 
         want = resolve_device(spec)
-        self.precision = compute_precision(self.cfg, engine_dtype)
         if given is None:
             if want.type == "cuda" and "LOCAL_RANK" not in os.environ:
                 torch.cuda.set_device(want)  # one process: accelerate takes the current device for `cuda`
             # cpu=True without a GPU: under `accelerate launch --multi_gpu` (torchrun) that gives a gloo
             # MULTI_CPU group; accelerate's `--cpu` launcher starts several processes only through mpirun
-            # under fsdp, bf16 is FSDP2's MixedPrecisionPolicy, not Accelerate's autocast
-            given = Accelerator(cpu=want.type != "cuda", mixed_precision="bf16" if self.precision == "bf16"
-                                and self.cfg.strategy != "fsdp" else "no")
+            given = Accelerator(cpu=want.type != "cuda", mixed_precision=self.strategy.accelerate_precision)
         device = torch.device(given.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -458,15 +445,15 @@ class Trainer:
         """A snapshot of the policy weights for publishing: state-dict names, tied duplicates dropped
         (as save_pretrained does), cast to `dtype` (default cfg.publish_dtype), always copied. Under fsdp this
         is a collective (every rank calls it; the full model is gathered one tensor at a time and kept on
-        rank 0 only, the others get {}): the named fallback of sharded publishing (trainer.publish_layout gather)."""
+        rank 0 only, the others get {}): the named fallback of sharded publishing (trainer.publish_layout gather).
+        `strategy.gathers_collectively` says whether ranks other than 0 must call it."""
         return self.strategy.full_state_dict(self.unwrapped, dtype or self.cfg.publish_dtype, keep=self.is_main)
 
     def publish_slices(self, dtype: str | None = None) -> tuple[dict, dict]:
         """This rank's own slices of the policy weights for sharded publishing (areal_mq/weights/sharded.py): a copy
-        on the device in `dtype` (default cfg.publish_dtype) and where each slice sits. No collective."""
-        from areal_mq.weights.sharded import local_slices
-
-        return local_slices(self.unwrapped, dtype or self.cfg.publish_dtype, self.rank, self.world_size)
+        on the device in `dtype` (default cfg.publish_dtype) and where each slice sits, as the strategy lays them
+        out ({} on a rank outside the serving replica group). No collective."""
+        return self.strategy.local_slices(self.unwrapped, dtype or self.cfg.publish_dtype)
 
     @property
     def hf_config_json(self) -> str:

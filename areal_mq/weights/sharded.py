@@ -2,8 +2,9 @@
 
 What (trainer.publish_layout sharded, the default of an fsdp trainer publishing over zmq):
 
-    every rank, in the step   local_slices(lm, dtype): a device copy of its own dim-0 shard of each tensor  (the
-                              only part on the step's critical path: no collective, no host copy)
+    every rank, in the step   the trainer's strategy hands it its slices (Trainer.publish_slices: a device copy of
+                              its own dim-0 rows of each tensor and where they sit; the only part on the step's
+                              critical path: no collective, no host copy)
     every rank, beside it     ShardPublisher.publish (BackgroundPublisher thread): to host memory, blake2b of each
                               slice, a delta against its previous slice (weights/delta.py), chunks handed to the
                               rank's own WeightServer (port weight_server_port + rank, or any free port)
@@ -17,9 +18,11 @@ Why: a gather of the full model to rank 0 every step costs the whole model's byt
 and one server, and interleaved gathers are the field's most reported silent hang. Here each rank moves 1/world
 of the bytes, and the collectives of the training step never meet a publish: the only cross-rank traffic of a
 publish is the small WeightsShard on zmq, off the training process group.
-The layout follows FSDP2's dim-0 sharding (torch.chunk: rank r holds rows r*c .. (r+1)*c, c = ceil(rows / world));
-a tensor FSDP did not shard (or replicated) is served whole by rank 0. Tied tensors travel once, under their
-first name, as unique_tensors does.
+The layout is the strategy's (areal_mq/algorithms/fsdp.py local_slices: FSDP2's dim-0 sharding, torch.chunk's rule
+`chunk_rows`; a tensor FSDP did not shard is served whole by rank 0; tied tensors once, under their first name);
+this module only receives slices and where they sit, it never looks inside a trainer. Under HSDP
+(trainer.fsdp.replicate) the ranks of replica group 0 serve (rank = shard index, world = ranks per group), the
+other groups serve nothing and never wait on a publish.
 Failure: a rank that does not serve a version in time is named (trainer.shard_missing, error) and the version is not
 announced: workers stay on the version they hold and move on with the next announcement; training goes on.
 Memory per rank: the staging copy of its shard (model bytes / world in publish_dtype, at most 2 alive, as
@@ -41,8 +44,6 @@ from areal_mq.security import Keyring, peer_role, refusal, start_zap
 if TYPE_CHECKING:
     import torch
 
-    from areal_mq.algorithms.config import TrainerConfig
-
 SHARD_FRAME_BYTES = 64 << 20  # a WeightsShard of 65,536 slices is ~6 MB; nothing bigger comes from a rank
 SHARD_WAIT_FACTOR = 4.0  # rank 0 waits for the others this many times its own publish time, on top of the timeout
 
@@ -54,45 +55,7 @@ def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return start, max(0, min(rows, start + per) - start)
 
 
-def local_slices(lm: Any, dtype: str | None, rank: int, world: int
-                 ) -> tuple[dict[str, "torch.Tensor"], dict[str, tuple[int, int, list[int]]]]:
-    """This rank's slices of `lm`'s state dict, copied on their device in `dtype` (floating tensors), and where each
-    sits: name -> (start row, rows, whole shape). No collective. Raises WeightsFetchError for a layout that is not
-    FSDP2's dim-0 split (use trainer.publish_layout gather for such a model)."""
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    from areal_mq.algorithms.fsdp import unique_state
-
-    want = getattr(torch, dtype) if dtype else None
-    out: dict[str, Any] = {}
-    where: dict[str, tuple[int, int, list[int]]] = {}
-    for name, t, local in unique_state(lm):
-        shape = list(t.shape)
-        sharded = isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
-        if sharded:
-            if tuple(t.placements) != (Shard(0),) or t.device_mesh.ndim != 1:
-                raise WeightsFetchError(f"{name}: placements {t.placements} are not FSDP2's dim-0 sharding on one "
-                                        "mesh dimension; use trainer.publish_layout gather")
-            start, rows = chunk_rows(shape[0], world, rank)
-            if local.shape[0] != rows:
-                raise WeightsFetchError(f"{name}: rank {rank} holds {local.shape[0]} rows, the even split says "
-                                        f"{rows}; use trainer.publish_layout gather")
-        else:
-            if isinstance(t, DTensor) and not all(isinstance(p, Replicate) for p in t.placements):
-                raise WeightsFetchError(f"{name}: placements {t.placements} are not supported by sharded publishing")
-            if rank != 0:
-                continue
-            start, rows = 0, (shape[0] if shape else 0)
-        if shape and rows == 0:
-            continue  # more ranks than rows: this rank holds none of it
-        cast = want if want is not None and local.is_floating_point() else local.dtype
-        out[name] = local.detach().to(dtype=cast, copy=True).contiguous()
-        where[name] = (start, rows, shape)
-    return out, where
-
-
-def shard_port(cfg: "TrainerConfig", rank: int) -> int:
+def shard_port(cfg: Any, rank: int) -> int:
     if not cfg.weight_server_port:
         return 0
     port = cfg.weight_server_port + rank
@@ -107,7 +70,7 @@ class ShardPublisher:
     BackgroundPublisher thread; on rank 0 it returns the WeightsReady to announce, or None when a rank did not serve
     the version in time; on other ranks None."""
 
-    def __init__(self, cfg: "TrainerConfig", keys: Keyring | None = None, log: Any = None,
+    def __init__(self, cfg: Any, keys: Keyring | None = None, log: Any = None,
                  rank: int = 0, world: int = 1, exchange: Any = None):
         import zmq
 
@@ -115,7 +78,7 @@ class ShardPublisher:
 
         self.cfg, self.rank, self.world, self.log = cfg, rank, world, log
         self.keys = keys or Keyring.insecure("trainer")
-        if cfg.weight_server_hosts and len(cfg.weight_server_hosts) != world:
+        if cfg.weight_server_hosts and len(cfg.weight_server_hosts) < world:
             raise WeightsFetchError(f"trainer.weight_server_hosts lists {len(cfg.weight_server_hosts)} hosts for a "
                                     f"trainer of {world} ranks: one per rank")
         host = rank_host(cfg, rank)

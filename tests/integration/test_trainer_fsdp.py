@@ -11,7 +11,11 @@ The test process runs the plain single-process trainer (strategy ddp, world 1) o
 biases) and Qwen3 (q/k norms) configs; a resumed step 3 gives the uninterrupted step 3's loss at 1 -> 2 and 2 -> 1;
 the 2-rank checkpoint exports to a plain Hugging Face directory with the step-2 weights; and trainer.precision fp16
 at 2 ranks skips, on both ranks, an optimizer step whose gradient overflowed on one rank only.
-Run: pytest tests/integration/test_trainer_fsdp.py   (about 2 min on 2 cores, marked slow)
+A fourth launch, `load` (2 ranks), checks the meta-device construction and sharded loading (issue 52 item 1):
+per family, trainer.fsdp.load slices and broadcast against full (the old path: the whole model on every rank, then
+sharded), with a reference model (kl_coef > 0) built the same way, give the same losses and parameters after 3
+steps; tiny Llama reads a single model.safetensors, tiny Qwen2 a `model-0000x-of-0000y` + index checkpoint.
+Run: pytest tests/integration/test_trainer_fsdp.py   (about 3 min on 2 cores, marked slow)
 """
 from __future__ import annotations
 
@@ -47,12 +51,40 @@ def _params(trainer) -> dict:
     return trainer.strategy.full_state_dict(trainer.unwrapped, "float32", keep=trainer.is_main)
 
 
+LOADS = ("full", "slices", "broadcast")
+LOAD_FAMILIES = {"tiny-llama": False, "tiny-qwen2": True}  # family -> written as index + several shard files
+
+
+def run_load(out: Path) -> None:
+    """Mode `load`: every trainer.fsdp.load way, 3 steps each with a KL reference, losses and gathered params."""
+    import torch
+
+    from areal_mq.algorithms.config import TrainerConfig
+    from areal_mq.algorithms.trainer import Trainer
+
+    result = {}
+    for fam in LOAD_FAMILIES:
+        for how in LOADS:
+            cfg = TrainerConfig(strategy="fsdp", kl_coef=0.05, **CFG)
+            cfg.fsdp.load = how
+            trainer = Trainer(cfg, out / "load-models" / fam, device="cpu")
+            losses = [trainer.train_step(_batch(i))["loss"] for i in range(3)]
+            params = _params(trainer)
+            if trainer.is_main:
+                torch.save(params, out / f"load-{fam}-{how}.pt")
+            result[f"{fam}/{how}"] = losses
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / "result-load.json").write_text(json.dumps(result))
+
+
 def run_rank(mode: str, out: Path) -> None:
     import torch
 
     from areal_mq.algorithms.checkpoint import load_checkpoint, save_checkpoint
 
     torch.set_num_threads(1)
+    if mode == "load":
+        return run_load(out)
     result = {}
     for fam in FAMILIES:
         model_dir = out / "models" / fam
@@ -148,9 +180,14 @@ def _free_port() -> int:
 
 
 def _launch(mode: str, nproc: int, out: Path) -> dict:
+    return _launch_file(__file__, mode, nproc, out)
+
+
+def _launch_file(script: str, mode: str, nproc: int, out: Path) -> dict:
+    """Run `script MODE OUT` on `nproc` ranks under torch.distributed.run; its rank 0's result-MODE.json."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), __file__, mode, str(out)]
+           "127.0.0.1", "--master_port", str(_free_port()), script, mode, str(out)]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=400)
@@ -218,6 +255,33 @@ def test_fsdp_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_p
         assert r["optimizer_steps"] == 3  # 2 mini-batches a step, one of the four skipped
     assert ranks[0]["second"]["loss"] == ranks[1]["second"]["loss"]
     assert abs(ranks[0]["first"]["loss"] - single["tiny-llama"][0][0]) < 5e-3  # fp16 near fp32
+
+
+@pytest.mark.slow
+def test_meta_device_sharded_loading_matches_the_whole_model_load(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_mq.engines.shapes import build_random_model
+
+    for fam, split in LOAD_FAMILIES.items():
+        src = build_random_model(tmp_path / "models" / fam, fam, seed=7)
+        dst = tmp_path / "load-models" / fam
+        lm = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+        lm.save_pretrained(str(dst), safe_serialization=True, max_shard_size="4MB" if split else "10GB")
+        names = sorted(p.name for p in dst.glob("*.safetensors"))
+        assert (len(names) > 2 and (dst / "model.safetensors.index.json").is_file()) if split else \
+            names == ["model.safetensors"], names
+    got = _launch("load", 2, tmp_path)
+    for fam in LOAD_FAMILIES:
+        want = got[f"{fam}/full"]
+        full = torch.load(tmp_path / f"load-{fam}-full.pt", map_location="cpu")
+        for how in ("slices", "broadcast"):
+            assert got[f"{fam}/{how}"] == pytest.approx(want, rel=1e-6, abs=1e-6), (fam, how, got)
+            params = torch.load(tmp_path / f"load-{fam}-{how}.pt", map_location="cpu")
+            assert params.keys() == full.keys()
+            for name, tensor in params.items():
+                torch.testing.assert_close(tensor, full[name], rtol=1e-6, atol=1e-6, msg=f"{fam} {how} {name}")
 
 
 if __name__ == "__main__":
