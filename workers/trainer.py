@@ -415,7 +415,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
 
         publisher = ShardPublisher(cfg.trainer, rt.keys if rt is not None else Keyring.from_config(cfg, "trainer"),
                                    rt.log if rt is not None else None, group[0], group[1],
-                                   exchange=_exchange_collector)
+                                   exchange=_exchange_collector, host_rank=trainer.rank)
     elif cfg.trainer.sharded_publish:  # HSDP, another replica group: join the endpoint exchange, serve nothing
         _exchange_collector("")
     worker = TrainerWorker(cfg, trainer, store, bus, publisher, rt, sinks)

@@ -61,14 +61,38 @@ def mesh_shape(world: int, replicate: int) -> tuple[int, int]:
 
 
 def device_mesh(device: torch.device, replicate: int = 1) -> Any:
-    """The 1-D mesh of every rank, or HSDP's 2-D (replicate, shard) mesh."""
+    """The 1-D mesh of every rank, or HSDP's 2-D (replicate, shard) mesh whose rows (shard groups) are ranks of one
+    host where the launch allows (`host_order`): each layer's all-gather then stays on the node."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     groups, per = mesh_shape(dist.get_world_size(), replicate)
     if groups == 1:
         return init_device_mesh(device.type, (per,))
-    return init_device_mesh(device.type, (groups, per), mesh_dim_names=("replicate", "shard"))
+    import socket
+
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())  # once, at build time
+    order = host_order(hosts)
+    layout = torch.tensor(order, dtype=torch.int64).view(groups, per)
+    spans = [row for row in layout.tolist() if len({hosts[r] for r in row}) > 1]
+    if spans and dist.get_rank() == 0:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "HSDP shard groups %s span hosts (%s): their all-gathers cross nodes; make launcher.trainer_ranks / "
+            "trainer.fsdp.replicate divide the ranks each node holds", spans[:2], sorted(set(hosts)))
+    return DeviceMesh(device.type, layout, mesh_dim_names=("replicate", "shard"))
+
+
+def host_order(hosts: list[str]) -> list[int]:
+    """Every rank, those of one host (`hosts[rank]`) next to each other, hosts in the order of their lowest rank,
+    so rank 0 stays first. torchrun numbers a node's ranks consecutively already; a Ray placement group may not,
+    so the HSDP mesh is laid out from where the ranks really are."""
+    first: dict[str, int] = {}
+    for rank, host in enumerate(hosts):
+        first.setdefault(host, rank)
+    return sorted(range(len(hosts)), key=lambda r: (first[hosts[r]], r))
 
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
@@ -92,12 +116,13 @@ def mixed_precision(precision: str) -> Any:
 
 
 def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch.device,
-                 train: bool = True) -> nn.Module:
-    """`fully_shard` every decoder layer of `policy.lm`, then `policy` itself (the root). In place; returns it."""
+                 train: bool = True, mesh: Any = None) -> nn.Module:
+    """`fully_shard` every decoder layer of `policy.lm`, then `policy` itself (the root), over `mesh` (default: a
+    new `device_mesh`). In place; returns it."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     ensure_process_group(device)
-    mesh = device_mesh(device, fsdp_cfg.replicate)
+    mesh = mesh if mesh is not None else device_mesh(device, fsdp_cfg.replicate)
     offload = fsdp_cfg.offload and device.type != "cpu"  # on a CPU device the shards are in host memory already
     kw = dict(mesh=mesh, mp_policy=mixed_precision(precision),
               offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy())
@@ -244,6 +269,7 @@ class FsdpStrategy:
         self.cfg, self.precision = cfg, precision
         self.accelerator: Any = None
         self.device = torch.device("cpu")
+        self.mesh: Any = None  # made once, at the first build (policy and reference share it)
 
     # ---------------------------------------------------------------- precision and building
     @property
@@ -273,8 +299,11 @@ class FsdpStrategy:
         lm.train(train)
         if not train:
             lm.requires_grad_(False)
+        if self.mesh is None:
+            ensure_process_group(self.device)
+            self.mesh = device_mesh(self.device, self.cfg.fsdp.replicate)
         policy = shard_policy(PolicyLogprobs(lm, self.cfg.fsdp.logprob_chunk_mb), self.cfg.fsdp, self.precision,
-                              self.device, train=train)
+                              self.device, train=train, mesh=self.mesh)
         if not whole:  # offload: the shards live in host memory, FSDP moves each layer to the device to compute
             at = torch.device("cpu") if self.cfg.fsdp.offload else self.device
             loading.materialise(policy, lm, model_path, at, how)
@@ -292,13 +321,15 @@ class FsdpStrategy:
         return full_state_dict(lm, dtype, keep)
 
     def publish_group(self, rank: int) -> tuple[int, int] | None:
-        """(shard index, shard count) of `rank` in the one replica group that serves sharded weights (replica 0),
-        or None for a rank of another replica group: it serves nothing and never waits on a publish."""
-        import torch.distributed as dist
+        """(shard index, shard count) of `rank` in the one replica group that serves sharded weights (the mesh's
+        first row, which holds rank 0 as shard 0), or None for a rank of another replica group: it serves nothing
+        and never waits on a publish."""
+        if self.mesh is None or self.mesh.ndim == 1:
+            import torch.distributed as dist
 
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        groups, per = mesh_shape(world, self.cfg.fsdp.replicate)
-        return (rank, per) if rank < per else None
+            return (rank, dist.get_world_size() if dist.is_initialized() else 1)
+        row = self.mesh.mesh[0].tolist()
+        return (row.index(rank), len(row)) if rank in row else None
 
     def local_slices(self, lm: nn.Module, dtype: str | None) -> tuple[dict, dict]:
         import torch.distributed as dist

@@ -9,7 +9,14 @@ nothing loaded) and the run config:
                  compute dtype, H per layer with gradient checkpointing), one chunk of logits with its softmax
                  and gradient (3 x trainer.fsdp.logprob_chunk_mb), and the publish snapshots: gathered (2 x the
                  model in trainer.publish_dtype, on rank 0, in host memory, not counted on a device) or, sharded
-                 (trainer.publish_layout), 2 staging copies of the rank's own shard on its device;
+                 (trainer.publish_layout), 2 staging copies of the rank's own shard on its device; and the LOAD
+                 peak (`load_peak`), what a rank holds while it builds its model, on the host and on its device
+                 (areal_mq/algorithms/loading.py): under fsdp with trainer.fsdp.load slices its fp32 shard (4 bytes
+                 x parameters / shard ranks) plus one slice being read; broadcast one whole tensor more; full (the
+                 old path) the whole model in fp32 on the host AND, moved there before sharding, on the device;
+                 ddp the whole model in fp32 where it trains; the reference model (kl_coef > 0) is built the same
+                 way after the policy. A rank must fit its training peak and its load peak. Under HSDP
+                 (trainer.fsdp.replicate R) a rank shards over launcher.trainer_ranks / R ranks, not all of them;
   rollout engine weights in the engine's dtype, the KV block pool (kv_cache_bytes, else max_kv_tokens
                  positions), and the logits of max_concurrent rows; a vLLM engine's weights and KV per GPU of its
                  tensor_parallel_size, held to its gpu_memory_utilization of the device;
@@ -28,7 +35,8 @@ max_concurrent); under 50 % the plan warns, since the GPUs the engines were size
 Where the numbers come from: the per-parameter bytes are exact; the activation count (8 H + 3 I per token and
 layer: the inputs of the attention and MLP projections, the gate/up outputs and the activation, the norms)
 is the structure of a Llama/Qwen decoder layer; tests/unit/launch/test_plan.py holds the estimate within 25 %
-of the peaks benchmarks/speed/trainer_fsdp.py measured (single process and per FSDP rank).
+of the peaks benchmarks/speed/trainer_fsdp.py measured (single process and per FSDP rank), and
+tests/unit/launch/test_plan_load.py the load peak within 25 % of what benchmarks/speed/trainer_load.py measured.
 """
 from __future__ import annotations
 
@@ -72,10 +80,16 @@ class Process:
     count: int
     items: list[Item] = field(default_factory=list)
     device_share: float = 1.0  # of one device's memory this process may use (vLLM: its gpu_memory_utilization)
+    load: dict = field(default_factory=dict)  # trainer ranks: {"host": bytes, "device": bytes} while building
+    layout: str = ""  # trainer ranks: how they shard ("fsdp over 8", "HSDP 2 x 4", "ddp")
 
     @property
     def nbytes(self) -> float:
         return TORCH_BASE + sum(i.nbytes for i in self.items)
+
+    def peak(self, where: str) -> float:
+        """The most this process holds on `where` (device or host): its training peak or its load peak."""
+        return max(self.nbytes, TORCH_BASE + self.load.get(where, 0.0))
 
 
 @dataclass
@@ -96,8 +110,11 @@ class Plan:
             parts = ", ".join(f"{i.name} {i.nbytes / GIB:.2f}" for i in p.items if i.nbytes >= 0.005 * GIB)
             rows.append(f"  {p.role:<14} x{p.count}  {p.nbytes / GIB:7.2f} GiB each  ({parts}; torch "
                         f"{TORCH_BASE / GIB:.1f})")
+            if p.load:
+                rows.append(f"  {'':<14}      load peak {p.load['device'] / GIB:.2f} GiB on its device, "
+                            f"{p.load['host'] / GIB:.2f} GiB of host memory ({p.layout})")
         if self.device == "cpu":
-            total = sum(p.nbytes * p.count for p in self.processes)
+            total = sum(p.peak("host") * p.count for p in self.processes)
             rows.append(f"  all processes      {total / GIB:7.2f} GiB of {self.capacity / GIB:.1f} GiB")
         occ = self.occupancy
         if occ:
@@ -124,7 +141,9 @@ class Plan:
                 "capacity_gib": round(self.capacity / GIB, 2), "refusals": self.refusals, "warnings": self.warnings,
                 "notes": self.notes, "occupancy": self.occupancy,
                 "processes": [{"role": p.role, "count": p.count, "gib_each": round(p.nbytes / GIB, 2),
-                               "items": {i.name: round(i.nbytes / GIB, 3) for i in p.items}} for p in self.processes]}
+                               "items": {i.name: round(i.nbytes / GIB, 3) for i in p.items},
+                               **({"load_gib": {k: round(v / GIB, 3) for k, v in p.load.items()},
+                                   "layout": p.layout} if p.load else {})} for p in self.processes]}
 
 
 LOW_OCCUPANCY = 0.5
@@ -169,8 +188,10 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
 
     t = cfg.trainer
     compute = DTYPE_BYTES[compute_precision(t, rollout_dtype(cfg))]
-    shard = ranks if t.strategy == "fsdp" else 1
+    shard = shard_ranks(t, ranks)
     p = Process("trainer rank", ranks)
+    p.layout = ("ddp" if t.strategy != "fsdp" else f"fsdp over {shard}" if shard == ranks else
+                f"HSDP {t.fsdp.replicate} x {shard}: shards within a group, replicas across")
     state = 16 * s.params / shard
     if t.strategy == "fsdp" and t.fsdp.offload:
         state = 0.0  # in host memory (counted by the caller on the CPU only)
@@ -185,8 +206,43 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
     p.items.append(Item("activations", t.max_tokens_per_mb * s.layers * per_token_layer * compute))
     p.items.append(Item("logits chunk", 3 * t.fsdp.logprob_chunk_mb * (1 << 20)))
     if t.sharded_publish:  # weights/sharded.py: the snapshot is a device copy; BackgroundPublisher keeps 2 alive
-        p.items.append(Item("publish staging (2 shard copies)", 2 * DTYPE_BYTES[t.publish_dtype] * s.params / ranks))
+        p.items.append(Item("publish staging (2 shard copies)", 2 * DTYPE_BYTES[t.publish_dtype] * s.params / shard))
     return p
+
+
+def shard_ranks(t: Any, ranks: int) -> int:
+    """The ranks one copy of the model is sharded over: all of them (fsdp), ranks / trainer.fsdp.replicate (HSDP),
+    or 1 (ddp: a whole copy per rank)."""
+    if t.strategy != "fsdp":
+        return 1
+    return max(1, ranks // t.fsdp.replicate)
+
+
+def load_peak(cfg: Any, s: Shape, ranks: int, on_cuda: bool) -> dict:
+    """{"host": bytes, "device": bytes} one trainer rank holds at most while it builds its policy (and reference)
+    model, beyond TORCH_BASE (the module docstring; areal_mq/algorithms/loading.py). On a CPU trainer the device IS
+    the host: both figures are the same."""
+    t = cfg.trainer
+    shard = shard_ranks(t, ranks)
+    whole, models = 4.0 * s.params, 2 if t.kl_coef > 0 else 1
+    largest = 4.0 * s.embed_params  # the largest tensor (the embedding), in fp32
+    offload = t.strategy == "fsdp" and t.fsdp.offload and on_cuda
+    if t.strategy != "fsdp":  # read whole, onto the device (ddp.py): one tensor in flight on the host
+        return _load(on_cuda, host=largest, device=models * whole)
+    own = whole / shard
+    if t.fsdp.load == "full":  # the whole model in fp32 on the host, then on the device, then sharded
+        held = (models - 1) * own
+        return _load(on_cuda, host=whole + held + own * offload, device=whole + held + own)
+    transient = largest / shard + (largest if t.fsdp.load == "broadcast" else 0.0)
+    if offload:
+        return _load(on_cuda, host=models * own + transient, device=0.0)
+    return _load(on_cuda, host=transient, device=models * own + transient)
+
+
+def _load(on_cuda: bool, host: float, device: float) -> dict:
+    """On a CPU trainer the device's figure is host memory, and the host's own share (a slice in flight, or the
+    whole model loaded before it moves) is already in it: both read the device's."""
+    return {"host": host, "device": device} if on_cuda else {"host": device, "device": device}
 
 
 def engine(cfg: Any, s: Shape) -> Process:
@@ -280,6 +336,8 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
             procs.append(evaluation(cfg, s))
     asked = cfg.trainer.device or cfg.model.device
     on_cuda = device_gib is not None or asked.startswith("cuda") or resolve_device(asked).type == "cuda"
+    procs[0].load = load_peak(cfg, s, ranks, on_cuda)
+    layout = _layout_refusal(cfg, ranks)
     if on_cuda:
         if device_gib is None:
             import torch
@@ -289,16 +347,19 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
             else:  # planning a GPU layout from a laptop, before the node exists
                 device_gib = DEFAULT_DEVICE_GIB
                 notes.append(f"no GPU here: planned for {DEFAULT_DEVICE_GIB:.0f} GiB devices (--device-gib N for others)")
-        capacity, refusals = device_gib * GIB, []
+        capacity, refusals = device_gib * GIB, layout
         for p in procs:
             if p.role.startswith("evaluation"):
                 refusals += _evaluation_refusal(cfg, procs, p, capacity)
-            elif p.nbytes > capacity * p.device_share:
-                refusals.append(_refusal(cfg, p, capacity, s))
+            else:
+                if p.nbytes > capacity * p.device_share:
+                    refusals.append(_refusal(cfg, p, capacity, s))
+                if p.load and TORCH_BASE + p.load["device"] > capacity * p.device_share:  # both knobs at once
+                    refusals.append(_load_refusal(cfg, p, capacity))
         return Plan(s, procs, "cuda", capacity, refusals, occupancy(cfg), notes)
     capacity = host_bytes()
-    total = sum(p.nbytes * p.count for p in procs)
-    refusals = [] if total <= capacity else [
+    total = sum(p.peak("host") * p.count for p in procs)
+    refusals = layout if total <= capacity else layout + [
         f"the processes need {total / GIB:.1f} GiB together and the host has {capacity / GIB:.1f} GiB: on one "
         "host every process shares its memory (FSDP ranks too), so use a smaller model, fewer "
         "launcher.rollout_workers, a smaller rollout.engine.max_kv_tokens or trainer.max_tokens_per_mb, or GPUs"]
@@ -351,12 +412,39 @@ def _refusal(cfg: Any, p: Process, capacity: float, s: Shape) -> str:
             + knobs)
 
 
+def _layout_refusal(cfg: Any, ranks: int) -> list[str]:
+    t = cfg.trainer
+    if t.strategy == "fsdp" and ranks % t.fsdp.replicate:
+        return [f"trainer.fsdp.replicate {t.fsdp.replicate} does not divide launcher.trainer_ranks {ranks}: HSDP makes "
+                "`replicate` groups of trainer_ranks / replicate ranks; set one to a multiple of the other "
+                "(ranks / replicate = the GPUs of one node)"]
+    return []
+
+
+def _load_refusal(cfg: Any, p: Process, capacity: float) -> str:
+    """A trainer rank that would train in `capacity` but cannot build its model there."""
+    t = cfg.trainer
+    if t.strategy != "fsdp":
+        knob = "shard the trainer (--set trainer.strategy=fsdp, more launcher.trainer_ranks)"
+    elif t.fsdp.load == "full":
+        knob = ("--set trainer.fsdp.load=slices (each rank reads only its shards; full loads the whole model in fp32 "
+                "on every rank first)")
+    else:
+        knob = "more launcher.trainer_ranks, a smaller trainer.fsdp.replicate, or --set trainer.fsdp.offload=true"
+    return (f"a trainer rank trains in {p.nbytes / GIB:.1f} GiB and needs {p.peak('device') / GIB:.1f} GiB of "
+            f"a device's {capacity / GIB:.1f} GiB to load its model ({p.layout}, trainer.fsdp.load "
+            f"{t.fsdp.load}): {knob}")
+
+
 def _knobs(cfg: Any, s: Shape) -> str:
     t = cfg.trainer
     if t.strategy != "fsdp":
         need = max(2, int(16 * s.params / (40 * GIB)) + 1)
         return (f"shard the trainer: --set trainer.strategy=fsdp --set launcher.trainer_ranks={need} "
                 "(docs/bigger-models.md)")
+    if t.fsdp.replicate > 1:
+        return (f"a smaller trainer.fsdp.replicate (HSDP shards over launcher.trainer_ranks / {t.fsdp.replicate} "
+                "ranks only), more launcher.trainer_ranks, or --set trainer.fsdp.offload=true")
     if not t.gradient_checkpointing:
         return "--set trainer.gradient_checkpointing=true, more launcher.trainer_ranks, or a smaller trainer.max_tokens_per_mb"
     return "more launcher.trainer_ranks, --set trainer.fsdp.offload=true, or a smaller trainer.max_tokens_per_mb"

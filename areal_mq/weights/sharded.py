@@ -65,13 +65,15 @@ def shard_port(cfg: Any, rank: int) -> int:
 
 
 class ShardPublisher:
-    """One per trainer rank (every rank constructs it at the same time: the constructor exchanges endpoints with a
-    collective on the caller's thread). `publish(version, slices_and_layout, hf_config_json)` runs in the rank's
+    """One per serving trainer rank (every rank constructs it at the same time, or joins `exchange` alone: the
+    constructor exchanges endpoints with a collective on the caller's thread). `rank`/`world`: its index among the
+    serving ranks and their number (the trainer's strategy says: Trainer.strategy.publish_group); `host_rank`: the
+    trainer rank it is, whose entry of trainer.weight_server_hosts and port offset it takes (default `rank`). `publish(version, slices_and_layout, hf_config_json)` runs in the rank's
     BackgroundPublisher thread; on rank 0 it returns the WeightsReady to announce, or None when a rank did not serve
     the version in time; on other ranks None."""
 
     def __init__(self, cfg: Any, keys: Keyring | None = None, log: Any = None,
-                 rank: int = 0, world: int = 1, exchange: Any = None):
+                 rank: int = 0, world: int = 1, exchange: Any = None, host_rank: int | None = None):
         import zmq
 
         from areal_mq.weights import WeightServer, rank_host
@@ -81,15 +83,16 @@ class ShardPublisher:
         if cfg.weight_server_hosts and len(cfg.weight_server_hosts) < world:
             raise WeightsFetchError(f"trainer.weight_server_hosts lists {len(cfg.weight_server_hosts)} hosts for a "
                                     f"trainer of {world} ranks: one per rank")
-        host = rank_host(cfg, rank)
+        at = rank if host_rank is None else host_rank  # the trainer rank whose host and port this server takes
+        host = rank_host(cfg, at)
         try:
-            self.server = WeightServer(host, shard_port(cfg, rank), cfg.keep_weight_versions,
+            self.server = WeightServer(host, shard_port(cfg, at), cfg.keep_weight_versions,
                                        int(cfg.weight_chunk_mb * (1 << 20)), keys=self.keys, log=log, deltas=True,
                                        chain=cfg.full_every)
         except WeightsFetchError as exc:
-            where = ("trainer.weight_server_hosts[%d]" % rank) if cfg.weight_server_hosts else \
+            where = ("trainer.weight_server_hosts[%d]" % at) if cfg.weight_server_hosts else \
                 "trainer.weight_server_host (every rank binds it when weight_server_hosts is empty)"
-            raise WeightsFetchError(f"trainer rank {rank}: {exc}. Its weight server binds {where}, which must be an "
+            raise WeightsFetchError(f"trainer rank {at}: {exc}. Its weight server binds {where}, which must be an "
                                     "address of the host this rank runs on; for a trainer spanning hosts list one per "
                                     "rank in trainer.weight_server_hosts, or set trainer.publish_layout: gather") from exc
         self.refused = 0

@@ -90,6 +90,16 @@ def test_each_strategy_owns_its_precision_setup(name, precision, accelerate, aut
     assert strategy.accelerate_precision == accelerate and strategy.autocast == autocast
 
 
+def test_hsdp_shard_groups_are_laid_out_one_host_each_whatever_order_the_launcher_numbered_the_ranks():
+    from areal_mq.algorithms.fsdp import host_order
+
+    assert host_order(["a", "a", "b", "b"]) == [0, 1, 2, 3]  # torchrun: already consecutive
+    order = host_order(["a", "b", "a", "b", "c", "c"])  # a Ray placement group may interleave them
+    assert order == [0, 2, 1, 3, 4, 5] and order[0] == 0
+    rows = [order[i:i + 2] for i in range(0, 6, 2)]  # replicate 3 x shard 2: each row on one host
+    assert all(len({["a", "b", "a", "b", "c", "c"][r] for r in row}) == 1 for row in rows)
+
+
 def test_hsdp_mesh_shape_and_who_serves():
     from areal_mq.algorithms.fsdp import mesh_shape
 
