@@ -130,8 +130,11 @@ def device_name(spec: str) -> str:
 
 
 def command(script: str) -> str:
-    """How this run was started, for the table's last line: `python benchmarks/SCRIPT ARGS...`."""
-    return "python " + " ".join([f"benchmarks/{script}", *sys.argv[1:]])
+    """How this run was started, for the table's last line: `python benchmarks/KIND/SCRIPT ARGS...` (a bare script
+    name is found in its kind's folder)."""
+    hits = [] if "/" in script else sorted(Path(__file__).resolve().parent.glob(f"*/{script}"))
+    rel = f"{hits[0].parent.name}/{script}" if len(hits) == 1 else script
+    return "python " + " ".join([f"benchmarks/{rel}", *sys.argv[1:]])
 
 
 def timed(run: Callable[..., dict], *args, tmp_prefix: str | None = None) -> dict:
