@@ -12,7 +12,8 @@ nothing loaded) and the run config:
                  (trainer.publish_layout), 2 staging copies of the rank's own shard on its device; and the LOAD
                  peak (`load_peak`), what a rank holds while it builds its model, on the host and on its device
                  (areal_mq/algorithms/loading.py): under fsdp with trainer.fsdp.load slices its fp32 shard (4 bytes
-                 x parameters / shard ranks) plus one slice being read; broadcast one whole tensor more; full (the
+                 x parameters / shard ranks) plus one slice being read (bf16, as checkpoints ship); broadcast one
+                 whole tensor more; full (the
                  old path) the whole model in fp32 on the host AND, moved there before sharding, on the device;
                  ddp the whole model in fp32 where it trains; the reference model (kl_coef > 0) is built the same
                  way after the policy. A rank must fit its training peak and its load peak. Under HSDP
@@ -46,6 +47,7 @@ from typing import Any
 
 GIB = 1 << 30
 TORCH_BASE = 0.4 * GIB  # a process with torch and the model code imported, before any tensor
+FILE_BYTES = 2  # a checkpoint's bytes per parameter: bf16, as models ship (the loader casts to fp32 into the shard)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -225,7 +227,7 @@ def load_peak(cfg: Any, s: Shape, ranks: int, on_cuda: bool) -> dict:
     t = cfg.trainer
     shard = shard_ranks(t, ranks)
     whole, models = 4.0 * s.params, 2 if t.kl_coef > 0 else 1
-    largest = 4.0 * s.embed_params  # the largest tensor (the embedding), in fp32
+    largest = FILE_BYTES * s.embed_params  # the largest tensor (the embedding), as the checkpoint stores it
     offload = t.strategy == "fsdp" and t.fsdp.offload and on_cuda
     if t.strategy != "fsdp":  # read whole, onto the device (ddp.py): one tensor in flight on the host
         return _load(on_cuda, host=largest, device=models * whole)
@@ -233,6 +235,7 @@ def load_peak(cfg: Any, s: Shape, ranks: int, on_cuda: bool) -> dict:
     if t.fsdp.load == "full":  # the whole model in fp32 on the host, then on the device, then sharded
         held = (models - 1) * own
         return _load(on_cuda, host=whole + held + own * offload, device=whole + held + own)
+    # slices: one slice being read; broadcast: rank 0 also holds the whole tensor it reads and sends
     transient = largest / shard + (largest if t.fsdp.load == "broadcast" else 0.0)
     if offload:
         return _load(on_cuda, host=models * own + transient, device=0.0)

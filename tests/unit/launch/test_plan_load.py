@@ -14,7 +14,7 @@ from areal_mq.launch.plan import GIB, TORCH_BASE, make_plan
 
 # benchmarks/speed/trainer_load.py, 2 gloo ranks, Qwen2.5-0.5B shape (24 layers), bf16 sharded checkpoint, fp32
 # master weights: the largest rank's peak RSS (GiB) while the trainer is built (2026-11-29, benchmarks/speed/RESULTS.md)
-MEASURED_05B_WORLD2 = {"full": 3.144, "slices": 1.394, "broadcast": 1.8}
+MEASURED_05B_WORLD2 = {"full": 3.144, "slices": 1.394, "broadcast": 1.475}
 
 
 def _config_dir(tmp_path: Path, shape: str, **overrides) -> Path:
