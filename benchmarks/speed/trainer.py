@@ -25,6 +25,7 @@ follows the engine's dtype: bf16 autocast over fp32 master weights); default cpu
 
     python benchmarks/speed/trainer.py [--quick] [--json PATH] [--threads N] [--device cpu|cuda|cuda:N]
     python benchmarks/speed/trainer.py --strategy fsdp --world 2 [--quick] [--json PATH]   (benchmarks/speed/trainer_fsdp.py)
+    python benchmarks/speed/trainer.py --load [--quick] [--json PATH]   (benchmarks/speed/trainer_load.py: load peak)
 
 `--quick` uses fewer, shorter sequences and one alternation (same code path, same long-tail shape); it
 finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
@@ -157,6 +158,11 @@ def table(report: dict, command: str) -> str:
 
 
 def main() -> None:
+    if "--load" in sys.argv:  # loading the sharded trainer, old path vs each rank's shards (issue 52)
+        import trainer_load
+
+        sys.argv = [a for a in sys.argv if a != "--load"]
+        return trainer_load.main()
     if "--strategy" in sys.argv:  # the sharded comparison (issue 37): its own script, same flags
         import trainer_fsdp
 
