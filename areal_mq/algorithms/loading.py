@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,11 +101,6 @@ def local_box(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(shape), tuple(offset)
 
 
-def _owned(lm: nn.Module) -> Iterator[tuple[str, Any]]:
-    """(state-dict name, parameter) once per parameter: a tied head comes under its first name only."""
-    yield from lm.named_parameters()
-
-
 def _restore_buffers(lm: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
     """Put back the real buffers `to_empty` replaced with uninitialised memory (rotary frequencies and the like)."""
     for name, buf in buffers.items():
@@ -126,7 +121,7 @@ def materialise(policy: nn.Module, lm: nn.Module, model_dir: str | Path, device:
     files = _Files(checkpoint_files(model_dir))
     try:
         with torch.no_grad():
-            for name, param in _owned(lm):
+            for name, param in lm.named_parameters():  # once each: a tied head comes under its first name
                 if name not in files.where:
                     raise ConfigError(f"{model_dir}: the checkpoint has no tensor {name!r}; was it saved from "
                                       "another model?")
