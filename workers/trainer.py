@@ -262,6 +262,7 @@ class TrainerWorker(Role):
         if not self.is_main and not self.trainer.strategy.gathers_collectively:
             return
         from areal_mq.weights.disk import publish_disk
+        from areal_mq.weights.publisher import adapter_form
 
         t0 = time.perf_counter()
         # under fsdp a collective (every rank takes the same branch: publish() returned a snapshot on all or none)
@@ -274,7 +275,7 @@ class TrainerWorker(Role):
         try:
             publish_disk(path, version, tensors, keep=cfg.trainer.keep_weight_versions,
                          hf_config_json=self.trainer.hf_config_json,
-                         digests={k: checksum(t) for k, t in tensors.items()})
+                         digests={k: checksum(t) for k, t in tensors.items()}, adapter=adapter_form(cfg.trainer))
         except OSError as exc:  # a full disk costs this version's evaluation, not the training run
             if self.log:
                 self.log.error("trainer.kept_for_eval_failed", version=version, error=str(exc)[:300],

@@ -10,13 +10,44 @@ Why: one documented model, unknown keys rejected, so a typo in a YAML file fails
 """
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from areal_mq.devices import DEVICE_RE
 from areal_mq.errors import ConfigError
 from areal_mq.sim.config import SimTrainerConfig
+
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class LoraConfig(BaseModel):
+    """trainer.lora: train a low-rank adapter on a frozen base instead of every weight."""
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(16, ge=1, le=1024, description="the adapter's rank r (A is r x in, B is out x r)")
+    alpha: float = Field(32.0, gt=0, description="the update is scaled by alpha / rank (PEFT's lora_alpha)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input while training")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="linear modules that get an adapter: 'all-linear' (every linear of the decoder "
+        "layers, not the output head) or names such as [q_proj, k_proj, v_proj, o_proj]")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v or len(v) > 32:
+                raise ValueError("target_modules: give 1 to 32 module names, or 'all-linear'")
+            bad = [n for n in v if not _MODULE_NAME.match(n)]
+            if bad:
+                raise ValueError(f"target_modules: {bad} are not module names (letters, digits, _)")
+        return v
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
 
 
 class FsdpConfig(BaseModel):
@@ -103,6 +134,12 @@ class TrainerConfig(BaseModel):
         "Runs on CPU (gloo) and GPU (nccl); `trainer.fsdp` tunes it.")
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig, description="FSDP2 settings (strategy: fsdp).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lora: LoraConfig | None = Field(
+        None, description="Train a LoRA adapter on a frozen base instead of every weight (areal_mq/algorithms/lora.py, "
+        "docs/bigger-models.md): the base is held in the training precision's dtype with no gradients or optimizer "
+        "state, only the adapter trains (fp32); the reference model is the base with the adapter off; versions "
+        "publish the adapter only (WeightsReady.adapter) and engines merge it from their base. null: full "
+        "fine-tuning.")
 
     # ---------------------------------------------------------------- loss
     temperature: float = Field(
@@ -225,9 +262,9 @@ class TrainerConfig(BaseModel):
 
     @property
     def sharded_publish(self) -> bool:
-        """Whether every rank serves its own shards (publish_layout, resolved)."""
-        return self.publish_layout == "sharded" or (
-            self.publish_layout == "auto" and self.strategy == "fsdp" and self.publish_mode == "zmq")
+        """Whether every rank serves its own shards (publish_layout, resolved; a LoRA adapter is small: rank 0's)."""
+        return self.lora is None and (self.publish_layout == "sharded" or (
+            self.publish_layout == "auto" and self.strategy == "fsdp" and self.publish_mode == "zmq"))
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
@@ -249,6 +286,13 @@ class TrainerConfig(BaseModel):
         if self.strategy == "fsdp" and self.publish_mode == "cuda_ipc":
             raise ValueError("publish_mode cuda_ipc shares the live parameters of one whole model, which no FSDP rank "
                              "holds; use publish_mode disk or zmq with strategy fsdp")
+        if self.lora is not None and self.publish_mode == "cuda_ipc":
+            raise ValueError("trainer.lora publishes the adapter only, which cuda_ipc (the live parameters of the whole "
+                             "model) cannot carry; use publish_mode disk or zmq")
+        if self.lora is not None and self.strategy != "ddp":
+            raise ValueError("trainer.lora trains under strategy ddp for now (the frozen base costs 2 bytes per "
+                             "parameter in bf16 per rank, docs/bigger-models.md); FSDP2 with an adapter is not built "
+                             "yet: use strategy ddp")
         if self.behav_cap_mode == "mask" and self.behav_weight_cap is None:
             raise ValueError("behav_cap_mode 'mask' needs a behav_weight_cap; set one (e.g. 5.0) or use 'truncate'")
         if self.behav_weight_level != "token" and not self.behav_correction:

@@ -6,7 +6,8 @@ wrapped by Accelerate's DDP; gradients are all-reduced once per mini-batch; bf16
 policy's own autocast (Accelerate refuses fp16 on a CPU); a checkpoint holds the model as a plain Hugging Face
 directory (config.json + model.safetensors in fp32) and the optimizer in trainer_state.pt, written by rank 0 alone;
 publishing is rank 0's (the others never take part).
-Memory per rank: 16 bytes per parameter (fp32 weights 4, gradients 4, AdamW moments 8) plus activations.
+Memory per rank: 16 bytes per parameter (fp32 weights 4, gradients 4, AdamW moments 8) plus activations; under
+trainer.lora the frozen base costs its dtype's bytes only (2 in bf16) and the adapter 16 per adapter parameter.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class DdpStrategy:
         self.cfg, self.precision = cfg, precision
         self.accelerator: Any = None
         self.device = torch.device("cpu")
+        self.lora_identity: dict[str, str] = {}  # trainer.lora: the base's path and sha256 (checkpoints hold it)
 
     # ---------------------------------------------------------------- precision and building
     @property
@@ -52,12 +54,18 @@ class DdpStrategy:
         from areal_mq.algorithms.policy import PolicyLogprobs
 
         lm = load_whole(model_path, self.device)
+        if train and self.cfg.lora is not None:  # the base frozen in the precision's dtype, the adapter in fp32
+            from areal_mq.algorithms import lora
+
+            lm = lora.attach(lm, self.cfg.lora, lora.base_dtype(self.precision))
+            self.lora_identity = lora.base_identity(model_path)
         if train and self.cfg.gradient_checkpointing:
             enable_gradient_checkpointing(lm)
         lm.train(train)
         if not train:
             lm.requires_grad_(False)
-        policy = PolicyLogprobs(lm, self.cfg.fsdp.logprob_chunk_mb, self.autocast)
+        hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # under LoRA: adapters injected in place
+        policy = PolicyLogprobs(hf, self.cfg.fsdp.logprob_chunk_mb, self.autocast)
         return lm, self.accelerator.prepare_model(policy, device_placement=False, evaluation_mode=not train)
 
     # ---------------------------------------------------------------- the step
@@ -83,15 +91,26 @@ class DdpStrategy:
 
     # ---------------------------------------------------------------- checkpoints
     def save_main(self, trainer: Any, tmp: Path) -> dict:
-        """Rank 0's files: the model as a Hugging Face directory; returns the blobs for trainer_state.pt."""
-        trainer.unwrapped.save_pretrained(str(tmp), safe_serialization=True)
+        """Rank 0's files: the model as a Hugging Face directory (under LoRA the adapter and the base's identity
+        only, algorithms/lora.py); returns the blobs for trainer_state.pt."""
+        if self.cfg.lora is not None:
+            from areal_mq.algorithms import lora
+
+            lora.save(trainer.unwrapped, tmp, self.lora_identity)
+        else:
+            trainer.unwrapped.save_pretrained(str(tmp), safe_serialization=True)
         return {"optimizer": trainer.optimizer.state_dict()}
 
     def save_shards(self, trainer: Any, shard_dir: Path) -> None:
         """Nothing per rank: rank 0 wrote the whole model."""
 
     def load(self, trainer: Any, path: Path, blobs: dict, shard_dir: Path) -> None:
-        load_model_weights(trainer.unwrapped, path)
+        if self.cfg.lora is not None:
+            from areal_mq.algorithms import lora
+
+            lora.load(trainer.unwrapped, path, self.lora_identity)
+        else:
+            load_model_weights(trainer.unwrapped, path)
         trainer.optimizer.load_state_dict(blobs["optimizer"])
 
 

@@ -22,50 +22,16 @@ merge_and_unload, hostile adapters refused).
 from __future__ import annotations
 
 import contextlib
-import re
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
+from areal_mq.algorithms.config import LoraConfig  # noqa: F401  (trainer.lora)
 from areal_mq.weights.adapter import MAX_RANK, AdapterError, check_adapter, merge, pairs  # noqa: F401
 
 if TYPE_CHECKING:
     import torch
 
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the base model's own module paths
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-
-
-class LoraConfig(BaseModel):
-    """trainer.lora: train a low-rank adapter on a frozen base instead of every weight."""
-    model_config = ConfigDict(extra="forbid")
-
-    rank: int = Field(16, ge=1, le=MAX_RANK, description="the adapter's rank r (A is r x in, B is out x r)")
-    alpha: float = Field(32.0, gt=0, description="the update is scaled by alpha / rank (PEFT's lora_alpha)")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input while training")
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="linear modules that get an adapter: 'all-linear' (every linear of the decoder "
-        "layers, not the output head) or names such as [q_proj, k_proj, v_proj, o_proj]")
-
-    @field_validator("target_modules")
-    @classmethod
-    def _names(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            if not v or len(v) > 32:
-                raise ValueError("target_modules: give 1 to 32 module names, or 'all-linear'")
-            bad = [n for n in v if not _MODULE_NAME.match(n)]
-            if bad:
-                raise ValueError(f"target_modules: {bad} are not module names (letters, digits, _)")
-        return v
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    def meta(self) -> dict[str, Any]:
-        """What a publication of this adapter announces beside its tensors (WeightsReady.adapter)."""
-        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
-        return {"rank": self.rank, "alpha": self.alpha, "scaling": self.scaling, "target_modules": targets}
 
 
 def attach(model: Any, cfg: LoraConfig, base_dtype: "torch.dtype") -> Any:
@@ -111,3 +77,71 @@ def load_adapter(model: Any, tensors: Mapping[str, "torch.Tensor"]) -> None:
     missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if missing:
         raise AdapterError(f"adapter tensors the model has no place for: {missing[:4]}")
+
+
+def base_dtype(precision: str) -> "torch.dtype":
+    """The frozen base's dtype: what the training precision computes in (fp32, bf16, fp16); no fp32 master copy of
+    weights that never change."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def snapshot(model: Any, dtype: str | None) -> dict[str, "torch.Tensor"]:
+    """The adapter as published: host copies in `dtype` (a sharded adapter's whole tensors: under FSDP2 a collective
+    every rank joins)."""
+    import torch
+
+    out = {}
+    for name, t in adapter_tensors(model).items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[name] = full.detach().to(device="cpu", dtype=getattr(torch, dtype) if dtype else full.dtype, copy=True)
+    return out
+
+
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's own file name: a checkpoint's adapter loads with PeftModel too
+BASE_FILE = "base_model.json"
+
+
+def base_identity(model_path: str | Path) -> dict[str, str]:
+    """The base an adapter belongs to: its path and a sha256 over its weight files (name, size and bytes), read
+    once per trainer start (seconds for a 7B model) and written into every checkpoint."""
+    import hashlib
+
+    root = Path(model_path)
+    digest = hashlib.sha256()
+    for f in sorted(root.glob("*.safetensors")):
+        digest.update(f.name.encode() + b"\0" + str(f.stat().st_size).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
+    return {"path": str(root.resolve()), "sha256": digest.hexdigest()}
+
+
+def save(model: Any, directory: Path, identity: Mapping[str, str]) -> None:
+    """A checkpoint's model part under LoRA: the adapter (PEFT's adapter_model.safetensors and adapter_config.json,
+    so `PeftModel.from_pretrained(base, dir)` loads it) and the base's identity; never the frozen base."""
+    import json
+
+    model.save_pretrained(str(directory), safe_serialization=True)
+    (Path(directory) / BASE_FILE).write_text(json.dumps(dict(identity), indent=1))
+
+
+def load(model: Any, directory: Path, identity: Mapping[str, str]) -> None:
+    """The adapter of a LoRA checkpoint into `model`, refusing one trained on another base."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from areal_mq.errors import ConfigError
+
+    directory = Path(directory)
+    if not (directory / ADAPTER_FILE).is_file():
+        raise ConfigError(f"checkpoint {directory} holds no LoRA adapter ({ADAPTER_FILE}): it was saved by a full "
+                          "fine-tuning run; resume it without trainer.lora")
+    saved = json.loads((directory / BASE_FILE).read_text()) if (directory / BASE_FILE).is_file() else {}
+    if saved.get("sha256") and saved["sha256"] != identity.get("sha256"):
+        raise ConfigError(f"checkpoint {directory}'s adapter was trained on the base at {saved.get('path')} "
+                          f"(sha256 {saved['sha256'][:12]}...), not on {identity.get('path')} "
+                          f"(sha256 {identity.get('sha256', '')[:12]}...): resume with the same model.name")
+    load_adapter(model, {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(directory / ADAPTER_FILE)).items()})

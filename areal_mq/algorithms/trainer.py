@@ -177,7 +177,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.unwrapped, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.ref_model = None
-        if cfg.kl_coef > 0:  # built like the policy: under fsdp 4 bytes per parameter / shard ranks more
+        if cfg.kl_coef > 0 and cfg.lora is not None:  # the base with the adapter off (lora.reference): no 2nd model
+            self.ref_model = self.model
+        elif cfg.kl_coef > 0:  # built like the policy: under fsdp 4 bytes per parameter / shard ranks more
             self.ref_model = self.strategy.build(self.model_path, train=False)[1]
         self.version = 0
         self.optimizer_steps = 0
@@ -262,14 +264,26 @@ class Trainer:
                         if recompute_prox:
                             mb.prox_logp, _ = token_logprobs(self.model, mb, self.cfg.temperature)
                         if self.ref_model is not None:
-                            mb.ref_logp, _ = token_logprobs(self.ref_model, mb, self.cfg.temperature)
+                            with self._reference():
+                                mb.ref_logp, _ = token_logprobs(self.ref_model, mb, self.cfg.temperature)
                     for _ in range(n_runs - len(mini)):  # lockstep: join the other ranks' collectives
                         if recompute_prox:
                             self._empty_forward(self.model)
                         if self.ref_model is not None:
-                            self._empty_forward(self.ref_model)
+                            with self._reference():
+                                self._empty_forward(self.ref_model)
         finally:
             self.model.train()
+
+    def _reference(self) -> Any:
+        """The reference policy's context: under trainer.lora the adapter switched off, else nothing to do."""
+        import contextlib
+
+        if self.cfg.lora is None:
+            return contextlib.nullcontext()
+        from areal_mq.algorithms.lora import reference
+
+        return reference(self.unwrapped)
 
     def _runs(self, minis: list[list[MicroBatch]]) -> list[int]:
         """Forwards each mini-batch takes on this rank: its micro-batches, or the busiest rank's count (lockstep)."""
@@ -447,6 +461,13 @@ class Trainer:
         is a collective (every rank calls it; the full model is gathered one tensor at a time and kept on
         rank 0 only, the others get {}): the named fallback of sharded publishing (trainer.publish_layout gather).
         `strategy.gathers_collectively` says whether ranks other than 0 must call it."""
+        if self.cfg.lora is not None:  # a LoRA version is its adapter (WeightsReady.adapter); engines merge it
+            from areal_mq.algorithms.lora import snapshot
+
+            if self.is_main or self.strategy.gathers_collectively:
+                tensors = snapshot(self.unwrapped, dtype or self.cfg.publish_dtype)
+                return tensors if self.is_main else {}
+            return {}
         return self.strategy.full_state_dict(self.unwrapped, dtype or self.cfg.publish_dtype, keep=self.is_main)
 
     def publish_slices(self, dtype: str | None = None) -> tuple[dict, dict]:

@@ -60,7 +60,9 @@ def evaluate_workflow(cfg: Any, workflow: str | None = None, weights: str | None
     t0 = time.perf_counter()
     try:
         if weights:
-            engine.update_weights(1, path=str(weights))
+            from areal_mq.weights.disk import load_version_dir  # a full or a LoRA version
+
+            load_version_dir(engine, 1, weights)
         sampling = SamplingSpec(temperature=temperature, max_new_tokens=cfg.controller.max_new_tokens, seed=cfg.run.seed)
         backend = EngineBackend(engine, rewards=LocalRewards(cfg.reward))  # controller.reward_task, in process
         results = asyncio.run(_episodes(cfg, fn, problems, tokenizer, fmt, backend, sampling, progress))

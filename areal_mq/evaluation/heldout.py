@@ -65,7 +65,9 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
     t0 = time.perf_counter()
     try:
         if weights:
-            engine.update_weights(version if version is not None else 1, path=str(weights))
+            from areal_mq.weights.disk import load_version_dir  # a full or a LoRA version
+
+            load_version_dir(engine, version if version is not None else 1, weights)
         sampling = SamplingSpec(temperature=0.0, max_new_tokens=max_new_tokens or cfg.controller.max_new_tokens)
         for p in problems:
             engine.submit(EngineRequest(p.id, fmt.ids(p), sampling))

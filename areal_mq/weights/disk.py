@@ -26,18 +26,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from areal_mq.errors import WeightsFetchError
-from areal_mq.messages import WeightsLink, WeightsReady
+from areal_mq.messages import WeightsAdapter, WeightsLink, WeightsReady
 from areal_mq.weights.delta import DeltaError, TensorDelta
 
 if TYPE_CHECKING:
     import torch
 
 VERSION_DIR = re.compile(r"^v(\d+)$")
-FULL_FILE, DELTA_FILE = "model.safetensors", "model.delta"
+FULL_FILE, DELTA_FILE, ADAPTER_FILE = "model.safetensors", "model.delta", "adapter.json"
 
 def publish_disk(weights_dir: str | Path, version: int, tensors: Mapping[str, "torch.Tensor"], keep: int = 2,
                  hf_config_json: str | None = None, delta: "DiskDelta | None" = None, full: bool = True,
-                 digests: Mapping[str, str] | None = None) -> WeightsReady:
+                 digests: Mapping[str, str] | None = None, adapter: WeightsAdapter | None = None) -> WeightsReady:
     """Write version `version` atomically under weights_dir/v{version} (model.safetensors when `full`,
     model.delta when a `delta` from version-1 is given); prune to the last `keep` and their chain.
     `digests` (the tensors' checksums, given when deltas are on) go into the full file's metadata, and the
@@ -59,6 +59,8 @@ def publish_disk(weights_dir: str | Path, version: int, tensors: Mapping[str, "t
             save_file(dict(tensors), str(tmp / FULL_FILE), metadata=meta)
             if hf_config_json is not None:
                 (tmp / "config.json").write_text(hf_config_json)
+        if adapter is not None:  # a LoRA version: the tensors are the adapter (docs/protocol.md, weights_adapter)
+            (tmp / ADAPTER_FILE).write_text(adapter.model_dump_json())
         if delta is not None:
             delta.write(tmp / DELTA_FILE, version)
         if final.exists():  # republishing a version (e.g. after a resume): swap it out
@@ -72,7 +74,7 @@ def publish_disk(weights_dir: str | Path, version: int, tensors: Mapping[str, "t
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     links = disk_links(root, version) if digests is not None else []
     return WeightsReady(version=version, mode="disk", path=str(final.resolve()), meta={"bytes": int(nbytes)},
-                        base=version - 1 if delta is not None else -1, links=links)
+                        base=version - 1 if delta is not None else -1, links=links, adapter=adapter)
 
 
 class DiskDelta:
@@ -158,6 +160,29 @@ def prune_disk(weights_dir: str | Path, keep: int) -> None:
     for v in versions:
         if v < start:
             shutil.rmtree(root / f"v{v}", ignore_errors=True)
+
+
+def read_adapter(path: str | Path) -> WeightsAdapter | None:
+    """The WeightsAdapter of a LoRA version directory (its adapter.json), None for a full version."""
+    f = Path(path) / ADAPTER_FILE
+    if not f.is_file():
+        return None
+    try:
+        return WeightsAdapter.model_validate_json(f.read_text()[:4096])
+    except ValueError as exc:
+        raise WeightsFetchError(f"{f} is not a weights_adapter description: {str(exc)[:200]}") from None
+
+
+def load_version_dir(engine: Any, version: int, path: str | Path) -> dict[str, float]:
+    """Load a version directory into an engine as the evaluations do: a full version by path, a LoRA version
+    (adapter.json beside the adapter's tensors) merged from the engine's base (Engine.accepts_adapters)."""
+    adapter = read_adapter(path)
+    if adapter is None:
+        return engine.update_weights(version, path=str(path))
+    if not getattr(engine, "accepts_adapters", False):
+        raise WeightsFetchError(f"{path} holds a LoRA adapter (trainer.lora) and this engine takes no adapters: use "
+                                "engine.kind torch")
+    return engine.update_weights(version, adapter=engine.stage_adapter(read_disk(path), adapter.scaling))
 
 
 def read_disk(path: str | Path, verify_checksums: bool = False) -> dict[str, "torch.Tensor"]:

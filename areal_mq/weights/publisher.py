@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from areal_mq.messages import WeightsReady
+from areal_mq.messages import WeightsAdapter, WeightsReady
 from areal_mq.security import Keyring
 from areal_mq.weights.codec import same_layout, unique_tensors
 from areal_mq.weights.delta import checksum, encode_version
@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     import torch
 
     from areal_mq.algorithms.config import TrainerConfig
+
+
+def adapter_form(cfg: "TrainerConfig") -> WeightsAdapter | None:
+    """What a LoRA trainer's versions announce (trainer.lora): the tensors are then the adapter only."""
+    if cfg.lora is None:
+        return None
+    return WeightsAdapter(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
 
 
 def deltas_on(cfg: "TrainerConfig") -> bool:
@@ -40,6 +47,7 @@ class WeightPublisher:
         self.server = None
         self.ipc = IpcPublisher(run_dir, cfg.publish_dtype) if cfg.publish_mode == "cuda_ipc" else None
         self._last: tuple[int, Mapping[str, Any]] | None = None  # disk: the previous version, the delta's base
+        self.adapter = adapter_form(cfg)  # a LoRA trainer publishes its adapter (WeightsReady.adapter)
         if cfg.publish_mode == "zmq":
             self.server = WeightServer(cfg.weight_server_host, cfg.weight_server_port, cfg.keep_weight_versions,
                                        int(cfg.weight_chunk_mb * (1 << 20)), keys=keys, log=log,
@@ -55,9 +63,11 @@ class WeightPublisher:
         if not snapshot:
             tensors = unique_tensors(tensors, self.cfg.publish_dtype)
         if self.server is not None:
-            return self.server.publish(version, tensors)
+            ready = self.server.publish(version, tensors)
+            return ready if self.adapter is None else ready.model_copy(update={"adapter": self.adapter})
         if not self.deltas:
-            return publish_disk(self.weights_dir, version, tensors, self.cfg.keep_weight_versions, hf_config_json)
+            return publish_disk(self.weights_dir, version, tensors, self.cfg.keep_weight_versions, hf_config_json,
+                                adapter=self.adapter)
         delta = None
         digests = {k: checksum(t) for k, t in tensors.items()}
         if self._last is not None and self._last[0] == version - 1 and same_layout(self._last[1], tensors):
@@ -65,7 +75,7 @@ class WeightPublisher:
         full = delta is None or version % self.cfg.full_every == 0
         self._last = (version, tensors)
         return publish_disk(self.weights_dir, version, tensors, self.cfg.keep_weight_versions, hf_config_json,
-                            delta=delta, full=full, digests=digests)
+                            delta=delta, full=full, digests=digests, adapter=self.adapter)
 
     def close(self) -> None:
         if self.server is not None:

@@ -98,7 +98,8 @@ def test_rank_bound():
 
 
 def test_config_is_checked():
-    assert lora.LoraConfig().meta() == {"rank": 16, "alpha": 32.0, "scaling": 2.0, "target_modules": "all-linear"}
+    cfg = lora.LoraConfig()
+    assert (cfg.rank, cfg.alpha, cfg.scaling, cfg.target_modules) == (16, 32.0, 2.0, "all-linear")
     for bad in ({"rank": 0}, {"target_modules": ["q_proj; import os"]}, {"target_modules": []}, {"typo": 1}):
         with pytest.raises(ValidationError):
             lora.LoraConfig(**bad)
