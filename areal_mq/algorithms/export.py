@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_mq.algorithms.checkpoint import SHARDED, STATE_JSON, TOKENIZER_FILES, latest_checkpoint
+from areal_mq.algorithms.checkpoint import SHARDED, STATE_JSON, TOKENIZER_FILES, checkpoint_format, latest_checkpoint
 from areal_mq.algorithms.export_sources import CODES, DcpSource, SafetensorsSource
 from areal_mq.errors import ExportError
 
@@ -272,9 +272,14 @@ def _write_config(src: Path, tmp: Path, dtype: str) -> None:
 
 
 def _open_source(src: Path) -> Any:
-    if (src / SHARDED / ".metadata").is_file():
+    """The reader of the checkpoint's model: its format as the checkpoint code names it (a model directory without
+    a trainer's JSON is "hf")."""
+    fmt = checkpoint_format(src) if (src / STATE_JSON).is_file() else "hf"
+    if fmt == "dcp":
+        if not (src / SHARDED / ".metadata").is_file():
+            raise ExportError(f"checkpoint {src} is sharded but {SHARDED}/.metadata is missing (was it cut?)")
         return DcpSource(src / SHARDED)
     files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise ExportError(f"checkpoint {src} holds no weights: neither *.safetensors nor {SHARDED}/.metadata")
+    if fmt != "hf" or not files:
+        raise ExportError(f"checkpoint {src} holds no weights export reads (format {fmt!r}, no *.safetensors)")
     return SafetensorsSource(files)

@@ -127,6 +127,8 @@ def test_an_fsdp_layout_checkpoint_exports_the_same_tensors(trained, tmp_path):
     for f in ckpt.iterdir():
         if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy2(f, fsdp / f.name)
+    meta = json.loads((fsdp / "trainer_state.json").read_text())
+    (fsdp / "trainer_state.json").write_text(json.dumps({**meta, "strategy": "fsdp", "format": "dcp"}))
     model = {f"lm.{k}": v for k, v in state.items()}  # lm_head.weight too: the tied alias is held twice here
     optim = {"state": {f"lm.{k}": {"exp_avg": torch.zeros_like(v)} for k, v in state.items()}}
     dcp.save({"model": model, "optim": optim}, checkpoint_id=str(fsdp / "sharded"), no_dist=True)
