@@ -11,16 +11,25 @@
 # (see docs/engines.md); setuptools is a build tool and is not pinned down here either.
 #
 # How: `bash docker/install-vllm.sh` (idempotent, non-interactive; re-running is a quick no-op).
-# Env: PYTHON (default python3), VLLM_VERSION (default 0.32.0), TORCH_VERSION (default 2.13.0).
+# Env: PYTHON (default python3), TORCH_VERSION (default 2.13.0). The vLLM release is PINNED_VLLM in
+# areal_mq/engines/vllm/worker.py (read from there: one definition); the engine refuses any other release, because
+# its in-place weight reload uses vLLM's private layer-wise reload (AREAL_MQ_VLLM_ANY_VERSION=1 overrides, untested).
 #
-# On a CUDA node: `bash docker/install-vllm.sh --cuda` installs vLLM's GPU wheel (`vllm==$VLLM_VERSION` from PyPI)
-# with the CUDA torch that wheel pins, BEFORE the project (`pip install -e .` then keeps that torch: pyproject
-# asks only torch>=2.4). Never run on a GPU by this project's CI (docs/gpu.md says which steps were).
+# On a CUDA node: `bash docker/install-vllm.sh --cuda` installs vLLM's GPU wheel of the same release
+# (`vllm==PINNED_VLLM` from PyPI) with the CUDA torch that wheel pins, BEFORE the project (`pip install -e .` then
+# keeps that torch: pyproject asks only torch>=2.4). Never run on a GPU by this project's CI (docs/gpu.md says
+# which steps were).
 set -euo pipefail
+
+PIN_FILE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/areal_mq/engines/vllm/worker.py"
+VLLM_VERSION="$(sed -n 's/^PINNED_VLLM = "\(.*\)".*/\1/p' "$PIN_FILE")"
+if [ -z "$VLLM_VERSION" ]; then
+    echo "[install-vllm] ERROR: no PINNED_VLLM found in $PIN_FILE" >&2
+    exit 1
+fi
 
 if [ "${1:-}" = "--cuda" ]; then
     PYTHON="${PYTHON:-python3}"
-    VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
     echo "[install-vllm] installing vllm==$VLLM_VERSION (the CUDA wheel, with the torch it pins)" >&2
     "$PYTHON" -m pip install "vllm==$VLLM_VERSION"
     "$PYTHON" -c "import torch, vllm; print('[install-vllm] vllm', vllm.__version__, 'torch', torch.__version__, \
@@ -32,7 +41,6 @@ elif [ -n "${1:-}" ]; then
 fi
 
 PYTHON="${PYTHON:-python3}"
-VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 

@@ -8,8 +8,9 @@ a mid-generation update stamps tokens before with v and after with v+1 (vLLM's s
 the engine's own stamps), and the tokens after follow weights B — with the KV recomputed
 ("recompute") or kept from A ("keep"), each matching its own HF reference; the prefix cache does
 not serve blocks from old weights; an in-memory update crosses vLLM's RPC in buckets, writes no file and
-switches versions at the same point; abort returns the partial sequence; a bad model path is a clear
-error within a deadline.
+switches versions at the same point, staged (buckets made ready while decoding, the pause only for the swap) or
+serial, every token before the switch following the old weights; the CPU default dtype is float32; abort returns
+the partial sequence; a bad model path is a clear error within a deadline.
 
 Run: pytest -m vllm tests/integration/test_vllm_engine.py  (needs bash docker/install-vllm.sh)
 """
@@ -70,7 +71,7 @@ def engine(model_dir, shm_dir):
     cfg = EngineConfig(kind="vllm", max_concurrent=4, seed=0,
                        vllm={"kv_cache_space_gib": 1, "start_timeout_s": 1200, "weight_bucket_mb": 64,
                              "shm_dir": str(shm_dir)})
-    eng = VllmEngine(cfg, model_dir, dtype="float32")
+    eng = VllmEngine(cfg, model_dir)  # no dtype: the CPU default, model.dtype's float32 (the parity below needs it)
     print(f"\nvLLM engine started in {eng.start_s:.1f} s")
     yield eng
     eng.close()
@@ -92,8 +93,8 @@ def run(engine, requests, on_tokens=None, timeout=600) -> dict[str, EngineOutput
     return outs
 
 
-def greedy(rid, n=48):
-    return EngineRequest(rid, list(PROMPT), SamplingSpec(temperature=0.0, max_new_tokens=n))
+def greedy(rid, n=48, ignore_eos=False):
+    return EngineRequest(rid, list(PROMPT), SamplingSpec(temperature=0.0, max_new_tokens=n, ignore_eos=ignore_eos))
 
 
 def restore_a(engine, weights, version):
@@ -150,26 +151,46 @@ def test_update_recompute_mid_generation(engine, hf, weights):
     assert again.output_ids.tolist() == before.output_ids.tolist()
 
 
-def test_in_memory_update_mid_generation_goes_through_vllms_rpc(engine, hf, weights, shm_dir):
-    """update_weights(tensors=...) packs the tensors into buckets of raw bytes, sends them with collective_rpc and
-    the worker loads them with vLLM's own loader: nothing is written (shm_dir stays empty), every tensor arrives,
-    the version switches at the same point as from a path, and the tokens after it follow the new weights."""
+def test_the_cpu_default_dtype_is_the_models_float32(engine):
+    import torch
+
+    assert engine.dtype == "float32" and engine._llm.model_config.dtype == torch.float32
+
+
+@pytest.mark.parametrize("mode", ["staged", "serial"])
+def test_in_memory_update_mid_generation_goes_through_vllms_rpc(engine, hf, weights, shm_dir, mode):
+    """update_weights(tensors=...) packs the tensors into buckets of raw bytes and sends them with collective_rpc;
+    nothing is written (shm_dir stays empty), every tensor arrives, the version switches at one token, every token
+    before it follows the old weights and every token after it the new ones. staged: the buckets are made ready in
+    the worker while the request keeps decoding (those tokens must still be the old version's, exactly), and
+    generation pauses only for the swap; serial: the pause holds the whole transfer."""
     v0 = engine.version
+    engine.vcfg.weight_update = mode
     timings = {}
-    out = run(engine, [greedy("m1", 64)], on_tokens=(6, lambda e: timings.update(
-        e.update_weights(v0 + 1, tensors=weights["B"], kv_on_update="recompute"))))["m1"]
+    try:
+        # long enough to outlast the staging (seconds here) so that the switch falls inside the request
+        out = run(engine, [greedy("m1-" + mode, 400, ignore_eos=True)], on_tokens=(6, lambda e: timings.update(
+            e.update_weights(v0 + 1, tensors=weights["B"], kv_on_update="recompute"))))["m1-" + mode]
+    finally:
+        engine.vcfg.weight_update = "staged"
     assert timings["buckets"] > 1 and timings["tensors"] == len(weights["B"]), timings
-    assert "stage_s" not in timings and not list(shm_dir.iterdir())
+    assert not list(shm_dir.iterdir())
     k = int((out.versions == v0).sum())
     assert 0 < k < len(out.output_ids), out.versions
     assert out.versions.tolist() == [v0] * k + [v0 + 1] * (len(out.output_ids) - k)
     assert np.array_equal(out.stats["own_versions"], out.versions)
+    assert engine.stats()["version_mismatches"] == 0
     ids = out.output_ids.tolist()
-    b_lp, _ = hf.logprobs(PROMPT, ids, 0.0, weights["B"])
+    a_lp, _ = hf.logprobs(PROMPT, ids, 0.0, weights["A"])
+    b_lp, b_best = hf.logprobs(PROMPT, ids, 0.0, weights["B"])
+    np.testing.assert_allclose(out.logprobs[:k], a_lp[:k], atol=LOGPROB_TOL)  # staging left the old weights live
     np.testing.assert_allclose(out.logprobs[k:], b_lp[k:], atol=LOGPROB_TOL)
-    print(f"\nin-memory update of {len(weights['B'])} tensors in {timings['buckets']:.0f} buckets: "
-          f"pack {timings['pack_s']:.2f} s, load {timings['load_s']:.2f} s, total {timings['total_s']:.2f} s")
+    assert (b_best[k:] - b_lp[k:] <= ARGMAX_TOL).all()
+    print(f"\n{mode} in-memory update of {len(weights['B'])} tensors in {timings['buckets']:.0f} buckets: "
+          f"{k} tokens of the old version, paused {timings['paused_s']:.2f} s, total {timings['total_s']:.2f} s")
     restore_a(engine, weights, v0 + 2)
+    again = run(engine, [greedy("m2-" + mode)])["m2-" + mode]
+    check_follows(hf, again, 0.0, lambda o: hf.logprobs(PROMPT, o.output_ids.tolist(), 0.0, weights["A"]))
 
 
 def test_update_keep_continues_on_stale_kv(engine, hf, weights):

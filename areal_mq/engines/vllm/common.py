@@ -49,12 +49,32 @@ class VllmError(ArealError):
 
 
 def require_vllm() -> Any:
-    """Import vLLM or raise ConfigError saying how to install it."""
+    """Import vLLM or raise ConfigError saying how to install it, or that it is not the pinned release."""
+    from areal_mq.engines.vllm.worker import check_vllm_version
+
     try:
         import vllm
     except ImportError as exc:
         raise ConfigError(f"engine 'vllm' needs vLLM, which is not importable here ({exc}); {INSTALL_HINT}") from exc
+    try:
+        check_vllm_version(vllm.__version__)
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from None
     return vllm
+
+
+def start_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment every vLLM start needs, whatever the device (set before the engine is built).
+
+    VLLM_WORKER_MULTIPROC_METHOD=spawn unless the user set it: vLLM starts its engine core and its
+    tensor-parallel workers by fork by default on CUDA, and a rollout worker is a process with threads
+    (the vllm-loop, heartbeats) and open ZeroMQ sockets, which a forked child inherits half-copied (locks
+    held by other threads, sockets shared with the parent). vLLM's CPU backend forces spawn itself."""
+    env = os.environ if environ is None else environ
+    out = {}
+    if "VLLM_WORKER_MULTIPROC_METHOD" not in env:
+        out["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    return out
 
 
 def vllm_on_cpu() -> bool:

