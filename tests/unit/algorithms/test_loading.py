@@ -124,3 +124,18 @@ def test_no_caller_branches_on_the_strategy_name(path):
 def test_sharded_publishing_takes_slices_and_never_imports_the_trainer():
     text = (REPO / "areal_mq/weights/sharded.py").read_text()
     assert "areal_mq.algorithms" not in text.replace("areal_mq/algorithms/", "")
+
+
+def test_a_checkpoint_says_its_format_and_an_older_one_is_read_by_its_layout(tmp_path):
+    import json
+
+    from areal_mq.algorithms.checkpoint import SHARDED, STATE_JSON, checkpoint_format
+
+    for name, state, sharded, want in (("new", {"format": "dcp"}, False, "dcp"), ("old-ddp", {}, False, "hf"),
+                                       ("old-fsdp", {"strategy": "fsdp"}, True, "dcp")):
+        path = tmp_path / name
+        (path / SHARDED).mkdir(parents=True) if sharded else path.mkdir()
+        (path / STATE_JSON).write_text(json.dumps(state))
+        assert checkpoint_format(path) == want, name
+    strategies = {n: build_strategy(TrainerConfig(strategy=n), "fp32").checkpoint_format for n in STRATEGIES}
+    assert strategies == {"ddp": "hf", "fsdp": "dcp"}
