@@ -6,9 +6,11 @@ bf16 checkpoint, `model-0000x-of-0000y.safetensors` + index, in a cache director
   - full: trainer.fsdp.load full, the old path: every rank loads the whole model in fp32 on the host, then shards;
   - slices: the model built on the meta device, sharded, each rank reading only its rows, memory-mapped (default);
   - broadcast: the same, rank 0 reading each tensor whole and broadcasting it.
-Each launch builds the trainer (strategy fsdp, fp32 master weights) and takes one training step. Reported per rank:
-peak RSS when the trainer is built (the load peak: ru_maxrss, imports included, the same for all three), the RSS
-before loading, the load time and the time to the first step's end. Headline ratio `full_vs_sharded_load_rank_peak`
+Each launch builds the trainer (strategy fsdp, fp32 master weights) and takes one training step where the machine
+has room for its gradients and AdamW state (16 bytes per parameter / world per rank: not 1.5B on a 24 GiB host,
+whose time is then taken to the loaded model). Reported per rank: peak RSS when the trainer is built (the load
+peak: ru_maxrss, imports included, the same for all three), the RSS before loading, the load time, the time from
+the launch to the loaded model and to the first step's end. Headline ratio `full_vs_sharded_load_rank_peak`
 = the largest rank's load peak under full / under slices on the 0.5B shape (target >= 1.8 at world 2); also the
 same ratio for broadcast and 1.5B, and full_vs_sharded_first_step (time to the first step, full / slices).
 The three ways run one after another, in the order full, slices, broadcast (each its own processes, so no peak
@@ -67,8 +69,8 @@ def batch() -> list:
     return out
 
 
-def worker(model_dir: str, how: str, out: str, started: float) -> None:
-    """One rank: build the fsdp trainer with trainer.fsdp.load `how`, take one step, report."""
+def worker(model_dir: str, how: str, out: str, started: float, step: bool) -> None:
+    """One rank: build the fsdp trainer with trainer.fsdp.load `how`, take one step (when `step`), report."""
     import torch
 
     from areal_mq.algorithms.config import TrainerConfig
@@ -82,10 +84,12 @@ def worker(model_dir: str, how: str, out: str, started: float) -> None:
     trainer = Trainer(cfg, model_dir, device="cpu")
     load_s = time.time() - t0
     load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-    loss = trainer.train_step(batch())["loss"]
+    loaded_s = time.time() - started
+    loss = trainer.train_step(batch())["loss"] if step else None
     Path(out, f"{how}-rank{trainer.rank}.json").write_text(json.dumps(
         {"load_peak_rss_gib": round(load_peak, 3), "rss_before_load_gib": round(before, 3),
-         "load_s": round(load_s, 2), "first_step_end_s": round(time.time() - started, 2),
+         "load_s": round(load_s, 2), "loaded_s": round(loaded_s, 2),
+         "first_step_end_s": round(time.time() - started, 2) if step else None,
          "step_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
          "loss": loss, "world": trainer.world_size}))
 
@@ -133,12 +137,12 @@ def available_gib() -> float:
         return next(int(l.split()[1]) for l in f if l.startswith("MemAvailable")) / 2**20
 
 
-def launch(model_dir: Path, how: str, world: int, out: str) -> list[dict]:
+def launch(model_dir: Path, how: str, world: int, out: str, step: bool) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}{os.pathsep}{HERE.parent}", OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", **MALLOC_ENV)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
            "127.0.0.1", "--master_port", str(common.free_ports(1)[0]), __file__, "--worker", str(model_dir),
-           "--how", how, "--out", out, "--started", repr(time.time())]
+           "--how", how, "--out", out, "--started", repr(time.time()), "--step", str(int(step))]
     proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=3000)
     if proc.returncode != 0:
@@ -155,8 +159,11 @@ def run(args: argparse.Namespace) -> dict:
         over = {"num_hidden_layers": layers} if layers else {}
         params = parameter_count(shape, **over)
         model_dir = build_in_child(Path(args.cache), shape, layers)
+        # one step allocates gradients and AdamW: 16 bytes per parameter / world on every rank (1.5B at world 2:
+        # 2 x 11.5 GiB, more than this 24 GiB machine holds); without room, time to the loaded model only
+        step = available_gib() >= args.world * (16 * params / args.world / 2**30 + 1.5) + 3.0
         row = {"shape": shape, "layers": layers, "params": params, "files": len(list(model_dir.glob("*.safetensors"))),
-               "fp32_model_gib": round(4 * params / 2**30, 2)}
+               "fp32_model_gib": round(4 * params / 2**30, 2), "step": step}
         for how in LOADS:
             need = args.world * ((4 + 4 / args.world) * params / 2**30 + 0.7) + 3.0 if how == "full" else 0.0
             if need and available_gib() < need:
@@ -165,39 +172,41 @@ def run(args: argparse.Namespace) -> dict:
                 continue
             out = tempfile.mkdtemp(prefix="bench-load-")
             t0 = time.perf_counter()
-            ranks = launch(model_dir, how, args.world, out)
+            ranks = launch(model_dir, how, args.world, out, step)
             log(f"{shape} {how}: {time.perf_counter() - t0:.0f} s, rank peaks "
                 f"{[r['load_peak_rss_gib'] for r in ranks]} GiB")
             row[how] = {"rank_load_peak_gib": [r["load_peak_rss_gib"] for r in ranks],
                         "rank_rss_before_gib": [r["rss_before_load_gib"] for r in ranks],
                         "rank_step_peak_gib": [r["step_peak_rss_gib"] for r in ranks],
-                        "load_s": max(r["load_s"] for r in ranks),
-                        "first_step_s": max(r["first_step_end_s"] for r in ranks), "loss": ranks[0]["loss"]}
+                        "load_s": max(r["load_s"] for r in ranks), "loaded_s": max(r["loaded_s"] for r in ranks),
+                        "first_step_s": max(r["first_step_end_s"] for r in ranks) if step else None,
+                        "loss": ranks[0]["loss"]}
         results.append(row)
         tag = "" if shape == "qwen2.5-0.5b" else "_" + shape.split("-")[1].replace(".", "")
         peak = {h: max(row[h]["rank_load_peak_gib"]) for h in LOADS if "rank_load_peak_gib" in row[h]}
+        until = "first_step_s" if step else "loaded_s"  # time to the first step's end, or to the loaded model
         if "full" in peak:
             ratios[f"full_vs_sharded_load_rank_peak{tag}"] = round(peak["full"] / peak["slices"], 3)
             ratios[f"full_vs_broadcast_load_rank_peak{tag}"] = round(peak["full"] / peak["broadcast"], 3)
-            ratios[f"full_vs_sharded_first_step{tag}"] = round(row["full"]["first_step_s"] /
-                                                              row["slices"]["first_step_s"], 3)
-        ratios[f"broadcast_vs_sharded_first_step{tag}"] = round(row["broadcast"]["first_step_s"] /
-                                                              row["slices"]["first_step_s"], 3)
+            ratios[f"full_vs_sharded_{until}{tag}"] = round(row["full"][until] / row["slices"][until], 3)
+        ratios[f"broadcast_vs_sharded_{until}{tag}"] = round(row["broadcast"][until] / row["slices"][until], 3)
     return {"benchmark": "trainer_load", "quick": args.quick, "machine": common.torch_machine(device="cpu"),
             "env": MALLOC_ENV, "world": args.world, "results": results, "ratios": ratios, "targets": TARGETS}
 
 
 def table(r: dict, command: str) -> str:
-    rows = [("shape", "load", "rank load peak GiB", "RSS before GiB", "load s", "first step s", "loss")]
+    rows = [("shape", "load", "rank load peak GiB", "RSS before GiB", "load s", "loaded at s", "first step s",
+             "loss")]
     for row in r["results"]:
         for how in LOADS:
             x = row[how]
             if "skipped" in x:
-                rows.append((row["shape"], how, "skipped: " + x["skipped"], "", "", "", ""))
+                rows.append((row["shape"], how, "skipped: " + x["skipped"], "", "", "", "", ""))
                 continue
             rows.append((row["shape"], how, " / ".join(str(v) for v in x["rank_load_peak_gib"]),
-                         " / ".join(str(v) for v in x["rank_rss_before_gib"]), x["load_s"], x["first_step_s"],
-                         f"{x['loss']:.6f}"))
+                         " / ".join(str(v) for v in x["rank_rss_before_gib"]), x["load_s"], x["loaded_s"],
+                         x["first_step_s"] if x["first_step_s"] is not None else "no room for a step",
+                         f"{x['loss']:.6f}" if x["loss"] is not None else ""))
     ratio = r["ratios"].get("full_vs_sharded_load_rank_peak")
     others = ", ".join(f"{k} {v}" for k, v in r["ratios"].items() if k != "full_vs_sharded_load_rank_peak")
     return "\n".join(common.align(rows)) + (
@@ -216,10 +225,11 @@ def main() -> None:
     parser.add_argument("--how", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--started", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--step", type=int, default=1, help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if args.worker:
         sys.path.insert(0, str(REPO))
-        worker(args.worker, args.how, args.out, args.started)
+        worker(args.worker, args.how, args.out, args.started, bool(args.step))
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = run(args)
