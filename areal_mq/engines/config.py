@@ -62,6 +62,15 @@ class EngineConfig(BaseModel):
                     "CUDA, replay each bucket's captured CUDA graph with the block tables as an input. On the CPU "
                     "the padded step runs eagerly.",
     )
+    decode_attention: Literal["auto", "plain", "flex"] = Field(
+        "auto",
+        description="torch engine: how a decode step reads the paged KV pool. flex: one FlexAttention call per "
+                    "layer for all rows, reading each row's blocks in place (torch.compile'd: C++ on the CPU, Triton "
+                    "on CUDA; one compiled kernel per power-of-two batch, cached on disk by inductor); plain: strided "
+                    "views of runs of consecutive blocks on the CPU, else a gather of each row's blocks, then SDPA "
+                    "(the reference path, no compiler needed). auto: flex on CUDA, plain on the CPU (measured "
+                    "faster there at long contexts; benchmarks/speed/RESULTS.md, flex decode).",
+    )
     prefill_chunk_tokens: int = Field(
         128, ge=1,
         description="torch engine: most prompt/recompute tokens prefilled per step, so long prompts and "

@@ -96,3 +96,24 @@ def sample_tokens(
             picked[sel] = _inverse_cdf(w[sel], u[sel])
         tokens[rows] = picked
     return tokens, shifted.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_total
+
+
+def sample_tensors(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
+                   uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` as a pure tensor function (what a captured CUDA graph of the whole decode step runs,
+    graphs.py): temperatures / top_ps [N] float32, top_ks [N] int64, uniforms [N] float32 (row i's draw from its
+    generator; ignored for greedy rows) -> (tokens [N] int64, logprobs [N] float32), the same values
+    `sample_tokens` gives with those draws. Every branch is computed for every row and selected per row, so
+    nothing depends on host values; the sort of the truncation runs every step (its cost is what buys no sync)."""
+    greedy = temperatures <= 0.0
+    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    shifted = logits / scale.unsqueeze(1)
+    shifted -= shifted.amax(dim=-1, keepdim=True)
+    weights = shifted.exp()
+    log_total = weights.sum(dim=-1).log()
+    plain = _inverse_cdf(weights, uniforms)
+    kept, order = _truncate(weights, top_ps, top_ks)
+    truncated = order.gather(1, _inverse_cdf(kept, uniforms).unsqueeze(1)).squeeze(1)
+    truncating = (top_ps < 1.0) | (top_ks > 0)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), torch.where(truncating, truncated, plain))
+    return tokens, shifted.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_total

@@ -91,7 +91,7 @@ class TorchEngine(Engine):
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         limit = getattr(self.model.config, "max_position_embeddings", 2048)
         self.max_len = min(self.cfg.max_model_len or min(limit, 2048), limit)
-        self.runner = LlamaRunner(self.model, self.max_len)
+        self.runner = LlamaRunner(self.model, self.max_len, attention=self._attention())
         self.adapters: AdapterState | None = None  # LoRA versions: the kept base (made by the first stage_adapter)
         self.cache = self.runner.new_cache(self._pool_blocks(), self.cfg.kv_block_size)
         self.decoder = None  # exact-shape eager decode (runner.decode) unless cuda_graphs
@@ -116,6 +116,12 @@ class TorchEngine(Engine):
                          "finished": 0, "session_kv_hits": 0, "prefill_tokens_saved": 0, "preempted": 0,
                          "preempted_tokens": 0}
         self.sessions = SessionKV(self.cfg.session_kv_max_tokens, self.cfg.session_kv_ttl_s)
+
+    def _attention(self) -> str:
+        """decode_attention, `auto` resolved: FlexAttention on CUDA, the plain path on the CPU (flex.py says why)."""
+        if self.cfg.decode_attention != "auto":
+            return self.cfg.decode_attention
+        return "flex" if self.device.type == "cuda" else "plain"
 
     def _pool_blocks(self) -> int:
         """Blocks of the KV pool: kv_cache_bytes; else on CUDA kv_cache_fraction of free memory; else (CPU)

@@ -48,9 +48,11 @@ import torch
 import torch.nn.functional as F
 
 from areal_mq.engines.torch import inplace
+from areal_mq.engines.torch.flex import FlexKernels
 from areal_mq.engines.torch.kvcache import PagedKVCache, blocks_for
 from areal_mq.errors import ModelNotFound
 
+ATTENTIONS = ("plain", "flex")  # decode attention: gather / in-place views (this module), FlexAttention (flex.py)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_HIDDEN_ACTS = ("silu", "swish")  # the MLP computes F.silu(gate) * up
 # RoPE types whose cos/sin table does not depend on the sequence length (one table, computed at load, is exact)
@@ -105,7 +107,7 @@ def _fuse(linears: Sequence[Any], attr: str) -> torch.Tensor | None:
 class LlamaRunner:
     """Runs a loaded HF Llama-family causal LM over a PagedKVCache on the model's device (module docstring)."""
 
-    def __init__(self, model: Any, max_len: int):
+    def __init__(self, model: Any, max_len: int, attention: str = "plain"):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelNotFound(
@@ -128,6 +130,10 @@ class LlamaRunner:
         self.vocab_size = cfg.vocab_size
         self.max_len = max_len
         self._gather_buffers: list[torch.Tensor | None] = [None, None]  # CPU: reused K / V gather outputs
+        if attention not in ATTENTIONS:
+            raise ValueError(f"decode attention {attention!r}: one of {ATTENTIONS}")
+        self.attention = attention
+        self.flex = FlexKernels() if attention == "flex" else None
         self.layers = [self._bind_layer(layer) for layer in model.model.layers]
         inner = model.model
         self.embed = inner.embed_tokens.weight
@@ -233,6 +239,8 @@ class LlamaRunner:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, hd]
         write_block = tables.gather(1, torch.div(positions, bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)
         write_at = write_block * bs + positions % bs  # into a layer's pool seen as [KV, blocks * bs, hd]
+        if self.flex is not None and groups is None and not views:
+            return self._decode_step_flex(k_cache, v_cache, tokens, positions, tables, cos, sin, write_at)
         sizes = [rows for rows, _, _ in views]
         first_view = b - sum(sizes)
         parts = []  # (start, end, keys, mask [n, 1, 1, keys], gather index)
@@ -266,6 +274,25 @@ class LlamaRunner:
         x = F.rms_norm(x[:, 0], (self.hidden,), self.final_norm, self.eps)
         return F.linear(x, self.lm_head).float()
 
+    def _decode_step_flex(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
+                          positions: torch.Tensor, tables: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          write_at: torch.Tensor) -> torch.Tensor:
+        """decode_step with one FlexAttention call per layer for all rows, reading the pool in place (flex.py)."""
+        b = tokens.shape[0]
+        pool_blocks, bs = k_cache.shape[2], k_cache.shape[3]
+        flex = self.flex.for_pool(bs, pool_blocks)
+        mask = flex.mask(tables, positions)
+        x = F.embedding(tokens, self.embed).unsqueeze(1)  # [B, 1, D]
+        flat = (self.n_kv, pool_blocks * bs, self.head_dim)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            k_cache[li].view(flat).index_copy_(1, write_at, k[:, :, 0].transpose(0, 1))
+            v_cache[li].view(flat).index_copy_(1, write_at, v[:, :, 0].transpose(0, 1))
+            out = flex.attend(q, k_cache[li], v_cache[li], mask)  # [B, H, 1, hd]
+            x = self._finish_layer(layer, x, out.reshape(b, 1, self.n_heads * self.head_dim))
+        x = F.rms_norm(x[:, 0], (self.hidden,), self.final_norm, self.eps)
+        return F.linear(x, self.lm_head).float()
+
     @torch.inference_mode()
     def decode(self, cache: PagedKVCache, tokens: Sequence[int], positions: Sequence[int],
                tables: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -277,6 +304,10 @@ class LlamaRunner:
         groups of a power-of-two number of blocks each (`decode_step` groups), so a batch of short answers beside
         one long one reads the long width once, not once per row."""
         bs = cache.block_size
+        if self.flex is not None:  # one call per layer for all rows, in any order and layout
+            width = max(blocks_for(p + 1, bs) for p in positions)
+            return self.decode_step(cache.k, cache.v, self.index(tokens), self.index(positions),
+                                    self.index_2d(cache.padded_tables(tables, width)))
         cpu = cache.k.device.type == "cpu"
         runs = [inplace.runs_of(tables[i], positions[i] + 1, bs) if cpu else [] for i in range(len(tokens))]
         by_length = sorted(range(len(tokens)), key=lambda i: positions[i])

@@ -128,3 +128,92 @@ class BucketedDecoder:
         entry = _Graph(tokens, positions, tables, logits, graph)
         self.graphs[(batch, width)] = entry
         return entry
+
+
+def decode_and_sample(runner: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: torch.Tensor,
+                      positions: torch.Tensor, tables: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor,
+                      top_ks: torch.Tensor, uniforms: torch.Tensor, version: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole decode step as a pure tensor function (what `SampledDecoder` captures): the forward
+    (`decode_step`), sampling and behaviour logprobs (sampling.py `sample_tensors`, the row's uniform draw an input)
+    and the version tag of every new token -> (tokens [B] int64, logprobs [B] float32, versions [B] int64). Writes
+    the rows' K/V in place; reads nothing back to the host."""
+    from areal_mq.engines.sampling import sample_tensors
+
+    logits = runner.decode_step(k_cache, v_cache, tokens, positions, tables)
+    new, logprobs = sample_tensors(logits, temperatures, top_ps, top_ks, uniforms)
+    return new, logprobs, version.expand(new.shape[0]).clone()
+
+
+@dataclass
+class _SampledGraph:
+    inputs: tuple[torch.Tensor, ...]  # tokens, positions, tables, temperatures, top_ps, top_ks, uniforms, version
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    graph: Any
+
+
+class SampledDecoder(BucketedDecoder):
+    """`decode_and_sample` per (batch, width) bucket, captured whole as one CUDA graph when `capture`: one replay
+    per step computes the tokens, logprobs and versions, read back once by the caller (no host sync inside).
+    Without capture (CPU) the same padded pure function runs eagerly; tests check both against the eager engine
+    step (forward + `sample_tokens`). Not yet the engine's default step (the engine samples outside the graph)."""
+
+    def __init__(self, runner: Any, cache: Any, max_batch: int, capture: bool = False):
+        super().__init__(runner, cache, max_batch, capture)
+        self.sampled: dict[tuple[int, int], _SampledGraph] = {}
+
+    @torch.inference_mode()
+    def step(self, tokens: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
+             temperatures: Sequence[float], top_ps: Sequence[float], top_ks: Sequence[int], uniforms: torch.Tensor,
+             version: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host lists (and the rows' uniform draws [n], on the cache's device) -> tokens, logprobs, versions [n]."""
+        n = len(tokens)
+        batch, width = self.shape_for(positions)
+        toks, pos, tabs = self.padded(tokens, positions, tables, batch, width)
+        pad = batch - n
+        device = self.cache.device
+        host = (torch.tensor(toks, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+                torch.tensor(tabs, dtype=torch.long),
+                torch.tensor(list(temperatures) + [0.0] * pad, dtype=torch.float32),
+                torch.tensor(list(top_ps) + [1.0] * pad, dtype=torch.float32),
+                torch.tensor(list(top_ks) + [0] * pad, dtype=torch.long))
+        u = torch.cat([uniforms.to(device, torch.float32), torch.zeros(pad, dtype=torch.float32, device=device)])
+        ver = torch.tensor(int(version), dtype=torch.long)
+        if not self.capture:
+            args = [t.to(device) for t in host] + [u, ver.to(device)]
+            outs = decode_and_sample(self.runner, self.cache.k, self.cache.v, *args)
+        else:
+            entry = self.sampled.get((batch, width)) or self._capture_sampled(batch, width)
+            for buf, value in zip(entry.inputs, [*host, u, ver]):
+                buf.copy_(value, non_blocking=True)
+            entry.graph.replay()
+            outs = entry.outputs
+        return outs[0][:n], outs[1][:n], outs[2][:n]
+
+    def _capture_sampled(self, batch: int, width: int) -> _SampledGraph:
+        """As `_capture`: warm up on a side stream, capture with every row on the scratch block."""
+        device = self.cache.device
+        inputs = (torch.zeros(batch, dtype=torch.long, device=device),
+                  torch.zeros(batch, dtype=torch.long, device=device),
+                  torch.full((batch, width), self.cache.scratch, dtype=torch.long, device=device),
+                  torch.zeros(batch, dtype=torch.float32, device=device),
+                  torch.ones(batch, dtype=torch.float32, device=device),
+                  torch.zeros(batch, dtype=torch.long, device=device),
+                  torch.zeros(batch, dtype=torch.float32, device=device),
+                  torch.zeros((), dtype=torch.long, device=device))
+
+        def step():
+            return decode_and_sample(self.runner, self.cache.k, self.cache.v, *inputs)
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = step()
+        entry = _SampledGraph(inputs, outputs, graph)
+        self.sampled[(batch, width)] = entry
+        return entry

@@ -19,8 +19,10 @@ def golden():
     return json.loads(GOLDEN.read_text())
 
 
-@pytest.mark.parametrize("overrides", [{}, {"cuda_graphs": True}, {"kv_cache_bytes": 4 * 2**20}],
-                         ids=["eager", "bucketed", "static"])
+@pytest.mark.parametrize("overrides", [{}, {"cuda_graphs": True}, {"kv_cache_bytes": 4 * 2**20},
+                                       pytest.param({"decode_attention": "flex", "cuda_graphs": True},
+                                                    marks=pytest.mark.slow)],
+                         ids=["eager", "bucketed", "static", "flex"])
 def test_engine_matches_the_recorded_outputs(make_engine, tiny_tokenizer, hf_tiny, golden, overrides):
     from areal_mq.engines.models import apply_chat_template
 
