@@ -42,7 +42,8 @@ once, fp32) on the paged engine against the contiguous one, identical answers ch
 benchmarks/gpu/run.sh stage b runs the long tail at 64 and 256 concurrent on it (docs/gpu.md).
 
     python benchmarks/speed/engine.py [--quick] [--json PATH] [--dtype bfloat16|float32] [--threads N] [--vllm]
-                                [--device cpu|cuda|cuda:N] [--reasoning | --decode | --eval]
+                                [--device cpu|cuda|cuda:N] [--attention auto|plain|flex]
+                                [--reasoning | --decode | --eval]
 """
 from __future__ import annotations
 
@@ -260,7 +261,8 @@ def setup(args, q: int) -> Context:
     tokenizer = load_tokenizer(model_dir)
     slots = SIZES["slots"][q]
     cfg = EngineConfig(max_concurrent=slots, dtype=args.dtype, seed=0)
-    engine = TorchEngine(model_dir, cfg, dtype=args.dtype, tokenizer=tokenizer, device=args.device)
+    engine = TorchEngine(model_dir, cfg.model_copy(update={"decode_attention": args.attention}), dtype=args.dtype,
+                         tokenizer=tokenizer, device=args.device)
     from contiguous_engine import ContiguousEngine
 
     contiguous = ContiguousEngine(model_dir, cfg, dtype=args.dtype, tokenizer=tokenizer, device=args.device)
@@ -368,6 +370,9 @@ def main() -> None:
                         help="One decode step, paged vs contiguous KV, at three shapes (engine_decode.py).")
     parser.add_argument("--eval", action="store_true",
                         help="The quickstart's held-out evaluation, paged vs contiguous KV (engine_eval.py).")
+    parser.add_argument("--attention", choices=("auto", "plain", "flex"), default="auto",
+                        help="The torch engine's decode_attention (auto: flex on CUDA, plain on the CPU); with --decode, "
+                             "flex adds a FlexAttention column and the quickstart's shapes (flex_vs_plain_decode_*).")
     common.add_device_arg(parser)
     args = parser.parse_args()
     if args.reasoning or args.decode or args.eval:
@@ -381,6 +386,7 @@ def main() -> None:
         dtype = None if args.eval else args.dtype  # the evaluation runs in the quickstart's own dtype
         extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", dtype),
                                                     ("threads", args.threads), ("device", args.device)) if v)
+        extra += f" --attention {args.attention}" if args.attention != "auto" else ""
         command = f"python benchmarks/speed/engine.py --{mode}" + (" --quick" if args.quick else "") + extra
         common.finish(report, args.json, module.table(report, command))
         return
@@ -388,6 +394,7 @@ def main() -> None:
     extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", args.dtype),
                                                 ("threads", args.threads), ("device", args.device)) if v)
     extra += " --vllm" if args.vllm else ""
+    extra += f" --attention {args.attention}" if args.attention != "auto" else ""
     common.finish(report, args.json, table(report, "python benchmarks/speed/engine.py" + (" --quick" if args.quick else "") + extra))
 
 

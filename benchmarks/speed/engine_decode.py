@@ -11,6 +11,11 @@ time, each with its final length as the placement hint (kvcache.py, Placement). 
 decode: rows in few runs of consecutive blocks are read in place), `paged_gather` (the same runner with every row
 gathered, the decode before in-place reads), `contiguous`. Ratios (larger is better, target 1.0):
 paged_vs_contiguous_decode_<shape> = contiguous ms / paged ms, medians of alternating repeats.
+
+--attention flex (issue 51) adds a `flex` column (the same runner with decode_attention flex: one FlexAttention call
+per layer for all rows, flex.py) and the quickstart's shapes (16 / 64 / 128 rows of 150-260 keys: its rollout and
+its evaluation), with ratios flex_vs_plain_decode_<shape> = plain paged ms / flex ms, and the compile time of the
+first flex step per shape (`flex_compile_s`: one kernel per pool size and padded batch, cached by inductor).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ log = common.logger("engine")
 
 SHAPES = {"uniform_1024": [1024] * 16, "uniform_300": [300] * 16, "longtail": [2048 if i % 8 == 3 else 256
                                                                                for i in range(32)]}
+QUICKSTART_SHAPES = {f"quickstart_{n}": [150 + (i * 37) % 111 for i in range(n)] for n in (16, 64, 128)}
 REPEATS = (5, 11)  # quick, full
 BLOCK_SIZE = 16
 
@@ -60,9 +66,12 @@ def run(args: Any) -> dict:
     max_len = max(max(v) for v in SHAPES.values()) + BLOCK_SIZE
     paged = forward.LlamaRunner(load_causal_lm(model_dir, args.dtype, device), max_len)
     contiguous = ContiguousRunner(load_causal_lm(model_dir, args.dtype, device), max_len)
+    with_flex = getattr(args, "attention", "auto") == "flex"
+    flex = forward.LlamaRunner(paged.model, max_len, attention="flex") if with_flex else None
     gen = torch.Generator(device=device).manual_seed(0)
     results, ratios = [], {}
-    for name, lengths in SHAPES.items():
+    shapes = {**SHAPES, **(QUICKSTART_SHAPES if with_flex else {})}
+    for name, lengths in shapes.items():
         pcache = paged.new_cache(sum(blocks_for(n, BLOCK_SIZE) for n in lengths) + 1, BLOCK_SIZE)
         tables = _paged_tables(pcache, lengths)
         ccache = contiguous.new_cache(len(lengths), max_len)
@@ -88,6 +97,15 @@ def run(args: Any) -> dict:
             return time.perf_counter() - t0
 
         columns = {"paged": step_paged, "paged_gather": lambda: step_paged(True), "contiguous": step_contiguous}
+        extra = {}
+        if flex is not None:
+            def step_flex() -> float:
+                t0 = time.perf_counter()
+                flex.decode(pcache, tokens, positions, tables)
+                return time.perf_counter() - t0
+
+            columns["flex"] = step_flex
+            extra["flex_compile_s"] = round(step_flex(), 1)  # the first call compiles (or loads) the kernel
         for f in columns.values():  # warm-up
             f()
         times: dict[str, list[float]] = {k: [] for k in columns}
@@ -95,9 +113,12 @@ def run(args: Any) -> dict:
             for k in (list(columns) if r % 2 == 0 else list(reversed(columns))):
                 times[k].append(columns[k]())
         ms = {k: round(statistics.median(v) * 1e3, 1) for k, v in times.items()}
-        results.append({"shape": name, "rows": len(lengths), "keys": sorted(set(lengths)),
-                        "runs_per_row": [runs[0], runs[-1]], **{f"{k}_ms": v for k, v in ms.items()}})
+        results.append({"shape": name, "rows": len(lengths), "keys": [min(lengths), max(lengths)],
+                        "runs_per_row": [runs[0], runs[-1]], **{f"{k}_ms": v for k, v in ms.items()}, **extra})
         ratios[f"paged_vs_contiguous_decode_{name}"] = round(ms["contiguous"] / ms["paged"], 3)
+        if flex is not None:
+            ratios[f"flex_vs_plain_decode_{name}"] = round(ms["paged"] / ms["flex"], 3)
+            log(f"decode {name:13s} flex {ms['flex']} ms (first call {extra['flex_compile_s']} s)")
         log(f"decode {name:13s} paged {ms['paged']} ms, gather {ms['paged_gather']} ms, "
             f"contiguous {ms['contiguous']} ms")
     machine = common.torch_machine(threads=torch.get_num_threads(), model=args.model, dtype=args.dtype,
@@ -106,12 +127,17 @@ def run(args: Any) -> dict:
             "ratios": ratios, "targets": {k: 1.0 for k in ratios}}
 
 
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def table(report: dict, command: str) -> str:
-    rows = [("shape", "rows", "keys", "runs per row", "paged ms", "paged, gathered ms", "contiguous ms")]
+    rows = [("shape", "rows", "keys", "runs per row", "paged ms", "paged, gathered ms", "contiguous ms", "flex ms",
+             "flex first call s")]
     for r in report["results"]:
-        rows.append((r["shape"], str(r["rows"]), "/".join(map(str, r["keys"])),
+        rows.append((r["shape"], str(r["rows"]), "-".join(map(str, r["keys"])),
                      "-".join(map(str, r["runs_per_row"])), f"{r['paged_ms']:.1f}", f"{r['paged_gather_ms']:.1f}",
-                     f"{r['contiguous_ms']:.1f}"))
+                     f"{r['contiguous_ms']:.1f}", _ms(r.get("flex_ms")), _ms(r.get("flex_compile_s"))))
     lines = common.align(rows, rule=False) + [""] + common.align(common.ratio_rows(report), rule=False)
     m = report["machine"]
     lines.append(f"machine: {m['cpus']} cpus, {m['threads']} torch threads, {m['dtype']}, "

@@ -40,7 +40,9 @@ def engines(args: Any, cfg: Any) -> dict:
     model_dir = resolve_model(cfg.model.name, cfg.model.cache_dir)
     tok = load_tokenizer(model_dir)
     engine_cfg = cfg.rollout.engine.model_copy(update={"max_concurrent": EVAL_BATCH})
-    return {"paged": TorchEngine(model_dir, engine_cfg, dtype=cfg.model.dtype, tokenizer=tok, device=args.device),
+    attention = getattr(args, "attention", "auto")  # the paged engine's decode attention (engine.py --attention)
+    return {"paged": TorchEngine(model_dir, engine_cfg.model_copy(update={"decode_attention": attention}),
+                                 dtype=cfg.model.dtype, tokenizer=tok, device=args.device),
             "contiguous": ContiguousEngine(model_dir, engine_cfg, dtype=cfg.model.dtype, tokenizer=tok,
                                            device=args.device)}
 
