@@ -18,6 +18,8 @@ nothing loaded) and the run config:
                  ddp the whole model in fp32 where it trains; the reference model (kl_coef > 0) is built the same
                  way after the policy. A rank must fit its training peak and its load peak. Under HSDP
                  (trainer.fsdp.replicate R) a rank shards over launcher.trainer_ranks / R ranks, not all of them;
+                 under trainer.lora the frozen base in the compute dtype plus 16 bytes per adapter parameter (rank
+                 x (in + out) per adapted linear), and no reference model (the base with the adapter off);
   rollout engine weights in the engine's dtype, the KV block pool (kv_cache_bytes, else max_kv_tokens
                  positions), and the logits of max_concurrent rows; a vLLM engine's weights and KV per GPU of its
                  tensor_parallel_size, held to its gpu_memory_utilization of the device;
@@ -68,6 +70,19 @@ class Shape:
     @property
     def embed_params(self) -> int:
         return self.vocab * self.hidden
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear of one decoder layer, by its module name (Llama / Qwen layout)."""
+        kv = self.kv_heads * self.head_dim
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def adapter_params(self, lora: Any) -> int:
+        """Parameters of a LoRA adapter (trainer.lora) on this shape: rank x (in + out) per adapted linear."""
+        names = self.linears() if lora.target_modules == "all-linear" else {
+            k: v for k, v in self.linears().items() if k in lora.target_modules}
+        return self.layers * lora.rank * sum(a + b for a, b in names.values())
 
 
 @dataclass
@@ -197,8 +212,13 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
     state = 16 * s.params / shard
     if t.strategy == "fsdp" and t.fsdp.offload:
         state = 0.0  # in host memory (counted by the caller on the CPU only)
-    p.items.append(Item("weights+grads+AdamW", state))
-    if t.kl_coef > 0:
+    if t.lora is not None:  # algorithms/lora.py: a frozen base in the precision's dtype, the adapter + AdamW in fp32
+        p.layout += f", LoRA rank {t.lora.rank}"
+        p.items.append(Item("frozen base", compute * s.params))
+        p.items.append(Item("adapter weights+grads+AdamW", 16 * s.adapter_params(t.lora)))
+    else:
+        p.items.append(Item("weights+grads+AdamW", state))
+    if t.kl_coef > 0 and t.lora is None:  # under LoRA the reference is the base with the adapter off
         p.items.append(Item("reference model", 4 * s.params / shard))
     if t.strategy == "fsdp":
         p.items.append(Item("gathered layer", 2 * compute * s.layer_params))
@@ -226,7 +246,7 @@ def load_peak(cfg: Any, s: Shape, ranks: int, on_cuda: bool) -> dict:
     the host: both figures are the same."""
     t = cfg.trainer
     shard = shard_ranks(t, ranks)
-    whole, models = 4.0 * s.params, 2 if t.kl_coef > 0 else 1
+    whole, models = 4.0 * s.params, 2 if t.kl_coef > 0 and t.lora is None else 1
     largest = FILE_BYTES * s.embed_params  # the largest tensor (the embedding), as the checkpoint stores it
     offload = t.strategy == "fsdp" and t.fsdp.offload and on_cuda
     if t.strategy != "fsdp":  # read whole, onto the device (ddp.py): one tensor in flight on the host

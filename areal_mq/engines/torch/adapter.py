@@ -3,9 +3,9 @@
 What: `AdapterState(model)` keeps a host copy of the base weight of every module an adapter has named (taken the
 first time one names it: until then the engine's weight IS the base, since an adapter run never publishes full
 weights). `stage(tensors, scaling)` checks the adapter against the model (weights/adapter.py: names, halves, ranks,
-shapes) and computes W_base + scaling * B @ A per module in fp32 on the parameter's device, rounded once to its
-dtype; it runs on the weight fetch thread while decoding goes on. `apply(staged)` is the pause: one in-place copy per
-adapted weight (the HF parameters are views of the fused q/k/v and gate/up matrices, so the copies land there, at
+shapes) and computes W_base + scaling * B @ A per module in fp32 on the host, rounded once to the weight's dtype; it
+runs on the weight fetch thread while decoding goes on, and the device never holds a second copy of the weights. `apply(staged)` is the pause: one in-place copy per
+adapted weight (host to device on a GPU, like a full update's) (the HF parameters are views of the fused q/k/v and gate/up matrices, so the copies land there, at
 the addresses a captured CUDA graph reads). A full update (`reset`) makes the engine's weights the new base.
 
 Why merged, not an extra low-rank product per linear: a merged adapter decodes at exactly the full model's cost
@@ -52,9 +52,9 @@ class AdapterState:
                 param = self.params[name]
                 if name not in self.base:
                     self.base[name] = param.detach().to("cpu", copy=True)
-                w = self.base[name].to(param.device, torch.float32)
-                delta = b.to(param.device, torch.float32) @ a.to(param.device, torch.float32)
-                writes.append((param, (w + scaling * delta).to(param.dtype)))
+                # on the host, where the base copy lives: the device never holds a second copy of the weights
+                delta = b.to("cpu", torch.float32) @ a.to("cpu", torch.float32)
+                writes.append((param, (self.base[name].to(torch.float32) + scaling * delta).to(param.dtype)))
         return StagedAdapter(writes)
 
     def apply(self, staged: StagedAdapter) -> int:
