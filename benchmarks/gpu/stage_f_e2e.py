@@ -28,7 +28,7 @@ def main() -> None:
     args = report.parse(__doc__)
     json_path = args.work / "e2e.json"
     json_path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(report.HERE.parent / "e2e.py"), "--device", args.device, "--json", str(json_path),
+    cmd = [sys.executable, str(report.HERE.parent / "speed" / "e2e.py"), "--device", args.device, "--json", str(json_path),
            "--out", str(args.work / "e2e"), *(["--quick"] if args.quick else FULL)]
     common.logger("gpu-f")(" ".join(cmd[1:]))
     rc = subprocess.run(cmd, cwd=report.ROOT, timeout=TIMEOUT_S[args.quick]).returncode

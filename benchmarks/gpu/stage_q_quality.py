@@ -88,7 +88,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def worker_cmd(args, mode: str, seeds: list[int], wdir: Path) -> list[str]:
-    cmd = [sys.executable, str(report.HERE.parent / "quality.py"), "--device", args.device, "--modes", mode,
+    cmd = [sys.executable, str(report.HERE.parent / "quality" / "quality.py"), "--device", args.device, "--modes", mode,
            "--seeds", ",".join(map(str, seeds)), "--versions", str(args.versions), "--eval-every", str(args.eval_every),
            "--eval-n", str(args.eval_n), "--results", str(wdir / "quality.jsonl"), "--out", str(wdir),
            "--plot", str(wdir / "quality.png"), "--json", str(wdir / "report.json")]

@@ -107,7 +107,7 @@ def run(args: Any) -> dict:
     q = 0 if args.quick else 1
     rows = [measure(name, SIZES["rounds"][q]) for name in SIZES["models"][q]]
     main_row = rows[-1]  # the largest model measured: the targets are on the 0.5B shape
-    return {"benchmark": "weights_lora", "quick": args.quick, "machine": common.torch_machine(),
+    return {"benchmark": "weights", "mode": "lora", "quick": args.quick, "machine": common.torch_machine(),
             "rank": RANK, "alpha": ALPHA, "dtype_published": "bfloat16", "engine_dtype": "float32", "models": rows,
             "ratios": {"full_vs_lora_update_bytes": main_row["full_vs_lora_update_bytes"],
                        "full_vs_lora_pause": main_row["full_vs_lora_pause"]},

@@ -35,7 +35,7 @@ def test_weights_benchmark_quick_mode(tmp_path):
 def test_weights_lora_benchmark_quick_mode(tmp_path):
     """--lora: an adapter version against a full one on the tiny model; both ratios and per-round pauses reported."""
     report, stdout = run_quick("speed/weights.py", tmp_path, "--lora", timeout=300)
-    assert report["benchmark"] == "weights_lora" and set(report["ratios"]) == set(report["targets"])
+    assert report["mode"] == "lora" and set(report["ratios"]) == set(report["targets"])
     (row,) = report["models"]
     assert row["model"] == "tiny-random-llama" and 0 < row["lora_bytes"] < row["full_bytes"]
     assert len(row["pause_s"]["full"]) == len(row["pause_s"]["lora"]) == 2
