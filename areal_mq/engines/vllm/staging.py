@@ -61,8 +61,8 @@ class _Kept:
     def apply(self) -> None:
         m = self.module
         for (kind, name), (same, value) in self.values.items():
-            if same:
-                getattr(m, kind)[name].data.copy_(value)
+            if same:  # from pinned host memory on CUDA: asynchronous, ordered before the next decode step
+                getattr(m, kind)[name].data.copy_(value, non_blocking=value.is_pinned())
             else:
                 getattr(m, kind)[name].data = value
         for (kind, name), obj in self.objects.items():
@@ -85,6 +85,15 @@ def _snapshot(module: Any) -> tuple[dict, dict]:
     return tensors, attrs
 
 
+def _host_copy(t: Any, host: Any) -> Any:
+    """A host copy of a tensor's values; pinned when it lives on a GPU, so the swap's copy back is fast."""
+    import torch
+
+    out = torch.empty(t.shape, dtype=t.dtype, device=host, pin_memory=t.is_cuda)
+    out.copy_(t.detach())
+    return out
+
+
 def _keep_and_restore(module: Any, tensors: dict, attrs: dict, host: Any) -> _Kept:
     """Take the module's new state (values to the host), then put its old state back."""
     values, objects, absent = {}, {}, set()
@@ -94,7 +103,7 @@ def _keep_and_restore(module: Any, tensors: dict, attrs: dict, host: Any) -> _Ke
             old = tensors.get((kind, name))
             if old is not None and now is old[0]:
                 same = now.shape == old[1].shape and now.dtype == old[1].dtype
-                values[(kind, name)] = (same, now.detach().to(host, copy=True) if same else now.data)
+                values[(kind, name)] = (same, _host_copy(now, host) if same else now.data)
                 if same:
                     now.data.copy_(old[1])
                 else:  # the processing gave the tensor new data of another shape (a packed layout)
@@ -174,8 +183,13 @@ class Stage:
 
     def swap(self) -> int:
         """Copy every kept value into the live model (generation is paused); load leftovers the serial way."""
+        import torch
+
         for kept in self.kept:
             kept.apply()
+        device = getattr(self.worker, "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the pinned sources are freed after this returns
         if self.raw or self.top:
             self.worker.model_runner.reload_weights(weights_iterator=iter(self.raw + self.top))
         return self.tensors
