@@ -165,7 +165,7 @@ def checkpoint_export(checkpoint: str = typer.Argument(..., help="A checkpoint d
                                                          "own."),
                       force: bool = typer.Option(False, help="Replace a non-empty OUT (only once the new export "
                                                  "is complete)."),
-                      progress: bool = typer.Option(True, help="A progress bar over the tensors (on stderr).")) -> None:
+                      progress: bool = typer.Option(True, help="A progress bar over the tensors (on a terminal).")) -> None:
     """Write the model directory users deploy: sharded safetensors (model-0000i-of-0000n + model.safetensors.index.json)
     in --dtype, config.json, tokenizer and generation_config, streamed tensor by tensor from the checkpoint (memory:
     one tensor, never the whole model; docs/bigger-models.md#export)."""

@@ -216,7 +216,7 @@ def _write(tmp: Path, shards: list[list[_Tensor]], progress: bool) -> list[str]:
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     bar = tqdm(total=sum(len(s) for s in shards), unit="tensor", desc="export", file=sys.stderr,
-               disable=not progress)
+               disable=None if progress else True)  # None: shown on a terminal only
     try:
         for fname, shard in zip(names, shards):
             _write_shard(tmp / fname, shard, bar)
