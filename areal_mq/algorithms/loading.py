@@ -12,12 +12,14 @@ them from the checkpoint:
     how = broadcast  rank 0 reads each tensor whole and broadcasts it; every rank keeps its slice (the other way
                      the field does it: one reader, for file systems where every rank reading is slow)
 
-Why slices is the default (trainer.fsdp.load): measured by `python benchmarks/speed/trainer.py --load` (2 ranks,
-gloo, benchmarks/speed/RESULTS.md), both keep a rank's host peak near its shard, but broadcast adds one whole tensor
-in flight per rank (the embedding is the largest: 0.54 GB in fp32 at Qwen2.5-0.5B) and sends every byte of the
-model through rank 0 and the process group before the first step, while slices reads 1/world of the bytes per rank
-from the page cache (one host) or a shared file system, side by side. `full` is the old path (every rank loads the
-whole model in fp32, then shards it), kept for the benchmark and the parity tests.
+Why slices is the default (trainer.fsdp.load), measured by `python benchmarks/speed/trainer.py --load` (2 gloo ranks,
+bf16 sharded checkpoints, benchmarks/speed/RESULTS.md): the host peak per rank is the lowest (Qwen2.5-0.5B: slices
+1.39 / 1.39 GiB, broadcast 1.48 / 1.32 with rank 0 carrying each whole tensor, full 3.14 / 3.14), and loading is as
+fast or faster (1.5B: loaded 18.1 s after the launch with slices, 24.3 s with broadcast, which sends every byte of
+the model through rank 0 and the process group); the time to the first step's end is the same within the shared
+machine's noise at 0.5B (slices 62.7 s, broadcast 57.5 s, full 60.1 s: the step dominates). Broadcast stays for a
+file system where every rank reading is slow; `full` is the old path (every rank loads the whole model in fp32,
+then shards), kept for the benchmark and the parity tests.
 Cost per rank: its fp32 shard (4 bytes x parameters / shard degree) plus, while loading, one slice in the file's
 dtype; nothing of the whole model (areal_mq/launch/plan.py counts it).
 """
