@@ -28,6 +28,8 @@ A plot of bytes per update over the steps goes to --plot (default docs/weights-d
     python benchmarks/speed/weights.py [--quick] [--json PATH] [--plot PATH] [--threads N] [--from-json PATH]
     python benchmarks/speed/weights.py --sharded [--quick] [--json PATH]   (sharded vs gather: benchmarks/speed/weights_sharded.py)
     python benchmarks/speed/weights.py --codec [--quick] [--device D]      (the delta encoder per GB: weights_codec.py)
+    python benchmarks/speed/weights.py --vllm [--quick] [--json PATH]     (vLLM's update pause, serial vs staged:
+                                                                           weights_vllm.py)
     python benchmarks/speed/weights.py --lora [--quick] [--json PATH]      (an adapter version vs a full one: weights_lora.py)
 
 `--quick`: the tiny random Llama, 3 steps, 2 prompts, 16 tokens (same code path), under 2 minutes on 2 cores.
@@ -432,6 +434,8 @@ def main() -> None:
                         "and the engine's pause (benchmarks/speed/weights_lora.py).")
     parser.add_argument("--codec", action="store_true", help="The delta encoder per GB, host numpy against torch "
                         "on --device (benchmarks/speed/weights_codec.py).")
+    parser.add_argument("--vllm", action="store_true", help="engine: vllm's full in-memory update, serial against "
+                        "staged: how long generation stops (benchmarks/speed/weights_vllm.py; needs vLLM).")
     common.add_device_arg(parser)
     parser.add_argument("--versions", type=int, default=6, help="--sharded: versions published.")
     parser.add_argument("--changed", type=float, default=0.025, help="--sharded: share of elements a version changes.")
@@ -443,6 +447,11 @@ def main() -> None:
         import weights_codec
 
         weights_codec.main(args)
+        return
+    if args.vllm:
+        import weights_vllm
+
+        weights_vllm.main(args)
         return
     if args.lora:
         import weights_lora
