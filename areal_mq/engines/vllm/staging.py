@@ -26,6 +26,7 @@ How to run: not directly; worker.py's `areal_stage_packed` / `areal_swap_staged`
 """
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import Any, Iterable
@@ -172,12 +173,13 @@ class Stage:
         container = torch.nn.ModuleList(roots)  # the reload walks container.modules(): these layers only
         config = self.worker.vllm_config
         try:
-            initialize_layerwise_reload(container)
-            try:
-                model.load_weights(iter(group))
-            finally:
-                finalize_layerwise_reload(container, config.model_config)
-        finally:
+            with _QuietBufferOnly({type(m).__name__ for m in modules if not _has_params(m)}):
+                initialize_layerwise_reload(container)
+                try:
+                    model.load_weights(iter(group))
+                finally:
+                    finalize_layerwise_reload(container, config.model_config)
+        finally:  # whatever happened, the live model computes with its old values again
             host = torch.device("cpu")
             self.kept.extend(_keep_and_restore(m, tensors, attrs, host) for m, tensors, attrs in before)
 
@@ -193,6 +195,32 @@ class Stage:
         if self.raw or self.top:
             self.worker.model_runner.reload_weights(weights_iterator=iter(self.raw + self.top))
         return self.tensors
+
+
+class _QuietBufferOnly(logging.Filter):
+    """Drops vLLM's "X: Failed to load weights" warning for modules that hold buffers only (a decoder layer's shared
+    rotary embedding: no checkpoint tensor, its buffers are put back as they were), once per layer staged; the
+    warning for a module with parameters still shows."""
+
+    LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+    def __init__(self, names: set[str]):
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not ("Failed to load weights" in str(record.msg) and args and args[0] in self.names)
+
+    def __enter__(self) -> None:
+        logging.getLogger(self.LOGGER).addFilter(self)
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger(self.LOGGER).removeFilter(self)
+
+
+def _has_params(module: Any) -> bool:
+    return any(t is not None for t in module._parameters.values())
 
 
 def _has_tensors(module: Any) -> bool:

@@ -78,3 +78,18 @@ def test_staged_buckets_never_split_a_decoder_layer():
     assert got == [["model.layers.0.a", "model.layers.0.b"], ["model.layers.1.a", "model.layers.1.b"],
                    ["model.embed_tokens.weight", "model.norm.w"]]
     assert sum(len(b) for b in buckets(t, 500)) == len(t)  # serial: the mapping's order, tensor by tensor
+
+
+def test_the_failed_to_load_warning_is_quiet_for_buffer_only_modules_only(caplog):
+    import logging
+
+    from areal_mq.engines.vllm.staging import _QuietBufferOnly
+
+    log = logging.getLogger(_QuietBufferOnly.LOGGER)
+    with caplog.at_level(logging.WARNING, logger=_QuietBufferOnly.LOGGER):
+        with _QuietBufferOnly({"RotaryEmbedding"}):
+            log.warning("%s: Failed to load weights", "RotaryEmbedding")  # its buffers are put back: expected
+            log.warning("%s: Failed to load weights", "QKVParallelLinear")  # a layer with parameters: still shown
+        log.warning("%s: Failed to load weights", "RotaryEmbedding")  # outside the staging: shown
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights",
+                                                       "RotaryEmbedding: Failed to load weights"]
