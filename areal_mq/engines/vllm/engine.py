@@ -11,10 +11,13 @@ How it maps onto vLLM:
     rollout thread (caller)                 vllm-loop thread (asyncio)            vLLM processes
     submit(req) ---- run_coroutine -------> add_request -> collector -----------> EngineCore + worker
     step()  <------- finished outputs ----- one consumer task per request  <----- token deltas
+    update_weights(v, tensors) -- staged --> collective_rpc(areal_stage_packed, bucket) per bucket, while
+                                              generation goes on (staging.py: each layer made ready off to the side)
     update_weights(v) --------------------> pause_generation(keep, clear_cache=recompute?)
                                             drain collectors (tokens so far = old version)
-                                            collective_rpc(areal_load_packed, bucket) per bucket
-                                              (tensors in memory), or (areal_reload_safetensors, path)
+                                            collective_rpc(areal_swap_staged) (staged), or
+                                              (areal_load_packed, bucket) per bucket (weight_update: serial),
+                                              or (areal_reload_safetensors, path)
                                             reset_prefix_cache; update_weight_version("v"); resume
 
 Versions: vLLM labels each output token with the weight version current when it was sampled
