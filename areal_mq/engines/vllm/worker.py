@@ -4,9 +4,14 @@ What: `WeightSyncExtension` is mixed into vLLM's worker class (vLLM's `worker_ex
 methods run inside the vLLM worker process (every tensor-parallel rank) and are reached with
 `collective_rpc(method, args=...)` (in process: `AsyncLLM.collective_rpc`; on a server: `POST /collective_rpc`).
 
-    areal_load_packed(names, dtypes, shapes, blob, first, last)   in memory (engine: vllm): one bucket of
-                                                                 tensors as raw bytes in the RPC message
+    areal_stage_packed(names, dtypes, shapes, blob, first, last)  in memory, staged (engine: vllm's default): one
+                                                                 bucket made ready while generation goes on
+    areal_swap_staged() / areal_drop_staged()                    the staged version swapped in (paused) / dropped
+    areal_load_packed(names, dtypes, shapes, blob, first, last)   in memory, serial: one bucket of tensors as raw
+                                                                 bytes in the RPC message, loaded while paused
     areal_reload_safetensors(path)                               a version on disk, or vllm-server
+
+Every method runs in the worker's device context (`device_context`) and refuses a vLLM other than PINNED_VLLM.
 
 How the weights reach the model: vLLM's own in-place reload (`reload_weights`: set up a layer-wise reload,
 `model.load_weights`, finalize), the loader vLLM uses at start-up, each tensor-parallel rank taking its slice of
