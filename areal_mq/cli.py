@@ -153,29 +153,45 @@ def serve_openai(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = 
 
 @checkpoint_app.command("export")
 def checkpoint_export(checkpoint: str = typer.Argument(..., help="A checkpoint directory (run_dir/checkpoints/"
-                                                       "stepNNNNNNNN, ddp or fsdp, any world size; a checkpoints "
-                                                       "folder means its newest) or a Hugging Face model directory."),
+                                                       "stepNNNNNNNN, ddp or fsdp, any world size, or trainer.lora; "
+                                                       "a checkpoints folder means its newest) or a Hugging Face "
+                                                       "model directory."),
                       out: str = typer.Argument(..., help="The directory to write; it must not exist or be empty "
                                                 "unless --force."),
-                      dtype: str = typer.Option("bfloat16", help="Weight dtype of the export: bfloat16 (the default, "
-                                                "what inference engines load) or float32 (the trainer's fp32 "
-                                                "master weights, exactly)."),
+                      dtype: Optional[str] = typer.Option(None, help="Weight dtype of the export: bfloat16 (the "
+                                                          "default, what inference engines load) or float32 (the "
+                                                          "trainer's fp32 master weights, exactly); with --adapter "
+                                                          "the default is the adapter as trained (fp32)."),
                       max_shard_size: str = typer.Option("5GB", help="Largest safetensors file, e.g. 5GB (10^9 "
                                                          "bytes), 500MB, 2GiB; a tensor larger gets a file of its "
                                                          "own."),
                       force: bool = typer.Option(False, help="Replace a non-empty OUT (only once the new export "
                                                  "is complete)."),
-                      progress: bool = typer.Option(True, help="A progress bar over the tensors (on a terminal).")) -> None:
+                      progress: bool = typer.Option(True, help="A progress bar over the tensors (on a terminal)."),
+                      base: Optional[str] = typer.Option(None, help="LoRA checkpoint: the base model directory "
+                                                         "(default: the path in its base_model.json); its sha256 "
+                                                         "must be the one the adapter was trained on."),
+                      adapter: bool = typer.Option(False, "--adapter", help="LoRA checkpoint: write a PEFT adapter "
+                                                   "directory (adapter_model.safetensors + adapter_config.json "
+                                                   "naming the base) instead of merged weights.")) -> None:
     """Write the model directory users deploy: sharded safetensors (model-0000i-of-0000n + model.safetensors.index.json)
     in --dtype, config.json, tokenizer and generation_config, streamed tensor by tensor from the checkpoint (memory:
-    one tensor, never the whole model; docs/bigger-models.md#export)."""
-    from areal_mq.algorithms.export import export_model
+    one tensor, never the whole model; docs/bigger-models.md#export). A LoRA checkpoint is merged into its base
+    tensor by tensor, or written as a PEFT adapter directory with --adapter."""
+    from pathlib import Path
+
+    from areal_mq.algorithms.export import export_model, resolve_source
+    from areal_mq.algorithms.export_lora import export_adapter
     from areal_mq.errors import ArealError
 
     try:
-        done = export_model(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size, force=force,
-                            progress=progress)
-    except (ArealError, OSError) as exc:  # a missing checkpoint, an unknown dtype, a full disk
+        if adapter:
+            files = export_adapter(resolve_source(checkpoint), Path(out), base, dtype, force)
+            typer.echo(f"exported the LoRA adapter ({', '.join(files)}) to {out}")
+            return
+        done = export_model(checkpoint, out, dtype=dtype or "bfloat16", max_shard_size=max_shard_size, force=force,
+                            progress=progress, base=base)
+    except (ArealError, OSError) as exc:  # a missing checkpoint or base, an unknown dtype, a full disk
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     typer.echo(f"exported {done.tensors} tensors ({done.total_size / 1e9:.2f} GB, {done.dtype}) in "

@@ -10,7 +10,10 @@ Hugging Face model directory. Two layouts are read, chosen by what is on disk:
 - full weights in safetensors (a ddp checkpoint: save_pretrained's model.safetensors or its shards + index): each
   tensor is read at the offsets its file's header names, with one read into one buffer;
 - a `sharded/` torch.distributed.checkpoint directory (an fsdp checkpoint, any world size): each tensor is
-  assembled from its rank chunks by `dcp.load` into one buffer, without a process group.
+  assembled from its rank chunks by `dcp.load` into one buffer, without a process group;
+- a LoRA checkpoint (trainer.lora: the adapter and the base's path and sha256, no base weights): each base tensor is
+  read from the checked base model directory (or `base`) and merged with the adapter where its module is adapted,
+  in fp32, then cast once (export_lora.py; `export_lora.export_adapter` writes the PEFT adapter directory instead).
 The tensor names and tied aliases come from the model built on the meta device from config.json (nothing
 allocated): a tied lm_head is written once, under the embedding, as transformers does; a checkpoint that lacks a
 tensor of the model or holds one it has not is refused before anything is written.
@@ -26,6 +29,7 @@ to OUT at the end, so an export that is cut leaves no half-written OUT (a rerun 
 `force` an existing OUT is replaced only once the new export is complete.
 
     areal-mq checkpoint export run/checkpoints/step00000040 OUT [--dtype bfloat16] [--max-shard-size 5GB] [--force]
+    areal-mq checkpoint export LORA_CKPT OUT [--base DIR] [--adapter]
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_mq.algorithms import export_lora
 from areal_mq.algorithms.checkpoint import SHARDED, STATE_JSON, TOKENIZER_FILES, checkpoint_format, latest_checkpoint
 from areal_mq.algorithms.export_sources import CODES, DcpSource, SafetensorsSource
 from areal_mq.errors import ExportError
@@ -57,7 +62,7 @@ class Exported:
     files: list[str]  # the weight files, in order
     tensors: int
     total_size: int  # bytes of tensor data (the index's metadata.total_size)
-    source: str  # "safetensors" or "dcp"
+    source: str  # "safetensors", "dcp" or "lora" (merged with the adapter)
 
 
 @dataclass
@@ -101,15 +106,16 @@ def resolve_source(src: str | Path) -> Path:
             raise ExportError(f"{src} is neither a trainer checkpoint ({STATE_JSON}) nor a model directory "
                               "(config.json), and holds no stepNNNNNNNN checkpoint")
         src = newest
-    if not (src / "config.json").is_file():
+    if not (src / "config.json").is_file() and not export_lora.is_lora(src):
         raise ExportError(f"checkpoint {src} has no config.json: it cannot be exported (was it cut while written?)")
     return src
 
 
 def export_model(src: str | Path, out: str | Path, dtype: str = "bfloat16", max_shard_size: str | int = "5GB",
-                 force: bool = False, progress: bool = False) -> Exported:
-    """Write checkpoint `src` to `out` as sharded safetensors in `dtype` (module docstring). Every check runs before
-    anything is written; an ExportError says what was wrong."""
+                 force: bool = False, progress: bool = False, base: str | Path | None = None) -> Exported:
+    """Write checkpoint `src` to `out` as sharded safetensors in `dtype` (module docstring); a LoRA checkpoint merged
+    with its base (base_model.json's, or `base`). Every check runs before anything is written; an ExportError says
+    what was wrong."""
     import torch
 
     if dtype not in DTYPES:
@@ -118,18 +124,24 @@ def export_model(src: str | Path, out: str | Path, dtype: str = "bfloat16", max_
     src = resolve_source(src)
     out = Path(out)
     _check_out(src, out, force)
-    with _open_source(src) as source:
-        tensors = _match(src, source, getattr(torch, dtype))
+    lora = export_lora.is_lora(src)
+    if base is not None and not lora:
+        raise ExportError(f"--base names the base model of a LoRA checkpoint; {src} holds full weights")
+    model_dir = export_lora.checked_base(src, base) if lora else src  # config.json's directory
+    source = export_lora.LoraSource(_open_source(model_dir), src) if lora else _open_source(src)
+    with source:
+        tensors = _match(model_dir, source, getattr(torch, dtype))
         shards = _plan(tensors, limit)
         tmp = out.parent / f".{out.name}.export-partial"
         shutil.rmtree(tmp, ignore_errors=True)  # a cut export's leftovers
         tmp.mkdir(parents=True)
         try:
             files = _write(tmp, shards, progress)
-            _write_config(src, tmp, dtype)
+            _write_config(model_dir, tmp, dtype)
             for name in TOKENIZER_FILES:
-                if (src / name).is_file():
-                    shutil.copy2(src / name, tmp / name)
+                for where in (src, model_dir):  # a LoRA checkpoint holds its base's tokenizer files too
+                    if (where / name).is_file() and not (tmp / name).exists():
+                        shutil.copy2(where / name, tmp / name)
             _replace(tmp, out)
         except BaseException:  # a full disk, a bad read, Ctrl-C: nothing half-written stays behind
             shutil.rmtree(tmp, ignore_errors=True)
