@@ -68,8 +68,9 @@ class EngineConfig(BaseModel):
                     "layer for all rows, reading each row's blocks in place (torch.compile'd: C++ on the CPU, Triton "
                     "on CUDA; one compiled kernel per power-of-two batch, cached on disk by inductor); plain: strided "
                     "views of runs of consecutive blocks on the CPU, else a gather of each row's blocks, then SDPA "
-                    "(the reference path, no compiler needed). auto: flex on CUDA, plain on the CPU (measured "
-                    "faster there at long contexts; benchmarks/speed/RESULTS.md, flex decode).",
+                    "(the reference path, no compiler needed). auto: flex on CUDA, plain on the CPU (there flex "
+                    "measured 1.2-1.5x faster on ragged batches, 0.8-0.9x on uniform ones, and compiles in each "
+                    "new process: engines/torch/flex.py, benchmarks/speed/RESULTS.md).",
     )
     prefill_chunk_tokens: int = Field(
         128, ge=1,

@@ -74,7 +74,7 @@ def run(args: Any) -> dict:
     for name, lengths in shapes.items():
         pcache = paged.new_cache(sum(blocks_for(n, BLOCK_SIZE) for n in lengths) + 1, BLOCK_SIZE)
         tables = _paged_tables(pcache, lengths)
-        ccache = contiguous.new_cache(len(lengths), max_len)
+        ccache = contiguous.new_cache(len(lengths), max(lengths) + BLOCK_SIZE)  # slots as long as the shape needs
         ccache.ensure(max(lengths))
         for t in (pcache.k, pcache.v, ccache.k, ccache.v):
             t.copy_(torch.randn(t.shape, generator=gen, device=device).to(t.dtype))

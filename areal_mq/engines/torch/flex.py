@@ -1,6 +1,6 @@
 """Paged decode attention as one FlexAttention call per layer for all rows, reading K/V where they live in the pool.
 
-What: `FlexDecode(block_size, pool_blocks, device)` turns a decode step's block tables [B, nb] and positions [B]
+What: `FlexDecode(block_size, pool_blocks, call)` (from `FlexKernels.for_pool`) turns a decode step's block tables [B, nb] and positions [B]
 into a FlexAttention block mask (`mask(tables, positions)`, once per step) and attends each layer's queries over
 that layer's pool seen as one long key axis (`attend(q, k_layer, v_layer, mask)`): K/V [1, KV, blocks * bs, hd], a
 view, broadcast over the B query rows. Row b's block-mask row lists its own blocks (the table's first
@@ -10,27 +10,30 @@ or copied; the kernel walks each row's block list. Every input is a tensor and n
 captures in a CUDA graph (graphs.py) with the tables as data.
 
 The call is `torch.compile`d (inductor: a C++ template on the CPU, Triton's flex-decoding kernel on CUDA), one
-compiled kernel per query batch size: `attend` pads the rows to a power of two (padding rows attend to no block), so
-an engine whose batch changes every step compiles at most log2(max_concurrent) + 1 kernels. Inductor's on-disk cache
-keeps them across processes (measured on the CPU: ~20 s for the first kernel of a process with a cold cache, a few s
-warm; benchmarks/speed/RESULTS.md, "flex decode").
+compiled kernel per pool size and padded row count: rows are padded to a power of two, at least MIN_ROWS (a padding
+row lists no block and costs ~nothing), so an engine whose batch changes every step compiles at most
+log2(max_concurrent / MIN_ROWS) + 1 kernels. Measured on the CPU: 6-15 s for a kernel (SmolLM2-135M shape, 2 cores,
+inductor's on-disk cache cold for that shape); a later process finds it in the cache.
 
-Why (and where it is the default): the gather the plain path does (forward.py `_gather`) copies B x context keys per
-layer; on the GPU that copy dominated the paged decode step (issue 51: 23.5 ms against 10.3 ms contiguous at
-256 x 1,024). `EngineConfig.decode_attention` chooses: `auto` takes this path on CUDA and the plain one (in-place
-strided views, inplace.py, else the gather) on the CPU, where it measured faster at the quickstart's shapes (numbers
-and command in benchmarks/speed/RESULTS.md, "flex decode"). The plain path stays the reference everywhere: tests
-check this one against it and against HF (tests/unit/engines/test_torch_flex.py).
+Why, and where it is the default (`EngineConfig.decode_attention: auto`): the plain path's gather (forward.py
+`_gather`) copies B x context keys per layer; on a GPU that copy dominated the paged step (issue 51: 23.5 ms against
+10.3 ms contiguous at 256 x 1,024), so `auto` takes this path on CUDA (not yet timed on a GPU: no GPU was lent).
+On the CPU `auto` stays `plain`, by measurement (fp32, one thread, benchmarks/speed/RESULTS.md "FlexAttention
+decode"): flex is faster where rows are ragged or in several runs (the quickstart's 16 rows of 150-260 keys 1.24x,
+the 32-row long tail 1.45x; the quickstart's held-out evaluation, paged_vs_contiguous_eval 1.87 with flex against
+1.51 measured with plain on another day) but slower where plain's in-place views batch every row in one call (16
+rows x 300 keys 0.89x, x 1,024 keys 0.82x), and it compiles in every new process (above) and needs a C++ compiler.
+Set `decode_attention: flex` for evaluation-sized batches. The plain path stays the reference everywhere: tests check
+this one against it and against HF (tests/unit/engines/test_torch_flex.py, test_torch_golden.py).
 
 How to run: `rollout.engine.decode_attention: flex` (or `auto` on CUDA); speed in
-`python benchmarks/speed/engine.py --decode --flex`.
+`python benchmarks/speed/engine.py --decode --attention flex --dtype float32`.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-
 
 MIN_ROWS = 8  # rows are padded to a power of two, at least this: fewer kernels to compile; a padding row costs ~0
 
@@ -100,8 +103,8 @@ class FlexDecode:
 
     def attend(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, mask: FlexMask) -> torch.Tensor:
         """q [B, H, 1, hd] over one layer's pool k/v [KV, blocks, bs, hd] -> [B, H, 1, hd]. Each KV head's G query
-        heads go on the query axis (q [B, KV, G, hd]), so a block of keys is read once for its group (measured on
-        the CPU: 1.x faster than Hq = H with enable_gqa)."""
+        heads go on the query axis (q [B, KV, G, hd]), so a block of keys is read once for its group, not once per
+        query head as with enable_gqa."""
         kv, blocks, bs, hd = k_layer.shape
         b, h = q.shape[0], q.shape[1]
         q = q.reshape(b, kv, h // kv, hd)

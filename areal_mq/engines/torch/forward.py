@@ -14,10 +14,12 @@ a block table per sequence):
 - `extend(cache, tables, starts, chunks)`: write the KV of token chunks (prefill / recompute), no logits; one
   vectorised KV write per layer (index tensors built once on the host from the chunk lengths).
 
-Attention: `decode` on the CPU reads rows whose tables are a few runs of consecutive blocks in place, as strided
-views of the pool batched by layout (inplace.py: the gather copy costs more than the attention there); every other
-row, and `decode_step` as graphs.py captures it, gathers a row's blocks into a [B, KV, nb*bs, hd] tensor for torch
-SDPA (a FlexAttention block mask or a Triton kernel would skip that copy on a GPU; not built).
+Attention (`attention=`, the engine's `decode_attention`): `flex` attends all rows of a decode step in one
+FlexAttention call per layer, reading each row's blocks where they lie in the pool (flex.py; the default on CUDA).
+`plain`, the reference path that runs everywhere: `decode` on the CPU reads rows whose tables are a few runs of
+consecutive blocks in place, as strided views of the pool batched by layout (inplace.py: the gather copy costs more
+than the attention there); every other row, and `decode_step` as graphs.py captures it, gathers a row's blocks into
+a [B, KV, nb*bs, hd] tensor for torch SDPA. Prefill (`extend`) gathers on both.
 
 Refused at load (`ModelNotFound`, naming the field): a `hidden_act` other than SiLU (the MLP computes
 silu(gate) * up) and a RoPE scaling type whose tables depend on the sequence length (`dynamic`, `longrope`, ...):
