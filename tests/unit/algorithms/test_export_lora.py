@@ -32,7 +32,6 @@ def trained(tmp_path_factory, tiny_model_dir):
     from areal_mq.algorithms.trainer import Trainer
     from tests.unit.algorithms.batches import make_samples
 
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("export_lora")
     trainer = Trainer(TrainerConfig(lr=1e-2, max_tokens_per_mb=64, seed=7, grad_clip=None, precision="fp32",
                                     lora=LoraConfig(rank=4, alpha=8.0)), tiny_model_dir)
