@@ -183,7 +183,8 @@ class RolloutWorker(Role):
                   and self.engine.version == update.patch_base):  # the engine holds the diff's base: write what changed
                 timings = {**self.engine.update_weights(ready.version, patches=update.patches), "applied": "patches"}
             else:
-                timings = {**self.engine.update_weights(ready.version, **update.kwargs), "applied": "full"}
+                timings = {**self.engine.update_weights(ready.version, **update.kwargs),
+                           "applied": "adapter" if update.adapter is not None else "full"}
         except ArealError as exc:
             self._load_failed(ready, attempt, str(exc))
             return

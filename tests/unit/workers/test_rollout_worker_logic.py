@@ -244,7 +244,7 @@ class _Done:
         self.ready, self.attempt, self.t0, self.error = ready, 1, time.perf_counter(), None
         self.update = type("U", (), {"fallback": None, "patches": None, "kwargs": {"path": ready.path},
                                      "route": "full", "fetched_bytes": 0, "full_bytes": 0, "fetch_s": 0.0,
-                                     "failures": []})()
+                                     "failures": [], "adapter": None})()
         self.done = type("E", (), {"is_set": lambda self: True})()
 
 
