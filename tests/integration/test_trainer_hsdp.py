@@ -1,16 +1,17 @@
 """HSDP (trainer.fsdp.replicate: 2 replica groups x 2 shards, 4 CPU ranks over gloo) matches the single-process
 trainer, its checkpoints resume on other mesh shapes, and only replica group 0 serves sharded weights.
 
-Three launches of THIS file under torch.distributed.run (CUDA hidden, one thread per rank), per family:
+Four launches of THIS file under torch.distributed.run (CUDA hidden, one thread per rank), per family:
   hsdp  (4 ranks, replicate 2): 3 steps (params gathered after them), a checkpoint after step 1, and each rank's
         publish_group and publish_slices after step 3;
   flat2 (2 ranks, one flat mesh): resumes the 2 x 2 checkpoint, runs step 2, checkpoints;
-  one   (1 rank): resumes the 2-rank checkpoint, runs step 3.
+  one   (1 rank): resumes the 2-rank checkpoint, runs step 3, checkpoints;
+  back  (4 ranks, replicate 2): resumes the 1-rank checkpoint, runs step 4.
 The test process runs the plain single-process trainer (strategy ddp, world 1) on the same batches. Targets
 (issue 52 item 2): loss and parameters within 1e-5 of world 1 after 3 steps (fp32, tiny Llama and Qwen2 configs);
-the resumed steps 2 (2 x 2 -> 2) and 3 (2 -> 1) give the uninterrupted losses; ranks 0 and 1 serve slices that
+the resumed steps 2 (2 x 2 -> 2), 3 (2 -> 1) and 4 (1 -> 2 x 2) give the uninterrupted losses; ranks 0 and 1 serve slices that
 tile every tensor exactly and equal the trained parameters, ranks 2 and 3 serve nothing.
-Run: pytest tests/integration/test_trainer_hsdp.py   (about 3 min on 2 cores, marked slow)
+Run: pytest tests/integration/test_trainer_hsdp.py   (about 4 min on 2 cores, marked slow)
 """
 from __future__ import annotations
 
@@ -68,17 +69,22 @@ def run_rank(mode: str, out: Path) -> None:
             load_checkpoint(trainer, out / "ckpt-hsdp" / fam / f"step{1:08d}")
             result[fam] = {"loss": trainer.train_step(_batch(1))["loss"], "version": trainer.version}
             save_checkpoint(trainer, out / "ckpt-flat2" / fam)
-        else:
+        elif mode == "one":
             trainer = _trainer(model_dir, "fsdp")
             load_checkpoint(trainer, out / "ckpt-flat2" / fam / f"step{2:08d}")
             result[fam] = {"loss": trainer.train_step(_batch(2))["loss"], "version": trainer.version}
+            save_checkpoint(trainer, out / "ckpt-one" / fam)
+        else:
+            trainer = _trainer(model_dir, "fsdp", replicate=2)
+            load_checkpoint(trainer, out / "ckpt-one" / fam / f"step{3:08d}")
+            result[fam] = {"loss": trainer.train_step(_batch(3))["loss"], "version": trainer.version}
         result[fam]["world"] = trainer.world_size
     if rank == 0:
         (out / f"result-{mode}.json").write_text(json.dumps(result))
 
 
 @pytest.mark.slow
-def test_hsdp_2x2_matches_world_1_resumes_on_2_then_1_and_serves_from_one_replica_group(tmp_path):
+def test_hsdp_2x2_matches_world_1_resumes_on_2_then_1_and_back_and_serves_from_one_replica_group(tmp_path):
     import torch
 
     from areal_mq.engines.shapes import build_random_model
@@ -91,12 +97,14 @@ def test_hsdp_2x2_matches_world_1_resumes_on_2_then_1_and_serves_from_one_replic
     for fam in FAMILIES:
         trainer = _trainer(tmp_path / "models" / fam, "ddp")
         losses = [trainer.train_step(_batch(i))["loss"] for i in range(3)]
-        single[fam] = (losses, {n: p.detach().clone() for n, p in trainer.unwrapped.state_dict().items()})
+        single[fam] = (losses, {n: p.detach().clone() for n, p in trainer.unwrapped.state_dict().items()},
+                       trainer.train_step(_batch(3))["loss"])
     hsdp = _launch_file(__file__, "hsdp", 4, tmp_path)
     flat2 = _launch_file(__file__, "flat2", 2, tmp_path)
     one = _launch_file(__file__, "one", 1, tmp_path)
+    back = _launch_file(__file__, "back", 4, tmp_path)
     for fam in FAMILIES:
-        losses, params = single[fam]
+        losses, params, fourth = single[fam]
         assert hsdp[fam]["world"] == 4 and flat2[fam]["world"] == 2 and one[fam]["world"] == 1
         assert hsdp[fam]["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-5), (fam, hsdp[fam], losses)
         gathered = torch.load(tmp_path / f"params-{fam}.pt", map_location="cpu")
@@ -105,6 +113,7 @@ def test_hsdp_2x2_matches_world_1_resumes_on_2_then_1_and_serves_from_one_replic
         assert flat2[fam]["version"] == 2 and one[fam]["version"] == 3
         assert flat2[fam]["loss"] == pytest.approx(losses[1], rel=1e-5, abs=1e-5), fam
         assert one[fam]["loss"] == pytest.approx(losses[2], rel=1e-5, abs=1e-5), fam
+        assert back[fam]["version"] == 4 and back[fam]["loss"] == pytest.approx(fourth, rel=1e-5, abs=1e-5), fam
         # sharded publishing: replica group 0 (ranks 0, 1) serves slices that tile each tensor; group 1 nothing
         served = [torch.load(tmp_path / f"slices-{fam}-rank{r}.pt", map_location="cpu") for r in range(4)]
         assert [s["group"] for s in served] == [(0, 2), (1, 2), None, None]
