@@ -40,7 +40,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -443,25 +442,11 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.device != "cpu" and not args.codec:
         parser.error("--device applies to --codec only (the update benchmarks run the trainer on the CPU)")
-    if args.codec:
-        import weights_codec
+    mode = next((m for m in ("codec", "vllm", "lora", "sharded") if getattr(args, m)), None)
+    if mode is not None:  # a mode of its own: weights_<mode>.py beside this file
+        import importlib
 
-        weights_codec.main(args)
-        return
-    if args.vllm:
-        import weights_vllm
-
-        weights_vllm.main(args)
-        return
-    if args.lora:
-        import weights_lora
-
-        weights_lora.main(args)
-        return
-    if args.sharded:
-        import weights_sharded
-
-        weights_sharded.main(args)
+        importlib.import_module(f"weights_{mode}").main(args)
         return
     if args.from_json:
         report = resummarize(args.from_json, args.plot)

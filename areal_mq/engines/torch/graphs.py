@@ -57,6 +57,21 @@ def width_bucket(length: int, block_size: int, max_blocks: int) -> int:
     return min(max_blocks, max(least, 1 << (need - 1).bit_length()))
 
 
+def capture(step: Any, device: Any, pool: Any) -> tuple[Any, Any]:
+    """(the CUDA graph of `step()`, its output tensors): two warm-up calls on a side stream (allocator and kernel
+    autotuning settle there), then the capture into the shared memory pool."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = step()
+    return graph, outputs
+
+
 @dataclass
 class _Graph:
     """One captured bucket: its static inputs, its output, and the graph that maps one to the other."""
@@ -116,15 +131,7 @@ class BucketedDecoder:
         def step() -> torch.Tensor:
             return self.runner.decode_step(self.cache.k, self.cache.v, tokens, positions, tables)
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = step()
+        graph, logits = capture(step, device, self.pool)
         entry = _Graph(tokens, positions, tables, logits, graph)
         self.graphs[(batch, width)] = entry
         return entry
@@ -205,15 +212,7 @@ class SampledDecoder(BucketedDecoder):
         def step():
             return decode_and_sample(self.runner, self.cache.k, self.cache.v, *inputs)
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = step()
+        graph, outputs = capture(step, device, self.pool)
         entry = _SampledGraph(inputs, outputs, graph)
         self.sampled[(batch, width)] = entry
         return entry
