@@ -181,7 +181,7 @@ def checkpoint_export(checkpoint: str = typer.Argument(..., help="A checkpoint d
     from pathlib import Path
 
     from areal_mq.algorithms.export import export_model, resolve_source
-    from areal_mq.algorithms.export_lora import export_adapter
+    from areal_mq.algorithms.export import export_adapter
     from areal_mq.errors import ArealError
 
     try:

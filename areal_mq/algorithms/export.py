@@ -13,7 +13,7 @@ Hugging Face model directory. Two layouts are read, chosen by what is on disk:
   assembled from its rank chunks by `dcp.load` into one buffer, without a process group;
 - a LoRA checkpoint (trainer.lora: the adapter and the base's path and sha256, no base weights): each base tensor is
   read from the checked base model directory (or `base`) and merged with the adapter where its module is adapted,
-  in fp32, then cast once (export_lora.py; `export_lora.export_adapter` writes the PEFT adapter directory instead).
+  in fp32, then cast once (export_lora.py; `export_adapter` writes the PEFT adapter directory instead).
 The tensor names and tied aliases come from the model built on the meta device from config.json (nothing
 allocated): a tied lm_head is written once, under the embedding, as transformers does; a checkpoint that lacks a
 tensor of the model or holds one it has not is refused before anything is written.
@@ -295,3 +295,38 @@ def _open_source(src: Path) -> Any:
     if fmt != "hf" or not files:
         raise ExportError(f"checkpoint {src} holds no weights export reads (format {fmt!r}, no *.safetensors)")
     return SafetensorsSource(files)
+
+
+def export_adapter(src: Path, out: Path, base: str | Path | None, dtype: str | None, force: bool) -> list[str]:
+    """Write the PEFT adapter directory of LoRA checkpoint `src` into `out`; returns the files written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from areal_mq.algorithms.export_lora import (ADAPTER_CONFIG, adapter_config, checked_base, is_lora,
+                                                 read_adapter)
+    from areal_mq.algorithms.lora import ADAPTER_FILE, BASE_FILE, PEFT_PREFIX
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"unknown export dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if not is_lora(src):
+        raise ExportError(f"checkpoint {src} holds no LoRA adapter ({ADAPTER_FILE} + {BASE_FILE}): --adapter "
+                          "exports a trainer.lora checkpoint; export full weights without it")
+    _check_out(src, out, force)
+    path = checked_base(src, base)
+    cfg = adapter_config(src)
+    tensors = read_adapter(src)
+    if dtype is not None:
+        tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
+    cfg["base_model_name_or_path"] = str(path.resolve())
+    tmp = out.parent / f".{out.name}.export-partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file({PEFT_PREFIX + k: v.contiguous() for k, v in tensors.items()}, str(tmp / ADAPTER_FILE),
+                  metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [ADAPTER_FILE, ADAPTER_CONFIG]

@@ -7,7 +7,7 @@ base_model.json ({"path", "sha256"} of the base it was trained on), never the ba
   `merge`, the one definition the engines use too); export.py casts it once to the export dtype and appends it to
   the current shard. Memory: the adapter (MBs) plus one base tensor and its fp32 merge; never the whole model.
 - adapter (`--adapter`, `export_adapter`): adapter_model.safetensors (the trained fp32 adapter, or `dtype`) and
-  adapter_config.json with `base_model_name_or_path` set to the checked base, so
+  adapter_config.json with `base_model_name_or_path` set to the checked base (written by export.export_adapter), so
   `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), OUT)` or vLLM's LoRA loader takes it.
 Both forms first find the base (base_model.json's path, or `base` passed in: `--base DIR`) and check its sha256
 (lora.base_identity: one read of the base's weight files); a missing base or another one is refused before
@@ -21,7 +21,6 @@ Tests: tests/unit/algorithms/test_export_lora.py.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -124,36 +123,3 @@ class LoraSource:
 
     def __exit__(self, *exc: Any) -> None:
         self.base.__exit__(*exc)
-
-
-def export_adapter(src: Path, out: Path, base: str | Path | None, dtype: str | None, force: bool) -> list[str]:
-    """Write the PEFT adapter directory of LoRA checkpoint `src` into `out`; returns the files written."""
-    import torch
-    from safetensors.torch import save_file
-
-    from areal_mq.algorithms.export import DTYPES, _check_out, _replace
-
-    if dtype is not None and dtype not in DTYPES:
-        raise ExportError(f"unknown export dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if not is_lora(src):
-        raise ExportError(f"checkpoint {src} holds no LoRA adapter ({ADAPTER_FILE} + {BASE_FILE}): --adapter "
-                          "exports a trainer.lora checkpoint; export full weights without it")
-    _check_out(src, out, force)
-    path = checked_base(src, base)
-    cfg = adapter_config(src)
-    tensors = read_adapter(src)
-    if dtype is not None:
-        tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
-    cfg["base_model_name_or_path"] = str(path.resolve())
-    tmp = out.parent / f".{out.name}.export-partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        save_file({PEFT_PREFIX + k: v.contiguous() for k, v in tensors.items()}, str(tmp / ADAPTER_FILE),
-                  metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return [ADAPTER_FILE, ADAPTER_CONFIG]
