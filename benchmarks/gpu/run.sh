@@ -10,6 +10,7 @@
 #   f   e2e async vs sync                                      (stage_f_e2e.py -> benchmarks/speed/e2e.py; real weights)
 #   g   FSDP2 trainer (world 1) vs plain loop, Qwen2.5-1.5B / Qwen3-4B shapes (stage_g_fsdp.py; random weights)
 #   l   sharded loading: 7B / 14B shapes built on meta, loaded, one step (stage_l_load.py; random weights; not in all)
+#   p   precision pairs bf16/bf16, fp16/fp16, bf16/fp32: quickstart-gpu to v50 each (stage_p_precision.py; real weights; not in all)
 #   q   quality study: sync vs async η=2 pairs, workers side by side (stage_q_quality.py; real weights; not in all)
 #       its own flags go in Q_ARGS (e.g. Q_ARGS="--seeds-at-once 4 --deadline-s 480"), its limit in Q_TIMEOUT (590 s)
 #   fit the simulator's h100-measured slot from OUT/stage_{b,c,d}.json (fit_sim.py; --out only, no install)
@@ -91,6 +92,7 @@ stage() {  # $1 = a..f | fit
     c) timeout 590 "$PY" benchmarks/gpu/stage_c_trainer.py "${args[@]}" ;;
     g) timeout 590 "$PY" benchmarks/gpu/stage_g_fsdp.py "${args[@]}" ;;
     l) timeout 590 "$PY" benchmarks/gpu/stage_l_load.py "${args[@]}" ;;
+    p) timeout 590 "$PY" benchmarks/gpu/stage_p_precision.py "${args[@]}" ;;
     d) timeout 590 "$PY" benchmarks/gpu/stage_d_update.py "${args[@]}" ;;
     e) timeout 590 "$PY" benchmarks/gpu/stage_e_quickstart.py "${args[@]}" ;;
     f) timeout 920 "$PY" benchmarks/gpu/stage_f_e2e.py "${args[@]}" ;;
@@ -104,8 +106,8 @@ case "$STAGE" in
   model-a) receive_half a ;;
   model-b) receive_half b ;;
   install) ensure_installed ;;
-  a|b|c|d|e|f|g|l|q|fit) ensure_installed; stage "$STAGE" ;;
+  a|b|c|d|e|f|g|l|p|q|fit) ensure_installed; stage "$STAGE" ;;
   all) ensure_installed; rm -f "$DEST/results.md"; for s in a b c d e f g fit; do stage "$s"; done
        echo "run.sh: all stages done; results in $DEST (results.md, stage_*.json, sim_timing.json)" ;;
-  *) echo "run.sh: unknown stage '${STAGE}'; one of a b c d e f g l q fit all install model-a model-b (header)" >&2; exit 2 ;;
+  *) echo "run.sh: unknown stage '${STAGE}'; one of a b c d e f g l p q fit all install model-a model-b (header)" >&2; exit 2 ;;
 esac

@@ -43,11 +43,13 @@ def overrides(args, run_dir) -> dict:
             "brokers.store_port": store, "events.console": "json"}
 
 
-def launch(args, run_dir) -> tuple[float, float]:
+def launch(args, run_dir, extra: dict | None = None) -> tuple[float, float]:
+    """`areal-mq run` of the quickstart-gpu config (plus `extra` settings) into run_dir; (start time, wall s)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
+    sets = {**overrides(args, run_dir), **(extra or {})}
     cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(CONFIG), "--quiet",
-           *[x for k, v in overrides(args, run_dir).items() for x in ("--set", f"{k}={v}")]]
+           *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]]
     err_path = run_dir / "launcher.log"
     started, t0 = time.time(), time.monotonic()
     with open(err_path, "wb") as err:
