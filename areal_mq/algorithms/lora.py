@@ -74,9 +74,9 @@ def load_adapter(model: Any, tensors: Mapping[str, "torch.Tensor"]) -> None:
     from peft import set_peft_model_state_dict
 
     result = set_peft_model_state_dict(model, {PEFT_PREFIX + k: v for k, v in tensors.items()})
-    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
-    if missing:
-        raise AdapterError(f"adapter tensors the model has no place for: {missing[:4]}")
+    unplaced = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if unplaced:
+        raise AdapterError(f"adapter tensors the model has no place for: {unplaced[:4]}")
 
 
 def base_dtype(precision: str) -> "torch.dtype":

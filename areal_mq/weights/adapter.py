@@ -76,9 +76,13 @@ def merge(base: Mapping[str, "torch.Tensor"], adapter: Mapping[str, "torch.Tenso
     W's dtype. `base` holds the base weights by name (the kept, never-merged copy)."""
     import torch
 
-    out = {}
-    for module, (a, b) in check_adapter(adapter, {k: tuple(v.shape) for k, v in base.items()}).items():
-        w = base[module + ".weight"]
-        delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)
-        out[module + ".weight"] = (w.to(torch.float32) + scaling * delta).to(w.dtype)
-    return out
+    pairs_ = check_adapter(adapter, {k: tuple(v.shape) for k, v in base.items()})
+    return {module + ".weight": merged(base[module + ".weight"], a, b, scaling) for module, (a, b) in pairs_.items()}
+
+
+def merged(w: "torch.Tensor", a: "torch.Tensor", b: "torch.Tensor", scaling: float) -> "torch.Tensor":
+    """W + scaling * B @ A on W's device, in fp32, rounded once to W's dtype (the one merge every user calls)."""
+    import torch
+
+    delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)
+    return (w.to(torch.float32) + scaling * delta).to(w.dtype)

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
-from areal_mq.weights.adapter import MAX_RANK, check_adapter
+from areal_mq.weights.adapter import MAX_RANK, check_adapter, merged
 
 
 class StagedAdapter:
@@ -53,8 +53,7 @@ class AdapterState:
                 if name not in self.base:
                     self.base[name] = param.detach().to("cpu", copy=True)
                 # on the host, where the base copy lives: the device never holds a second copy of the weights
-                delta = b.to("cpu", torch.float32) @ a.to("cpu", torch.float32)
-                writes.append((param, (self.base[name].to(torch.float32) + scaling * delta).to(param.dtype)))
+                writes.append((param, merged(self.base[name], a, b, scaling).to(param.dtype)))
         return StagedAdapter(writes)
 
     def apply(self, staged: StagedAdapter) -> int:
