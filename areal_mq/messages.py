@@ -452,7 +452,7 @@ class WeightsAdapter(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rank: int = Field(ge=1, le=1024)
     alpha: float = Field(gt=0, le=1e6)
-    target_modules: list[str] | Literal["all-linear"] = Field("all-linear", max_length=32)
+    target_modules: list[Annotated[str, Field(max_length=64)]] | Literal["all-linear"] = Field("all-linear", max_length=32)
     base_checksum: str = Field("", pattern=r"^([0-9a-f]{16,64})?$")
 
     @property

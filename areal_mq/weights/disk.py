@@ -182,7 +182,7 @@ def load_version_dir(engine: Any, version: int, path: str | Path) -> dict[str, f
     if not getattr(engine, "accepts_adapters", False):
         raise WeightsFetchError(f"{path} holds a LoRA adapter (trainer.lora) and this engine takes no adapters: use "
                                 "engine.kind torch")
-    return engine.update_weights(version, adapter=engine.stage_adapter(read_disk(path), adapter.scaling))
+    return engine.update_weights(version, adapter=engine.stage_adapter(read_disk(path), adapter.scaling, adapter.rank))
 
 
 def read_disk(path: str | Path, verify_checksums: bool = False) -> dict[str, "torch.Tensor"]:

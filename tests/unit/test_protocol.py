@@ -201,7 +201,7 @@ def test_adapter_weights_ready_round_trips_and_hostile_forms_are_refused():
     assert got == msg and got.adapter.scaling == 2.0
     good = _wire_header(msg)["body"]["adapter"]
     for bad in ({"rank": 0}, {"rank": 4096}, {"alpha": -1.0}, {"base_checksum": "../../etc"},
-                {"target_modules": ["x"] * 33}, {"code": "import os"}):
+                {"target_modules": ["x"] * 33}, {"target_modules": ["x" * 65]}, {"code": "import os"}):
         frames = [msgpack.packb(_wire_header(msg, body={"adapter": {**good, **bad}}), use_bin_type=True)]
         with pytest.raises(ProtocolError, match="adapter"):
             protocol.decode(frames)

@@ -41,10 +41,12 @@ class AdapterState:
         self.max_rank = max_rank
         self.base: dict[str, torch.Tensor] = {}  # weight name -> the base's values (host copy)
 
-    def stage(self, tensors: Mapping[str, Any], scaling: float) -> StagedAdapter:
-        """Check and merge an adapter version (raises AdapterError, a WeightsLoadError, and changes nothing)."""
+    def stage(self, tensors: Mapping[str, Any], scaling: float, max_rank: int | None = None) -> StagedAdapter:
+        """Check and merge an adapter version (raises AdapterError, a WeightsLoadError, and changes nothing);
+        `max_rank`: the rank its announcement states (WeightsReady.adapter.rank), else the engine's bound."""
         adapter = {k: v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for k, v in tensors.items()}
-        pairs = check_adapter(adapter, {k: tuple(p.shape) for k, p in self.params.items()}, self.max_rank)
+        bound = min(self.max_rank, max_rank or self.max_rank)
+        pairs = check_adapter(adapter, {k: tuple(p.shape) for k, p in self.params.items()}, bound)
         writes = []
         with torch.no_grad():
             for module, (a, b) in pairs.items():

@@ -407,12 +407,12 @@ class TorchEngine(Engine):
         their shapes, dtypes and devices); update_weights(patches=staged) is then only the scatter."""
         return stage_patches(self.model, patches)
 
-    def stage_adapter(self, tensors: Mapping[str, Any], scaling: float) -> Any:
+    def stage_adapter(self, tensors: Mapping[str, Any], scaling: float, max_rank: int | None = None) -> Any:
         """Check and merge a LoRA adapter version from the kept base (adapter.py; safe off the decode thread);
         update_weights(adapter=staged) is then only the copies."""
         if self.adapters is None:
             self.adapters = AdapterState(self.model)
-        return self.adapters.stage(tensors, scaling)
+        return self.adapters.stage(tensors, scaling, max_rank)
 
     def update_weights(self, version: int, tensors: Mapping[str, Any] | None = None,
                        path: str | None = None, patches: Mapping[str, Any] | None = None,

@@ -83,3 +83,9 @@ def test_bad_adapter_is_refused_and_changes_nothing(make_engine, hf_tiny, bad):
     with pytest.raises(WeightsLoadError):
         engine.stage_adapter(adapter, 1.0)
     assert all(torch.equal(v, snapshot[k]) for k, v in engine.model.named_parameters())
+
+
+def test_an_adapter_above_its_announced_rank_is_refused(make_engine, hf_tiny):
+    engine = make_engine()
+    with pytest.raises(WeightsLoadError, match="exceeds 2"):
+        engine.stage_adapter(random_adapter(hf_tiny, seed=4, rank=4), 1.0, max_rank=2)
