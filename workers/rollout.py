@@ -24,6 +24,9 @@ A worker that joins late loads the retained weights before it announces READY.
   mismatch, a missing or corrupt delta, or a base it does not hold makes it take another way (full), logged
   as rollout.weights_fallback with the reason; rollout.weights_updated carries engine_pause_s (the engine
   stopped) and transfer_s (announcement taken up to applied) separately;
+- a LoRA version whose WeightsAdapter.base_checksum names another base than the engine's (lora.base_identity of
+  its model directory, computed once, at the first such version) is refused before anything is fetched
+  (WeightsLoadError): that version is lost, not the worker;
 - a failed weight load is retried WEIGHTS_LOAD_ATTEMPTS times with doubling pauses (generation goes on
   meanwhile); when it still fails, the requests held for that version are answered
   Error(weights_unavailable) (retryable: the controller resubmits) instead of waiting for ever;
@@ -96,7 +99,7 @@ class RolloutWorker(Role):
         self.announced: WeightsReady | None = None  # the newest announcement not loaded yet
         self.fetching: _Fetch | None = None  # a fetch running on a thread while the engine decodes
         self.catchup = WeightCatchup(cfg.run.run_dir, cfg.trainer, cfg.rollout.weights_timeout_s, runtime.keys,
-                                     min_mbps=cfg.rollout.weights_min_mbps)
+                                     min_mbps=cfg.rollout.weights_min_mbps, base_checksum=base_checksum_of(engine))
         self.ipc = IpcReceiver(cfg.run.run_dir, cfg.rollout.weights_timeout_s)  # trainer.publish_mode cuda_ipc
 
     # ------------------------------------------------------------ weights
@@ -364,6 +367,22 @@ class RolloutWorker(Role):
         for rid in list(self.jobs):  # left over: abort here, the broker requeues them on DISCONNECT
             self.engine.abort(rid)
         self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held) + len(self.deferred))
+
+
+def base_checksum_of(engine: Any) -> Any:
+    """() -> the sha256 a LoRA trainer names its base by (lora.base_identity) of the directory this engine was started
+    from, for WeightCatchup to check an adapter version's base_checksum against (once, at the first that names one);
+    None where the engine takes no adapters or does not say where its base is (nothing checked)."""
+    path = getattr(engine, "model_dir", None)
+    if path is None or not getattr(engine, "accepts_adapters", False):
+        return None
+
+    def compute() -> str:
+        from areal_mq.algorithms.lora import base_identity
+
+        return base_identity(path)["sha256"]
+
+    return compute
 
 
 def stage(update: Any, stagers: tuple[Any, Any]) -> Any:

@@ -1,9 +1,9 @@
 """`areal-mq worker trainer`: sample batches in, decoupled-PPO steps, new policy versions out.
 
 A Role on the shared loop (areal_mq/actor/roles.py); each tick:
-       store.get_batch(batch_groups, version, η) ──► Trainer.train_step ──► publish weights v+1
-       (disk dir or zmq server) ──► WeightsReady(v+1) on the signal bus ──► metrics sinks (metrics.jsonl line;
-       TensorBoard / W&B when `metrics:` asks, areal_mq/telemetry/metrics.py)
+       store.get_batch(batch_groups, version, η) ──► Trainer.train_step ──► publisher.publish_version()
+       (v+1, in the layout areal_mq/weights/publisher.py chose once at start; WeightsReady(v+1) on the signal bus)
+       ──► metrics sinks (metrics.jsonl line; TensorBoard / W&B when `metrics:` asks, telemetry/metrics.py)
 Invariants:
 - the version starts at 0 (or the checkpoint's) and increases by exactly 1 per finished step;
 - a batch is acknowledged to the store only once a checkpoint containing its effect is written (or at
@@ -82,10 +82,16 @@ class TrainerWorker(Role):
     stats_every_s = 0.0  # it reports every step (trainer.step event, metrics sinks)
 
     def __init__(self, cfg: Any, trainer: Any, store: Any, bus: Any, publisher: Any, rt: Any, sinks: Any = None):
+        """`publisher`: this rank's TrainerPublisher (weights/publisher.py make_publisher), or a bare transport (a
+        WeightPublisher, the simulated trainer's, a test's stand-in) put behind the same seam here (it announces on
+        `bus`)."""
         from areal_mq.telemetry.metrics import JsonlSink, MetricsSinks, jsonl_path
+        from areal_mq.weights.publisher import TrainerPublisher, make_publisher
 
         super().__init__(rt)
-        self.cfg, self.trainer, self.store, self.bus, self.publisher = cfg, trainer, store, bus, publisher
+        self.cfg, self.trainer, self.store = cfg, trainer, store
+        self.publisher = publisher if isinstance(publisher, TrainerPublisher) else \
+            make_publisher(cfg, trainer, bus=bus, log=self.log, transport=publisher)
         self.run_dir = Path(cfg.run.run_dir)
         # the JSONL file alone where main() passes no sinks (ranks > 0, which never write, and tests)
         self.sinks = sinks or MetricsSinks([JsonlSink(jsonl_path(self.run_dir, "trainer"))], "trainer", self.log)
@@ -98,14 +104,6 @@ class TrainerWorker(Role):
         self.waited_since = time.perf_counter()
         self.stale_unreported = 0  # stale drops the store reported that no step's metrics carried yet
         self.stale_total = 0
-        self.background = None  # rank 0 (sharded: every rank) publishes beside the next step (trainer.publish_async)
-        self.sharded = cfg.trainer.sharded_publish and not cfg.trainer.sim.enabled
-        if (self.is_main or self.sharded) and publisher is not None and cfg.trainer.publish_async \
-                and cfg.trainer.publish_mode != "cuda_ipc":
-            from areal_mq.weights.background import BackgroundPublisher
-
-            self.background = BackgroundPublisher(self._announce_shard if self.sharded else self._announce,
-                                                  log=self.log)
 
     @property
     def is_main(self) -> bool:
@@ -217,85 +215,30 @@ class TrainerWorker(Role):
                 "dropped_stale_total": self.stale_total}
 
     def publish(self) -> Any:
-        """Publish the trainer's current version. The snapshot (Trainer.publish_tensors: a copy; under fsdp a
-        gather every rank takes part in) is made here; rank 0 then publishes it in the background
-        (self.background) or, without one, before returning. Returns that full snapshot when this layout made one
-        (every rank of a gathering fsdp trainer: {} off rank 0), else None."""
-        if not self.is_main and not self.trainer.strategy.gathers_collectively:
-            return None
-        if self.cfg.trainer.publish_mode == "cuda_ipc":  # the live parameters, copied on their device (weights/ipc.py)
-            ready = self.publisher.publish(self.trainer.version, self.trainer.unwrapped.state_dict(),
-                                           self.trainer.hf_config_json)
-            self.bus.publish("weights", ready)
-            return None
-        if self.sharded:  # a device copy of this rank's own shards, no collective (weights/sharded.py)
-            if self.publisher is None:  # HSDP: a rank outside the serving replica group serves nothing
-                return None
-            snapshot = self.trainer.publish_slices()
-            if self.background is not None:
-                self.background.submit(self.trainer.version, snapshot, self.trainer.hf_config_json)
-            else:
-                self._announce_shard(self.trainer.version, snapshot, self.trainer.hf_config_json)
-            return None
-        tensors = self.trainer.publish_tensors()  # gather layout under fsdp, a collective: rank 0 keeps the result
-        if not self.is_main:
-            return tensors
-        if self.background is not None:
-            self.background.submit(self.trainer.version, tensors, self.trainer.hf_config_json)
-        else:
-            self._announce(self.trainer.version, tensors, self.trainer.hf_config_json)
-        return tensors
+        """Publish the trainer's current version through this rank's publisher; returns what it took (the snapshot
+        keep_for_eval reuses; None when this rank took nothing)."""
+        return self.publisher.publish_version()
 
-    def keep_for_eval(self, snapshot: Any = None) -> None:
-        """publish_mode zmq and cuda_ipc leave no weights on disk, yet the held-out evaluation (`areal-mq run`'s
-        final one, eval.every's periodic ones, `areal-mq eval`) reads run_dir/weights/vN: those versions (every
-        eval.every-th and the last, controller.total_steps) are also written there in full, not announced (the
-        rollout workers still take zmq). Under fsdp that is a gather every rank joins, on the step's thread in the
-        same order on every rank, at those versions only. Costs a full write of publish_dtype bytes per such
-        version (the last trainer.keep_weight_versions of them kept). `snapshot`: the full snapshot publish() just
-        made (a copy nobody changes; None when its layout made none), reused instead of gathering again."""
+    def keep_for_eval(self, publication: Any = None) -> None:
+        """The held-out evaluation (`areal-mq run`'s final one, eval.every's periodic ones, `areal-mq eval`) reads
+        run_dir/weights/vN: those versions (every eval.every-th and the last, controller.total_steps) are written
+        there in full, not announced, where publishing leaves none on disk (publisher.keep_for_eval; under fsdp a
+        gather every rank joins, at those versions only). Costs a full write of publish_dtype bytes per such version
+        (the last trainer.keep_weight_versions of them kept). `publication`: what publish() just took, reused."""
         cfg, version = self.cfg, self.trainer.version
-        if cfg.trainer.publish_mode == "disk" or cfg.trainer.sim.enabled:
-            return
         if version < cfg.controller.total_steps and not (cfg.eval.every and version % cfg.eval.every == 0):
             return
-        if not self.is_main and not self.trainer.strategy.gathers_collectively:
-            return
-        from areal_mq.weights.disk import publish_disk
-        from areal_mq.weights.publisher import adapter_form
-
         t0 = time.perf_counter()
-        # under fsdp a collective (every rank takes the same branch: publish() returned a snapshot on all or none)
-        tensors = snapshot if snapshot is not None else self.trainer.publish_tensors()
-        if not self.is_main:
-            return
-        from areal_mq.weights.delta import checksum
-
-        path = self.run_dir / "weights"
         try:
-            publish_disk(path, version, tensors, keep=cfg.trainer.keep_weight_versions,
-                         hf_config_json=self.trainer.hf_config_json,
-                         digests={k: checksum(t) for k, t in tensors.items()}, adapter=adapter_form(cfg.trainer))
+            path = self.publisher.keep_for_eval(publication, self.run_dir / "weights")
         except OSError as exc:  # a full disk costs this version's evaluation, not the training run
             if self.log:
                 self.log.error("trainer.kept_for_eval_failed", version=version, error=str(exc)[:300],
                                hint="this version is not on disk, so it is not evaluated; training goes on")
             return
-        self.log_info("trainer.kept_for_eval", version=version, path=str(path / f"v{version}"),
-                      seconds=round(time.perf_counter() - t0, 2))
-
-    def _announce(self, version: int, tensors: Any, hf_config_json: str | None) -> None:
-        """Publish a snapshot and say so on the bus (in the background thread when there is one)."""
-        ready = self.publisher.publish(version, tensors, hf_config_json, snapshot=True)
-        self.bus.publish("weights", ready)
-
-    def _announce_shard(self, version: int, snapshot: Any, hf_config_json: str | None) -> None:
-        """Serve this rank's slices; rank 0 announces the manifest once every rank serves them (ShardPublisher)."""
-        ready = self.publisher.publish(version, snapshot, hf_config_json)
-        if ready is not None and self.is_main:
-            self.bus.publish("weights", ready)
-            self.log_info("trainer.published_sharded", version=version, ranks=len(ready.shards),
-                          bytes=int(ready.meta.get("bytes", 0)))
+        if path is not None:
+            self.log_info("trainer.kept_for_eval", version=version, path=str(path),
+                          seconds=round(time.perf_counter() - t0, 2))
 
     def checkpoint(self) -> None:
         from areal_mq.algorithms.checkpoint import save_checkpoint
@@ -362,8 +305,7 @@ class TrainerWorker(Role):
         return True
 
     def on_stop(self) -> None:
-        if self.background is not None:  # the last version reaches the workers before the trainer says finished
-            self.background.close()
+        self.publisher.drain()  # the last version reaches the workers before the trainer says finished
         if self.unacked or self._broadcast(self.ckpt_requested) or \
                 self.trainer.version >= self.cfg.controller.total_steps:
             self.checkpoint()
@@ -387,12 +329,12 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.telemetry.metrics import MetricsSinks
     from areal_mq.actor.runtime import WorkerRuntime
     from areal_mq.actor.threads import apply_thread_budget
-    from areal_mq.weights import WeightPublisher
+    from areal_mq.weights.publisher import make_publisher
 
     apply_thread_budget(cfg, "trainer")
     trainer = Trainer(cfg.trainer, resolve_model(cfg.model.name, cfg.model.cache_dir),
                       device=role_device(cfg, "trainer"), engine_dtype=rollout_dtype(cfg))
-    rt = store = bus = publisher = sinks = None
+    rt = store = bus = sinks = None
     if not trainer.is_main:  # torchrun forwards SIGTERM to every rank: only rank 0 decides when to stop
         signal.signal(signal.SIGTERM, lambda *_: None)
     if trainer.is_main:
@@ -401,24 +343,10 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         rt.start()
         store = StoreClient(cfg.brokers.store_addr, keys=rt.keys, heartbeat_s=cfg.brokers.heartbeat_s)
         bus = SignalPublisher(cfg.brokers.bus_in_addr, keys=rt.keys)
-        if not cfg.trainer.sharded_publish:
-            publisher = WeightPublisher(cfg.trainer, cfg.run.run_dir, keys=rt.keys, log=rt.log)
-            if trainer.world_size > 1:  # say once why a sharded trainer gathers, and what would avoid it
-                rt.log.info("trainer.publish_layout", layout="gather", world=trainer.world_size,
-                            publish_mode=cfg.trainer.publish_mode, hint="every version is gathered to rank 0 and "
-                            "published from there; with publish_mode zmq every rank serves its own shard instead "
-                            "(publish_layout auto or sharded, docs/bigger-models.md)")
         time.sleep(0.3)  # let the PUB socket connect before the first WeightsReady
-    group = trainer.strategy.publish_group(trainer.rank) if cfg.trainer.sharded_publish else None
-    if group is not None:  # the serving ranks serve their own shards; the constructor is a collective
-        from areal_mq.security import Keyring
-        from areal_mq.weights.sharded import ShardPublisher
-
-        publisher = ShardPublisher(cfg.trainer, rt.keys if rt is not None else Keyring.from_config(cfg, "trainer"),
-                                   rt.log if rt is not None else None, group[0], group[1],
-                                   exchange=_exchange_collector, host_rank=trainer.rank)
-    elif cfg.trainer.sharded_publish:  # HSDP, another replica group: join the endpoint exchange, serve nothing
-        _exchange_collector("")
+    # every rank, at the same point: the layout may exchange endpoints (a collective)
+    publisher = make_publisher(cfg, trainer, bus=bus, keys=rt.keys if rt is not None else None,
+                               log=rt.log if rt is not None else None, exchange=_exchange_collector)
     worker = TrainerWorker(cfg, trainer, store, bus, publisher, rt, sinks)
     try:
         worker.resume()
@@ -428,8 +356,6 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
         worker.run()
         return 0
     finally:
-        if worker.background is not None:
-            worker.background.close(timeout=30.0)
         for thing in (publisher, store, bus):
             if thing is not None:
                 thing.close()

@@ -2,9 +2,10 @@
 
 What: `BackgroundPublisher(publish)` runs `publish(version, tensors, hf_config_json)` (encode, checksum, delta
 against the previous version, write the disk directory or hand the chunks to the weight server, announce
-WeightsReady on the bus) in one thread of its own, in version order. The trainer calls `submit` with a snapshot
-(Trainer.publish_tensors: a copy in trainer.publish_dtype, so the next optimizer step cannot change what is being
-published) and goes on with its next step at once.
+WeightsReady on the bus) in one thread of its own, in version order. The trainer's publisher (publisher.py,
+trainer.publish_async) calls `submit` with a snapshot (Trainer.publish_tensors or publish_slices: a copy in
+trainer.publish_dtype, so the next optimizer step cannot change what is being published) and the trainer goes on
+with its next step at once.
 Bounds: at most one version waits while another is being published; a third `submit` blocks until the thread
 takes the waiting one (backpressure, counted in the step's `publish_s`). So besides what the weight server keeps
 (trainer.keep_weight_versions), at most 2 snapshots are alive: 2 x the model's bytes in publish_dtype.

@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from areal_mq.errors import WeightsFetchError, WeightsRefused
+from areal_mq.errors import WeightsFetchError, WeightsLoadError, WeightsRefused
 from areal_mq.messages import WeightsLink, WeightsReady
 from areal_mq.weights.delta import DeltaError, apply_version, changed_elements
 
@@ -99,8 +99,12 @@ class WeightCatchup:
     other than the one that calls `commit`; only `commit` changes what is held."""
 
     def __init__(self, run_dir: str | Path, cfg: "TrainerConfig", timeout_s: float = 60.0,
-                 keys: "Keyring | None" = None, min_mbps: float = 50.0):
+                 keys: "Keyring | None" = None, min_mbps: float = 50.0,
+                 base_checksum: Callable[[], str] | None = None):
         self.run_dir, self.cfg, self.timeout_s, self.keys = run_dir, cfg, timeout_s, keys
+        # () -> this worker's base as a LoRA trainer names it (WeightsAdapter.base_checksum); None: not checked
+        self.base_checksum = base_checksum
+        self._base: str | None = None  # computed once, at the first adapter version that names its base
         self.min_mbps = min_mbps
         self.budget_s = timeout_s  # of the fetch under way: timeout_s + its bytes at min_mbps
         self.held_version = -1
@@ -113,23 +117,22 @@ class WeightCatchup:
 
     def prepare(self, ready: WeightsReady) -> Update:
         """The update taking the engine to `ready.version`. Raises WeightsRefused (outside this run),
-        WeightsFetchError (server silent or refusing, files gone, every plan failed)."""
-        from areal_mq.weights.client import check_ready, resolve
-        from areal_mq.weights.disk import read_disk
+        WeightsLoadError (an adapter trained on another base: nothing is fetched), WeightsFetchError (server silent
+        or refusing, files gone, every plan failed)."""
+        from areal_mq.weights.client import check_ready, engine_kwargs
 
         t0 = time.perf_counter()
         why = check_ready(ready, self.run_dir, self.cfg)
         if why:
             raise WeightsRefused(why)
+        self.check_base(ready)
         self.budget_s = fetch_budget_s(self.timeout_s, _largest_bytes(ready), self.min_mbps)
         if ready.shards:
             update = self._prepare_sharded(ready, time.monotonic() + self.budget_s)
             update.fetch_s = time.perf_counter() - t0
             return update
         if ready.mode not in ("disk", "zmq") or (ready.base < 0 and not ready.links):
-            kwargs = resolve(ready, self.run_dir, self.cfg, self.budget_s, self.keys)
-            if ready.adapter is not None and "path" in kwargs:  # an adapter is small: read it here, the engine merges
-                kwargs = {"tensors": read_disk(kwargs["path"])}
+            kwargs = engine_kwargs(ready, self.budget_s, self.keys)
             return Update(ready.version, kwargs, route="path" if "path" in kwargs else "full" if kwargs else "none",
                           fetch_s=time.perf_counter() - t0, adapter=ready.adapter)
         held, held_version = self.held, self.held_version  # one consistent view while another thread commits
@@ -140,6 +143,20 @@ class WeightCatchup:
             update.patches, update.patch_base = _patches(held, update.hold), held_version
         update.fetch_s = time.perf_counter() - t0
         return update
+
+    def check_base(self, ready: WeightsReady) -> None:
+        """Refuse an adapter version trained on another base than this worker's (WeightsAdapter.base_checksum; empty,
+        or a worker that cannot name its base: not checked). The base's checksum is computed once, lazily."""
+        want = ready.adapter.base_checksum if ready.adapter is not None else ""
+        if not want or self.base_checksum is None:
+            return
+        if self._base is None:
+            self._base = self.base_checksum()
+        if self._base != want:
+            raise WeightsLoadError(
+                f"v{ready.version} is a LoRA adapter trained on the base with sha256 {want[:16]}..., and this worker's "
+                f"base is {self._base[:16]}...: it is refused (the worker keeps the weights it has). Start the "
+                "rollout workers on the trainer's base model (model.name, model.cache_dir)")
 
     def _prepare_sharded(self, ready: WeightsReady, deadline: float) -> Update:
         """Every trainer rank's slices at once (at most `shard_concurrency` fetches in flight), each shard along
@@ -216,15 +233,18 @@ class WeightCatchup:
 
     def _run(self, ready: WeightsReady, pieces: list[WeightsLink], held: dict[str, Any] | None,
              deadline: float) -> dict[str, Any]:
+        from areal_mq.weights.client import fetch_piece
+
         tensors = held if pieces[0].base >= 0 else None
         for piece in pieces:
             try:
                 if piece.base < 0:
-                    tensors = self._full(ready, piece, deadline)
+                    tensors = fetch_piece(ready, piece, lambda what: self._left(deadline, what), self.keys)
                 else:
                     if tensors is None:
                         raise DeltaError("base", f"the delta {piece.base}->{piece.version} needs its base")
-                    tensors = apply_version(tensors, self._delta(ready, piece, deadline))
+                    tensors = apply_version(tensors, fetch_piece(ready, piece, lambda what: self._left(deadline, what),
+                                                                 self.keys))
             except DeltaError as exc:
                 exc.piece = (piece.version, piece.base)  # type: ignore[attr-defined]
                 if exc.reason == "base" and piece.base >= 0 and pieces[0] is piece:
@@ -240,30 +260,3 @@ class WeightCatchup:
                                     f"{self.timeout_s:g} s + the version's bytes at rollout.weights_min_mbps "
                                     f"{self.min_mbps:g} MB/s) before {what}")
         return left
-
-    def _full(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> dict[str, Any]:
-        from areal_mq.weights.client import fetch_weights
-        from areal_mq.weights.disk import read_disk
-
-        if ready.mode == "disk":
-            where = Path(ready.path).parent / f"v{piece.version}"
-            try:
-                return read_disk(where, verify_checksums=True)
-            except DeltaError:
-                raise
-            except WeightsFetchError as exc:
-                raise DeltaError("missing", str(exc)) from None
-            except Exception as exc:  # safetensors' own errors on a damaged file
-                raise DeltaError("corrupt", f"cannot read {where}: {type(exc).__name__}: {exc}") from None
-        at = ready.model_copy(update={"version": piece.version, "num_chunks": piece.chunks})
-        return fetch_weights(at, self._left(deadline, f"full v{piece.version}"), keys=self.keys)
-
-    def _delta(self, ready: WeightsReady, piece: WeightsLink, deadline: float) -> list[Any]:
-        from areal_mq.weights.client import fetch_delta
-        from areal_mq.weights.disk import DELTA_FILE, DiskDelta
-
-        if ready.mode == "disk":
-            return DiskDelta.read(Path(ready.path).parent / f"v{piece.version}" / DELTA_FILE, piece.version,
-                                  piece.base)
-        return fetch_delta(ready.endpoint, piece.version, piece.base, piece.chunks,
-                           self._left(deadline, f"delta v{piece.version}"), self.keys)

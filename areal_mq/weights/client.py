@@ -1,11 +1,12 @@
 """What a receiver does with a WeightsReady: check where it points, fetch it, and resolve it for an engine.
 
 What: `check_ready(ready, run_dir, cfg)` (a WeightsReady may only name a version directory under the run's weights
-directory or the trainer's configured weight-server addresses, `rank_host` per rank; the bus and every rollout
-worker check); `fetch_chunks` / `fetch_weights` / `fetch_delta` (a piece from a WeightServer, two chunks in flight,
-WeightsFetchError within the deadline, never a hang; checksums verified); `load_published` (any mode's tensors) and
-`resolve` (the keyword argument of Engine.update_weights). Used by catchup.py and the rollout worker; tests in
-tests/unit/test_weights.py.
+directory or the trainer's configured weight-server addresses, server.py's `rank_host` per rank; the bus and every
+rollout worker check); `fetch_chunks` / `fetch_weights` / `fetch_delta` (a piece from a WeightServer, two chunks
+in flight, WeightsFetchError within the deadline, never a hang; checksums verified); `fetch_piece` (one piece of a
+catch-up plan, from disk or the server: the one place a receiver tells the two apart); `load_published` (any
+mode's tensors) and `engine_kwargs` (the keyword argument of Engine.update_weights; `resolve` checks first). Used by
+catchup.py and the rollout worker; tests in tests/unit/test_weights.py.
 """
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from areal_mq.errors import ProtocolError, WeightsFetchError, WeightsRefused
-from areal_mq.messages import Error, WeightsChunk, WeightsFetch, WeightsReady
+from areal_mq.messages import Error, WeightsChunk, WeightsFetch, WeightsLink, WeightsReady
 from areal_mq.security import Keyring
 from areal_mq.weights.codec import bytes_tensor, chunk_deltas
 from areal_mq.weights.delta import DeltaError, TensorDelta
-from areal_mq.weights.disk import VERSION_DIR, read_disk
+from areal_mq.weights.disk import DELTA_FILE, VERSION_DIR, DiskDelta, read_disk
 from areal_mq.weights.ipc import check_ready_ipc
+from areal_mq.weights.server import rank_host
 
 if TYPE_CHECKING:
     import torch
@@ -97,6 +99,31 @@ def fetch_delta(endpoint: str, version: int, base: int, total: int, timeout_s: f
     return [d for c in fetch_chunks(endpoint, version, base, total, timeout_s, keys=keys) for d in chunk_deltas(c)]
 
 
+def fetch_piece(ready: WeightsReady, piece: WeightsLink, left: Callable[[str], float],
+                keys: Keyring | None = None) -> Any:
+    """One piece a catch-up plan lists (catchup.py), from where `ready` says its versions are (the version directories
+    on disk, or the weight server): a full version's tensors (piece.base -1) or the TensorDeltas piece.base ->
+    piece.version. `left(what)`: the seconds left for a fetch from the server (raises past the deadline). Raises
+    DeltaError (missing, corrupt, checksum: another plan may do) or WeightsFetchError."""
+    where = Path(ready.path).parent / f"v{piece.version}" if ready.mode == "disk" else None
+    if piece.base >= 0:
+        if where is not None:
+            return DiskDelta.read(where / DELTA_FILE, piece.version, piece.base)
+        return fetch_delta(ready.endpoint, piece.version, piece.base, piece.chunks, left(f"delta v{piece.version}"),
+                           keys)
+    if where is None:
+        at = ready.model_copy(update={"version": piece.version, "num_chunks": piece.chunks})
+        return fetch_weights(at, left(f"full v{piece.version}"), keys=keys)
+    try:
+        return read_disk(where, verify_checksums=True)
+    except DeltaError:
+        raise
+    except WeightsFetchError as exc:
+        raise DeltaError("missing", str(exc)) from None
+    except Exception as exc:  # safetensors' own errors on a damaged file
+        raise DeltaError("corrupt", f"cannot read {where}: {type(exc).__name__}: {exc}") from None
+
+
 def _check_reply(msg: Any, endpoint: str, version: int, base: int, total: int, what: str) -> WeightsChunk:
     if isinstance(msg, Error):
         text = f"weight server {endpoint} refused {what}: {msg.code}: {msg.message}"
@@ -123,27 +150,26 @@ def load_published(ready: WeightsReady, timeout_s: float = 60.0,
 
 def resolve(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig", timeout_s: float = 60.0,
             keys: Keyring | None = None) -> dict[str, Any]:
-    """The keyword argument of Engine.update_weights for `ready`: {"path": ...} or {"tensors": ...}.
+    """The keyword argument of Engine.update_weights for `ready` (`engine_kwargs`), after `check_ready`.
     Raises WeightsRefused when it points outside this run, WeightsFetchError when the zmq fetch fails."""
     why = check_ready(ready, run_dir, cfg)
     if why:
         raise WeightsRefused(why)
+    return engine_kwargs(ready, timeout_s, keys)
+
+
+def engine_kwargs(ready: WeightsReady, timeout_s: float = 60.0, keys: Keyring | None = None) -> dict[str, Any]:
+    """The keyword argument of Engine.update_weights for a checked `ready`: {"path": ...} for a disk version (a LoRA
+    adapter is small and merged, not loaded: its {"tensors": ...} are read here), {} where nothing is fetched (sim;
+    cuda_ipc: the worker copies the shared buffers, weights.ipc.IpcReceiver), else the tensors from the server."""
     if ready.mode == "disk":
-        return {"path": ready.path}
-    if ready.mode in ("sim", "cuda_ipc"):  # sim: nothing exists (only a simulated engine accepts it); cuda_ipc:
-        return {}  # nothing to fetch, the worker copies the shared buffers (weights.ipc.IpcReceiver)
+        return {"path": ready.path} if ready.adapter is None else {"tensors": read_disk(ready.path)}
+    if ready.mode in ("sim", "cuda_ipc"):
+        return {}
     return {"tensors": load_published(ready, timeout_s, keys)}
 
 
 _ENDPOINT = re.compile(r"^tcp://(.+):(\d{1,5})$")
-
-
-def rank_host(cfg: "TrainerConfig", rank: int) -> str:
-    """The address trainer rank `rank`'s weight server binds: trainer.weight_server_hosts[rank] when the trainer
-    spans hosts, else trainer.weight_server_host (a rank past the list gets no address anyone accepts)."""
-    if not cfg.weight_server_hosts:
-        return cfg.weight_server_host
-    return cfg.weight_server_hosts[rank] if 0 <= rank < len(cfg.weight_server_hosts) else "(no such rank)"
 
 
 def check_ready(ready: WeightsReady, run_dir: str | Path, cfg: "TrainerConfig") -> str | None:

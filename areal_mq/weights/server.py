@@ -4,6 +4,7 @@ What: `WeightServer` binds (127.0.0.1 by default) and answers WeightsFetch(versi
 WeightsChunk frames (codec.py); the last `keep` versions stay fetchable in full, and with deltas each version is also
 served as a delta from the previous one (the last `chain` deltas). With CURVE keys it uses the trainer's key pair, and
 only roles allowed "weights:fetch" (security.PERMISSIONS) are served; one bad request never ends its thread.
+`rank_host(cfg, rank)`: the address trainer rank `rank`'s server binds (client.py's check_ready accepts only those).
 Used by publisher.py (one server per trainer) and sharded.py (one per rank); tests in tests/unit/test_weights.py.
 """
 from __future__ import annotations
@@ -20,6 +21,16 @@ from areal_mq.weights.delta import checksum, encode_version
 
 if TYPE_CHECKING:
     import torch
+
+    from areal_mq.algorithms.config import TrainerConfig
+
+
+def rank_host(cfg: "TrainerConfig", rank: int) -> str:
+    """The address trainer rank `rank`'s weight server binds: trainer.weight_server_hosts[rank] when the trainer
+    spans hosts, else trainer.weight_server_host (a rank past the list gets no address anyone accepts)."""
+    if not cfg.weight_server_hosts:
+        return cfg.weight_server_host
+    return cfg.weight_server_hosts[rank] if 0 <= rank < len(cfg.weight_server_hosts) else "(no such rank)"
 
 
 class _Piece:

@@ -76,7 +76,7 @@ class ShardPublisher:
                  rank: int = 0, world: int = 1, exchange: Any = None, host_rank: int | None = None):
         import zmq
 
-        from areal_mq.weights import WeightServer, rank_host
+        from areal_mq.weights.server import WeightServer, rank_host
 
         self.cfg, self.rank, self.world, self.log = cfg, rank, world, log
         self.keys = keys or Keyring.insecure("trainer")

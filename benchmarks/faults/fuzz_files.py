@@ -239,7 +239,7 @@ class WeightsTarget:
         except Exception as exc:  # noqa: BLE001 - judged below
             if self.which == "delta":  # DiskDelta.read/apply promise DeltaError for any damage
                 raise
-            return f"refused:{type(exc).__name__}"  # catchup._full turns safetensors' own errors into DeltaError
+            return f"refused:{type(exc).__name__}"  # client.fetch_piece turns safetensors' own errors into DeltaError
         wrong = sorted(k for k in self.v2 if k not in got or checksum(got[k]) != self.digests[k])
         if wrong or set(got) != set(self.v2):
             raise Unexpected(f"wrong weights accepted: tensors {wrong or sorted(set(got) ^ set(self.v2))} differ "

@@ -86,6 +86,7 @@ class TorchEngine(Engine):
             torch.set_num_threads(self.cfg.threads)
         self.dtype = dtype if self.cfg.dtype == "auto" else self.cfg.dtype
         t0 = time.perf_counter()
+        self.model_dir = Path(model_dir)  # the base: a LoRA version's base_checksum is checked against it
         self.model = load_causal_lm(model_dir, self.dtype, device=self.device)
         self.load_s = time.perf_counter() - t0
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)

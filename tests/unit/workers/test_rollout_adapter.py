@@ -65,3 +65,32 @@ def test_an_engine_without_adapters_refuses_an_adapter_version_by_name(tmp_path)
     assert engine.version == 0 and engine.loads == []
     errors = [f["error"] for _, e, f in rt.log.records if e in ("rollout.weights_retry", "rollout.weights_failed")]
     assert errors and "takes no adapters" in errors[0]
+
+
+def test_an_adapter_of_another_base_costs_that_version_not_the_worker(tmp_path, monkeypatch):
+    """WeightsAdapter.base_checksum against the engine's own base (lora.base_identity of the directory it started
+    from, computed once): another base is refused by name and the worker keeps its weights; its own is merged."""
+    from areal_mq.algorithms.lora import base_identity
+    from areal_mq.engines.config import EngineConfig
+    from areal_mq.engines.models import resolve_model
+    from areal_mq.engines.torch.engine import TorchEngine
+    from areal_mq.workers import rollout
+
+    monkeypatch.setattr(rollout, "WEIGHTS_LOAD_ATTEMPTS", 1)
+    engine = TorchEngine(resolve_model("tiny-random-llama"), EngineConfig(seed=0, threads=1))
+    base = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
+    adapter = _adapter(engine.model)
+    worker, rt = _worker(tmp_path, engine)
+    ours = base_identity(engine.model_dir)["sha256"]
+    for version, named in ((1, "0" * 64), (2, ours)):
+        ready = publish_disk(tmp_path / "weights", version, adapter).model_copy(update={"adapter": WeightsAdapter(
+            rank=2, alpha=4.0, target_modules=["q_proj", "down_proj"], base_checksum=named)})
+        worker.load(ready)
+        if version == 1:
+            assert engine.version == 0
+            assert all(torch.equal(p, base[k]) for k, p in engine.model.named_parameters())
+            (failed,) = [f for _, e, f in rt.log.records if e == "rollout.weights_failed"]
+            assert "is refused" in failed["error"] and ours[:16] in failed["error"]
+    assert engine.version == 2 and worker.catchup._base == ours
+    params = dict(engine.model.named_parameters())
+    assert all(torch.equal(params[k], v) for k, v in merge(base, adapter, 2.0).items())

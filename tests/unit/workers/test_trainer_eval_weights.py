@@ -64,7 +64,7 @@ def test_a_full_disk_costs_the_evaluation_copy_not_the_run(tmp_path, trainer_cls
     import errno
 
     from areal_mq.engines.models import resolve_model
-    from areal_mq.weights import disk
+    from areal_mq.weights import publisher
 
     cfg = RunConfig.model_validate({
         "run": {"run_dir": str(tmp_path / "run")}, "model": {"name": "tiny-random-llama"},
@@ -82,7 +82,7 @@ def test_a_full_disk_costs_the_evaluation_copy_not_the_run(tmp_path, trainer_cls
 
         info = warning = error
 
-    monkeypatch.setattr(disk, "publish_disk", full)
+    monkeypatch.setattr(publisher, "publish_disk", full)  # where the trainer's publisher writes
     worker = TrainerWorker(cfg, trainer_cls(cfg.trainer, resolve_model("tiny-random-llama")), Null(), Null(), Null(),
                            rt=None)
     worker.log = Log()
