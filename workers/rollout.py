@@ -393,7 +393,7 @@ def stage(update: Any, stagers: tuple[Any, Any]) -> Any:
     if update.adapter is not None:
         if adapters is None:
             raise WeightsLoadError(f"v{update.version} is a LoRA adapter (trainer.lora) and this rollout engine takes "
-                                   "no adapters: use engine.kind torch")
+                                   "no adapters: use engine.kind torch, or vllm with trainer.lora in the run's config")
         update.kwargs = {"adapter": adapters(update.kwargs["tensors"], update.adapter.scaling, update.adapter.rank)}
     elif patches is not None and update.patches is not None:
         update.patches = patches(update.patches)

@@ -181,7 +181,7 @@ def load_version_dir(engine: Any, version: int, path: str | Path) -> dict[str, f
         return engine.update_weights(version, path=str(path))
     if not getattr(engine, "accepts_adapters", False):
         raise WeightsFetchError(f"{path} holds a LoRA adapter (trainer.lora) and this engine takes no adapters: use "
-                                "engine.kind torch")
+                                "engine.kind torch, or vllm started with trainer.lora in the run's config")
     return engine.update_weights(version, adapter=engine.stage_adapter(read_disk(path), adapter.scaling, adapter.rank))
 
 

@@ -1,8 +1,8 @@
 """Settings of the vLLM engines (`engine: vllm` and `engine: vllm-server`), nested as `engine.vllm`.
 
 What: GPU sizing (tensor parallelism, memory utilisation), CPU-backend knobs (KV cache size, OpenMP
-thread binding), start/request deadlines, weight-update buckets, and where to find a running vLLM
-server. Pydantic only: importing this module does not import vLLM, so the CLI and config loading stay
+thread binding), start/request deadlines, weight-update buckets, LoRA serving (trainer.lora runs), and where to find a
+running vLLM server. Pydantic only: importing this module does not import vLLM, so the CLI and config loading stay
 fast and work without vLLM installed.
 
 Why these knobs: on GPUs vLLM sizes itself by gpu_memory_utilization and spans tensor_parallel_size
@@ -13,6 +13,7 @@ changes throughput by ~1.5x.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -97,6 +98,19 @@ class VllmEngineConfig(BaseModel):
                     "the server's workers (its /collective_rpc takes strings; engine: vllm sends the bytes "
                     "themselves). Falls back to the temp dir if missing.",
     )
+    max_lora_rank: int | None = Field(
+        None, ge=1, le=512,
+        description="engine: vllm, LoRA runs (trainer.lora): serve each adapter version with vLLM's LoRA API "
+                    "(lora.py: one adapter slot swapped in place at a step boundary), adapters of rank up to this. "
+                    "The run's config check sets it to trainer.lora.rank; vLLM's own bound is the next of 1, 8, 16, "
+                    "32, 64, 128, 256, 320, 512. None: LoRA off (a full-weights run).",
+    )
+    lora_dir: str = Field(
+        "",
+        description="engine: vllm with max_lora_rank: where each adapter version is written as a PEFT directory "
+                    "for vLLM to load (one subdirectory per engine, deleted once no request uses the version). The "
+                    "run's config check sets <run.run_dir>/vllm-lora.",
+    )
     server_url: str = Field(
         "http://127.0.0.1:8000",
         description="engine: vllm-server only. Base URL of a running vLLM OpenAI-compatible server started with "
@@ -140,14 +154,26 @@ def vllm_runs_on_cpu(device: str | None, on_cpu_build: bool | None = None) -> bo
 
 def configure(run_cfg: object, on_cpu_build: bool | None = None) -> None:
     """RunConfig's check: vllm.tensor_parallel_size from placement.rollout.gpus_per_process (they must agree);
-    rollout.engine.dtype auto resolved for vLLM on CUDA (vllm.cuda_dtype), so the trainer's precision follows it."""
+    rollout.engine.dtype auto resolved for vLLM on CUDA (vllm.cuda_dtype), so the trainer's precision follows it;
+    under trainer.lora, vllm.max_lora_rank and vllm.lora_dir (<run_dir>/vllm-lora) for the adapter versions."""
     from areal_mq.errors import ConfigError
 
     engine = run_cfg.rollout.engine  # type: ignore[attr-defined]
     gpus = run_cfg.placement.rollout.gpus_per_process  # type: ignore[attr-defined]
     tp = engine.vllm.tensor_parallel_size
+    lora = run_cfg.trainer.lora  # type: ignore[attr-defined]
+    if engine.kind == "vllm-server" and lora is not None:
+        raise ConfigError("trainer.lora publishes adapter versions, which engine vllm-server does not load; use "
+                          "engine.kind vllm (vLLM's LoRA API, in process) or torch")
     if engine.kind != "vllm":
         return
+    if lora is not None:  # adapter versions through vLLM's LoRA API (lora.py)
+        from areal_mq.engines.vllm.lora import vllm_rank
+
+        vllm_rank(lora.rank)  # a rank vLLM cannot serve is refused here, not at the first version
+        engine.vllm.max_lora_rank = max(engine.vllm.max_lora_rank or 0, lora.rank)
+        if not engine.vllm.lora_dir:
+            engine.vllm.lora_dir = str(Path(run_cfg.run.run_dir) / "vllm-lora")  # type: ignore[attr-defined]
     if engine.dtype == "auto":
         device = run_cfg.rollout.device or run_cfg.model.device  # type: ignore[attr-defined]
         if not vllm_runs_on_cpu(device, on_cpu_build):

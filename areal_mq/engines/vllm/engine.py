@@ -26,6 +26,10 @@ update and uses those spans. It also stamps tokens itself as they arrive (the lo
 changes only while generation is paused and drained) and counts disagreements in
 stats()["version_mismatches"] — the integration test asserts the two agree.
 
+LoRA runs (vllm.max_lora_rank, set from trainer.lora): vLLM starts with one LoRA slot holding a zero adapter;
+stage_adapter checks and writes each adapter version (off the pause), update_weights(adapter=...) swaps it into the
+slot in place with add_lora inside the same pause / drain / relabel / resume (lora.py says why in place).
+
 kv_on_update: "recompute" pauses with clear_cache=True: running requests are preempted and their
 KV is recomputed under the new weights on resume. "keep" pauses with clear_cache=False: requests
 continue on KV computed by the old weights (faster, slightly off-policy).
@@ -62,9 +66,10 @@ from areal_mq.engines.vllm.common import (
     start_env,
 )
 from areal_mq.engines.vllm.config import engine_dtype, memory_utilization
-from areal_mq.engines.vllm.worker import (DROP_METHOD, EXTENSION_CLS, LOAD_METHOD, RELOAD_METHOD, STAGE_METHOD,
-                                          SWAP_METHOD, pack)
-from areal_mq.errors import EngineRequestError
+from areal_mq.engines.vllm.lora import AdapterSlot, StagedAdapter, base_shapes, lora_args
+from areal_mq.engines.vllm.worker import (DROP_METHOD, EXTENSION_CLS, LOAD_METHOD, LORA_TARGETS_METHOD, RELOAD_METHOD,
+                                          STAGE_METHOD, SWAP_METHOD, pack)
+from areal_mq.errors import EngineRequestError, WeightsLoadError
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when engine.max_model_len is unset (vLLM would take the model's 8k)
 
@@ -81,6 +86,7 @@ class _Req:
         self.collector: Any = None
         self.task: asyncio.Task | None = None
         self.output: EngineOutput | None = None
+        self.adapter_path = ""  # LoRA runs: the adapter directory it was submitted with (held until it finishes)
 
 
 class VllmEngine(VllmEngineBase):
@@ -100,6 +106,11 @@ class VllmEngine(VllmEngineBase):
         self._reqs: dict[str, _Req] = {}  # loop thread
         self._counters["version_mismatches"] = 0
         self._llm: Any = None
+        # LoRA runs (vllm.max_lora_rank, from trainer.lora): adapter versions through vLLM's LoRA API (lora.py)
+        self.lora = (AdapterSlot(self.vcfg.lora_dir, self.vcfg.max_lora_rank, base_shapes(self.model_dir))
+                     if self.vcfg.max_lora_rank else None)
+        self.accepts_adapters = self.lora is not None
+        self._lora_req: Any = None  # the LoRARequest new requests carry (loop thread)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
@@ -119,6 +130,8 @@ class VllmEngine(VllmEngineBase):
         except BaseException as exc:
             self._kill_new_children(before)
             self._stop_loop()
+            if self.lora is not None:
+                self.lora.close()
             if isinstance(exc, VllmError):
                 raise
             raise VllmError(
@@ -142,10 +155,18 @@ class VllmEngine(VllmEngineBase):
             gpu_memory_utilization=memory_utilization(self.vcfg, self.on_cpu), enforce_eager=self.vcfg.enforce_eager,
             enable_prefix_caching=self.vcfg.enable_prefix_caching, logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS, disable_log_stats=True,
+            **(lora_args(self.vcfg.max_lora_rank) if self.lora is not None else {}),
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self._vocab = self._llm.model_config.get_vocab_size()
         await self._llm.update_weight_version(str(self.version))
+        if self.lora is not None:  # the slot starts with the base (a zero adapter): every request carries it
+            targets = (await self._llm.collective_rpc(LORA_TARGETS_METHOD))[0]
+            self.lora.targets = frozenset(targets)
+            zero = self.lora.zero(targets)
+            if not await self._llm.add_lora(self.lora.request(self.version, zero, inplace=False)):
+                raise VllmError(f"vLLM did not load the starting (zero) adapter {zero.path}")
+            self._serve_adapter(self.version, zero)
 
     def _kill_new_children(self, before: set[int]) -> None:
         """After a failed start: stop the processes this start spawned (by PID), nothing else."""
@@ -175,6 +196,8 @@ class VllmEngine(VllmEngineBase):
             except VllmError:
                 pass
         self._stop_loop()
+        if self.lora is not None:
+            self.lora.close()
 
     def _call(self, coro: Coroutine, timeout: float, what: str) -> Any:
         """Run a coroutine on the loop thread and wait for it, at most `timeout` seconds."""
@@ -204,9 +227,13 @@ class VllmEngine(VllmEngineBase):
         )
         state = _Req(request)
         try:
-            state.collector = await self._llm.add_request(request.request_id, engine_input, params)
+            state.collector = await self._llm.add_request(request.request_id, engine_input, params,
+                                                          lora_request=self._lora_req)
         except Exception as exc:  # vLLM's own validation (e.g. a too-long prompt)
             raise EngineRequestError(f"vLLM refused request {request.request_id!r}: {exc}") from exc
+        if self._lora_req is not None:
+            state.adapter_path = self._lora_req.lora_path
+            self.lora.hold(state.adapter_path)
         self._reqs[request.request_id] = state
         state.task = asyncio.create_task(self._consume(state))
 
@@ -254,6 +281,9 @@ class VllmEngine(VllmEngineBase):
             stats={"prompt_tokens": len(state.request.prompt_ids), "output_tokens": n, "own_versions": stamps, "weight_versions": [(s.version, s.start, s.end) for s in comp.weight_versions]},
         )
         self._reqs.pop(state.request.request_id, None)
+        if state.adapter_path:
+            self.lora.release(state.adapter_path)
+            state.adapter_path = ""
         if state.task is not None and state.task is not asyncio.current_task():
             state.task.cancel()
         self._finish(state.output)
@@ -317,9 +347,15 @@ class VllmEngine(VllmEngineBase):
             raise
         return {"stage_s": time.perf_counter() - t0, "pack_s": pack_s, "buckets": float(len(groups))}
 
-    async def _load(self, path: str | None, packed: list | None, swap: bool = False) -> dict[str, float]:
-        """The load step of an update, on every worker: the staged version's swap, from a path, or bucket by bucket
-        from memory."""
+    async def _load(self, path: str | None, packed: list | None, swap: bool = False,
+                    adapter: Any = None) -> dict[str, float]:
+        """The load step of an update, on every worker: an adapter version into the LoRA slot (in place), the staged
+        version's swap, from a path, or bucket by bucket from memory."""
+        if adapter is not None:  # (version, StagedAdapter): vLLM loads and checks it before evicting the old one
+            t = time.perf_counter()
+            if not await self._llm.add_lora(self.lora.request(adapter[0], adapter[1], inplace=True)):
+                raise WeightsLoadError(f"vLLM did not load adapter version v{adapter[0]} ({adapter[1].path})")
+            return {"tensors": float(2 * adapter[1].modules), "worker_load_s": time.perf_counter() - t}
         if swap:
             results = await self._llm.collective_rpc(SWAP_METHOD)
             return {"tensors": float(results[0]["tensors"]), "worker_load_s": float(results[0]["load_s"]),
@@ -336,7 +372,7 @@ class VllmEngine(VllmEngineBase):
         return {"tensors": float(tensors), "worker_load_s": load_s}
 
     async def _update(self, version: int, mode: str, path: str | None = None,
-                      packed: list | None = None, swap: bool = False) -> dict[str, float]:
+                      packed: list | None = None, swap: bool = False, adapter: Any = None) -> dict[str, float]:
         llm, t = self._llm, time.perf_counter()
         await llm.pause_generation(mode="keep", clear_cache=(mode == "recompute"))
         for state in list(self._reqs.values()):  # tokens already produced belong to the old version
@@ -345,7 +381,9 @@ class VllmEngine(VllmEngineBase):
                 self._absorb(state, out)
         t_pause = time.perf_counter()
         try:
-            loaded = await self._load(path, packed, swap)
+            loaded = await self._load(path, packed, swap, (version, adapter) if adapter is not None else None)
+            if adapter is not None:
+                self._serve_adapter(version, adapter)
             t_load = time.perf_counter()
             reset_ok = await llm.reset_prefix_cache()  # blocks cached under the old weights must not be reused
             await llm.update_weight_version(str(version))
@@ -359,6 +397,57 @@ class VllmEngine(VllmEngineBase):
             "resume_s": t_end - t_reset, "prefix_cache_reset": float(bool(reset_ok)), "paused_s": t_end - t,
         }
 
+    # ---------------------------------------------------------------- LoRA versions (lora.py)
+    def stage_adapter(self, tensors: Any, scaling: float, max_rank: int | None = None) -> StagedAdapter:
+        """Check a LoRA version and write it for vLLM (lora.py; off the pause, on the fetch thread); raises
+        AdapterError, a WeightsLoadError, without touching what is served. update_weights(adapter=...) swaps it in."""
+        if self.lora is None:
+            raise WeightsLoadError("this vLLM engine was started without LoRA (rollout.engine.vllm.max_lora_rank, set "
+                                   "from trainer.lora by the run's config check) and takes no adapter versions")
+        return self.lora.stage(tensors, scaling, max_rank)
+
+    def update_weights(self, version: int, tensors: Any = None, path: str | None = None,
+                       kv_on_update: str | None = None, adapter: StagedAdapter | None = None) -> dict[str, float]:
+        """A full version (VllmEngineBase.update_weights), or a LoRA version staged by stage_adapter (adapter=): at a
+        step boundary every running sequence moves to it, its tokens from there on carry `version`."""
+        if adapter is None:
+            if self.lora is not None:
+                raise WeightsLoadError(f"v{version} is a full version, and this vLLM engine serves the LoRA adapter "
+                                       "versions of trainer.lora on its base: publish adapters, or start it without "
+                                       "rollout.engine.vllm.max_lora_rank")
+            return super().update_weights(version, tensors, path, kv_on_update)
+        if tensors is not None or path is not None:
+            raise WeightsLoadError("update_weights takes adapter= alone")
+        self._check_alive()
+        mode = kv_on_update or self.config.kv_on_update
+        t0 = time.perf_counter()
+        try:
+            timings = self._call(self._update(version, mode, adapter=adapter), self.vcfg.request_timeout_s,
+                                 "adapter update")
+        except VllmError:
+            raise
+        except Exception as exc:  # vLLM refused it (its LoRA checks): the previous version is still served
+            self.lora.discard(adapter)
+            if isinstance(exc, WeightsLoadError):
+                raise
+            raise WeightsLoadError(f"vLLM refused LoRA version v{version}: {type(exc).__name__}: "
+                                   f"{str(exc)[:500]}") from exc
+        self.version = version
+        self._counters["updates"] += 1
+        timings["total_s"] = time.perf_counter() - t0
+        self._last_update = timings
+        return timings
+
+    def _serve_adapter(self, version: int, staged: StagedAdapter) -> None:
+        """(loop thread) The slot holds `staged` as version `version`: new requests carry it from now on."""
+        self._lora_req = self.lora.request(version, staged, inplace=False)
+        self.lora.swapped(staged)
+
+    def loaded_adapters(self) -> list[int]:
+        """The adapter ids vLLM holds now (at most one: the slot)."""
+        self._check_alive()
+        return sorted(self._call(self._llm.list_loras(), self.vcfg.request_timeout_s, "list_loras"))
+
     def pause(self) -> None:
         """Freeze generation (requests keep their state and KV) until resume()."""
         self._check_alive()
@@ -369,8 +458,10 @@ class VllmEngine(VllmEngineBase):
         self._call(self._llm.resume_generation(), self.vcfg.request_timeout_s, "resume")
 
     def _own_stats(self) -> dict[str, Any]:
+        lora = {} if self.lora is None else {"adapter": self._lora_req.lora_name if self._lora_req else "",
+                                             "adapter_dirs": len(self.lora.dirs())}
         return {"version_mismatches": self._counters["version_mismatches"],
-                "kv_cache_space_gib": self.vcfg.kv_cache_space_gib}
+                "kv_cache_space_gib": self.vcfg.kv_cache_space_gib, **lora}
 
 
 def buckets(tensors: Any, limit: int, whole_layers: bool = False) -> list[list[tuple[str, Any]]]:

