@@ -26,6 +26,7 @@ follows the engine's dtype: bf16 autocast over fp32 master weights); default cpu
     python benchmarks/speed/trainer.py [--quick] [--json PATH] [--threads N] [--device cpu|cuda|cuda:N]
     python benchmarks/speed/trainer.py --strategy fsdp --world 2 [--quick] [--json PATH]   (benchmarks/speed/trainer_fsdp.py)
     python benchmarks/speed/trainer.py --load [--quick] [--json PATH]   (benchmarks/speed/trainer_load.py: load peak)
+    python benchmarks/speed/trainer.py --lora [--quick] [--json PATH]   (benchmarks/speed/trainer_lora.py: full vs LoRA)
 
 `--quick` uses fewer, shorter sequences and one alternation (same code path, same long-tail shape); it
 finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
@@ -158,6 +159,11 @@ def table(report: dict, command: str) -> str:
 
 
 def main() -> None:
+    if "--lora" in sys.argv:  # full fine-tuning vs a LoRA adapter, peak memory (issue 53)
+        import trainer_lora
+
+        sys.argv = [a for a in sys.argv if a != "--lora"]
+        return trainer_lora.main()
     if "--load" in sys.argv:  # loading the sharded trainer, old path vs each rank's shards (issue 52)
         import trainer_load
 
