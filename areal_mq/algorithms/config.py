@@ -139,7 +139,7 @@ class TrainerConfig(BaseModel):
         "docs/bigger-models.md): the base is held in the training precision's dtype with no gradients or optimizer "
         "state, only the adapter trains (fp32); the reference model is the base with the adapter off; versions "
         "publish the adapter only (WeightsReady.adapter) and engines merge it from their base. null: full "
-        "fine-tuning.")
+        "fine-tuning. Under strategy fsdp the base and the adapter are sharded together per decoder layer.")
 
     # ---------------------------------------------------------------- loss
     temperature: float = Field(
@@ -289,10 +289,9 @@ class TrainerConfig(BaseModel):
         if self.lora is not None and self.publish_mode == "cuda_ipc":
             raise ValueError("trainer.lora publishes the adapter only, which cuda_ipc (the live parameters of the whole "
                              "model) cannot carry; use publish_mode disk or zmq")
-        if self.lora is not None and self.strategy != "ddp":
-            raise ValueError("trainer.lora trains under strategy ddp for now (the frozen base costs 2 bytes per "
-                             "parameter in bf16 per rank, docs/bigger-models.md); FSDP2 with an adapter is not built "
-                             "yet: use strategy ddp")
+        if self.lora is not None and self.publish_layout == "sharded":
+            raise ValueError("trainer.lora publishes the adapter only, gathered to rank 0 (it is small); "
+                             "publish_layout sharded serves a full model's shards: use publish_layout auto or gather")
         if self.behav_cap_mode == "mask" and self.behav_weight_cap is None:
             raise ValueError("behav_cap_mode 'mask' needs a behav_weight_cap; set one (e.g. 5.0) or use 'truncate'")
         if self.behav_weight_level != "token" and not self.behav_correction:

@@ -57,7 +57,7 @@ class DdpStrategy:
         if train and self.cfg.lora is not None:  # the base frozen in the precision's dtype, the adapter in fp32
             from areal_mq.algorithms import lora
 
-            lm = lora.attach(lm, self.cfg.lora, lora.base_dtype(self.precision))
+            lm = lora.attach(lm, self.cfg.lora, lora.base_dtype(self.precision), seed=self.cfg.seed)
             self.lora_identity = lora.base_identity(model_path)
         if train and self.cfg.gradient_checkpointing:
             enable_gradient_checkpointing(lm)

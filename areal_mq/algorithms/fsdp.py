@@ -21,6 +21,11 @@ Why not Accelerate's FSDP plugin: Accelerate 1.15 builds its FSDP2 path around a
 Memory per rank (fp32 master weights, AdamW): 16 bytes x parameters / world size (weights 4, gradients 4, Adam
 moments 8), plus one gathered decoder layer in compute precision (two with reshard_after_forward: false and
 all of them kept), plus activations; with offload the 16 bytes live in host memory.
+Under trainer.lora (algorithms/lora.py) the PEFT adapter is attached before sharding: each decoder layer's unit
+holds its frozen base in the compute dtype and its fp32 adapter (`mixed_precision` explains how FSDP2 takes both),
+so a rank holds the base's bytes / world size and 16 bytes per adapter parameter / world size; the reference is
+the same model with the adapter off; a version is the adapter gathered to rank 0; a checkpoint holds the adapter's
+shards and AdamW state (never the base) beside rank 0's PEFT adapter files and the base's identity.
 Run: tests/integration/test_trainer_fsdp.py (2 CPU ranks under torch.distributed.run).
 """
 from __future__ import annotations
@@ -106,7 +111,18 @@ def decoder_layers(lm: nn.Module) -> list[nn.Module]:
 
 
 def mixed_precision(precision: str) -> Any:
-    """FSDP2's MixedPrecisionPolicy for trainer.precision: compute dtype for parameters, fp32 reductions."""
+    """FSDP2's MixedPrecisionPolicy for trainer.precision: compute dtype for parameters, fp32 reductions.
+
+    Under trainer.lora a decoder layer's unit mixes a frozen base in the compute dtype with an fp32 adapter. What
+    FSDP2 (torch 2.13, _fully_shard/) allows: `FSDPParamGroup._init_mp_dtypes` requires one original dtype and
+    one reduce dtype among the TRAINABLE parameters only (the adapter: fp32), frozen ones may differ; and
+    `foreach_all_gather` gathers inputs of mixed dtypes by viewing them all as bytes (uint8). The policy below
+    makes that case never arise: `param_dtype` bf16 casts the fp32 adapter shards to bf16 for the all-gather and
+    is a no-op for the base already in bf16 (FSDPParam.init_dtype_attrs clamps it to None), so every layer
+    gathers one bf16 buffer; the adapter computes in bf16 like the base (what autocast does under ddp), its
+    gradients are reduce-scattered in fp32 into the fp32 shards AdamW updates. The byte all-gather (no param_dtype)
+    would work too, but would compute the adapter in fp32 where ddp's bf16 autocast computes it in bf16: the
+    policy keeps the two strategies the same computation. fp32: nothing cast."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -178,9 +194,11 @@ def full_state_dict(lm: nn.Module, dtype: str | None, keep: bool) -> dict[str, t
 
 
 def _states(trainer: Any) -> tuple[dict, dict]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """The model's and AdamW's sharded state dicts, frozen parameters left out: they are the base model's, read
+    from model.name at every start (trainer.lora), and a full fine-tuning run has none."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(trainer.model, trainer.optimizer)
+    return get_state_dict(trainer.model, trainer.optimizer, options=StateDictOptions(ignore_frozen_params=True))
 
 
 def save_sharded(trainer: Any, path: Path) -> None:
@@ -192,15 +210,21 @@ def save_sharded(trainer: Any, path: Path) -> None:
 
 
 def load_sharded(trainer: Any, path: Path) -> None:
-    """Read a `save_sharded` directory into this trainer's shards, whatever world size wrote it."""
+    """Read a `save_sharded` directory into this trainer's shards, whatever world size wrote it. Loaded non-strict
+    (the frozen parameters are absent by design), then checked: every missing entry must be a frozen parameter."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     model_sd, optim_sd = _states(trainer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    missing, unexpected = set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                                         optim_state_dict=state["optim"],
+                                         options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    frozen = {n for n, p in trainer.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    bad = [k for k in missing if k not in frozen] + list(unexpected)
+    if bad:
+        raise ConfigError(f"checkpoint {path} does not fit this trainer's model: {bad[:4]}")
 
 
 def export_hf(path: Path, config_dir: Path, out: Path) -> Path:
@@ -270,6 +294,7 @@ class FsdpStrategy:
         self.accelerator: Any = None
         self.device = torch.device("cpu")
         self.mesh: Any = None  # made once, at the first build (policy and reference share it)
+        self.lora_identity: dict[str, str] = {}  # trainer.lora: the base's path and sha256 (checkpoints hold it)
 
     # ---------------------------------------------------------------- precision and building
     @property
@@ -284,9 +309,13 @@ class FsdpStrategy:
         self.accelerator, self.device = accelerator, device
 
     def build(self, model_path: str | Path, train: bool = True) -> tuple[nn.Module, Any]:
-        """(the Hugging Face model, the sharded policy). trainer.fsdp.load slices/broadcast: built on the meta
-        device, sharded, then this rank's shards materialised from the checkpoint (loading.py); full: the old
-        path, the whole model loaded in fp32 on every rank, then sharded."""
+        """(the Hugging Face model, or under trainer.lora its PEFT wrapper; the sharded policy). trainer.fsdp.load
+        slices/broadcast: built on the meta device, sharded, then this rank's shards materialised from the
+        checkpoint (loading.py); full: the old path, the whole model loaded in fp32 on every rank, then sharded.
+        Under trainer.lora the adapter is attached before sharding, so each decoder layer's unit holds its frozen
+        base (in the compute dtype) and its adapter (fp32; `mixed_precision` says how one unit holds both); the
+        base's shards are read under their checkpoint names (lora.base_name), the adapter's from
+        lora.initial_adapter."""
         from areal_mq.algorithms import loading
         from areal_mq.algorithms.ddp import enable_gradient_checkpointing
         from areal_mq.algorithms.policy import PolicyLogprobs
@@ -294,9 +323,16 @@ class FsdpStrategy:
         how = self.cfg.fsdp.load
         whole = how == "full" or self.device.type == "meta"
         lm = loading.load_whole(model_path, self.device) if whole else loading.meta_causal_lm(model_path)
+        outer, rename, given = lm, None, None
+        if train and self.cfg.lora is not None:
+            from areal_mq.algorithms import lora
+
+            outer = lora.attach(lm, self.cfg.lora, lora.base_dtype(self.precision), seed=self.cfg.seed)
+            self.lora_identity = lora.base_identity(model_path)
+            lm, rename, given = outer.get_base_model(), lora.base_name, lora.initial_adapter(outer, self.cfg.seed)
         if train and self.cfg.gradient_checkpointing:
             enable_gradient_checkpointing(lm)
-        lm.train(train)
+        outer.train(train)
         if not train:
             lm.requires_grad_(False)
         if self.mesh is None:
@@ -306,8 +342,8 @@ class FsdpStrategy:
                               self.device, train=train, mesh=self.mesh)
         if not whole:  # offload: the shards live in host memory, FSDP moves each layer to the device to compute
             at = torch.device("cpu") if self.cfg.fsdp.offload else self.device
-            loading.materialise(policy, lm, model_path, at, how)
-        return lm, policy
+            loading.materialise(policy, lm, model_path, at, how, rename=rename, given=given)
+        return outer, policy
 
     # ---------------------------------------------------------------- the step
     def accumulate(self, model: Any, last: bool) -> Any:
@@ -342,12 +378,28 @@ class FsdpStrategy:
 
     # ---------------------------------------------------------------- checkpoints
     def save_main(self, trainer: Any, tmp: Path) -> dict:
-        """Rank 0's files: the config (for export); the model and AdamW state are every rank's shards."""
-        trainer.unwrapped.config.save_pretrained(str(tmp))
+        """Rank 0's files: the config (for export); the model and AdamW state are every rank's shards. Under
+        trainer.lora the adapter's files come from save_shards (gathering it is a collective)."""
+        if self.cfg.lora is None:
+            trainer.unwrapped.config.save_pretrained(str(tmp))
         return {}
 
     def save_shards(self, trainer: Any, shard_dir: Path) -> None:
+        """Every rank's shards of the trained parameters and their AdamW state (never the frozen base); under
+        trainer.lora also the adapter gathered whole, written by rank 0 in PEFT's form beside the base's identity
+        (lora.save: what export and `PeftModel.from_pretrained` read)."""
+        if self.cfg.lora is not None:
+            from areal_mq.algorithms import lora
+
+            lora.save(trainer.unwrapped, shard_dir.parent, self.lora_identity, keep=trainer.is_main)
         save_sharded(trainer, shard_dir)  # looked up at call time: the torn-save test replaces it
 
     def load(self, trainer: Any, path: Path, blobs: dict, shard_dir: Path) -> None:
+        from areal_mq.algorithms import lora
+
+        if self.cfg.lora is not None:
+            lora.check(path, self.lora_identity)
+        elif (path / lora.ADAPTER_FILE).is_file():
+            raise ConfigError(f"checkpoint {path} holds a LoRA adapter, not the whole model: resume it with the "
+                              "run's trainer.lora, or export it merged (`areal-mq checkpoint export`)")
         load_sharded(trainer, shard_dir)  # resharded on load: any world size and mesh shape resumes it

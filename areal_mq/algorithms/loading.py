@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -112,25 +112,34 @@ def _restore_buffers(lm: nn.Module, buffers: dict[str, torch.Tensor], device: to
 
 
 def materialise(policy: nn.Module, lm: nn.Module, model_dir: str | Path, device: torch.device,
-                how: str = "slices") -> None:
+                how: str = "slices", rename: Callable[[str], str] | None = None,
+                given: Mapping[str, torch.Tensor] | None = None) -> None:
     """Allocate the shards of a sharded meta `policy` (whose Hugging Face model is `lm`) on `device` and fill them
-    from `model_dir`'s safetensors, `how` slices or broadcast (module docstring). Collective under broadcast."""
+    from `model_dir`'s safetensors, `how` slices or broadcast (module docstring). Collective under broadcast.
+    A wrapped model (a LoRA policy, algorithms/lora.py) names its parameters otherwise: `rename` maps a parameter
+    name to the checkpoint's, and a parameter in `given` (whole tensors, the same on every rank: a fresh adapter)
+    is filled from there, each rank copying its own box, instead of from the checkpoint."""
     if how not in ("slices", "broadcast"):
         raise ConfigError(f"trainer.fsdp.load must be one of {LOADS}, got {how!r}")
     buffers = {name: b for name, b in lm.named_buffers()}
     policy.to_empty(device=device)
     _restore_buffers(lm, buffers, device)
     files = _Files(checkpoint_files(model_dir))
+    given = given or {}
     try:
         with torch.no_grad():
             for name, param in lm.named_parameters():  # once each: a tied head comes under its first name
-                if name not in files.where:
-                    raise ConfigError(f"{model_dir}: the checkpoint has no tensor {name!r}; was it saved from "
-                                      "another model?")
                 local = param.to_local() if hasattr(param, "to_local") else param
                 shape, offset = local_box(param)
-                part = (_read_slice(files, name, shape, offset) if how == "slices"
-                        else _broadcast_slice(files, name, param, shape, offset, device))
+                if name in given:
+                    part = given[name][tuple(slice(o, o + n) for o, n in zip(offset, shape))] if all(shape) else None
+                else:
+                    source = rename(name) if rename is not None else name
+                    if source not in files.where:
+                        raise ConfigError(f"{model_dir}: the checkpoint has no tensor {source!r}; was it saved from "
+                                          "another model?")
+                    part = (_read_slice(files, source, shape, offset) if how == "slices"
+                            else _broadcast_slice(files, source, param, shape, offset, device))
                 if part is not None:
                     local.copy_(part)
     finally:

@@ -2,9 +2,11 @@
 
 What:
 - `LoraConfig`: rank, alpha, dropout and the target modules ("all-linear", or module names such as q_proj).
-- `attach(model, cfg, base_dtype)`: freezes the model in `base_dtype` (no fp32 master copy of frozen weights: they
-  never change) and wraps it with PEFT; only the adapter's A and B matrices train, in fp32, so AdamW holds 2 x 4
-  bytes of state per adapter parameter and nothing for the base.
+- `attach(model, cfg, base_dtype, seed)`: freezes the model in `base_dtype` (no fp32 master copy of frozen weights:
+  they never change) and wraps it with PEFT; only the adapter's A and B matrices train, in fp32, so AdamW holds
+  2 x 4 bytes of state per adapter parameter and nothing for the base. The start adapter is `initial_adapter`
+  (seeded, whatever the device), so a model built on the meta device and sharded (fsdp: algorithms/fsdp.py, the
+  base's shards read under `base_name`) starts where a whole one (ddp) does.
 - `reference(model)`: the reference policy is the base with the adapter switched off (a context manager): no second
   model in memory, and exactly the weights the run started from.
 - `adapter_tensors(model)`: what a trainer publishes and checkpoints, named by the base model's module paths
@@ -16,8 +18,10 @@ What:
 Why PEFT: the field's library for it (TRL, verl and AReaL use it): target-module matching, dropout and
 `disable_adapter` are its, tested by many; this module only pins the dtypes and names the public forms.
 
+Under FSDP2 `snapshot` and `save` gather the sharded adapter (collectives every rank joins; rank 0 keeps it).
+
 How to run: tests/unit/algorithms/test_lora.py (tiny random Llama and Qwen2: reference == base, merge == PEFT's
-merge_and_unload, hostile adapters refused).
+merge_and_unload, hostile adapters refused); 2 fsdp ranks against ddp: tests/integration/test_trainer_fsdp_lora.py.
 """
 from __future__ import annotations
 
@@ -34,21 +38,58 @@ if TYPE_CHECKING:
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the base model's own module paths
 
 
-def attach(model: Any, cfg: LoraConfig, base_dtype: "torch.dtype") -> Any:
-    """`model` frozen in `base_dtype` with a fresh PEFT adapter (B = 0: the policy starts as the base) in fp32."""
+def attach(model: Any, cfg: LoraConfig, base_dtype: "torch.dtype", seed: int | None = None) -> Any:
+    """`model` frozen in `base_dtype` with a fresh PEFT adapter (B = 0: the policy starts as the base) in fp32.
+    Parameters only are cast: buffers (the rotary frequencies) stay as built, in fp32 as the engines keep them.
+    `seed`: the adapter starts from `initial_adapter(wrapped, seed)` (a model on the meta device is filled later
+    by its strategy); None keeps PEFT's draw from the global RNG."""
     import torch
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    model.to(base_dtype)
     model.requires_grad_(False)
+    for p in model.parameters():
+        p.data = p.data.to(base_dtype)
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
                               target_modules=cfg.target_modules, task_type="CAUSAL_LM")
     wrapped = get_peft_model(model, peft_cfg)
     for p in wrapped.parameters():
         if p.requires_grad:
             p.data = p.data.to(torch.float32)
+    if seed is not None and not any(p.is_meta for p in wrapped.parameters()):
+        start = initial_adapter(wrapped, seed)
+        with torch.no_grad():
+            for name, p in wrapped.get_base_model().named_parameters():
+                if name in start:
+                    p.copy_(start[name])
     return wrapped
+
+
+def initial_adapter(model: Any, seed: int) -> dict[str, "torch.Tensor"]:
+    """The adapter a run starts from, whole, fp32 on the CPU, by the base model's parameter names
+    (`model.layers.0.self_attn.q_proj.lora_A.default.weight`): each A drawn as PEFT draws it (kaiming_uniform,
+    a = sqrt(5): uniform in +-1 / sqrt(in)) but from a generator seeded with `seed`, B = 0. A function of the
+    names, shapes and seed only, so a model built whole (ddp) and one built on the meta device and sharded (fsdp,
+    each rank copying its rows) start from the same adapter."""
+    import math
+
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.get_base_model().named_parameters():
+        if p.requires_grad:
+            t = torch.zeros(tuple(p.shape), dtype=torch.float32)
+            if ".lora_A." in name:
+                torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=gen)
+            out[name] = t
+    return out
+
+
+def base_name(name: str) -> str:
+    """The checkpoint name of a wrapped base parameter: PEFT moves an adapted linear's weight to
+    `<module>.base_layer.weight`; the base model's files call it `<module>.weight`."""
+    return name.replace(".base_layer.", ".")
 
 
 def trainable(model: Any) -> list[Any]:
@@ -87,15 +128,18 @@ def base_dtype(precision: str) -> "torch.dtype":
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def snapshot(model: Any, dtype: str | None) -> dict[str, "torch.Tensor"]:
-    """The adapter as published: host copies in `dtype` (a sharded adapter's whole tensors: under FSDP2 a collective
-    every rank joins)."""
+def snapshot(model: Any, dtype: str | None, keep: bool = True) -> dict[str, "torch.Tensor"]:
+    """The adapter as published: host copies in `dtype`, adapter_tensors' names. A sharded adapter (FSDP2) is
+    gathered whole one tensor at a time, a collective every rank joins in the same order; only a rank with `keep`
+    stores the tensors (the others return {})."""
     import torch
 
     out = {}
     for name, t in adapter_tensors(model).items():
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        out[name] = full.detach().to(device="cpu", dtype=getattr(torch, dtype) if dtype else full.dtype, copy=True)
+        if keep:
+            want = getattr(torch, dtype) if dtype else full.dtype
+            out[name] = full.detach().to(device="cpu", dtype=want, copy=True)
     return out
 
 
@@ -118,20 +162,24 @@ def base_identity(model_path: str | Path) -> dict[str, str]:
     return {"path": str(root.resolve()), "sha256": digest.hexdigest()}
 
 
-def save(model: Any, directory: Path, identity: Mapping[str, str]) -> None:
+def save(model: Any, directory: Path, identity: Mapping[str, str], keep: bool = True) -> None:
     """A checkpoint's model part under LoRA: the adapter (PEFT's adapter_model.safetensors and adapter_config.json,
-    so `PeftModel.from_pretrained(base, dir)` loads it) and the base's identity; never the frozen base."""
+    so `PeftModel.from_pretrained(base, dir)` loads it) and the base's identity; never the frozen base. A sharded
+    adapter is gathered first (a collective every rank joins); only a rank with `keep` writes."""
     import json
 
-    model.save_pretrained(str(directory), safe_serialization=True)
-    (Path(directory) / BASE_FILE).write_text(json.dumps(dict(identity), indent=1))
+    state = {}
+    for name, t in model.state_dict().items():  # PEFT's names; the base's entries are not touched (no gather)
+        if "lora_" in name:
+            state[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+    if keep:
+        model.save_pretrained(str(directory), safe_serialization=True, state_dict=state)
+        (Path(directory) / BASE_FILE).write_text(json.dumps(dict(identity), indent=1))
 
 
-def load(model: Any, directory: Path, identity: Mapping[str, str]) -> None:
-    """The adapter of a LoRA checkpoint into `model`, refusing one trained on another base."""
+def check(directory: Path, identity: Mapping[str, str]) -> None:
+    """Refuse checkpoint `directory` unless it holds a LoRA adapter trained on the base `identity` names."""
     import json
-
-    from safetensors.torch import load_file
 
     from areal_mq.errors import ConfigError
 
@@ -144,4 +192,12 @@ def load(model: Any, directory: Path, identity: Mapping[str, str]) -> None:
         raise ConfigError(f"checkpoint {directory}'s adapter was trained on the base at {saved.get('path')} "
                           f"(sha256 {saved['sha256'][:12]}...), not on {identity.get('path')} "
                           f"(sha256 {identity.get('sha256', '')[:12]}...): resume with the same model.name")
-    load_adapter(model, {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(directory / ADAPTER_FILE)).items()})
+
+
+def load(model: Any, directory: Path, identity: Mapping[str, str]) -> None:
+    """The adapter of a LoRA checkpoint into `model` (whole, not sharded), refusing one trained on another base."""
+    from safetensors.torch import load_file
+
+    check(directory, identity)
+    tensors = load_file(str(Path(directory) / ADAPTER_FILE))
+    load_adapter(model, {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()})

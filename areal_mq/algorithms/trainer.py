@@ -462,9 +462,9 @@ class Trainer:
         rank 0 only, the others get {}): the named fallback of sharded publishing (trainer.publish_layout gather).
         `strategy.gathers_collectively` says whether ranks other than 0 must call it."""
         if self.cfg.lora is not None:  # a LoRA version is its adapter (WeightsReady.adapter); engines merge it
-            from areal_mq.algorithms.lora import snapshot  # (ddp only: each rank holds the whole adapter)
+            from areal_mq.algorithms.lora import snapshot  # under fsdp gathered whole, every rank taking part
 
-            return snapshot(self.unwrapped, dtype or self.cfg.publish_dtype) if self.is_main else {}
+            return snapshot(self.unwrapped, dtype or self.cfg.publish_dtype, keep=self.is_main)
         return self.strategy.full_state_dict(self.unwrapped, dtype or self.cfg.publish_dtype, keep=self.is_main)
 
     def publish_slices(self, dtype: str | None = None) -> tuple[dict, dict]:

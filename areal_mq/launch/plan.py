@@ -19,7 +19,8 @@ nothing loaded) and the run config:
                  way after the policy. A rank must fit its training peak and its load peak. Under HSDP
                  (trainer.fsdp.replicate R) a rank shards over launcher.trainer_ranks / R ranks, not all of them;
                  under trainer.lora the frozen base in the compute dtype plus 16 bytes per adapter parameter (rank
-                 x (in + out) per adapted linear), and no reference model (the base with the adapter off);
+                 x (in + out) per adapted linear), both / shard ranks under fsdp, and no reference model (the base
+                 with the adapter off);
   rollout engine weights in the engine's dtype, the KV block pool (kv_cache_bytes, else max_kv_tokens
                  positions), and the logits of max_concurrent rows; a vLLM engine's weights and KV per GPU of its
                  tensor_parallel_size, held to its gpu_memory_utilization of the device;
@@ -214,8 +215,8 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
         state = 0.0  # in host memory (counted by the caller on the CPU only)
     if t.lora is not None:  # algorithms/lora.py: a frozen base in the precision's dtype, the adapter + AdamW in fp32
         p.layout += f", LoRA rank {t.lora.rank}"
-        p.items.append(Item("frozen base", compute * s.params))
-        p.items.append(Item("adapter weights+grads+AdamW", 16 * s.adapter_params(t.lora)))
+        p.items.append(Item("frozen base", compute * s.params / shard))  # fsdp: sharded with the adapter
+        p.items.append(Item("adapter weights+grads+AdamW", 16 * s.adapter_params(t.lora) / shard))
     else:
         p.items.append(Item("weights+grads+AdamW", state))
     if t.kl_coef > 0 and t.lora is None:  # under LoRA the reference is the base with the adapter off
@@ -223,7 +224,7 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
     if t.strategy == "fsdp":
         p.items.append(Item("gathered layer", 2 * compute * s.layer_params))
         root = s.embed_params * (1 if s.tied else 2)
-        p.items.append(Item("gathered root + its gradient", (compute + 4) * root))
+        p.items.append(Item("gathered root + its gradient", (compute + 4 * (t.lora is None)) * root))  # LoRA: frozen
     per_token_layer = s.hidden if t.gradient_checkpointing else 8 * s.hidden + 3 * s.intermediate
     p.items.append(Item("activations", t.max_tokens_per_mb * s.layers * per_token_layer * compute))
     p.items.append(Item("logits chunk", 3 * t.fsdp.logprob_chunk_mb * (1 << 20)))
@@ -252,6 +253,10 @@ def load_peak(cfg: Any, s: Shape, ranks: int, on_cuda: bool) -> dict:
     if t.strategy != "fsdp":  # read whole, onto the device (ddp.py): one tensor in flight on the host
         return _load(on_cuda, host=largest, device=models * whole)
     own = whole / shard
+    if t.lora is not None and t.fsdp.load != "full":  # the base's shards are made in the compute dtype
+        from areal_mq.algorithms.trainer import compute_precision, rollout_dtype
+
+        own = DTYPE_BYTES[compute_precision(t, rollout_dtype(cfg))] * s.params / shard
     if t.fsdp.load == "full":  # the whole model in fp32 on the host, then on the device, then sharded
         held = (models - 1) * own
         return _load(on_cuda, host=whole + held + own * offload, device=whole + held + own)

@@ -44,6 +44,24 @@ def test_attach_freezes_base_in_its_dtype_and_trains_fp32_adapter(kind):
                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")} == names
 
 
+def test_a_seeded_adapter_is_the_same_built_whole_or_on_meta_and_buffers_stay_fp32():
+    """What fsdp's sharded loading relies on (algorithms/fsdp.py build): the start adapter is a function of names,
+    shapes and seed (not of the device or the global RNG), and every wrapped base name maps to the base's own."""
+    cfg = lora.LoraConfig(rank=4, alpha=8)
+    whole = lora.attach(tiny("llama"), cfg, torch.bfloat16, seed=3)
+    with torch.device("meta"):
+        on_meta = lora.attach(tiny("llama"), cfg, torch.bfloat16, seed=3)
+    start = lora.initial_adapter(on_meta, 3)
+    got = {n: p for n, p in whole.get_base_model().named_parameters() if p.requires_grad}
+    assert set(start) == set(got) and all(torch.equal(got[n], start[n]) for n in start)
+    assert any(t.abs().sum() > 0 for n, t in start.items() if ".lora_A." in n)
+    assert all(not t.any() for n, t in start.items() if ".lora_B." in n)  # B = 0: the policy starts as the base
+    assert not torch.equal(lora.initial_adapter(on_meta, 4)[next(iter(start))], next(iter(start.values())))
+    plain = set(tiny("llama").state_dict())
+    assert {lora.base_name(n) for n, p in whole.get_base_model().named_parameters() if not p.requires_grad} <= plain
+    assert all(b.dtype == torch.float32 for b in whole.buffers())  # rotary frequencies as the engines keep them
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_reference_is_the_base_and_merge_matches_peft(kind):
     base = tiny(kind)

@@ -102,7 +102,9 @@ def test_a_full_checkpoint_does_not_resume_a_lora_run(tiny_model_dir, tmp_path):
 def test_lora_config_refusals():
     with pytest.raises(ValueError, match="cuda_ipc"):
         TrainerConfig(lora=LoraConfig(), publish_mode="cuda_ipc")
-    with pytest.raises(ValueError, match="strategy ddp"):
-        TrainerConfig(lora=LoraConfig(), strategy="fsdp", publish_mode="zmq")
+    with pytest.raises(ValueError, match="publish_layout auto or gather"):  # an adapter is rank 0's to publish
+        TrainerConfig(lora=LoraConfig(), strategy="fsdp", publish_mode="zmq", publish_layout="sharded")
+    fsdp = TrainerConfig(lora=LoraConfig(), strategy="fsdp", publish_mode="zmq")  # tests/integration/..._fsdp_lora.py
+    assert fsdp.lora is not None and not fsdp.sharded_publish
     with pytest.raises(ValueError, match="module names"):
         TrainerConfig(lora={"target_modules": ["q_proj", "os.system"]})

@@ -43,3 +43,15 @@ def test_a_7b_lora_layout_fits_one_trainer_gpu_and_one_engine_gpu():
     assert "reference model" not in items and "weights+grads+AdamW" not in items
     assert items["frozen base"] == pytest.approx(2 * plan.shape.params)  # bf16 on a GPU
     assert items["adapter weights+grads+AdamW"] < 0.05 * items["frozen base"]
+
+
+def test_under_fsdp_the_frozen_base_and_the_adapter_are_sharded():
+    sets = ["model.name=qwen2.5-7b", "trainer.kl_coef=0.05", "trainer.lora.rank=16"]
+    one = make_plan(load_config(ROOT / "configs" / "quickstart-gpu.yaml", sets))
+    two = make_plan(load_config(ROOT / "configs" / "quickstart-gpu.yaml", sets + [
+        "trainer.strategy=fsdp", "launcher.trainer_ranks=2", "trainer.publish_mode=zmq"]))
+    items = [{i.name: i.nbytes for i in next(p for p in plan.processes if p.role == "trainer rank").items}
+             for plan in (one, two)]
+    assert items[1]["frozen base"] == pytest.approx(items[0]["frozen base"] / 2) == pytest.approx(two.shape.params)
+    assert items[1]["adapter weights+grads+AdamW"] == pytest.approx(items[0]["adapter weights+grads+AdamW"] / 2)
+    assert "reference model" not in items[1] and "publish staging (2 shard copies)" not in items[1]
