@@ -116,11 +116,18 @@ LEVERS = {
     # issue 38: weights reach the workers over zmq as verified deltas (the quickstart publishes full versions on
     # disk); the weights are bit-identical, so only the timing of updates differs. Compared with async_eta2
     "zmq_deltas_eta2": ("async η=2, weights as zmq deltas", "async", 2, {"trainer.publish_mode": "zmq"}, False),
+    # issue 53: a LoRA policy (trainer.lora rank 16, alpha 32, every linear layer; the base frozen) at the
+    # quickstart's settings otherwise, against full fine-tuning's async η=2. LoRA needs a larger learning rate
+    # than full fine-tuning (its update is alpha/rank * B @ A with B starting at zero); these find it
+    **{f"lora_eta2_lr{lr}": (f"async η=2 LoRA r16 lr {lr}", "async", 2,
+                             {"trainer.lora.rank": 16, "trainer.lora.alpha": 32.0, "trainer.lr": float(lr)}, False)
+       for lr in ("5e-5", "1e-4", "2e-4", "4e-4")},
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
 }
 # a lever that changes the task's settings is compared with sync at the same settings, not with the study's sync
-BASES = {"async_small": "sync_small", "async_lr5e-6": "sync_lr5e-6"}
+BASES = {"async_small": "sync_small", "async_lr5e-6": "sync_lr5e-6",
+         **{f"lora_eta2_lr{lr}": "async_eta2" for lr in ("5e-5", "1e-4", "2e-4", "4e-4")}}
 STUDY = list(MODES)
 MODES = {**MODES, **LEVERS}
 QUICK_MODES, QUICK_SEEDS, QUICK_VERSIONS, QUICK_EVAL_N = ("sync", "async_eta2"), (0,), 2, 8
