@@ -21,3 +21,28 @@ def test_trainer_benchmark_quick_runs(tmp_path):
     table = stdout.strip().splitlines()
     assert table[0].startswith("metric") and "training tokens/s" in stdout
     assert any(line.startswith("command: python benchmarks/speed/trainer.py --quick") for line in table)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trainer_lora_benchmark_quick_runs(tmp_path):
+    """`trainer.py --lora --quick` (benchmarks/speed/trainer_lora.py): full vs LoRA on the tiny Llama, 4 processes."""
+    import subprocess
+    import sys
+
+    from .bench_smoke import ROOT
+
+    usage = subprocess.run([sys.executable, str(ROOT / "benchmarks/speed/trainer.py"), "--lora", "--help"],
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and "LoRA" in usage.stdout  # trainer.py hands --lora to trainer_lora.py
+    report, stdout = run_quick("speed/trainer_lora.py", tmp_path, timeout=550)
+    assert set(report["targets"]) == {"full_vs_lora_rank_memory"}
+    assert set(report["ratios"]) == {"full_vs_lora_rank_memory", "full_vs_lora_rank_memory_step",
+                                     "full_vs_lora_step_time"}  # quick: bf16 only
+    assert all(v > 0 for v in report["ratios"].values())
+    for row in report["results"]:
+        full, lora = row["full"], row["lora"]
+        assert full["trainable"] == full["params"] and 0 < lora["trainable"] < lora["params"]
+        assert lora["base_dtype"] == ("torch.bfloat16" if row["precision"] == "bf16" else "torch.float32")
+        assert all(x["peak_gib"] >= x["rss_imports_gib"] > 0 and x["plan"]["peak_gib"] > 0 for x in (full, lora))
+    assert "full_vs_lora_rank_memory" in stdout and "command: python benchmarks/speed/trainer.py --lora" in stdout
