@@ -33,10 +33,16 @@ def test_weights_benchmark_quick_mode(tmp_path):
 
 @pytest.mark.slow
 def test_weights_lora_benchmark_quick_mode(tmp_path):
-    """--lora: an adapter version against a full one on the tiny model; both ratios and per-round pauses reported."""
+    """--lora: an adapter version against a full one on the tiny model; both ratios and per-round pauses reported;
+    the engine's merged decode against the unmerged one, with each one's bf16 rounding."""
     report, stdout = run_quick("speed/weights.py", tmp_path, "--lora", timeout=300)
-    assert report["mode"] == "lora" and set(report["ratios"]) == set(report["targets"])
+    assert report["mode"] == "lora" and set(report["ratios"]) == {*report["targets"], "unmerged_vs_merged_decode"}
     (row,) = report["models"]
     assert row["model"] == "tiny-random-llama" and 0 < row["lora_bytes"] < row["full_bytes"]
     assert len(row["pause_s"]["full"]) == len(row["pause_s"]["lora"]) == 2
+    decode = row["decode"]
+    assert len(decode["step_s"]["merged"]) == len(decode["step_s"]["unmerged"]) == 2 * decode["steps_per_round"]
+    # merged once in fp32 then cast rounds no worse than a bf16 base plus a bf16 low-rank product, and neither is 0
+    errors = decode["bf16_logprob_error"]
+    assert 0 < errors["merged"]["mean"] <= errors["unmerged"]["mean"] * 1.5, errors
     assert "command: python benchmarks/speed/weights.py --lora --quick" in stdout
