@@ -281,6 +281,19 @@ def local_slices(lm: nn.Module, dtype: str | None, shard_index: int) -> tuple[di
     return out, where
 
 
+def _base_identity_once(model_path: Any) -> dict[str, str]:
+    """lora.base_identity (a sha256 over every base weight file: seconds for a 7B model) read by rank 0 alone and
+    broadcast, not once per rank of the host."""
+    import torch.distributed as dist
+
+    from areal_mq.algorithms import lora
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return lora.base_identity(model_path)
+    box = [lora.base_identity(model_path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
 class FsdpStrategy:
     """FSDP2: parameters, gradients and AdamW state sharded over the ranks (HSDP with trainer.fsdp.replicate)."""
 
@@ -328,7 +341,7 @@ class FsdpStrategy:
             from areal_mq.algorithms import lora
 
             outer = lora.attach(lm, self.cfg.lora, lora.base_dtype(self.precision), seed=self.cfg.seed)
-            self.lora_identity = lora.base_identity(model_path)
+            self.lora_identity = _base_identity_once(model_path)
             lm, rename, given = outer.get_base_model(), lora.base_name, lora.initial_adapter(outer, self.cfg.seed)
         if train and self.cfg.gradient_checkpointing:
             enable_gradient_checkpointing(lm)
