@@ -13,6 +13,7 @@ download 1-15 GB checkpoints.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,13 +81,47 @@ def build_random_model(dst: str | Path, name: str, seed: int = 0, *, dtype: str 
                        **overrides: Any) -> Path:
     """config.json + model.safetensors of shape `name` with seeded random weights (std 0.02, norms 1) in `dst`,
     saved in `dtype`; drawn on `device` (a GPU draws a 4B model in a second; the numbers differ per device)."""
+    dst = Path(dst)
+    want = {"name": name, "seed": seed, "dtype": dtype, "device": device, "overrides": overrides}
+    if _built_as(dst, want):
+        return dst
+    # two processes asking for the same directory at once (two rehearsals, parallel tests) must not write one
+    # file together, nor may one load a half-written model: build in a temporary directory, rename it into place
+    import shutil
+    import tempfile
+
+    from areal_mq.engines.models import _file_lock
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(dst.parent / f".{dst.name}.lock"):
+        if _built_as(dst, want):  # another process built it while this one waited
+            return dst
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+        tmp.chmod(0o755)
+        try:
+            _draw(tmp, name, seed, dtype, device, overrides)
+            (tmp / MARK).write_text(json.dumps(want))
+            if dst.exists():  # an earlier draw (other seed, dtype or overrides) is replaced; anything else is kept
+                if any(dst.iterdir()) and not (dst / MARK).is_file():
+                    raise FileExistsError(f"{dst} holds files that are not a random model's; not overwritten")
+                shutil.rmtree(dst)
+            os.rename(tmp, dst)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def _built_as(dst: Path, want: dict) -> bool:
+    try:
+        return json.loads((dst / MARK).read_text()) == want
+    except (OSError, ValueError):
+        return False
+
+
+def _draw(dst: Path, name: str, seed: int, dtype: str, device: str, overrides: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    dst = Path(dst)
-    want = {"name": name, "seed": seed, "dtype": dtype, "device": device, "overrides": overrides}
-    if (dst / MARK).is_file() and json.loads((dst / MARK).read_text()) == want:
-        return dst
     config = hf_config(name, **overrides)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
@@ -97,11 +132,8 @@ def build_random_model(dst: str | Path, name: str, seed: int = 0, *, dtype: str 
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02 if name in SHAPES else 0.1, generator=gen)
-    dst.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(dst), safe_serialization=True)
     _copy_tokenizer(dst)
-    (dst / MARK).write_text(json.dumps(want))
-    return dst
 
 
 def _copy_tokenizer(dst: Path) -> None:
