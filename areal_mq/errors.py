@@ -60,6 +60,10 @@ class WeightsLoadError(ArealError):
     """Published weights could not be loaded (unreadable, or the engine refused them); retrying may help."""
 
 
+class WeightsBaseMismatch(WeightsLoadError):
+    """A LoRA version trained on another base than the worker's: fetching it again cannot help (never retried)."""
+
+
 class WeightsFetchError(WeightsLoadError):
     """Fetching published weights failed or exceeded its deadline."""
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_mq.errors import ArealError, EngineRequestError, WeightsLoadError, WeightsRefused
+from areal_mq.errors import ArealError, EngineRequestError, WeightsBaseMismatch, WeightsLoadError, WeightsRefused
 from areal_mq.messages import GenerateRequest, GenerateResult, WeightsReady
 from areal_mq.actor.roles import Role, RoleLoop
 from areal_mq.weights.catchup import WeightCatchup
@@ -166,8 +166,8 @@ class RolloutWorker(Role):
         if isinstance(exc, WeightsRefused):  # the bus checks this too; a worker never reads outside its run
             self.log.error("rollout.weights_refused", version=ready.version, error=str(exc))
             self.fail_held(ready.version, str(exc))
-        elif isinstance(exc, ArealError):
-            self._load_failed(ready, attempt, str(exc))
+        elif isinstance(exc, ArealError):  # a base mismatch stays one however often it is fetched: no retry
+            self._load_failed(ready, attempt, str(exc), final=isinstance(exc, WeightsBaseMismatch))
         else:
             raise exc
 
@@ -206,8 +206,8 @@ class RolloutWorker(Role):
                          ("recompute_tokens", int(timings.get("recompute_tokens", 0)))):
             self.updates[key] += add
 
-    def _load_failed(self, ready: WeightsReady, attempt: int, error: str) -> None:
-        if attempt < WEIGHTS_LOAD_ATTEMPTS:
+    def _load_failed(self, ready: WeightsReady, attempt: int, error: str, final: bool = False) -> None:
+        if attempt < WEIGHTS_LOAD_ATTEMPTS and not final:
             delay = min(WEIGHTS_RETRY_MAX_S, WEIGHTS_RETRY_BASE_S * 2 ** (attempt - 1))
             self.log.warning("rollout.weights_retry", version=ready.version, attempt=attempt, error=error,
                              retry_in_s=delay)

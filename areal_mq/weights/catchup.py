@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from areal_mq.errors import WeightsFetchError, WeightsLoadError, WeightsRefused
+from areal_mq.errors import WeightsBaseMismatch, WeightsFetchError, WeightsRefused
 from areal_mq.messages import WeightsLink, WeightsReady
 from areal_mq.weights.delta import DeltaError, apply_version, changed_elements
 
@@ -117,7 +117,7 @@ class WeightCatchup:
 
     def prepare(self, ready: WeightsReady) -> Update:
         """The update taking the engine to `ready.version`. Raises WeightsRefused (outside this run),
-        WeightsLoadError (an adapter trained on another base: nothing is fetched), WeightsFetchError (server silent
+        WeightsBaseMismatch (an adapter trained on another base: nothing is fetched, never retried), WeightsFetchError (server silent
         or refusing, files gone, every plan failed)."""
         from areal_mq.weights.client import check_ready, engine_kwargs
 
@@ -153,7 +153,7 @@ class WeightCatchup:
         if self._base is None:
             self._base = self.base_checksum()
         if self._base != want:
-            raise WeightsLoadError(
+            raise WeightsBaseMismatch(
                 f"v{ready.version} is a LoRA adapter trained on the base with sha256 {want[:16]}..., and this worker's "
                 f"base is {self._base[:16]}...: it is refused (the worker keeps the weights it has). Start the "
                 "rollout workers on the trainer's base model (model.name, model.cache_dir)")
