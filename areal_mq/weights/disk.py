@@ -175,13 +175,25 @@ def read_adapter(path: str | Path) -> WeightsAdapter | None:
 
 def load_version_dir(engine: Any, version: int, path: str | Path) -> dict[str, float]:
     """Load a version directory into an engine as the evaluations do: a full version by path, a LoRA version
-    (adapter.json beside the adapter's tensors) merged from the engine's base (Engine.accepts_adapters)."""
+    (adapter.json beside the adapter's tensors) merged from the engine's base (Engine.accepts_adapters). An adapter
+    trained on another base than the engine's (WeightsAdapter.base_checksum against lora.base_identity of the engine's
+    model directory) is refused before anything is merged: its accuracy would be a number about nothing."""
     adapter = read_adapter(path)
     if adapter is None:
         return engine.update_weights(version, path=str(path))
     if not getattr(engine, "accepts_adapters", False):
         raise WeightsFetchError(f"{path} holds a LoRA adapter (trainer.lora) and this engine takes no adapters: use "
                                 "engine.kind torch, or vllm started with trainer.lora in the run's config")
+    base_dir = getattr(engine, "model_dir", None)
+    if adapter.base_checksum and base_dir is not None:
+        from areal_mq.algorithms.lora import base_identity
+        from areal_mq.errors import WeightsBaseMismatch
+
+        ours = base_identity(base_dir)["sha256"]
+        if ours != adapter.base_checksum:
+            raise WeightsBaseMismatch(f"{path} is a LoRA adapter trained on the base with sha256 "
+                                      f"{adapter.base_checksum[:16]}..., and this engine's base ({base_dir}) is "
+                                      f"{ours[:16]}...: evaluate it with the run's own model.name and model.cache_dir")
     return engine.update_weights(version, adapter=engine.stage_adapter(read_disk(path), adapter.scaling, adapter.rank))
 
 

@@ -95,3 +95,30 @@ def test_an_adapter_of_another_base_costs_that_version_not_the_worker(tmp_path):
     assert engine.version == 2 and worker.catchup._base == ours
     params = dict(engine.model.named_parameters())
     assert all(torch.equal(params[k], v) for k, v in merge(base, adapter, 2.0).items())
+
+
+def test_an_evaluation_refuses_an_adapter_of_another_base_and_merges_its_own(tmp_path):
+    """load_version_dir (areal-mq eval, periodic evaluations): the same base check as the rollout worker's, before
+    anything is merged; an adapter that names no base is merged as before."""
+    from areal_mq.algorithms.lora import base_identity
+    from areal_mq.engines.config import EngineConfig
+    from areal_mq.engines.models import resolve_model
+    from areal_mq.engines.torch.engine import TorchEngine
+    from areal_mq.errors import WeightsBaseMismatch
+    from areal_mq.weights.disk import load_version_dir
+
+    engine = TorchEngine(resolve_model("tiny-random-llama"), EngineConfig(seed=0, threads=1))
+    base = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
+    adapter = _adapter(engine.model)
+    ours = base_identity(engine.model_dir)["sha256"]
+    for version, named in ((1, "0" * 64), (2, ours), (3, "")):
+        publish_disk(tmp_path / "weights", version, adapter, keep=5, adapter=WeightsAdapter(
+            rank=2, alpha=4.0, target_modules=["q_proj", "down_proj"], base_checksum=named))
+    with pytest.raises(WeightsBaseMismatch, match="another|trained on the base") as err:
+        load_version_dir(engine, 1, tmp_path / "weights" / "v1")
+    assert ours[:16] in str(err.value) and engine.version == 0
+    assert all(torch.equal(p, base[k]) for k, p in engine.model.named_parameters())
+    for version in (2, 3):
+        load_version_dir(engine, version, tmp_path / "weights" / f"v{version}")
+        params = dict(engine.model.named_parameters())
+        assert engine.version == version and all(torch.equal(params[k], v) for k, v in merge(base, adapter, 2.0).items())
