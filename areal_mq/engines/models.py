@@ -200,17 +200,31 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
 
 def _materialize(name: str, target: Path, build: Callable[[Path, Path], None]) -> Path:
     """Return `target`, building it first (lock + temp dir + atomic rename) if needed."""
-    if _is_built(target):  # fast path: no lock, no heavy imports
+    def build_marked(tmp: Path) -> None:
+        build(tmp, target.parent)
+        (tmp / MARKER).write_text(json.dumps({"name": name, "format": FORMAT_VERSION}))
+
+    return build_once(target, _is_built, build_marked)
+
+
+def build_once(target: Path, is_built: Callable[[Path], bool], build: Callable[[Path], None],
+               replace: Callable[[Path], bool] = lambda _: True) -> Path:
+    """`target` as `build(tmp)` makes it, built at most once however many processes ask at the same moment: under a
+    file lock beside it, in a temporary directory renamed into place (nobody ever reads a half-built directory).
+    An existing `target` that is not `is_built` is replaced where `replace(target)` allows, else FileExistsError."""
+    if is_built(target):  # fast path: no lock, no heavy imports
         return target
-    with _file_lock(target.parent / f".{name}.lock"):
-        if _is_built(target):  # another process finished while we waited
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if is_built(target):  # another process finished while we waited
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
+        if target.exists() and not replace(target):
+            raise FileExistsError(f"{target} holds files this build does not own; not overwritten")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         try:
-            build(tmp, target.parent)
-            (tmp / MARKER).write_text(json.dumps({"name": name, "format": FORMAT_VERSION}))
-            if target.exists():  # stale (older format or an interrupted manual copy)
+            build(tmp)
+            if target.exists():  # stale (older format, another draw, an interrupted manual copy)
                 shutil.rmtree(target)
             os.rename(tmp, target)
         finally:

@@ -13,7 +13,6 @@ download 1-15 GB checkpoints.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,29 +85,15 @@ def build_random_model(dst: str | Path, name: str, seed: int = 0, *, dtype: str 
     if _built_as(dst, want):
         return dst
     # two processes asking for the same directory at once (two rehearsals, parallel tests) must not write one
-    # file together, nor may one load a half-written model: build in a temporary directory, rename it into place
-    import shutil
-    import tempfile
+    # file together, nor may one load a half-written model; an earlier draw is replaced, anything else is kept
+    from areal_mq.engines.models import build_once
 
-    from areal_mq.engines.models import _file_lock
+    def draw(tmp: Path) -> None:
+        _draw(tmp, name, seed, dtype, device, overrides)
+        (tmp / MARK).write_text(json.dumps(want))
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(dst.parent / f".{dst.name}.lock"):
-        if _built_as(dst, want):  # another process built it while this one waited
-            return dst
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-        tmp.chmod(0o755)
-        try:
-            _draw(tmp, name, seed, dtype, device, overrides)
-            (tmp / MARK).write_text(json.dumps(want))
-            if dst.exists():  # an earlier draw (other seed, dtype or overrides) is replaced; anything else is kept
-                if any(dst.iterdir()) and not (dst / MARK).is_file():
-                    raise FileExistsError(f"{dst} holds files that are not a random model's; not overwritten")
-                shutil.rmtree(dst)
-            os.rename(tmp, dst)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+    return build_once(dst, lambda d: _built_as(d, want), draw,
+                      replace=lambda d: (d / MARK).is_file() or not any(d.iterdir()))
 
 
 def _built_as(dst: Path, want: dict) -> bool:

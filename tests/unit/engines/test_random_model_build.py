@@ -33,6 +33,6 @@ def test_a_new_draw_replaces_an_earlier_one_but_never_a_foreign_directory(tmp_pa
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
-    with pytest.raises(FileExistsError, match="not a random model"):
+    with pytest.raises(FileExistsError, match="not overwritten"):
         build_random_model(foreign, "tiny-llama")
     assert (foreign / "notes.txt").read_text() == "keep" and len(list(tmp_path.glob(".mine.tmp-*"))) == 0
