@@ -29,7 +29,8 @@ def main() -> None:
     json_path = args.work / "e2e.json"
     json_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(report.HERE.parent / "speed" / "e2e.py"), "--device", args.device, "--json", str(json_path),
-           "--out", str(args.work / "e2e"), *(["--quick"] if args.quick else FULL)]
+           "--out", str(args.work / "e2e"), "--plot", str(args.out / "stage_f_accuracy.png"),
+           *(["--quick"] if args.quick else FULL)]
     common.logger("gpu-f")(" ".join(cmd[1:]))
     rc = subprocess.run(cmd, cwd=report.ROOT, timeout=TIMEOUT_S[args.quick]).returncode
     if rc != 0 or not json_path.is_file():
