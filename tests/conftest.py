@@ -7,6 +7,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on 2 cores: each one's torch (and its children's) must not spin its OpenMP threads while the
+    # other works (spinning made a 27 s benchmark smoke take 244 s beside another test); set before torch loads
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_configure(config):
