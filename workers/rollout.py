@@ -46,6 +46,7 @@ import numpy as np
 from areal_mq.errors import ArealError, EngineRequestError, WeightsBaseMismatch, WeightsLoadError, WeightsRefused
 from areal_mq.messages import GenerateRequest, GenerateResult, WeightsReady
 from areal_mq.actor.roles import Role, RoleLoop
+from areal_mq.weights.disk import engine_base_checksum
 from areal_mq.weights.catchup import WeightCatchup
 from areal_mq.weights.ipc import IpcReceiver
 
@@ -99,7 +100,7 @@ class RolloutWorker(Role):
         self.announced: WeightsReady | None = None  # the newest announcement not loaded yet
         self.fetching: _Fetch | None = None  # a fetch running on a thread while the engine decodes
         self.catchup = WeightCatchup(cfg.run.run_dir, cfg.trainer, cfg.rollout.weights_timeout_s, runtime.keys,
-                                     min_mbps=cfg.rollout.weights_min_mbps, base_checksum=base_checksum_of(engine))
+                                     min_mbps=cfg.rollout.weights_min_mbps, base_checksum=engine_base_checksum(engine))
         self.ipc = IpcReceiver(cfg.run.run_dir, cfg.rollout.weights_timeout_s)  # trainer.publish_mode cuda_ipc
 
     # ------------------------------------------------------------ weights
@@ -367,22 +368,6 @@ class RolloutWorker(Role):
         for rid in list(self.jobs):  # left over: abort here, the broker requeues them on DISCONNECT
             self.engine.abort(rid)
         self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held) + len(self.deferred))
-
-
-def base_checksum_of(engine: Any) -> Any:
-    """() -> the sha256 a LoRA trainer names its base by (lora.base_identity) of the directory this engine was started
-    from, for WeightCatchup to check an adapter version's base_checksum against (once, at the first that names one);
-    None where the engine takes no adapters or does not say where its base is (nothing checked)."""
-    path = getattr(engine, "model_dir", None)
-    if path is None or not getattr(engine, "accepts_adapters", False):
-        return None
-
-    def compute() -> str:
-        from areal_mq.algorithms.lora import base_identity
-
-        return base_identity(path)["sha256"]
-
-    return compute
 
 
 def stage(update: Any, stagers: tuple[Any, Any]) -> Any:

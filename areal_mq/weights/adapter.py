@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Mapping
 
-from areal_mq.errors import WeightsLoadError
+from areal_mq.errors import WeightsBaseMismatch, WeightsLoadError
 
 if TYPE_CHECKING:
     import torch
@@ -86,3 +86,13 @@ def merged(w: "torch.Tensor", a: "torch.Tensor", b: "torch.Tensor", scaling: flo
 
     delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)
     return (w.to(torch.float32) + scaling * delta).to(w.dtype)
+
+
+def refuse_other_base(what: str, want: str, ours: str) -> None:
+    """WeightsBaseMismatch where an adapter (`what`) trained on the base `want` meets an engine whose base is `ours`
+    (the rollout worker's catch-up and the evaluations' load_version_dir: one check, one message)."""
+    if ours != want:
+        raise WeightsBaseMismatch(
+            f"{what} is a LoRA adapter trained on the base with sha256 {want[:16]}..., and this engine's base is "
+            f"{ours[:16]}...: it is refused (the engine keeps the weights it has). Start the rollout workers and "
+            "evaluations on the trainer's base model (model.name, model.cache_dir)")

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from areal_mq.errors import WeightsBaseMismatch, WeightsFetchError, WeightsRefused
+from areal_mq.errors import WeightsFetchError, WeightsRefused
 from areal_mq.messages import WeightsLink, WeightsReady
+from areal_mq.weights.adapter import refuse_other_base
 from areal_mq.weights.delta import DeltaError, apply_version, changed_elements
 
 if TYPE_CHECKING:
@@ -152,11 +153,7 @@ class WeightCatchup:
             return
         if self._base is None:
             self._base = self.base_checksum()
-        if self._base != want:
-            raise WeightsBaseMismatch(
-                f"v{ready.version} is a LoRA adapter trained on the base with sha256 {want[:16]}..., and this worker's "
-                f"base is {self._base[:16]}...: it is refused (the worker keeps the weights it has). Start the "
-                "rollout workers on the trainer's base model (model.name, model.cache_dir)")
+        refuse_other_base(f"v{ready.version}", want, self._base)
 
     def _prepare_sharded(self, ready: WeightsReady, deadline: float) -> Update:
         """Every trainer rank's slices at once (at most `shard_concurrency` fetches in flight), each shard along

@@ -23,10 +23,11 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from areal_mq.errors import WeightsFetchError
 from areal_mq.messages import WeightsAdapter, WeightsLink, WeightsReady
+from areal_mq.weights.adapter import refuse_other_base
 from areal_mq.weights.delta import DeltaError, TensorDelta
 
 if TYPE_CHECKING:
@@ -173,6 +174,22 @@ def read_adapter(path: str | Path) -> WeightsAdapter | None:
         raise WeightsFetchError(f"{f} is not a weights_adapter description: {str(exc)[:200]}") from None
 
 
+def engine_base_checksum(engine: Any) -> Callable[[], str] | None:
+    """() -> the sha256 a LoRA trainer names its base by (lora.base_identity) of the directory `engine` was started
+    from, for a check against an adapter version's base_checksum; None where the engine takes no adapters or does not
+    say where its base is (nothing checked)."""
+    path = getattr(engine, "model_dir", None)
+    if path is None or not getattr(engine, "accepts_adapters", False):
+        return None
+
+    def compute() -> str:
+        from areal_mq.algorithms.lora import base_identity
+
+        return base_identity(path)["sha256"]
+
+    return compute
+
+
 def load_version_dir(engine: Any, version: int, path: str | Path) -> dict[str, float]:
     """Load a version directory into an engine as the evaluations do: a full version by path, a LoRA version
     (adapter.json beside the adapter's tensors) merged from the engine's base (Engine.accepts_adapters). An adapter
@@ -184,16 +201,9 @@ def load_version_dir(engine: Any, version: int, path: str | Path) -> dict[str, f
     if not getattr(engine, "accepts_adapters", False):
         raise WeightsFetchError(f"{path} holds a LoRA adapter (trainer.lora) and this engine takes no adapters: use "
                                 "engine.kind torch, or vllm started with trainer.lora in the run's config")
-    base_dir = getattr(engine, "model_dir", None)
-    if adapter.base_checksum and base_dir is not None:
-        from areal_mq.algorithms.lora import base_identity
-        from areal_mq.errors import WeightsBaseMismatch
-
-        ours = base_identity(base_dir)["sha256"]
-        if ours != adapter.base_checksum:
-            raise WeightsBaseMismatch(f"{path} is a LoRA adapter trained on the base with sha256 "
-                                      f"{adapter.base_checksum[:16]}..., and this engine's base ({base_dir}) is "
-                                      f"{ours[:16]}...: evaluate it with the run's own model.name and model.cache_dir")
+    base = engine_base_checksum(engine) if adapter.base_checksum else None
+    if base is not None:
+        refuse_other_base(str(path), adapter.base_checksum, base())
     return engine.update_weights(version, adapter=engine.stage_adapter(read_disk(path), adapter.scaling, adapter.rank))
 
 
