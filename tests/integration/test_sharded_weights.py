@@ -99,7 +99,9 @@ def run_rank(mode: str, out: Path) -> None:
             save_checkpoint(trainer, out / "ckpt")
         if rank == 0:
             sums = {k: checksum(t) for k, t in reference.items()}
-            (out / f"{mode}-v{v}.json").write_text(json.dumps({"ready": announced[v], "sums": sums}))
+            part = out / f"{mode}-v{v}.json.part"  # renamed into place: the test polls for the name, then reads
+            part.write_text(json.dumps({"ready": announced[v], "sums": sums}))
+            os.replace(part, out / f"{mode}-v{v}.json")
             _wait_file(out / f"{mode}-go-v{v}")
         dist.barrier()
     if rank == 0:
