@@ -324,22 +324,23 @@ class FsdpStrategy:
     def build(self, model_path: str | Path, train: bool = True) -> tuple[nn.Module, Any]:
         """(the Hugging Face model, or under trainer.lora its PEFT wrapper; the sharded policy). trainer.fsdp.load
         slices/broadcast: built on the meta device, sharded, then this rank's shards materialised from the
-        checkpoint (loading.py); full: the old path, the whole model loaded in fp32 on every rank, then sharded.
+        checkpoint (loading.py); full: the old path, the whole model loaded on every rank (fp32; trainer.lora: the
+        base's dtype), then sharded.
         Under trainer.lora the adapter is attached before sharding, so each decoder layer's unit holds its frozen
         base (in the compute dtype) and its adapter (fp32; `mixed_precision` says how one unit holds both); the
         base's shards are read under their checkpoint names (lora.base_name), the adapter's from
         lora.initial_adapter."""
-        from areal_mq.algorithms import loading
+        from areal_mq.algorithms import loading, lora
         from areal_mq.algorithms.ddp import enable_gradient_checkpointing
         from areal_mq.algorithms.policy import PolicyLogprobs
 
         how = self.cfg.fsdp.load
         whole = how == "full" or self.device.type == "meta"
-        lm = loading.load_whole(model_path, self.device) if whole else loading.meta_causal_lm(model_path)
+        lora_on = train and self.cfg.lora is not None
+        at_dtype = lora.base_dtype(self.precision) if lora_on else torch.float32  # LoRA: no fp32 copy of the base
+        lm = loading.load_whole(model_path, self.device, at_dtype) if whole else loading.meta_causal_lm(model_path)
         outer, rename, given = lm, None, None
-        if train and self.cfg.lora is not None:
-            from areal_mq.algorithms import lora
-
+        if lora_on:
             outer = lora.attach(lm, self.cfg.lora, lora.base_dtype(self.precision), seed=self.cfg.seed)
             self.lora_identity = _base_identity_once(model_path)
             lm, rename, given = outer.get_base_model(), lora.base_name, lora.initial_adapter(outer, self.cfg.seed)

@@ -175,17 +175,19 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "
            "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def load_whole(model_dir: str | Path, device: torch.device) -> nn.Module:
-    """The whole model in fp32 with its weights on `device`, read straight there (one full copy: on a GPU no fp32
-    copy of the model is made on the host first; the data-parallel path and trainer.fsdp.load full)."""
+def load_whole(model_dir: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The whole model in `dtype` (fp32: full fine-tuning's master weights; trainer.lora: the frozen base's dtype, so
+    no fp32 copy of a frozen weight is ever made, not even while loading) with its weights on `device`, read straight
+    there (one full copy: on a GPU no copy of the model is made on the host first; the data-parallel path and
+    trainer.fsdp.load full). Buffers computed at build (the rotary frequencies) stay fp32 whatever `dtype` is."""
     from areal_mq.engines.models import load_causal_lm
 
     if device.type in ("cpu", "meta"):
-        return load_causal_lm(model_dir, "float32", device)
+        return load_causal_lm(model_dir, str(dtype).removeprefix("torch."), device)
     from transformers import AutoModelForCausalLM
 
     from areal_mq.engines.models import check_model_dir
 
     check_model_dir(Path(model_dir))
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True,
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True,
                                                 device_map=str(device)).eval()

@@ -108,3 +108,29 @@ def test_lora_config_refusals():
     assert fsdp.lora is not None and not fsdp.sharded_publish
     with pytest.raises(ValueError, match="module names"):
         TrainerConfig(lora={"target_modules": ["q_proj", "os.system"]})
+
+
+def test_a_bf16_lora_trainer_reads_the_base_in_bf16_never_in_fp32(tiny_model_dir, monkeypatch):
+    """The frozen base is read in its own dtype (no fp32 copy of the whole model, not even at load: that peak is
+    twice the base's bytes on the trainer's device), equal to the fp32 read cast down, the rotary buffers fp32."""
+    from areal_mq.engines import models
+
+    read, real = [], models.load_causal_lm
+
+    def spy(path, dtype="float32", device="cpu"):
+        read.append(dtype)
+        return real(path, dtype, device)
+
+    monkeypatch.setattr(models, "load_causal_lm", spy)
+    trainer = Trainer(TrainerConfig(**CFG, precision="bf16"), tiny_model_dir)
+    assert read == ["bfloat16"]
+    base = {n.replace("base_model.model.", "").replace(".base_layer", ""): p
+            for n, p in trainer.unwrapped.named_parameters() if not p.requires_grad}
+    assert base and all(p.dtype == torch.bfloat16 for p in base.values())
+    fp32 = real(tiny_model_dir, "float32")
+    want = dict(fp32.named_parameters())
+    assert all(torch.equal(p, want[n].to(torch.bfloat16)) for n, p in base.items())
+    buffers = dict(trainer.unwrapped.named_buffers())
+    assert buffers and all(b.dtype == torch.float32 for n, b in buffers.items() if "inv_freq" in n)
+    assert all(torch.equal(b, dict(fp32.named_buffers())[n.replace("base_model.model.", "")])
+               for n, b in buffers.items() if "inv_freq" in n)
