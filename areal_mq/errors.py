@@ -84,12 +84,16 @@ class SecurityError(ArealError):
     """Keys are missing or unusable, or a setting would expose a socket without authentication."""
 
 
-def require_extra(module: str, key: str) -> ModuleType:
-    """Import `module` for the sink `metrics.<key>` (whose pip extra has the same name), or say what to install."""
+def require_extra(module: str, key: str, field: str | None = None) -> ModuleType:
+    """Import `module` for the config field asking for it (default: the sink `metrics.<key>`) whose pip extra is
+    `key`, or say what to install and what to unset."""
+    field = field or f"metrics.{key}"
     try:
         return importlib.import_module(module)
     except ImportError as exc:
+        switch = field.startswith("metrics.")  # a metrics sink is a switch; other fields are set or left out
         raise ConfigError(
-            f"metrics.{key} is true but {module!r} cannot be imported ({exc}); install it with "
-            f"`pip install 'areal-mq[{key}]'` (or `pip install -e '.[{key}]'`), or set metrics.{key}: false"
+            f"{field} is {'true' if switch else 'set'} but {module!r} cannot be imported ({exc}); install it with "
+            f"`pip install 'areal-mq[{key}]'` (or `pip install -e '.[{key}]'`), or "
+            f"{f'set {field}: false' if switch else f'remove {field}'}"
         ) from None

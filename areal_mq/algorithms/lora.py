@@ -44,6 +44,10 @@ def attach(model: Any, cfg: LoraConfig, base_dtype: "torch.dtype", seed: int | N
     `seed`: the adapter starts from `initial_adapter(wrapped, seed)` (a model on the meta device is filled later
     by its strategy); None keeps PEFT's draw from the global RNG."""
     import torch
+
+    from areal_mq.errors import require_extra
+
+    require_extra("peft", "lora", "trainer.lora")  # a clear ConfigError (what to install) where PEFT is missing
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 

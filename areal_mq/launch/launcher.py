@@ -17,6 +17,7 @@ Security: `prepare` creates the run's CURVE key set in run_dir/keys (0700) unles
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_mq.config import RunConfig, dump_config
-from areal_mq.errors import ConfigError
+from areal_mq.errors import ConfigError, require_extra
 from areal_mq.launch.ports import PORT_NAMES, held, port_free
 
 
@@ -132,6 +133,8 @@ class Launcher:
         path.write_text(dump_config(self.cfg))
         if self.cfg.metrics.prometheus:
             self.plan(path)  # a bad Prometheus port block stops the run here, before anything starts
+        if self.cfg.trainer.lora is not None and importlib.util.find_spec("peft") is None:
+            require_extra("peft", "lora", "trainer.lora")  # stops here, not as a trainer that dies after the engines
         return path
 
     def plan(self, config_path: Path) -> list[Child]:
