@@ -5,6 +5,7 @@ One launch of THIS file under torch.distributed.run (2 ranks, CUDA hidden, one t
 a KL reference (kl_coef > 0: the reference is the base with the adapter off, in the same sharded model):
   fp32: 3 steps (a checkpoint after step 2, the published adapter after step 3), then a fresh 2-rank trainer
         resumed from that checkpoint runs step 3;
+  fp32 with trainer.gradient_checkpointing: the same 3 steps, the same losses and adapter;
   bf16: 3 steps; the base's dtypes and shards before and after, the adapter's and AdamW's dtypes.
 The test process runs the same steps with strategy ddp in one process. Targets: fp32 losses within 1e-4 relative, the
 adapter within 1e-4 (1 % of one step at lr 1e-2: AdamW's normalised step magnifies the reduce-scatter's summation
@@ -35,11 +36,11 @@ def _batch(i: int):
     return make_samples(30 + i, n_groups=3, group_size=3, version=i, staleness=1)
 
 
-def _trainer(model_dir: Path, strategy: str, precision: str):
+def _trainer(model_dir: Path, strategy: str, precision: str, **more):
     from areal_mq.algorithms.config import LoraConfig, TrainerConfig
     from areal_mq.algorithms.trainer import Trainer
 
-    cfg = TrainerConfig(strategy=strategy, precision=precision, lora=LoraConfig(**LORA), **CFG)
+    cfg = TrainerConfig(strategy=strategy, precision=precision, lora=LoraConfig(**LORA), **CFG, **more)
     return Trainer(cfg, model_dir, device="cpu")
 
 
@@ -77,6 +78,11 @@ def run_rank(out: Path) -> None:
     resumed_adapter = resumed.publish_tensors("float32")
     del trainer, resumed
 
+    recomputed = _trainer(model_dir, "fsdp", "fp32", gradient_checkpointing=True)  # activations recomputed
+    result["checkpointed"] = [recomputed.train_step(_batch(i))["loss"] for i in range(3)]
+    checkpointed_adapter = recomputed.publish_tensors("float32")
+    del recomputed
+
     trainer = _trainer(model_dir, "fsdp", "bf16")
     before = _local_base(trainer)
     result["bf16"] = [trainer.train_step(_batch(i))["loss"] for i in range(3)]
@@ -97,7 +103,8 @@ def run_rank(out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         (out / "result-two.json").write_text(json.dumps(result))  # what the launcher reads back
-        torch.save({"fp32": adapter, "resumed": resumed_adapter, "bf16": bf16_adapter, "base": base},
+        torch.save({"fp32": adapter, "resumed": resumed_adapter, "bf16": bf16_adapter, "base": base,
+                    "checkpointed": checkpointed_adapter},
                    out / "tensors.pt")
 
 
@@ -135,6 +142,12 @@ def test_lora_under_fsdp_on_two_ranks_matches_ddp_and_resumes(tmp_path):
     assert two["resumed"] == pytest.approx(losses[2], rel=1e-4, abs=1e-9)
     for name, tensor in adapter.items():
         torch.testing.assert_close(got["resumed"][name], tensor, rtol=1e-4, atol=1e-4, msg=f"resumed {name}")
+    # gradient checkpointing (activations recomputed in backward) changes nothing: the adapter still gets its
+    # gradients through the frozen, recomputed layers
+    assert two["checkpointed"] == pytest.approx(two["fp32"], rel=1e-6, abs=1e-9)
+    for name, tensor in got["fp32"].items():
+        torch.testing.assert_close(got["checkpointed"][name], tensor, rtol=1e-5, atol=1e-6, msg=f"checkpointed {name}")
+    assert any(got["checkpointed"][k].abs().max() > 0 for k in got["checkpointed"] if ".lora_B." in k)
     ckpt = {p.name for p in (tmp_path / "ckpt" / f"step{2:08d}").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "base_model.json", "sharded"} <= ckpt
     assert not any(f.startswith("model") and f.endswith(".safetensors") for f in ckpt)  # no copy of the base
