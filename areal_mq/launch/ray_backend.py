@@ -50,9 +50,9 @@ from typing import Any
 from areal_mq.config import config_from_dict
 from areal_mq.errors import ConfigError
 from areal_mq.launch.launcher import Child, Launcher, default_stop_grace_s, describe_exit
-from areal_mq.launch.ports import PORT_NAMES, settle_ports
 from areal_mq.launch.ray_placement import (ROLES, actor_devices, check_gpu_demand, check_ray_resources,  # noqa: F401
                                            is_custom, role_request, uses_placement)
+from areal_mq.launch.ray_probe import first_line, probe_node
 from areal_mq.launch.ray_unit import TrainerUnit
 
 PLACE_TIMEOUT_S = 300.0  # an actor not (re)placed this long stops the run: no node offers what it asks for
@@ -92,19 +92,6 @@ def check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
     except OSError as exc:
         raise ConfigError(f"cannot join the Ray cluster at {address}: {exc} (--address HOST:PORT of a node started "
                           "with `ray start --head`)") from None
-
-
-def probe_node(cfg: Any = None) -> dict:
-    """Runs as a Ray task where an anchor will live: the node's id and IP, and (given a config) four free
-    consecutive broker ports on that IP (the local launcher's rule)."""
-    import ray
-
-    out = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
-    if cfg is not None:
-        cfg.brokers.host = out["ip"]
-        settle_ports(cfg)
-        out["ports"] = {name: getattr(cfg.brokers, name) for name in PORT_NAMES}
-    return out
 
 
 # ---------------------------------------------------------------- the actor
@@ -231,7 +218,7 @@ class RayLauncher(Launcher):
                 ray.init(**kwargs)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ConfigError(f"cannot join the Ray cluster at {lc.ray_address or os.environ.get('RAY_ADDRESS')}"
-                                  f": {_first_line(exc)} (--address HOST:PORT of a `ray start --head` node)") from None
+                                  f": {first_line(exc)} (--address HOST:PORT of a `ray start --head` node)") from None
             self.owns_ray = True
         self.cluster = ray.cluster_resources()
         check_gpu_demand(self.cfg, self.cluster, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
@@ -344,7 +331,7 @@ class RayLauncher(Launcher):
             self.failure = (f"{child.name} could not be placed within {PLACE_TIMEOUT_S:.0f} s: it asks for "
                             f"{_shown(child.options)}; the cluster offers {self.cluster}")
         except self.ray.exceptions.RayActorError as exc:
-            self.failure = f"{child.name}: its actor failed to start: {_first_line(exc)}. Log: {child.log_path}"
+            self.failure = f"{child.name}: its actor failed to start: {first_line(exc)}. Log: {child.log_path}"
         return False
 
     def observe(self, child: RayChild, info: dict) -> None:
@@ -425,7 +412,7 @@ class RayLauncher(Launcher):
         except ConfigError as exc:
             self.failure = f"the trainer unit cannot {what}: {exc}"
         except Exception as exc:  # noqa: BLE001 - Ray's errors (actor lost, timeout, a task's exception)
-            self.failure = f"the trainer unit cannot {what}: {_first_line(exc)}. Logs: {unit.log_path.parent}"
+            self.failure = f"the trainer unit cannot {what}: {first_line(exc)}. Logs: {unit.log_path.parent}"
 
     def poll_one(self, child: RayChild, ref: Any) -> dict | None:
         exc_mod = self.ray.exceptions
@@ -433,7 +420,7 @@ class RayLauncher(Launcher):
             info = self.ray.get(ref, timeout=CALL_TIMEOUT_S)
         except (exc_mod.RayActorError, exc_mod.GetTimeoutError) as exc:  # restarting, or being placed again
             child.lost = f"no reply in {CALL_TIMEOUT_S:.0f} s" if isinstance(exc, exc_mod.GetTimeoutError) else \
-                f"{type(exc).__name__}: {_first_line(exc)}"
+                f"{type(exc).__name__}: {first_line(exc)}"
             child.unavailable_since = child.unavailable_since or time.monotonic()
             if isinstance(exc, exc_mod.ActorDiedError):  # the call's actor died: for good if the next call's too
                 if child.died_once and child.restarting is None:
@@ -493,11 +480,6 @@ class RayLauncher(Launcher):
             self.unit.release()
         if self.owns_ray:
             ray.shutdown()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def _shown(options: dict) -> dict:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_mq.errors import ConfigError
+from areal_mq.launch.ray_probe import first_line, probe_node
 from areal_mq.launch.ray_placement import rank_envs, role_request, trainer_bundle, uses_placement
 
 PLACE_TIMEOUT_S = 300.0
@@ -92,7 +93,6 @@ class TrainerUnit:
         order (a probe in every bundle)."""
         from ray.util.placement_group import placement_group
 
-        from areal_mq.launch.ray_backend import probe_node
 
         strategy = self.cfg.launcher.ray_trainer_strategy
         self.pg = placement_group([dict(self.bundle) for _ in range(self.n)], strategy=strategy,
@@ -148,7 +148,6 @@ class TrainerUnit:
     def poll(self) -> tuple[str | None, str]:
         """('done', '') when rank 0 finished the run, ('dead', why) when the unit must restart or stop (every
         rank found dead is named: the one killed and the peers its death took down), else (None, '')."""
-        from areal_mq.launch.ray_backend import _first_line
 
         exc = self.ray.exceptions
         if any(a is None for a in self.actors):
@@ -160,7 +159,7 @@ class TrainerUnit:
                 info = self.ray.get(ref, timeout=CALL_TIMEOUT_S)
             except exc.RayActorError as e:
                 self.actors[i] = None  # gone with its node or its Ray worker: made again at the next start
-                dead.append(f"{self.rank_name(i)}'s actor was lost ({_first_line(e)})")
+                dead.append(f"{self.rank_name(i)}'s actor was lost ({first_line(e)})")
                 continue
             except exc.GetTimeoutError:
                 late = i
