@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
+
     from areal_mq.algorithms.trainer import Trainer
 
 STATE_JSON = "trainer_state.json"

@@ -18,14 +18,11 @@ any other brace text stays as is, so "\\boxed{}" needs no escaping. Run the test
 """
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_mq.errors import ConfigError
 from areal_mq.data.sources import DataFormatError, read_jsonl, read_source  # noqa: F401  (read_jsonl: re-exported)
 from areal_mq.grading import canonical_number, find_boxes, format_number
 

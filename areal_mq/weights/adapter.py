@@ -74,8 +74,6 @@ def merge(base: Mapping[str, "torch.Tensor"], adapter: Mapping[str, "torch.Tenso
           scaling: float) -> dict[str, "torch.Tensor"]:
     """{"<module>.weight": W + scaling * B @ A} for every adapted module, in fp32 on W's device, rounded once to
     W's dtype. `base` holds the base weights by name (the kept, never-merged copy)."""
-    import torch
-
     pairs_ = check_adapter(adapter, {k: tuple(v.shape) for k, v in base.items()})
     return {module + ".weight": merged(base[module + ".weight"], a, b, scaling) for module, (a, b) in pairs_.items()}
 
