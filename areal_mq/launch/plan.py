@@ -15,8 +15,9 @@ nothing loaded) and the run config:
                  x parameters / shard ranks) plus one slice being read (bf16, as checkpoints ship); broadcast one
                  whole tensor more; full (the
                  old path) the whole model in fp32 on the host AND, moved there before sharding, on the device;
-                 ddp the whole model in fp32 where it trains; the reference model (kl_coef > 0) is built the same
-                 way after the policy. A rank must fit its training peak and its load peak. Under HSDP
+                 ddp the whole model in fp32 where it trains (under trainer.lora every one of these in the compute
+                 dtype's bytes: the frozen base is read straight in it); the reference model (kl_coef > 0) is built
+                 the same way after the policy. A rank must fit its training peak and its load peak. Under HSDP
                  (trainer.fsdp.replicate R) a rank shards over launcher.trainer_ranks / R ranks, not all of them;
                  under trainer.lora the frozen base in the compute dtype plus 16 bytes per adapter parameter (rank
                  x (in + out) per adapted linear), both / shard ranks under fsdp, and no reference model (the base
@@ -247,17 +248,18 @@ def load_peak(cfg: Any, s: Shape, ranks: int, on_cuda: bool) -> dict:
     the host: both figures are the same."""
     t = cfg.trainer
     shard = shard_ranks(t, ranks)
-    whole, models = 4.0 * s.params, 2 if t.kl_coef > 0 and t.lora is None else 1
+    per = 4.0  # fp32 master weights
+    if t.lora is not None:  # the frozen base is read straight in the compute dtype, whole or in shards (no fp32 copy)
+        from areal_mq.algorithms.trainer import compute_precision, rollout_dtype
+
+        per = DTYPE_BYTES[compute_precision(t, rollout_dtype(cfg))]
+    whole, models = per * s.params, 2 if t.kl_coef > 0 and t.lora is None else 1
     largest = FILE_BYTES * s.embed_params  # the largest tensor (the embedding), as the checkpoint stores it
     offload = t.strategy == "fsdp" and t.fsdp.offload and on_cuda
     if t.strategy != "fsdp":  # read whole, onto the device (ddp.py): one tensor in flight on the host
         return _load(on_cuda, host=largest, device=models * whole)
     own = whole / shard
-    if t.lora is not None and t.fsdp.load != "full":  # the base's shards are made in the compute dtype
-        from areal_mq.algorithms.trainer import compute_precision, rollout_dtype
-
-        own = DTYPE_BYTES[compute_precision(t, rollout_dtype(cfg))] * s.params / shard
-    if t.fsdp.load == "full":  # the whole model in fp32 on the host, then on the device, then sharded
+    if t.fsdp.load == "full":  # the whole model (fp32; LoRA: its dtype) on the host, then the device, then sharded
         held = (models - 1) * own
         return _load(on_cuda, host=whole + held + own * offload, device=whole + held + own)
     # slices: one slice being read; broadcast: rank 0 also holds the whole tensor it reads and sends
