@@ -36,14 +36,60 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
+LOW_PORT = 10000  # where picked ports start: above the well-known and registered services most hosts run
+EPHEMERAL = (32768, 60999)  # Linux's default ip_local_port_range, where /proc does not say
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (and for bind to port 0)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return EPHEMERAL
+
+
+def quiet_ports(host: str, n: int, span: tuple[int, int] | None = None) -> list[int]:
+    """`n` distinct ports free on `host` now, drawn at random from `span` (default: LOW_PORT up to the kernel's
+    ephemeral range). Why not bind to port 0: the kernel draws those from the ephemeral range, the same range it
+    gives every outgoing connection, so between choosing a port and binding it any process's connect() may take it
+    (seen: a test's broker port taken by a trainer's connection while two test runs shared a host). Below that
+    range only a process binding that very port can, and a random draw makes two pickers colliding unlikely."""
+    lo, hi = span or (LOW_PORT, ephemeral_range()[0])
+    if hi - lo < 8 * n:  # a machine whose ephemeral range starts low: the kernel's own choice
+        lo, hi = 0, 0
+    import random
+
+    draw = random.SystemRandom()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(100 * n):
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind((host, draw.randrange(lo, hi) if hi else 0))
+            except OSError:
+                s.close()
+                continue
+            if s.getsockname()[1] in [t.getsockname()[1] for t in socks]:
+                s.close()
+                continue
+            socks.append(s)
+        if len(socks) < n:
+            raise ConfigError(f"found only {len(socks)} of {n} free ports on {host} in {lo}-{hi}")
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return quiet_ports(host, 1)[0]
 
 
 def free_port_block(host: str, n: int) -> int:
-    """The first of `n` consecutive ports free on `host`."""
+    """The first of `n` consecutive ports free on `host` (below the ephemeral range: `quiet_ports`)."""
     for _ in range(200):
         base = free_port(host)
         if base + n - 1 < 65536 and all(port_free(host, base + i) for i in range(n)):

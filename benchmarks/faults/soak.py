@@ -489,6 +489,16 @@ def _run(args, work: Path, rig: Rig) -> dict:
                     done.append({**fault, "t": time.time(), "pid": None, "version_before": 0,
                                  "skipped": f"inject failed: {type(exc).__name__}: {exc}"[:300]})
         time.sleep(args.settle_s)  # the last fault's recovery
+        # then until every fault has been recovered from (a training step after it), at most recover_max_s: on a
+        # loaded machine a step can take longer than settle_s, and a fault is not "unrecovered" because the soak
+        # stopped looking before the next step came
+        deadline = time.time() + args.recover_max_s
+        while time.time() < deadline and launcher.poll() is None:
+            recoveries(run_dir, done)
+            if all(f.get("skipped") or f["recover_s"] is not None for f in done):
+                break
+            rig.scan()
+            time.sleep(1.0)
         samples.append(sample(run_dir, rig))
     finally:
         rig.stop_outside()
@@ -557,6 +567,8 @@ def main() -> int:
     parser.add_argument("--pause", type=float, nargs=2, default=[5.0, 30.0], metavar=("LO", "HI"))
     parser.add_argument("--sample-s", type=float, default=60.0, help="RSS and descriptor sampling period.")
     parser.add_argument("--settle-s", type=float, default=30.0, help="Wait after the last fault before stopping.")
+    parser.add_argument("--recover-max-s", type=float, default=180.0,
+                        help="Then wait at most this long for a training step after every fault (its recovery).")
     parser.add_argument("--work", type=Path, help="Keep the run here (default: a temporary directory, deleted).")
     parser.add_argument("--plot", type=Path, help="Draw the timeline (faults against trained versions) here.")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="Fault kinds to inject.")

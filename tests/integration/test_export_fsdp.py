@@ -10,7 +10,6 @@ Run: pytest tests/integration/test_export_fsdp.py   (about 30 s on 2 cores, mark
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +40,9 @@ def run_rank(out: Path) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.integration.procs import free_ports  # below the ephemeral range, this xdist worker's slice
+
+    return free_ports(1)[0]
 
 
 @pytest.mark.slow

@@ -259,6 +259,8 @@ def _cut_and_heal(net: Network, host: Host, run_dir: Path, worker_id: str | None
     """Pull the host's cable for CUT_S (and until `versions` more versions were trained), plug it back, and time
     the recovery. Returns (figures, heal time)."""
     v_cut = _version(run_dir)
+    if worker_id is not None:  # a rollout host may already hold a version the trainer's step events have not shown
+        v_cut = max(v_cut, _held(run_dir, worker_id, time.time()))
     t_cut = time.time()
     net.cut(host)
     try:
@@ -291,11 +293,16 @@ def _cut_and_heal(net: Network, host: Host, run_dir: Path, worker_id: str | None
     return out, t_heal
 
 
+def _held(run_dir: Path, worker_id: str, before: float) -> int:
+    """The last version `worker_id` loaded before `before` (-1: none)."""
+    return max((e["version"] for e in _events(run_dir, "rollout.weights_updated")
+                if e.get("worker_id") == worker_id and e["ts"] < before), default=-1)
+
+
 def _caught_up(run_dir: Path, worker_id: str, t_cut: float, t_heal: float) -> dict:
     """The healed rollout host's first weight update: from the version it held when its link was cut, at least
     CUT_VERSIONS behind, through the chain of deltas (fewer bytes than the full version), checksums verified."""
-    held = max((e["version"] for e in _events(run_dir, "rollout.weights_updated")
-                if e.get("worker_id") == worker_id and e["ts"] < t_cut), default=-1)
+    held = _held(run_dir, worker_id, t_cut)
     update = wait_for(lambda: _first(run_dir, "rollout.weights_updated", after=t_heal, worker_id=worker_id), 120,
                       interval=0.5, what=f"{worker_id} to load the weights it missed")
     assert update["version"] - held >= CUT_VERSIONS, (held, update)

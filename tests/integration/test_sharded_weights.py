@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -162,9 +161,9 @@ class FlipFirstReply:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.integration.procs import free_ports  # below the ephemeral range, this xdist worker's slice
+
+    return free_ports(1)[0]
 
 
 def _launch(mode: str, nproc: int, out: Path) -> subprocess.Popen:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -174,9 +173,9 @@ def fp16_overflow_on_one_rank(out: Path) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.integration.procs import free_ports  # below the ephemeral range, this xdist worker's slice
+
+    return free_ports(1)[0]
 
 
 def _launch(mode: str, nproc: int, out: Path) -> dict:

@@ -11,7 +11,6 @@ Run: pytest -m vllm tests/integration/test_vllm_server.py  (needs bash docker/in
 """
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 import urllib.request
@@ -36,9 +35,9 @@ START_TIMEOUT_S = 1200
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.integration.procs import free_ports  # below the ephemeral range, this xdist worker's slice
+
+    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,9 @@ from areal_mq.telemetry.prometheus import (ROLE_SERIES, BrokerMetrics, Exporter,
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.integration.procs import free_ports  # below the ephemeral range, this xdist worker's slice
+
+    return free_ports(1)[0]
 
 
 def cfg_for(tmp_path, **metrics):
