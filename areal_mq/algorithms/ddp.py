@@ -53,15 +53,14 @@ class DdpStrategy:
         from areal_mq.algorithms.loading import load_whole
         from areal_mq.algorithms.policy import PolicyLogprobs
 
-        lora_on = train and self.cfg.lora is not None
-        if lora_on:  # the base read and frozen in the precision's dtype (never an fp32 copy), the adapter in fp32
-            from areal_mq.algorithms import lora
+        from areal_mq.algorithms import lora
 
-            lm = load_whole(model_path, self.device, lora.base_dtype(self.precision))
-            lm = lora.attach(lm, self.cfg.lora, lora.base_dtype(self.precision), seed=self.cfg.seed)
+        lora_on = train and self.cfg.lora is not None
+        at_dtype = lora.base_dtype(self.precision) if lora_on else torch.float32  # LoRA: no fp32 copy of the base
+        lm = load_whole(model_path, self.device, at_dtype)
+        if lora_on:  # the base frozen in the precision's dtype, the adapter in fp32
+            lm = lora.attach(lm, self.cfg.lora, at_dtype, seed=self.cfg.seed)
             self.lora_identity = lora.base_identity(model_path)
-        else:
-            lm = load_whole(model_path, self.device)
         if train and self.cfg.gradient_checkpointing:
             enable_gradient_checkpointing(lm)
         lm.train(train)

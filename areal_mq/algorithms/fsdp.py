@@ -341,7 +341,7 @@ class FsdpStrategy:
         lm = loading.load_whole(model_path, self.device, at_dtype) if whole else loading.meta_causal_lm(model_path)
         outer, rename, given = lm, None, None
         if lora_on:
-            outer = lora.attach(lm, self.cfg.lora, lora.base_dtype(self.precision), seed=self.cfg.seed)
+            outer = lora.attach(lm, self.cfg.lora, at_dtype, seed=self.cfg.seed)
             self.lora_identity = _base_identity_once(model_path)
             lm, rename, given = outer.get_base_model(), lora.base_name, lora.initial_adapter(outer, self.cfg.seed)
         if train and self.cfg.gradient_checkpointing:
