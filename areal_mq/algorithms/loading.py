@@ -186,8 +186,8 @@ def load_whole(model_dir: str | Path, device: torch.device, dtype: torch.dtype =
         return load_causal_lm(model_dir, str(dtype).removeprefix("torch."), device)
     from transformers import AutoModelForCausalLM
 
-    from areal_mq.engines.models import check_model_dir
+    from areal_mq.engines.models import check_model_dir, no_hub_kernels
 
     check_model_dir(Path(model_dir))
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True,
-                                                device_map=str(device)).eval()
+                                                device_map=str(device), **no_hub_kernels()).eval()

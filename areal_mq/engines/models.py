@@ -139,6 +139,17 @@ def load_tokenizer(path: str | os.PathLike) -> "PreTrainedTokenizerBase":
         raise ModelNotFound(f"cannot load a tokenizer from {path}: {exc}") from exc
 
 
+def no_hub_kernels() -> dict[str, bool]:
+    """`from_pretrained` keyword arguments that keep Hugging Face hub kernels out of a model we load. transformers
+    >= 5 turns them on by default where the `kernels` package is installed (it is, as transformers' dependency):
+    layers are swapped for kernels fetched from the Hub (nothing may download at run time) and `.train()` re-runs
+    the swap, which refuses a model on `meta` (the device tests). The trainer and the engines must compute the
+    same math, so every load here uses the plain modules; older transformers lacks the argument and never swaps."""
+    from transformers import PreTrainedModel
+
+    return {"use_kernels": False} if hasattr(PreTrainedModel, "set_use_kernels") else {}
+
+
 def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: Any = "cpu") -> "PreTrainedModel":
     """Load a causal LM from a resolved model directory in eval mode (offline), its weights on `device`
     (a torch.device or a resolved spec such as 'cpu', 'cuda:0'; 'meta' for device tests)."""
@@ -147,7 +158,7 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", device: Any 
     check_model_dir(Path(path))
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype(dtype), local_files_only=True
+            str(path), dtype=torch_dtype(dtype), local_files_only=True, **no_hub_kernels()
         )
     except (OSError, ValueError, KeyError) as exc:
         raise ModelNotFound(f"cannot load a causal LM from {path}: {exc}") from exc
@@ -259,8 +270,8 @@ def _build_smollm2(out: Path, cache_root: Path) -> None:
         tokenizer = _gguf_tokenizer(cache_root)
         bar.update(1)
         src = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True,
+            **no_hub_kernels())
         bar.update(1)
         config = src.config
         if hasattr(config, "quantization_config"):  # GGUF provenance; the copy is a plain model
