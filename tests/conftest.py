@@ -1,8 +1,11 @@
 """Shared test settings: nothing downloads from a hub; no test talks to anything but loopback; `gpu` tests
 skip themselves where torch sees no CUDA device (so one suite runs on a laptop, in CI and on a GPU machine)."""
 import os
+from collections import defaultdict
 
 import pytest
+
+LONG_S = 120  # a test past this on the 2-core CI machine is marked `long` and listed in tests/README.md (issue 58)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -50,3 +53,24 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none")
     for item in gpu:
         item.add_marker(skip)
+
+
+_seconds: dict[str, float] = defaultdict(float)
+_marked_long: set[str] = set()
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup + call + teardown seconds (under xdist the workers' reports arrive here too)."""
+    _seconds[report.nodeid] += report.duration
+    if "long" in report.keywords:
+        _marked_long.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name every test over LONG_S that is not marked `long`: the growth of the suite is seen the day it lands,
+    and tests/README.md must say what such a test proves that nothing faster proves."""
+    over = sorted(((s, n) for n, s in _seconds.items() if s > LONG_S and n not in _marked_long), reverse=True)
+    if over:
+        terminalreporter.section(f"tests over {LONG_S} s not marked long (mark them and list them in tests/README.md)")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")

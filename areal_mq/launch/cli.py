@@ -61,6 +61,8 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
                                       "and exits 1 naming the role and the config field on any failure "
                                       "(areal_mq/launch/rehearsal.py, docs/gpu-layouts.md)."),
         steps: int = typer.Option(4, "--steps", min=2, max=100, help="--rehearse: training steps (versions) to run."),
+        no_kill: bool = typer.Option(False, "--no-kill", help="--rehearse: run the steps once, without killing and "
+                                     "resuming a trainer rank (the restart path is then not checked)."),
         device_gib: Optional[float] = typer.Option(None, "--device-gib", help="--rehearse: one GPU's memory for the "
                                                    "full-scale plan (default: this machine's GPU, else 80).")) -> None:
     """Run the whole system: brokers, controller, rollout, reward and trainer processes (this host, or Ray)."""
@@ -75,12 +77,16 @@ def run(config: Optional[str] = typer.Argument(None, help="YAML run config (e.g.
     if address:
         cfg.launcher.ray_address = address  # as given (a YAML override could read HOST:PORT as a number)
     console = Console(stderr=True, soft_wrap=True)
+    if no_kill and not rehearse:
+        typer.echo("error: --no-kill is an option of --rehearse", err=True)
+        raise typer.Exit(2)
     if rehearse:
         from areal_mq.errors import ConfigError
         from areal_mq.launch.rehearsal import rehearse as rehearse_layout
 
         try:
-            report = rehearse_layout(cfg, console, steps=steps, device_gib=device_gib, quiet=quiet)
+            report = rehearse_layout(cfg, console, steps=steps, device_gib=device_gib, quiet=quiet,
+                                     kill=not no_kill)
         except ConfigError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2)
