@@ -367,7 +367,7 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
     asked = cfg.trainer.device or cfg.model.device
     on_cuda = device_gib is not None or asked.startswith("cuda") or resolve_device(asked).type == "cuda"
     procs[0].load = load_peak(cfg, s, ranks, on_cuda)
-    layout = _layout_refusal(cfg, ranks)
+    layout = _layout_refusal(cfg, ranks) + _engine_gpus_refusal(cfg)
     if on_cuda:
         if device_gib is None:
             import torch
@@ -405,6 +405,10 @@ def evaluation(cfg: Any, s: Shape) -> Process:
     width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
     own = bool(cfg.placement.eval.gpus)
     p = Process("evaluation" if own else "evaluation (beside rollout engine 0)", 1)
+    if e.kind in ("vllm", "vllm-server"):  # a second vLLM engine: it takes its gpu_memory_utilization share too
+        from areal_mq.engines.vllm.config import memory_utilization
+
+        p.device_share = memory_utilization(e.vllm, on_cpu=False)
     p.items.append(Item("weights", width * s.params))
     kv = cfg.eval.kv_cache_bytes or e.kv_cache_bytes
     rows = max(e.max_concurrent, EVAL_BATCH)
@@ -417,6 +421,16 @@ def evaluation(cfg: Any, s: Shape) -> Process:
 
 def _evaluation_refusal(cfg: Any, procs: list[Process], ev: Process, capacity: float) -> list[str]:
     shared = [p for p in procs if p.role.startswith("rollout")] if not cfg.placement.eval.gpus else []
+    shares = ev.device_share + sum(p.device_share for p in shared if p.device_share < 1)
+    if ev.device_share < 1 and shares > 1 + 1e-9:
+        # vLLM takes gpu_memory_utilization of the device whatever the model needs: shares add, bytes do not matter
+        u = ev.device_share
+        return [f"the periodic evaluation (eval.every {cfg.eval.every}) starts a second vLLM engine on rollout engine "
+                f"0's GPU and each takes rollout.engine.vllm.gpu_memory_utilization {u:g} of it ({shares:g} of one "
+                f"device together); set gpu_memory_utilization to 0.45 or less (both shares and CUDA's own context on one "
+                "device), give the evaluation a GPU of its own (placement.eval.gpus), or set eval.every: 0"]
+    if ev.device_share < 1 and not shared:  # its own GPU, held to its share
+        return [] if ev.nbytes <= capacity * ev.device_share else [_refusal(cfg, ev, capacity, None)]
     need = ev.nbytes + sum(p.nbytes for p in shared)
     if need <= capacity:
         return []
@@ -440,6 +454,17 @@ def _refusal(cfg: Any, p: Process, capacity: float, s: Shape) -> str:
         knobs = "lower rollout.engine.kv_cache_bytes or max_kv_tokens"
     return (f"a {p.role} needs {p.nbytes / GIB:.1f} GiB and {has} (largest: {big.name} {big.nbytes / GIB:.1f} GiB): "
             + knobs)
+
+
+def _engine_gpus_refusal(cfg: Any) -> list[str]:
+    """The torch engine runs on one device: more GPUs per rollout process would sit idle (and a plan that spread its
+    bytes over them would promise what the engine never does)."""
+    gpus = cfg.placement.rollout.gpus_per_process or 1
+    if cfg.rollout.engine.kind != "torch" or gpus <= 1:
+        return []
+    return [f"placement.rollout.gpus_per_process {gpus} with rollout.engine.kind torch: the torch engine runs on one "
+            f"GPU and would leave {gpus - 1} idle; use vllm with TP (rollout.engine.kind: vllm spans the {gpus} GPUs as "
+            "its tensor_parallel_size) or give each torch engine one GPU (gpus_per_process: 1, more rollout_workers)"]
 
 
 def _layout_refusal(cfg: Any, ranks: int) -> list[str]:

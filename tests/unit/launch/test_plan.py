@@ -184,3 +184,41 @@ def test_the_periodic_evaluation_is_counted_beside_engine_0_or_on_its_own_gpu(tm
                     device_gib=80)
     assert not own.refusals and own.processes[-1].role == "evaluation", own.table()
     assert config_from_dict(base).placement.visible("eval", 0, config_from_dict(base).launcher) == "2"
+
+
+def test_vllm_engines_are_counted_by_their_memory_share_and_the_evaluation_shares_engine_0s_device(tmp_path):
+    """vLLM takes gpu_memory_utilization of its device whatever the model needs: the periodic evaluation beside
+    rollout engine 0 is a second vLLM engine with the same share, so 0.9 + 0.9 is refused naming the knobs, however
+    small the model; 0.45 each fits, and so does an evaluation GPU of its own (issue 59)."""
+    model = _config_dir(tmp_path, "qwen2.5-1.5b")
+    base = {"model": {"name": str(model), "dtype": "bfloat16", "device": "cuda"}, "eval": {"every": 10},
+            "trainer": {"strategy": "fsdp"}, "launcher": {"trainer_ranks": 2, "rollout_workers": 1},
+            "placement": {"trainer": {"gpus": [0, 1]}, "rollout": {"gpus": [2]}},
+            "rollout": {"engine": {"kind": "vllm", "dtype": "bfloat16", "kv_cache_bytes": 4 * GIB}}}
+    both = make_plan(config_from_dict(base), device_gib=80)
+    ev = both.processes[-1]
+    assert ev.role == "evaluation (beside rollout engine 0)" and ev.device_share == 0.9
+    refused = [r for r in both.refusals if "second vLLM engine" in r]
+    assert refused and "1.8 of one device" in refused[0], both.refusals
+    assert all(k in refused[0] for k in ("gpu_memory_utilization", "placement.eval.gpus", "eval.every: 0"))
+    halves = make_plan(config_from_dict({**base, "rollout": {"engine": {**base["rollout"]["engine"],
+                                                                         "vllm": {"gpu_memory_utilization": 0.45}}}}),
+                       device_gib=80)
+    assert not halves.refusals, halves.refusals
+    own = make_plan(config_from_dict({**base, "placement": {**base["placement"], "eval": {"gpus": [3]}}}),
+                    device_gib=80)
+    assert not own.refusals, own.refusals
+    no_eval = make_plan(config_from_dict({**base, "eval": {"every": 0}}), device_gib=80)
+    assert not no_eval.refusals and len(no_eval.processes) == 2
+
+
+def test_a_torch_engine_given_several_gpus_is_refused_toward_vllm_tp(tmp_path):
+    model = _config_dir(tmp_path, "qwen2.5-1.5b")
+    base = {"model": {"name": str(model), "dtype": "bfloat16", "device": "cuda"},
+            "placement": {"rollout": {"gpus": [1, 2], "gpus_per_process": 2}, "trainer": {"gpus": [0]}}}
+    torch_plan = make_plan(config_from_dict(base), device_gib=80)
+    assert any("use vllm with TP" in r and "gpus_per_process 2" in r for r in torch_plan.refusals), torch_plan.refusals
+    vllm_plan = make_plan(config_from_dict({**base, "rollout": {"engine": {"kind": "vllm", "dtype": "bfloat16"}}}),
+                          device_gib=80)
+    assert not any("use vllm with TP" in r for r in vllm_plan.refusals), vllm_plan.refusals
+    assert "1 of 2 GPUs" in vllm_plan.table()
