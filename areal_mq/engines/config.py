@@ -31,9 +31,16 @@ class EngineConfig(BaseModel):
     )
     max_kv_tokens: int = Field(
         65536, ge=64,
-        description="torch engine admission cap: running sequences' reserved tokens (prompt + max_new_tokens) "
-                    "never exceed it; requests wait until they fit. On the CPU without kv_cache_bytes it also sizes "
-                    "the KV block pool (this many positions, at most max_concurrent x max_model_len).",
+        description="torch engine on the CPU without kv_cache_bytes: the KV block pool's positions (at most "
+                    "max_concurrent x max_model_len). Not an admission cap: rows are admitted while the pool holds "
+                    "them (areal_mq/engines/admission.py); see max_reserved_tokens for a cap.",
+    )
+    max_reserved_tokens: int | None = Field(
+        None, ge=64,
+        description="torch engine: an optional admission cap. Where set, the running rows' reservations (prompt + "
+                    "max_new_tokens each) never exceed it and requests wait until they fit. None (default): rows are "
+                    "admitted while the KV pool holds them and the youngest is preempted when it runs out, so "
+                    "max_new_tokens 8192 on a pool of 1.5M tokens runs every row the pool holds, not 1.5M / 8192.",
     )
     kv_cache_bytes: int | None = Field(
         None, ge=1,

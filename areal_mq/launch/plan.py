@@ -37,6 +37,9 @@ engines/shapes.py), or, when the named directory is not on this machine yet, the
 Occupancy (`occupancy`): how many sequences admission can keep in flight ((η + 1) x batch_groups and
 max_concurrent_groups, times group_size) against the rows all engines decode at once (rollout_workers x
 max_concurrent); under 50 % the plan warns, since the GPUs the engines were sized for sit idle.
+Rows running (`admission`): how many of its max_concurrent rows each engine runs at once in steady state, by the
+rule the engines admit by (engines/admission.py: slots, the KV pool, and a reservation cap only where one is set),
+with prompts of PROMPT_TOKENS and answers uniform over [0, max_new_tokens] (both stated); under 50 % it warns.
 Where the numbers come from: the per-parameter bytes are exact; the activation count (8 H + 3 I per token and
 layer: the inputs of the attention and MLP projections, the gate/up outputs and the activation, the norms)
 is the structure of a Llama/Qwen decoder layer; tests/unit/launch/test_plan.py holds the estimate within 25 %
@@ -120,6 +123,7 @@ class Plan:
     refusals: list[str]
     occupancy: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    admission: dict = field(default_factory=dict)  # engines/admission.py steady_rows at full scale
 
     def table(self) -> str:
         rows = [f"model: {self.shape.params / 1e9:.2f} B parameters, {self.shape.layers} layers; "
@@ -140,6 +144,12 @@ class Plan:
             rows.append(f"  engine occupancy   {occ['occupancy']:.0%}: admission keeps {occ['sequences']} sequences in "
                         f"flight ({occ['limited_by']}) for {occ['engine_rows']} engine rows "
                         f"({occ['engines']} x {occ['rows_per_engine']})")
+        adm = self.admission
+        if adm:
+            rows.append(f"  engine rows running {adm['running']:.0%}: {adm['rows']} of {adm['max_concurrent']} rows per "
+                        f"engine run at once (limited by {adm['limited_by']}; KV pool {adm['pool_tokens']:,} tokens, "
+                        f"{adm['kv_use']:.0%} used; a row holds ~{adm['row_tokens']:,.0f} tokens: prompt "
+                        f"{adm['prompt_tokens']} + answers {adm['lengths']}; engines/admission.py)")
         rows += [f"note: {n}" for n in self.notes]
         rows += [f"WARNING: {w}" for w in self.warnings]
         rows += [f"REFUSED: {r}" for r in self.refusals] or ["fits"]
@@ -147,18 +157,23 @@ class Plan:
 
     @property
     def warnings(self) -> list[str]:
-        occ = self.occupancy
+        occ, out = self.occupancy, []
+        adm = self.admission
+        if adm and adm["running"] < LOW_OCCUPANCY:
+            out.append(f"each engine runs {adm['rows']} of its {adm['max_concurrent']} rows ({adm['running']:.0%}): "
+                       f"{adm['limited_by']} limits it; size the KV pool (rollout.engine.kv_cache_bytes) for the rows, "
+                       "or lower rollout.engine.max_concurrent")
         if occ and occ["occupancy"] < LOW_OCCUPANCY:
-            return [f"the engines can be at most {occ['occupancy']:.0%} busy: {occ['limited_by']} caps the sequences "
+            return out + [f"the engines can be at most {occ['occupancy']:.0%} busy: {occ['limited_by']} caps the sequences "
                     f"in flight at {occ['sequences']} for {occ['engine_rows']} engine rows; raise "
                     "controller.max_concurrent_groups (and controller.batch_groups or max_staleness where the "
                     "staleness bound is the cap), or lower rollout.engine.max_concurrent"]
-        return []
+        return out
 
     def to_json(self) -> dict:
         return {"params": self.shape.params, "layers": self.shape.layers, "device": self.device,
                 "capacity_gib": round(self.capacity / GIB, 2), "refusals": self.refusals, "warnings": self.warnings,
-                "notes": self.notes, "occupancy": self.occupancy,
+                "notes": self.notes, "occupancy": self.occupancy, "admission": self.admission,
                 "processes": [{"role": p.role, "count": p.count, "gib_each": round(p.nbytes / GIB, 2),
                                "items": {i.name: round(i.nbytes / GIB, 3) for i in p.items},
                                **({"load_gib": {k: round(v / GIB, 3) for k, v in p.load.items()},
@@ -183,6 +198,45 @@ def occupancy(cfg: Any) -> dict:
     return {"sequences": sequences, "groups": groups, "limited_by": f"{limited_by} x group_size {c.group_size}",
             "engines": lc.rollout_workers, "rows_per_engine": cfg.rollout.engine.max_concurrent,
             "engine_rows": rows, "occupancy": round(min(1.0, sequences / rows), 4)}
+
+
+PROMPT_TOKENS = 256  # the prompt a row holds, stated (the shipped data's prompts are 100-300 tokens with a template)
+
+
+def pool_tokens(cfg: Any, s: Shape, device_bytes: float | None) -> int:
+    """Positions one engine's KV pool holds at full scale: kv_cache_bytes where set; else a vLLM engine's
+    gpu_memory_utilization share of its GPUs less its weights, a torch engine's kv_cache_fraction of what its device
+    has free after the weights (on CUDA), or max_kv_tokens positions on the CPU (as engines/torch/engine.py sizes it)."""
+    from areal_mq.algorithms.trainer import rollout_dtype
+
+    e = cfg.rollout.engine
+    width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
+    per_token = 2 * s.layers * s.kv_heads * s.head_dim * width
+    if e.kv_cache_bytes:
+        return int(e.kv_cache_bytes // per_token)
+    weights = width * s.params
+    if device_bytes is None:
+        return min(e.max_kv_tokens, e.max_concurrent * ((e.max_model_len or 2048) + e.kv_block_size))
+    if e.kind in ("vllm", "vllm-server"):
+        from areal_mq.engines.vllm.config import memory_utilization
+
+        tp = e.vllm.tensor_parallel_size or 1
+        free = memory_utilization(e.vllm, on_cpu=False) * device_bytes * tp - weights - TORCH_BASE * tp
+    else:
+        free = (device_bytes - weights - TORCH_BASE) * e.kv_cache_fraction
+    return max(0, int(free // per_token))
+
+
+def admission(cfg: Any, s: Shape, device_bytes: float | None) -> dict:
+    """Rows each engine runs at once in steady state, by the engines' own rule (engines/admission.py)."""
+    from areal_mq.engines.admission import steady_rows
+
+    e = cfg.rollout.engine
+    out = steady_rows(max_concurrent=e.max_concurrent, pool_tokens=pool_tokens(cfg, s, device_bytes),
+                      block_size=e.kv_block_size, prompt_tokens=PROMPT_TOKENS,
+                      max_new_tokens=cfg.controller.max_new_tokens,
+                      cap=e.max_reserved_tokens if e.kind == "torch" else None)
+    return {**out, "prompt_tokens": PROMPT_TOKENS}
 
 
 def read_shape(model_dir: str | Path) -> Shape:
@@ -386,14 +440,18 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
                     refusals.append(_refusal(cfg, p, capacity, s))
                 if p.load and TORCH_BASE + p.load["device"] > capacity * p.device_share:  # both knobs at once
                     refusals.append(_load_refusal(cfg, p, capacity))
-        return Plan(s, procs, "cuda", capacity, refusals, occupancy(cfg), notes)
+        return Plan(s, procs, "cuda", capacity, refusals, occupancy(cfg), notes, _admission(cfg, s, capacity))
     capacity = host_bytes()
     total = sum(p.peak("host") * p.count for p in procs)
     refusals = layout if total <= capacity else layout + [
         f"the processes need {total / GIB:.1f} GiB together and the host has {capacity / GIB:.1f} GiB: on one "
         "host every process shares its memory (FSDP ranks too), so use a smaller model, fewer "
         "launcher.rollout_workers, a smaller rollout.engine.max_kv_tokens or trainer.max_tokens_per_mb, or GPUs"]
-    return Plan(s, procs, "cpu", capacity, refusals, occupancy(cfg), notes)
+    return Plan(s, procs, "cpu", capacity, refusals, occupancy(cfg), notes, _admission(cfg, s, None))
+
+
+def _admission(cfg: Any, s: Shape, device_bytes: float | None) -> dict:
+    return admission(cfg, s, device_bytes) if cfg.rollout.engine.kind in ("torch", "vllm", "vllm-server") else {}
 
 
 def evaluation(cfg: Any, s: Shape) -> Process:

@@ -154,9 +154,15 @@ def toy_config(cfg: Any, steps: int, run_dir: Path, cache: Path) -> Toy:
     if e["kind"] in ("vllm", "vllm-server") and not _importable("vllm"):
         toy.notes.append(f"rollout.engine.kind {e['kind']}: vLLM is not installed here; rehearsed with the torch engine")
         e["kind"] = "torch"
+    full = {k: e[k] for k in ("max_concurrent", "kv_cache_bytes", "max_kv_tokens")}
     e.update(max_concurrent=min(e["max_concurrent"], TOY_ROWS), kv_cache_bytes=None,
              max_kv_tokens=min(e["max_kv_tokens"], 4096), cuda_graphs=False,
              max_model_len=min(e["max_model_len"], 1024) if e.get("max_model_len") else None)
+    # STYLE 23: an admission knob the toy changes is said with the full-scale value it stands for
+    changed = ", ".join(f"{k} {full[k]} -> {e[k]}" for k in full if full[k] != e[k])
+    if changed:
+        toy.notes.append(f"rollout.engine admission at toy scale: {changed}; the rule is the full-scale engine's "
+                         "(engines/admission.py), whose rows running at full scale the plan above reports")
     c = d["controller"]
     c.update(group_size=min(c["group_size"], 4), batch_groups=2, max_concurrent_groups=4, total_steps=steps,
              max_new_tokens=TOY_NEW_TOKENS)

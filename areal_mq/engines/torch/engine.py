@@ -3,7 +3,8 @@
 What: `TorchEngine` implements `areal_mq.engines.base.Engine` with plain PyTorch on one device (cpu, cuda:N;
 `rollout.device` else `model.device`, areal_mq/devices.py). One `step()`:
 
-    admit waiting requests (FIFO, while max_concurrent, max_kv_tokens and the free KV blocks allow)
+    admit waiting requests (FIFO, while max_concurrent and the free KV blocks allow, and max_reserved_tokens
+             where set: engines/admission.py, the rule plan and the rehearsal report too)
     prefill: write KV for pending prompt / recompute tokens, at most `prefill_chunk_tokens` per step
              (chunked, so decoding never stalls for long)
     decode:  one token for every sequence whose KV is complete, each at its own position
@@ -53,6 +54,7 @@ from typing import Any, Mapping
 
 import torch
 
+from areal_mq.engines.admission import admits, watermark_blocks
 from areal_mq.engines.base import Engine, EngineOutput, EngineRequest
 from areal_mq.engines.config import EngineConfig
 from areal_mq.engines.models import load_causal_lm, load_tokenizer
@@ -168,9 +170,10 @@ class TorchEngine(Engine):
             raise EngineRequestError(
                 f"request {rid!r}: prompt ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
                 f"{need} exceeds the context limit {self.max_len}; shorten the prompt or lower max_new_tokens")
-        if need > self.cfg.max_kv_tokens:
-            raise EngineRequestError(f"request {rid!r}: needs {need} KV tokens, more than max_kv_tokens "
-                                     f"({self.cfg.max_kv_tokens}); raise it or shorten the request")
+        cap = self.cfg.max_reserved_tokens
+        if cap is not None and need > cap:
+            raise EngineRequestError(f"request {rid!r}: reserves {need} KV tokens, more than max_reserved_tokens "
+                                     f"({cap}); raise it or shorten the request")
         if need > self.cache.capacity_tokens:
             raise EngineRequestError(f"request {rid!r}: needs {need} KV tokens, more than the whole KV pool holds "
                                      f"({self.cache.capacity_tokens}); raise kv_cache_bytes or shorten the request")
@@ -229,24 +232,25 @@ class TorchEngine(Engine):
         return finished
 
     def _admit(self) -> None:
-        """FIFO while slots, max_kv_tokens and free blocks allow: a request is admitted when the pool, less a
-        1 % watermark and the blocks promised to rows still prefilling, holds its tokens (once per distinct token
-        list: the samples of one prompt share their prefill blocks)."""
-        reserved = sum(s.reserved for s in self.rows)
+        """FIFO by the one admission rule (engines/admission.py `admits`): a free slot, the pool (less a 1 %
+        watermark and the blocks promised to rows still prefilling) holds the prompt (once per distinct token list:
+        the samples of one prompt share their prefill blocks), and max_reserved_tokens only where it is set. The head
+        waits for room rather than being overtaken."""
+        cap = self.cfg.max_reserved_tokens
+        reserved = sum(s.reserved for s in self.rows) if cap is not None else 0
         bs = self.cache.block_size
         promised: dict[int, int] = {}
         for s in self.rows:
             if not s.ready:
                 promised[hash(tuple(s.tokens))] = blocks_for(len(s.tokens), bs) - len(s.table)
-        room = self.cache.free_blocks - max(1, self.cache.num_blocks // 100) - sum(promised.values())
-        while self.waiting and len(self.rows) < self.cfg.max_concurrent:
+        room = self.cache.free_blocks - watermark_blocks(self.cache.num_blocks) - sum(promised.values())
+        while self.waiting:
             seq = self.waiting[0]
-            if reserved + seq.reserved > self.cfg.max_kv_tokens:
-                break  # FIFO: the head waits for room rather than being overtaken
             key = hash(tuple(seq.tokens))
             need = 0 if key in promised else blocks_for(len(seq.tokens), bs)
-            if need > room and self.rows:
-                break  # an idle engine always takes its head (submit checked it fits the pool)
+            if not admits(running=len(self.rows), max_concurrent=self.cfg.max_concurrent, room_blocks=room,
+                          need_blocks=need, cap=cap, reserved=reserved, need_reserved=seq.reserved):
+                break
             self.waiting.popleft()
             reserved += seq.reserved
             room -= need
@@ -462,6 +466,7 @@ class TorchEngine(Engine):
             "kv_blocks": self.cache.num_blocks, "kv_blocks_used": self.cache.used,
             "kv_blocks_peak": self.cache.peak_used, "kv_cow_copies": self.cache.copies,
             "kv_bytes": self.cache.nbytes, "max_kv_tokens": self.cfg.max_kv_tokens,
+            "max_reserved_tokens": self.cfg.max_reserved_tokens,
             "paused": self.paused, "device": str(self.device), "kv_static": self.cache.static,
             **self.counters, **self.sessions.stats(),
         }

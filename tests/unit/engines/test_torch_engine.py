@@ -128,15 +128,31 @@ def test_continuous_batching_admits_new_requests_and_finishes_short_first(make_e
     assert dict(order)["short"] == 4 and dict(order)["late"] == 8 + 6 - 1 and dict(order)["long"] == 40
 
 
-def test_kv_budget_limits_admission(make_engine, prompts):
+def test_a_reservation_cap_set_by_the_user_limits_admission(make_engine, prompts):
     need = len(prompts[0]) + 40
-    engine = make_engine(max_concurrent=4, max_kv_tokens=max(64, need + 5))  # room for one request at a time
+    engine = make_engine(max_concurrent=4, max_reserved_tokens=max(64, need + 5))  # room for one request at a time
     for i in range(3):
         engine.submit(EngineRequest(f"k{i}", prompts[0], greedy(40, ignore_eos=True)))
     engine.step()
     assert engine.stats()["running"] == 1 and engine.stats()["waiting"] == 2
     assert engine.stats()["kv_reserved_tokens"] <= max(64, need + 5)
     assert len(run_all(engine)) == 3
+
+
+def test_without_a_cap_rows_are_admitted_while_the_pool_holds_them_not_by_their_reservations(make_engine, prompts):
+    """Issue 59: 8 rows that may each write 400 tokens in a pool of ~1,000 positions all start (their prompts fit);
+    the old rule (reservations under max_kv_tokens) ran two. When they outgrow the pool the youngest are preempted
+    and recomputed, and every request still finishes whole."""
+    engine = make_engine(max_concurrent=8, max_kv_tokens=1024, max_model_len=512)
+    for i in range(8):
+        engine.submit(EngineRequest(f"r{i}", prompts[0], greedy(400, ignore_eos=True)))
+    engine.step()
+    stats = engine.stats()
+    assert stats["running"] == 8 and stats["waiting"] == 0, stats
+    assert stats["kv_reserved_tokens"] > stats["kv_capacity_tokens"]  # reservations beyond the pool: not a limit
+    outs = run_all(engine)
+    assert len(outs) == 8 and all(len(o.output_ids) == 400 for o in outs.values())
+    assert engine.stats()["preempted"] > 0  # the pool ran out on the way, and the youngest gave way
 
 
 @pytest.mark.parametrize(
@@ -163,11 +179,11 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(make_engine, prom
 
 
 def test_duplicate_request_id_and_oversized_kv_request(make_engine, prompts):
-    engine = make_engine(max_kv_tokens=64)
+    engine = make_engine(max_reserved_tokens=64)
     engine.submit(EngineRequest("a", prompts[0][:10], greedy(5)))
     with pytest.raises(EngineRequestError, match="already running"):
         engine.submit(EngineRequest("a", prompts[0][:10], greedy(5)))
-    with pytest.raises(EngineRequestError, match="max_kv_tokens"):
+    with pytest.raises(EngineRequestError, match="max_reserved_tokens"):
         engine.submit(EngineRequest("b", prompts[0][:10], greedy(60)))
     assert set(run_all(engine)) == {"a"}
 

@@ -222,3 +222,36 @@ def test_a_torch_engine_given_several_gpus_is_refused_toward_vllm_tp(tmp_path):
                           device_gib=80)
     assert not any("use vllm with TP" in r for r in vllm_plan.refusals), vllm_plan.refusals
     assert "1 of 2 GPUs" in vllm_plan.table()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_runs_90_percent_of_its_rows_by_the_engines_rule(path):
+    """Issue 59: the rows each engine runs at once at full scale (engines/admission.py, the rule the torch engine
+    admits by), on the devices the config is planned for, are >= 90 % of the rows it sizes; the plan says so on
+    a line that says 'running'."""
+    from areal_mq.config import load_config
+
+    cfg = load_config(path)
+    gpu = bool(cfg.placement.rollout.gpus) or cfg.model.device.startswith("cuda")
+    plan = make_plan(cfg, device_gib=80 if gpu else None)
+    assert plan.admission["running"] >= 0.9, plan.admission
+    assert any("running" in line and f"{plan.admission['running']:.0%}" in line for line in plan.table().splitlines())
+
+
+def test_the_old_reservation_cap_would_throttle_the_node_layout_and_the_plan_says_so(tmp_path):
+    """configs/qwen2.5-1.5b-node.yaml with the reservation cap the engine used to apply by default (65,536 tokens of
+    prompt + max_new_tokens 8,192): 7 of 256 rows, refused as a warning naming the cap; without it the pool decides."""
+    from areal_mq.config import load_config
+    from areal_mq.engines.admission import steady_rows
+
+    path = ROOT / "configs" / "qwen2.5-1.5b-node.yaml"
+    capped = make_plan(load_config(path, ["rollout.engine.max_reserved_tokens=65536"]), device_gib=80)
+    assert capped.admission["rows"] == 65536 // (256 + 8192) == 7
+    assert capped.admission["limited_by"] == "rollout.engine.max_reserved_tokens"
+    assert any("7 of its 256 rows" in w for w in capped.warnings), capped.warnings
+    full = make_plan(load_config(path), device_gib=80)
+    assert full.admission["rows"] == 256 and not any("rows (" in w for w in full.warnings)
+    # the pool decides where nothing else does: a pool of 100 rows' live tokens runs ~100 (the watermark aside)
+    small = steady_rows(max_concurrent=256, pool_tokens=100 * 3000, block_size=16, prompt_tokens=256,
+                        max_new_tokens=8192)
+    assert small["limited_by"] == "the KV pool" and 95 <= small["rows"] <= 100, small
