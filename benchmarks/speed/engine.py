@@ -368,6 +368,9 @@ def main() -> None:
                         help="Paged vs contiguous KV at one memory budget on a reasoning long tail (engine_reasoning.py).")
     parser.add_argument("--decode", action="store_true",
                         help="One decode step, paged vs contiguous KV, at three shapes (engine_decode.py).")
+    parser.add_argument("--admission", action="store_true",
+                        help="Rows running against the KV pool: the pool rule vs the old reservation cap "
+                             "(engine_admission.py, issue 59).")
     parser.add_argument("--eval", action="store_true",
                         help="The quickstart's held-out evaluation, paged vs contiguous KV (engine_eval.py).")
     parser.add_argument("--attention", choices=("auto", "plain", "flex"), default="auto",
@@ -375,13 +378,15 @@ def main() -> None:
                              "flex adds a FlexAttention column and the quickstart's shapes (flex_vs_plain_decode_*).")
     common.add_device_arg(parser)
     args = parser.parse_args()
-    if args.reasoning or args.decode or args.eval:
+    if args.reasoning or args.decode or args.eval or args.admission:
+        import engine_admission
         import engine_decode
         import engine_eval
         import engine_reasoning
 
         mode, module = (("reasoning", engine_reasoning) if args.reasoning else ("decode", engine_decode)
-                        if args.decode else ("eval", engine_eval))
+                        if args.decode else ("admission", engine_admission) if args.admission
+                        else ("eval", engine_eval))
         report = common.timed(module.run, args)
         dtype = None if args.eval else args.dtype  # the evaluation runs in the quickstart's own dtype
         extra = "".join(f" --{k} {v}" for k, v in (("model", args.model), ("dtype", dtype),

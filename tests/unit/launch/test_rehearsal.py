@@ -85,3 +85,19 @@ def test_role_processes_reads_role_rank_and_devices_from_proc(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_toy_says_which_admission_knobs_it_changed_and_their_full_scale_values(tmp_path):
+    """STYLE 23 / issue 59: the node layout's 256 rows and 40 GiB pool become a toy's 8 rows and a 4,096-token CPU
+    pool; the rehearsal report says so, and its rule stays the engine's (no reservation cap appears)."""
+    cfg, t = toy(tmp_path, "qwen2.5-1.5b-node.yaml")
+    note = next(n for n in t.notes if n.startswith("rollout.engine admission at toy scale"))
+    assert "max_concurrent 256 -> 8" in note and "kv_cache_bytes 42949672960 -> None" in note, note
+    assert "engines/admission.py" in note
+    assert t.cfg.rollout.engine.max_reserved_tokens is None
+
+
+def test_no_kill_is_an_option_of_the_rehearsal_only():
+    proc = subprocess.run([sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--no-kill"],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and "--no-kill is an option of --rehearse" in proc.stderr, proc.stderr[-2000:]
