@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,15 +27,11 @@ for _kind in KINDS:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (all held open together, so they differ)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free TCP ports on 127.0.0.1, below the kernel's ephemeral range (areal_mq/launch/ports.py
+    quiet_ports: a port from bind(0) can be taken by any outgoing connection before the benchmark binds it)."""
+    from areal_mq.launch.ports import quiet_ports
+
+    return quiet_ports("127.0.0.1", n)
 
 
 def cpu_seconds(pid: int) -> float:

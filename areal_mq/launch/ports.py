@@ -49,13 +49,26 @@ def ephemeral_range() -> tuple[int, int]:
         return EPHEMERAL
 
 
+def quiet_span() -> tuple[int, int]:
+    """LOW_PORT up to the kernel's ephemeral range; under pytest-xdist (PYTEST_XDIST_WORKER, inherited by every
+    process a test starts) this worker's own slice of it, so two test workers (and the runs, benchmarks and fuzz
+    targets they start) never draw the same port."""
+    lo, hi = LOW_PORT, ephemeral_range()[0]
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        size = (hi - lo) // int(count)
+        lo += int(worker[2:]) * size
+        hi = lo + size
+    return lo, hi
+
+
 def quiet_ports(host: str, n: int, span: tuple[int, int] | None = None) -> list[int]:
     """`n` distinct ports free on `host` now, drawn at random from `span` (default: LOW_PORT up to the kernel's
     ephemeral range). Why not bind to port 0: the kernel draws those from the ephemeral range, the same range it
     gives every outgoing connection, so between choosing a port and binding it any process's connect() may take it
     (seen: a test's broker port taken by a trainer's connection while two test runs shared a host). Below that
     range only a process binding that very port can, and a random draw makes two pickers colliding unlikely."""
-    lo, hi = span or (LOW_PORT, ephemeral_range()[0])
+    lo, hi = span or quiet_span()
     if hi - lo < 8 * n:  # a machine whose ephemeral range starts low: the kernel's own choice
         lo, hi = 0, 0
     import random

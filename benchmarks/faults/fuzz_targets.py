@@ -99,11 +99,11 @@ class Unexpected(AssertionError):
 
 
 def free_port() -> int:
-    import socket
+    """Below the ephemeral range (launch/ports.py quiet_ports): a bind(0) port can be taken by any process's
+    outgoing connection before the target binds it (a corpus replay failed so in CI: 'Address already in use')."""
+    from areal_mq.launch.ports import quiet_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return quiet_ports("127.0.0.1", 1)[0]
 
 
 def _seq(n: int = 3) -> SeqSample:

@@ -9,22 +9,16 @@ from pathlib import Path
 
 import yaml
 
-from areal_mq.launch.ports import LOW_PORT, ephemeral_range, quiet_ports
+from areal_mq.launch.ports import quiet_ports
 from areal_mq.security import Keyring, generate_keys
 from areal_mq.testing import wait_for  # re-exported: integration tests import it from here or conftest
 
 
 def free_ports(n: int) -> list[int]:
     """`n` distinct free ports for a test's own sockets and processes: below the kernel's ephemeral range (never
-    taken by some process's outgoing connection before the test binds it: launch.ports.quiet_ports), and under
-    pytest-xdist in a slice of that range of this worker's own, so two workers never draw the same port."""
-    lo, hi = LOW_PORT, ephemeral_range()[0]
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
-        size = (hi - lo) // count
-        lo = lo + int(worker[2:]) * size
-        hi = lo + size
-    return quiet_ports("127.0.0.1", n, (lo, hi))
+    taken by some process's outgoing connection before the test binds it) and, under pytest-xdist, in a slice of
+    that range of this worker's own (launch.ports.quiet_ports, quiet_span)."""
+    return quiet_ports("127.0.0.1", n)
 
 
 def write_config(tmp_path: Path, extra: dict | None = None, name: str = "config.yaml") -> Path:

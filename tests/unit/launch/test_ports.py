@@ -107,3 +107,20 @@ def test_areal_mq_run_exits_2_before_starting_anything(held, tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"brokers.bus_out_port {held}" in done.stderr and "--set brokers.auto_ports=true" in done.stderr
     assert not run_dir.exists()  # no key, no config, no log: nothing started
+
+
+def test_two_xdist_workers_draw_from_disjoint_slices_below_the_ephemeral_range(monkeypatch):
+    """Every quiet port a test, or a run, benchmark or fuzz target it starts, picks comes from its xdist worker's own
+    slice (the variables are inherited by child processes), so two workers never race for one port."""
+    from areal_mq.launch.ports import LOW_PORT, ephemeral_range, quiet_ports, quiet_span
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert quiet_span() == (LOW_PORT, ephemeral_range()[0])
+    spans = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        spans.append(quiet_span())
+        lo, hi = spans[-1]
+        assert all(lo <= p < hi for p in quiet_ports("127.0.0.1", 5))
+    assert spans[0][1] <= spans[1][0] and spans[1][1] <= ephemeral_range()[0]
