@@ -207,6 +207,7 @@ def cluster():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~2 min: a 4-node local Ray cluster, a node removed mid-run (tests/README.md)
 @pytest.mark.timeout(420)
 def test_roles_placed_by_resources_and_a_lost_rollout_node_survived(cluster, procs, tmp_path):
     c, nodes = cluster

@@ -53,9 +53,14 @@ def rehearse(config: Path | str, run_dir: Path, *extra: str, timeout: float = 60
     return proc, (json.loads(report_path.read_text()) if report_path.is_file() else {})
 
 
+# over 120 s beside another test (tests/README.md): 8 gloo ranks + 8 engines under Ray; 4 ranks + 4 engines, twice
+LONG = {"qwen2.5-7b-2nodes.yaml", "qwen2.5-1.5b-node.yaml"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("config", [pytest.param(p, marks=[pytest.mark.long] if p.name in LONG else [])
+                                    for p in CONFIGS], ids=lambda p: p.name)
 def test_every_shipped_config_rehearses_green(config, tmp_path):
     from areal_mq.config import load_config
     from areal_mq.launch.rehearsal import expected_processes
