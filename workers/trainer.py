@@ -361,3 +361,4 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
                 thing.close()
         if rt is not None:
             rt.close(drain_timeout=0)
+        trainer.close()  # the process group last: the publisher's exchange may still have used it

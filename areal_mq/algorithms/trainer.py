@@ -372,6 +372,15 @@ class Trainer:
             norms.append(self.optimizer_step())
         return sums, counts, weight_max, norms
 
+    def close(self) -> None:
+        """End this rank's process group, where one was made: its gloo/NCCL threads are joined before the interpreter
+        exits. A rank that exits with them running aborts ("terminate called without an active exception", SIGABRT)
+        when another rank is still finishing: a 2-rank export test failed so in CI."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
     def train_step(self, samples: Sequence["Sample"]) -> dict[str, float]:
         """One training step on `samples` (the same list on every rank); returns metrics."""
         t0 = time.perf_counter()

@@ -399,6 +399,10 @@ def _say(console: Any, report: dict) -> None:
                       " ".join(sorted({str(d) for d in r["cuda_visible_devices"]})))
     console.print(table)
     occ = report["plan"].get("occupancy") or {}
+    adm = report["plan"].get("admission") or {}
+    if adm:
+        console.print(f"full-scale engine rows running {adm['running']:.0%} ({adm['rows']} of {adm['max_concurrent']} "
+                      f"per engine, limited by {adm['limited_by']}; engines/admission.py)", highlight=False)
     if occ:
         console.print(f"full-scale engine occupancy {occ['occupancy']:.0%}; resume: "
                       f"{report['resume'].get('resumed') or 'none'}; evaluations at "

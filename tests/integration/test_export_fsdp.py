@@ -91,4 +91,10 @@ def test_a_two_rank_fsdp_checkpoint_exports_bf16_shards_with_the_trainers_greedy
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    run_rank(Path(sys.argv[1]))
+    try:
+        run_rank(Path(sys.argv[1]))
+    finally:  # threads of the process group joined before exit (a rank exiting without it aborted in CI)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -82,6 +82,8 @@ def test_every_shipped_config_rehearses_green(config, tmp_path):
     versions = [e["version"] for e in report["evaluations"]]
     assert versions[0] == 0 and versions[-1] == report["steps"]
     assert report["plan"]["occupancy"]["occupancy"] >= 0.9 and not report["plan"]["refusals"]
+    if report["plan"].get("admission"):  # the engines' own rule at full scale (engines/admission.py), carried here
+        assert report["plan"]["admission"]["running"] >= 0.9, report["plan"]["admission"]
     if any(getattr(cfg.placement, r).gpus for r in ("trainer", "rollout")):  # pretend devices, as placed
         assert report["roles"]["rollout"]["cuda_visible_devices"], report["roles"]
 

@@ -288,4 +288,10 @@ def test_meta_device_sharded_loading_matches_the_whole_model_load(tmp_path):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    run_rank(sys.argv[1], Path(sys.argv[2]))
+    try:
+        run_rank(sys.argv[1], Path(sys.argv[2]))
+    finally:  # threads of the process group joined before exit (a rank exiting without it aborted in CI)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

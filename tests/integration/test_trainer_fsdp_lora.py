@@ -166,4 +166,10 @@ def test_lora_under_fsdp_on_two_ranks_matches_ddp_and_resumes(tmp_path):
 
 
 if __name__ == "__main__":
-    run_rank(Path(sys.argv[2]))
+    try:
+        run_rank(Path(sys.argv[2]))
+    finally:  # threads of the process group joined before exit (a rank exiting without it aborted in CI)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -131,4 +131,10 @@ def test_hsdp_2x2_matches_world_1_resumes_on_2_then_1_and_back_and_serves_from_o
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    run_rank(sys.argv[1], Path(sys.argv[2]))
+    try:
+        run_rank(sys.argv[1], Path(sys.argv[2]))
+    finally:  # threads of the process group joined before exit (a rank exiting without it aborted in CI)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
