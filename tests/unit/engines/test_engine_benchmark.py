@@ -48,3 +48,17 @@ def test_engine_eval_benchmark_quick_runs(tmp_path, tiny_model_dir):
     assert report["mode"] == "eval" and set(report["ratios"]) == set(report["targets"]) == {"paged_vs_contiguous_eval"}
     assert report["workload"]["problems"] == 32 and report["workload"]["differing_answers"] <= 1
     assert "reproduce: python benchmarks/speed/engine.py --eval --quick" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_engine_admission_benchmark_quick_runs(tmp_path):
+    """Issue 59: SmolLM2 with 64 rows of 8,000-token answers runs all 64 under the pool rule and 8 under the old
+    reservation cap; a pool too small for the rows fills and preempts. Rows, not speed, are asserted."""
+    report, stdout = run_quick("speed/engine.py", tmp_path, "--admission", timeout=280)
+    assert report["mode"] == "admission"
+    pool, reserved, small = report["results"]
+    assert pool["running"] == 64 and reserved["running"] == 8 and reserved["waiting"] == 56
+    assert small["kv_blocks_used"] >= 0.9 * small["kv_blocks"] and small["preempted"] > 0
+    assert report["ratios"]["pool_admission_fill"] >= 0.9
+    assert "reproduce: python benchmarks/speed/engine.py --admission --quick" in stdout
