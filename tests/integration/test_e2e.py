@@ -50,6 +50,7 @@ def _events(run_dir: Path, name: str) -> list[dict]:
     return out
 
 
+@pytest.mark.long  # 98-157 s beside another test: generation slowed by design (tests/README.md)
 def test_async_run_trains_on_tokens_of_newer_versions(tmp_path):
     run_dir = tmp_path / "async"
     # generation slower than a training step by construction: every decoding step of the 160-token sequences
