@@ -72,6 +72,10 @@ class Shape:
     tied: bool
     layer_params: int
 
+    def kv_bytes_per_token(self, width: int) -> int:
+        """K and V of one token over all layers at `width` bytes per value (engines/torch/kvcache.py bytes_per_token)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * width
+
     @property
     def embed_params(self) -> int:
         return self.vocab * self.hidden
@@ -211,7 +215,7 @@ def pool_tokens(cfg: Any, s: Shape, device_bytes: float | None) -> int:
 
     e = cfg.rollout.engine
     width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
-    per_token = 2 * s.layers * s.kv_heads * s.head_dim * width
+    per_token = s.kv_bytes_per_token(width)
     if e.kv_cache_bytes:
         return int(e.kv_cache_bytes // per_token)
     weights = width * s.params
@@ -344,7 +348,7 @@ def engine(cfg: Any, s: Shape) -> Process:
         p.device_share = memory_utilization(e.vllm, on_cpu=False)
     p.items.append(Item("weights", width * s.params / tp))
     positions = min(e.max_kv_tokens, e.max_concurrent * (e.max_model_len or 2048))  # the pool's cap without bytes
-    kv = e.kv_cache_bytes if e.kv_cache_bytes else positions * 2 * s.layers * s.kv_heads * s.head_dim * width
+    kv = e.kv_cache_bytes if e.kv_cache_bytes else positions * s.kv_bytes_per_token(width)
     p.items.append(Item("KV pool", kv / tp))
     p.items.append(Item("logits", e.max_concurrent * s.vocab * 4 * 2))
     return p
@@ -471,7 +475,7 @@ def evaluation(cfg: Any, s: Shape) -> Process:
     kv = cfg.eval.kv_cache_bytes or e.kv_cache_bytes
     rows = max(e.max_concurrent, EVAL_BATCH)
     if not kv:
-        kv = min(e.max_kv_tokens, rows * (e.max_model_len or 2048)) * 2 * s.layers * s.kv_heads * s.head_dim * width
+        kv = min(e.max_kv_tokens, rows * (e.max_model_len or 2048)) * s.kv_bytes_per_token(width)
     p.items.append(Item("KV pool", kv))
     p.items.append(Item("logits", rows * s.vocab * 4 * 2))
     return p

@@ -21,6 +21,15 @@ def free_ports(n: int) -> list[int]:
     return quiet_ports("127.0.0.1", n)
 
 
+def end_process_group() -> None:
+    """A rank script's last act: its process group's threads joined before exit (a 2-rank test's rank aborted with
+    SIGABRT in CI when it exited with gloo's threads running; areal_mq/algorithms/trainer.py Trainer.close)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def write_config(tmp_path: Path, extra: dict | None = None, name: str = "config.yaml") -> Path:
     job, bus_in, bus_out, store = free_ports(4)
     data = {

@@ -168,8 +168,7 @@ def test_lora_under_fsdp_on_two_ranks_matches_ddp_and_resumes(tmp_path):
 if __name__ == "__main__":
     try:
         run_rank(Path(sys.argv[2]))
-    finally:  # threads of the process group joined before exit (a rank exiting without it aborted in CI)
-        import torch.distributed as dist
+    finally:
+        from tests.integration.procs import end_process_group
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()

@@ -133,8 +133,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     try:
         run_rank(sys.argv[1], Path(sys.argv[2]))
-    finally:  # threads of the process group joined before exit (a rank exiting without it aborted in CI)
-        import torch.distributed as dist
+    finally:
+        from tests.integration.procs import end_process_group
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
