@@ -3,13 +3,15 @@
 What: `make_plan(cfg, device_gib=None)` estimates, from the model's config.json (counted on the meta device,
 nothing loaded) and the run config:
   trainer rank   weights + gradients + AdamW state under trainer.strategy (16 bytes per parameter; fsdp:
-                 / launcher.trainer_ranks, plus one gathered decoder layer and the root group: embeddings and
-                 LM head gathered with their gradient), the reference model (kl_coef > 0), activations of one
+                 / launcher.trainer_ranks, plus one gathered decoder layer and the larger vocabulary-sized unit:
+                 the embeddings, or the final norm + LM head, gathered with its gradient, one at a time; a tied
+                 model's one matrix in the root), the reference model (kl_coef > 0), activations of one
                  micro-batch (trainer.max_tokens_per_mb tokens: (8 H + 3 I) values per token and layer in the
                  compute dtype, H per layer with gradient checkpointing), one chunk of logits with its softmax
-                 and gradient (3 x trainer.fsdp.logprob_chunk_mb), and the publish snapshots: gathered (2 x the
-                 model in trainer.publish_dtype, on rank 0, in host memory, not counted on a device) or, sharded
-                 (trainer.publish_layout), 2 staging copies of the rank's own shard on its device; and the LOAD
+                 and gradient (3 x trainer.fsdp.logprob_chunk_mb); the publish snapshots are host memory, not
+                 counted on a device: gathered (2 x the model in trainer.publish_dtype, on rank 0) or, sharded
+                 (trainer.publish_layout), 2 copies of the rank's own shard staged through pinned host buckets
+                 (weights/staging.py); and the LOAD
                  peak (`load_peak`), what a rank holds while it builds its model, on the host and on its device
                  (areal_mq/algorithms/loading.py): under fsdp with trainer.fsdp.load slices its fp32 shard (4 bytes
                  x parameters / shard ranks) plus one slice being read (bf16, as checkpoints ship); broadcast one
@@ -282,13 +284,17 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
         p.items.append(Item("reference model", 4 * s.params / shard))
     if t.strategy == "fsdp":
         p.items.append(Item("gathered layer", 2 * compute * s.layer_params))
-        root = s.embed_params * (1 if s.tied else 2)
-        p.items.append(Item("gathered root + its gradient", (compute + 4 * (t.lora is None)) * root))  # LoRA: frozen
+        # algorithms/fsdp.py vocab_units: untied, the embeddings' unit (gathered for its forward, again for its
+        # backward) and the norm + head unit (from the last norm through the loss and its backward) are never
+        # gathered together, so the larger one counts, with its gradient; tied, the one matrix is the root's,
+        # held through the step: the same bytes. LoRA: frozen, no gradient.
+        p.items.append(Item("gathered embeddings or head + its gradient",
+                            (compute + 4 * (t.lora is None)) * s.embed_params))
     per_token_layer = s.hidden if t.gradient_checkpointing else 8 * s.hidden + 3 * s.intermediate
     p.items.append(Item("activations", t.max_tokens_per_mb * s.layers * per_token_layer * compute))
     p.items.append(Item("logits chunk", 3 * t.fsdp.logprob_chunk_mb * (1 << 20)))
-    if t.sharded_publish:  # weights/sharded.py: the snapshot is a device copy; BackgroundPublisher keeps 2 alive
-        p.items.append(Item("publish staging (2 shard copies)", 2 * DTYPE_BYTES[t.publish_dtype] * s.params / shard))
+    # sharded publishing's 2 snapshots of the shard (BackgroundPublisher) are host memory, staged through pinned
+    # buckets (weights/staging.py): not on the device, like the gathered snapshot (module docstring)
     return p
 
 

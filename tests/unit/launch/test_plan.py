@@ -54,6 +54,32 @@ def test_a_7b_trainer_is_refused_on_one_80_gb_gpu_with_ddp_and_fits_with_fsdp_ov
     assert "fits" in fsdp.table() and "REFUSED" in ddp.table()
 
 
+def _big_layout(model: Path, **fsdp) -> dict:
+    """8 trainer ranks on 80 GB GPUs, bf16, gradient checkpointing, 8k tokens a micro-batch, sharded publishing."""
+    return {"model": {"name": str(model), "device": "cuda", "dtype": "bfloat16"},
+            "trainer": {"strategy": "fsdp", "gradient_checkpointing": True, "max_tokens_per_mb": 8192,
+                        "publish_mode": "zmq", "fsdp": fsdp},
+            "launcher": {"trainer_ranks": 8, "rollout_workers": 8}}
+
+
+def test_qwen2_5_32b_fits_fsdp_over_8_and_14b_hsdp_2x4_fits_as_the_units_lay_out_the_vocabulary(tmp_path):
+    """Issue 59 item 3: the embeddings and the norm + head are FSDP units of their own (algorithms/fsdp.py
+    vocab_units), gathered one at a time, and the sharded publish snapshots are pinned host memory: Qwen2.5-32B
+    (its public config: the 14B widths, 27,648 intermediate, 64 layers) plans at most 76 GiB a rank over 8 ranks."""
+    q32 = _config_dir(tmp_path / "32b", "qwen2.5-14b", intermediate_size=27648, num_hidden_layers=64)
+    q14 = _config_dir(tmp_path, "qwen2.5-14b")
+    full = make_plan(config_from_dict(_big_layout(q32)), device_gib=80)
+    hsdp = make_plan(config_from_dict(_big_layout(q14, replicate=2)), device_gib=80)
+    assert not full.refusals and not hsdp.refusals, (full.table(), hsdp.table())
+    assert 31e9 < full.shape.params < 34e9
+    rank = full.processes[0]
+    assert rank.layout == "fsdp over 8" and rank.nbytes <= 76 * GIB, full.table()
+    assert hsdp.processes[0].layout.startswith("HSDP 2 x 4") and hsdp.processes[0].nbytes <= 76 * GIB
+    items = {i.name: i.nbytes for i in rank.items}
+    assert items["gathered embeddings or head + its gradient"] == (2 + 4) * full.shape.embed_params  # bf16 + fp32
+    assert not any("staging" in name or "root" in name for name in items)  # host memory / no vocabulary root
+
+
 def test_the_cli_prints_the_plan_and_exits_2_when_it_cannot_fit(tmp_path):
     from typer.testing import CliRunner
 
