@@ -7,8 +7,9 @@ The mesh is 1-D (every rank a shard) or, with trainer.fsdp.replicate R > 1, 2-D 
 world / R ranks each (`replicate` x `shard`, rank = replica * shard_size + shard index); parameters are sharded
 within a group and replicated across groups, FSDP2 reduce-scatters gradients within a group and all-reduces them
 across groups. Put a group on one node (launcher placement) and only the all-reduce crosses nodes.
-`shard_policy(policy, cfg, precision, device)` applies `fully_shard` to each decoder layer and then to the
-root (the PolicyLogprobs wrapper: embeddings, final norm and LM head, tied or not, form the root's group), with a
+`shard_policy(policy, cfg, precision, device)` applies `fully_shard` to each decoder layer, to the input embeddings
+and to the final norm + LM head as one group (untied models, as torchtitan lays them out), and then to the root
+(the PolicyLogprobs wrapper: what is left; a tied model's embeddings, norm and head stay in it), with a
 MixedPrecisionPolicy from trainer.precision (parameters cast for compute, gradients reduced in fp32) and an
 optional CPUOffloadPolicy (trainer.fsdp.offload). `clip_grad_norm` is the DTensor-aware global norm clip,
 `full_state_dict` gathers the whole model one tensor at a time (the named fallback of the publish path: every
@@ -20,7 +21,12 @@ Why not Accelerate's FSDP plugin: Accelerate 1.15 builds its FSDP2 path around a
 `fully_shard` itself runs on gloo. The Accelerator still owns the process group, seeds and the device.
 Memory per rank (fp32 master weights, AdamW): 16 bytes x parameters / world size (weights 4, gradients 4, Adam
 moments 8), plus one gathered decoder layer in compute precision (two with reshard_after_forward: false and
-all of them kept), plus activations; with offload the 16 bytes live in host memory.
+all of them kept), plus activations; with offload the 16 bytes live in host memory. The vocabulary-sized tensors
+are gathered one unit at a time (`vocab_units`): the embeddings for their forward (resharded after it, gathered
+again for their backward at the very end), the norm + head from the decoder's last norm through the loss to
+their backward, with the head's full gradient; never both at once. A tied model (one Parameter for both) keeps
+them in the root, gathered through the whole forward and backward: one matrix, so the same bytes.
+launch/plan.py trainer_rank counts exactly these.
 Under trainer.lora (algorithms/lora.py) the PEFT adapter is attached before sharding: each decoder layer's unit
 holds its frozen base in the compute dtype and its fp32 adapter (`mixed_precision` explains how FSDP2 takes both),
 so a rank holds the base's bytes / world size and 16 bytes per adapter parameter / world size; the reference is
@@ -131,10 +137,37 @@ def mixed_precision(precision: str) -> Any:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
+def vocab_units(lm: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
+    """(the input embeddings, [final norm, LM head]) that get FSDP units of their own, or (None, []) where they
+    must stay in the root: tied embeddings (one Parameter in both: an FSDP unit owns a parameter once, and the
+    embeddings' unit would reshard what the head needs at the other end of the forward), or a family without the
+    three modules where we look (`get_input_embeddings`, `get_output_embeddings`, `model.norm`; under trainer.lora
+    `lm` is the PEFT model's base, where the same names hold)."""
+    embed = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    norm = getattr(getattr(lm, "model", None), "norm", None)
+    if not all(isinstance(m, nn.Module) for m in (embed, head, norm)):
+        return None, []
+    mine = {id(p) for p in embed.parameters()}
+    if any(id(p) in mine for p in (*head.parameters(), *norm.parameters())):
+        return None, []  # tied
+    return embed, [norm, head]
+
+
 def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch.device,
-                 train: bool = True, mesh: Any = None) -> nn.Module:
-    """`fully_shard` every decoder layer of `policy.lm`, then `policy` itself (the root), over `mesh` (default: a
-    new `device_mesh`). In place; returns it."""
+                 train: bool = True, mesh: Any = None, root_units: bool = True) -> nn.Module:
+    """`fully_shard` every decoder layer of `policy.lm`, its input embeddings, its final norm + LM head (one group),
+    then `policy` itself (the root: what is left), over `mesh` (default: a new `device_mesh`). In place; returns it.
+
+    Why each unit reshards as it does: the embeddings run first in the forward and last in the backward, so they
+    are resharded after the forward (gathered again for their backward) and never held through the step. The
+    norm + head group is gathered by the norm's forward hook at the decoder's end; PolicyLogprobs then uses the
+    head's weight directly (chunked logprobs, never `head(...)`), so FSDP2 completes this partly-run group's
+    post-forward at the root's end (`_force_complete_incomplete_states`), after the loss's last chunk. Training,
+    it keeps reshard_after_forward False: it is the last unit of the forward and the first of the backward, so
+    resharding would only gather the same bytes again at once. The reference model (train False) reshards it.
+    `root_units` False is the old layout (embeddings, norm and head all in the root, gathered through the whole
+    step): kept only for benchmarks/speed/trainer_root.py's side-by-side measurement."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     ensure_process_group(device)
@@ -142,8 +175,13 @@ def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch
     offload = fsdp_cfg.offload and device.type != "cpu"  # on a CPU device the shards are in host memory already
     kw = dict(mesh=mesh, mp_policy=mixed_precision(precision),
               offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy())
+    embed, head_group = vocab_units(policy.lm) if root_units else (None, [])
+    if embed is not None:
+        fully_shard(embed, reshard_after_forward=True, **kw)
     for layer in decoder_layers(policy.lm):
         fully_shard(layer, reshard_after_forward=fsdp_cfg.reshard_after_forward if train else True, **kw)
+    if head_group:
+        fully_shard(head_group, reshard_after_forward=not train, **kw)
     fully_shard(policy, reshard_after_forward=False, **kw)  # the root: backward needs its parameters at once
     return policy
 
