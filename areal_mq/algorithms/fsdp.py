@@ -284,8 +284,9 @@ def export_hf(path: Path, config_dir: Path, out: Path) -> Path:
 
 def local_slices(lm: nn.Module, dtype: str | None, shard_index: int) -> tuple[dict[str, torch.Tensor],
                                                                               dict[str, tuple[int, int, list[int]]]]:
-    """This rank's own rows of `lm`'s state dict for sharded publishing, copied on their device in `dtype` (floating
-    tensors), and where each sits: name -> (start row, rows, whole shape). No collective. A tensor FSDP did not
+    """This rank's own rows of `lm`'s state dict for sharded publishing, copied to host memory in `dtype` (floating
+    tensors; from an accelerator through pinned buckets, weights/staging.py: no device copy of the shard), and where
+    each sits: name -> (start row, rows, whole shape). No collective. A tensor FSDP did not
     shard is served whole by shard index 0. The rows come from the DTensor's own layout (loading.local_box), so
     a 1-D mesh and HSDP's (replicate, shard) mesh read the same; anything but dim-0 sharding is refused
     (WeightsFetchError: use trainer.publish_layout gather)."""
@@ -294,8 +295,10 @@ def local_slices(lm: nn.Module, dtype: str | None, shard_index: int) -> tuple[di
     from areal_mq.algorithms.loading import local_box
     from areal_mq.errors import WeightsFetchError
 
+    from areal_mq.weights.staging import stage_to_host
+
     want = getattr(torch, dtype) if dtype else None
-    out: dict[str, torch.Tensor] = {}
+    parts: list[tuple[str, torch.Tensor, torch.dtype]] = []
     where: dict[str, tuple[int, int, list[int]]] = {}
     for name, t, local in unique_state(lm):
         shape = list(t.shape)
@@ -313,10 +316,9 @@ def local_slices(lm: nn.Module, dtype: str | None, shard_index: int) -> tuple[di
             start, rows = 0, (shape[0] if shape else 0)
         if shape and rows == 0:
             continue  # more ranks than rows: this rank holds none of it
-        cast = want if want is not None and local.is_floating_point() else local.dtype
-        out[name] = local.detach().to(dtype=cast, copy=True).contiguous()
+        parts.append((name, local, want if want is not None and local.is_floating_point() else local.dtype))
         where[name] = (start, rows, shape)
-    return out, where
+    return stage_to_host(parts), where
 
 
 def _base_identity_once(model_path: Any) -> dict[str, str]:

@@ -478,8 +478,9 @@ class Trainer:
 
     def publish_slices(self, dtype: str | None = None) -> tuple[dict, dict]:
         """This rank's own slices of the policy weights for sharded publishing (areal_mq/weights/sharded.py): a copy
-        on the device in `dtype` (default cfg.publish_dtype) and where each slice sits, as the strategy lays them
-        out ({} on a rank outside the serving replica group). No collective."""
+        in host memory in `dtype` (default cfg.publish_dtype; staged from the device through pinned buckets,
+        weights/staging.py) and where each slice sits, as the strategy lays them out ({} on a rank outside the
+        serving replica group). No collective."""
         return self.strategy.local_slices(self.unwrapped, dtype or self.cfg.publish_dtype)
 
     @property

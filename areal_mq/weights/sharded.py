@@ -2,12 +2,13 @@
 
 What (trainer.publish_layout sharded, the default of an fsdp trainer publishing over zmq):
 
-    every rank, in the step   the trainer's strategy hands it its slices (Trainer.publish_slices: a device copy of
-                              its own dim-0 rows of each tensor and where they sit; the only part on the step's
-                              critical path: no collective, no host copy)
-    every rank, beside it     ShardPublisher.publish (BackgroundPublisher thread): to host memory, blake2b of each
-                              slice, a delta against its previous slice (weights/delta.py), chunks handed to the
-                              rank's own WeightServer (port weight_server_port + rank, or any free port)
+    every rank, in the step   the trainer's strategy hands it its slices (Trainer.publish_slices: a host copy of
+                              its own dim-0 rows of each tensor, staged from the device through pinned buckets,
+                              weights/staging.py, and where they sit; the only part on the step's critical path:
+                              no collective, no device copy)
+    every rank, beside it     ShardPublisher.publish (BackgroundPublisher thread): blake2b of each slice, a delta
+                              against its previous slice (weights/delta.py), chunks handed to the rank's own
+                              WeightServer (port weight_server_port + rank, or any free port)
     ranks > 0                 send their WeightsShard (endpoint, chunk counts, links, slices, checksums) to rank 0
                               over an authenticated PUSH socket
     rank 0                    waits for every rank's WeightsShard of that version (shard_publish_timeout_s), then
@@ -25,11 +26,12 @@ this module only receives slices and where they sit, it never looks inside a tra
 other groups serve nothing and never wait on a publish.
 Failure: a rank that does not serve a version in time is named (trainer.shard_missing, error) and the version is not
 announced: workers stay on the version they hold and move on with the next announcement; training goes on.
-Memory per rank: the staging copy of its shard (model bytes / world in publish_dtype, at most 2 alive, as
-BackgroundPublisher bounds them) plus what its server keeps (trainer.keep_weight_versions full shards and
-trainer.full_every deltas, in host memory). On a GPU rank the delta is computed on the GPU (delta.encode with
-torch: compare, positions, xor), so the server also keeps the previous version's device snapshot as the next
-delta's base: one more shard of device memory in publish_dtype (1.9 GB per rank for 7B on 8 ranks in bf16).
+Memory per rank, all of it host memory: the staged copy of its shard (model bytes / world in publish_dtype, at
+most 2 alive, as BackgroundPublisher bounds them) plus what its server keeps (trainer.keep_weight_versions full
+shards and trainer.full_every deltas, the previous version as the next delta's base). The device holds one cast
+piece of at most staging.PUBLISH_BUCKET_BYTES while the snapshot is taken. (Before staging the snapshot was a device
+copy, 2 alive, and the server kept a third as the delta's base, computed on the GPU: 3 shards of device memory,
+5.7 GB a rank for 7B on 8 ranks in bf16. A snapshot handed in on a device is still accepted and diffed there.)
 """
 from __future__ import annotations
 
