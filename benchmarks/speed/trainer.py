@@ -27,6 +27,7 @@ follows the engine's dtype: bf16 autocast over fp32 master weights); default cpu
     python benchmarks/speed/trainer.py --strategy fsdp --world 2 [--quick] [--json PATH]   (benchmarks/speed/trainer_fsdp.py)
     python benchmarks/speed/trainer.py --load [--quick] [--json PATH]   (benchmarks/speed/trainer_load.py: load peak)
     python benchmarks/speed/trainer.py --lora [--quick] [--json PATH]   (benchmarks/speed/trainer_lora.py: full vs LoRA)
+    python benchmarks/speed/trainer.py --root [--quick] [--json PATH]   (benchmarks/speed/trainer_root.py: FSDP2 units)
 
 `--quick` uses fewer, shorter sequences and one alternation (same code path, same long-tail shape); it
 finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
@@ -159,6 +160,11 @@ def table(report: dict, command: str) -> str:
 
 
 def main() -> None:
+    if "--root" in sys.argv:  # FSDP2: the root holding embeddings + head vs units of their own (issue 59)
+        import trainer_root
+
+        sys.argv = [a for a in sys.argv if a != "--root"]
+        return trainer_root.main()
     if "--lora" in sys.argv:  # full fine-tuning vs a LoRA adapter, peak memory (issue 53)
         import trainer_lora
 

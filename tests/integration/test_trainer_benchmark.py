@@ -46,3 +46,21 @@ def test_trainer_lora_benchmark_quick_runs(tmp_path):
         assert lora["base_dtype"] == ("torch.bfloat16" if row["precision"] == "bf16" else "torch.float32")
         assert all(x["peak_gib"] >= x["rss_imports_gib"] > 0 and x["plan"]["peak_gib"] > 0 for x in (full, lora))
     assert "full_vs_lora_rank_memory" in stdout and "command: python benchmarks/speed/trainer.py --lora" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trainer_root_units_benchmark_quick_runs(tmp_path):
+    """`trainer.py --root --quick` (benchmarks/speed/trainer_root.py): the old root layout vs the FSDP2 units, 2 ranks
+    a side; the keys and the units each side had, and equal losses (the layouts compute the same), not memory."""
+    report, stdout = run_quick("speed/trainer_root.py", tmp_path, timeout=550)
+    assert set(report["targets"]) == {"fsdp_root_units_rank_peak"}
+    assert set(report["ratios"]) == {"fsdp_root_units_rank_peak", "fsdp_root_units_rank_peak_rss",
+                                     "plan_root_units_rank_peak", "measured_vs_plan"}
+    assert all(v > 0 for v in report["ratios"].values())
+    before, after = report["results"]
+    assert (before["name"], after["name"]) == ("before", "after")
+    assert before["own_units"] == [False] * 3 and after["own_units"] == [True] * 3
+    assert len(before["rank_step_peak_gib"]) == report["world"] == 2
+    assert report["loss_max_abs_diff"] == 0.0 and report["plan"]["before_gib"] > report["plan"]["after_gib"]
+    assert "fsdp_root_units_rank_peak" in stdout and "command: python benchmarks/speed/trainer.py --root" in stdout
