@@ -67,7 +67,7 @@ def _place(remote: list, bucket_bytes: int, pin: bool) -> list["torch.Tensor"]:
     views: list[torch.Tensor] = []
     current, used = None, 0
     for _, t, dtype in remote:
-        nbytes = t.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = t.numel() * dtype.itemsize
         if nbytes > bucket_bytes:
             views.append(buffer(nbytes).view(dtype).view(t.shape))
             continue

@@ -65,3 +65,20 @@ def test_nothing_is_pinned_without_cuda_and_a_bad_bucket_is_refused():
         assert staging.pinned_available() is False
     with pytest.raises(ValueError, match="bucket_bytes"):
         staging.stage_to_host(_parts(), 0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_snapshot_is_pinned_host_memory_and_the_device_holds_one_piece_at_a_time():
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    parts = [(f"w{i}", torch.randn(1024, 1024, device=dev, generator=g), torch.bfloat16) for i in range(8)]
+    parts.append(("step", torch.tensor(3, device=dev), torch.int64))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = staging.stage_to_host(parts, bucket_bytes=1 << 20)  # a 4 MiB fp32 weight in 1 MiB pieces
+    assert torch.cuda.max_memory_allocated() - before <= 1 << 20
+    assert list(out) == [p[0] for p in parts]
+    for name, t, dtype in parts:
+        assert out[name].device.type == "cpu" and out[name].is_pinned(), name
+        assert torch.equal(out[name], t.to(dtype).cpu()), name
