@@ -1,7 +1,9 @@
 """LoRA under FSDP2 (trainer.lora with trainer.strategy: fsdp) on 2 CPU ranks over gloo matches LoRA under ddp in
 one process, keeps its frozen base bf16 and bit-identical, and resumes from its adapter-only checkpoint.
 
-One launch of THIS file under torch.distributed.run (2 ranks, CUDA hidden, one thread per rank), on tiny Llama with
+One launch of THIS file under torch.distributed.run (2 ranks, CUDA hidden, one thread per rank) per family, tiny Llama
+(tied: embeddings and head in the FSDP root) and tiny Qwen2 (untied: embeddings and norm + head FSDP units of their
+own, algorithms/fsdp.py vocab_units, found in the PEFT model's base), with
 a KL reference (kl_coef > 0: the reference is the base with the adapter off, in the same sharded model):
   fp32: 3 steps (a checkpoint after step 2, the published adapter after step 3), then a fresh 2-rank trainer
         resumed from that checkpoint runs step 3;
@@ -13,7 +15,7 @@ order; measured 2.5e-5), the published names identical, the resumed step 3 the u
 (FSDP2's param_dtype bf16 against ddp's autocast: the same casts, other kernels' order) losses within 10 %; the
 frozen base bf16 on every rank and bit-identical to ddp's before and after training, adapter and AdamW state fp32;
 the checkpoint holds PEFT's adapter files, the base's identity and no base weights.
-Run: pytest tests/integration/test_trainer_fsdp_lora.py   (about 75 s on 2 shared cores, marked slow)
+Run: pytest tests/integration/test_trainer_fsdp_lora.py   (about 55 s for both families on 2 shared cores, marked slow)
 """
 from __future__ import annotations
 
@@ -109,14 +111,15 @@ def run_rank(out: Path) -> None:
 
 
 @pytest.mark.slow
-def test_lora_under_fsdp_on_two_ranks_matches_ddp_and_resumes(tmp_path):
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])  # tied: vocabulary in the root; untied: own units
+def test_lora_under_fsdp_on_two_ranks_matches_ddp_and_resumes(tmp_path, family):
     import torch
     from accelerate.state import AcceleratorState
 
     from areal_mq.engines.shapes import build_random_model
     from tests.integration.test_trainer_fsdp import _launch_file
 
-    build_random_model(tmp_path / "model", "tiny-llama", seed=5)
+    build_random_model(tmp_path / "model", family, seed=5)
     torch.set_num_threads(1)
     want = {}
     for precision in ("fp32", "bf16"):  # LoRA under ddp, one process
