@@ -3,9 +3,10 @@
 What: `PolicyLogprobs(lm, chunk_mb)(...)` runs the decoder (`lm.model`), keeps the hidden states of the positions
 that predict generated tokens, and computes their logprobs (and entropies) with the LM head in chunks of tokens
 (areal_mq/algorithms/logprobs.py), so no [tokens, vocabulary] fp32 logits tensor is ever alive whole.
-Why a module and not a function: under FSDP2 the root's parameters (embeddings, final norm, LM head, tied or
-not) are gathered by the root's forward hook, so the head must be used inside a forward of the module that is
-sharded as the root; DDP likewise wraps one module. The Hugging Face model stays reachable as `.lm` (the
+Why a module and not a function: under FSDP2 the head is used here as a weight (chunked, never `head(...)`), so
+it must be gathered while this module's forward runs: a tied head by the root's forward hook (this module is the
+root), an untied one by its norm + head unit's hook on the final norm, completed only at the root's end
+(algorithms/fsdp.py shard_policy); DDP likewise wraps one module. The Hugging Face model stays reachable as `.lm` (the
 trainer's `unwrapped`) for its config, state dict and `save_pretrained`.
 """
 from __future__ import annotations
