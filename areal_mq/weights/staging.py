@@ -15,6 +15,9 @@ here, the device holds one cast piece at a time (at most `bucket_bytes`), the 2 
 host memory (launch/plan.py counts them off the device), and the published bytes are the same (the same cast of
 the same rows). The cost: the step waits for the device-to-host copy (a shard at the host link's speed, pinned)
 where it used to wait for a device copy, and the delta against the previous version is computed on the host.
+Host memory: what the publish's own host copies took before (the server serves these tensors as they are and keeps
+trainer.keep_weight_versions of them, and the previous one as the delta's base), now page-locked where CUDA is;
+torch's pinned-memory cache keeps a freed buffer for the next snapshot instead of registering pages again.
 Run: tests/unit/weights/test_staging.py; tests/integration/test_sharded_weights.py publishes through it.
 """
 from __future__ import annotations
