@@ -39,9 +39,11 @@ engines/shapes.py), or, when the named directory is not on this machine yet, the
 Occupancy (`occupancy`): how many sequences admission can keep in flight ((η + 1) x batch_groups and
 max_concurrent_groups, times group_size) against the rows all engines decode at once (rollout_workers x
 max_concurrent); under 50 % the plan warns, since the GPUs the engines were sized for sit idle.
-Rows running (`admission`): how many of its max_concurrent rows each engine runs at once in steady state, by the
-rule the engines admit by (engines/admission.py: slots, the KV pool, and a reservation cap only where one is set),
-with prompts of PROMPT_TOKENS and answers uniform over [0, max_new_tokens] (both stated); under 50 % it warns.
+Rows running (`admission`): how many of its max_concurrent rows each engine runs at once in steady state, from
+the scheduler twin (engines/twin.py: the torch engine's own scheduler, engines/scheduler.py, stepped in virtual time
+at the config's full numbers; vLLM by its admission settings), with prompts of PROMPT_TOKENS, GRPO groups of
+controller.group_size sharing them, and answers uniform over [1, max_new_tokens] (both stated); also its preemptions
+per 1,000 tokens and KV use, and what limits the rows (engines/admission.py's rule); under 50 % it warns.
 Where the numbers come from: the per-parameter bytes are exact; the activation count (8 H + 3 I per token and
 layer: the inputs of the attention and MLP projections, the gate/up outputs and the activation, the norms)
 is the structure of a Llama/Qwen decoder layer; tests/unit/launch/test_plan.py holds the estimate within 25 %
@@ -152,10 +154,11 @@ class Plan:
                         f"({occ['engines']} x {occ['rows_per_engine']})")
         adm = self.admission
         if adm:
-            rows.append(f"  engine rows running {adm['running']:.0%}: {adm['rows']} of {adm['max_concurrent']} rows per "
+            how = (f"in the scheduler twin, {adm['decoding']:.0%} decoding, {adm['preempt_per_1k']:.2f} preemptions "
+                   "per 1k tokens; engines/twin.py" if adm.get("twin") else "engines/admission.py")
+            rows.append(f"  engine rows running {adm['running']:.0%}: {adm['rows']:g} of {adm['max_concurrent']} rows per "
                         f"engine run at once (limited by {adm['limited_by']}; KV pool {adm['pool_tokens']:,} tokens, "
-                        f"{adm['kv_use']:.0%} used; a row holds ~{adm['row_tokens']:,.0f} tokens: prompt "
-                        f"{adm['prompt_tokens']} + answers {adm['lengths']}; engines/admission.py)")
+                        f"{adm['kv_use']:.0%} used; prompt {adm['prompt_tokens']} + answers {adm['lengths']}; {how})")
         rows += [f"note: {n}" for n in self.notes]
         rows += [f"WARNING: {w}" for w in self.warnings]
         rows += [f"REFUSED: {r}" for r in self.refusals] or ["fits"]
@@ -166,7 +169,7 @@ class Plan:
         occ, out = self.occupancy, []
         adm = self.admission
         if adm and adm["running"] < LOW_OCCUPANCY:
-            out.append(f"each engine runs {adm['rows']} of its {adm['max_concurrent']} rows ({adm['running']:.0%}): "
+            out.append(f"each engine runs {adm['rows']:g} of its {adm['max_concurrent']} rows ({adm['running']:.0%}): "
                        f"{adm['limited_by']} limits it; size the KV pool (rollout.engine.kv_cache_bytes) for the rows, "
                        "or lower rollout.engine.max_concurrent")
         if occ and occ["occupancy"] < LOW_OCCUPANCY:
@@ -234,15 +237,39 @@ def pool_tokens(cfg: Any, s: Shape, device_bytes: float | None) -> int:
 
 
 def admission(cfg: Any, s: Shape, device_bytes: float | None) -> dict:
-    """Rows each engine runs at once in steady state, by the engines' own rule (engines/admission.py)."""
+    """Rows each engine runs at once in steady state: the scheduler twin (engines/twin.py) at full scale, with
+    what limits them by the engines' rule (engines/admission.py)."""
+    from areal_mq.algorithms.trainer import rollout_dtype
     from areal_mq.engines.admission import steady_rows
+    from areal_mq.engines.twin import VLLM_MAX_NUM_BATCHED_TOKENS, StepCost, TwinSpec, run_twin
 
     e = cfg.rollout.engine
-    out = steady_rows(max_concurrent=e.max_concurrent, pool_tokens=pool_tokens(cfg, s, device_bytes),
-                      block_size=e.kv_block_size, prompt_tokens=PROMPT_TOKENS,
-                      max_new_tokens=cfg.controller.max_new_tokens,
-                      cap=e.max_reserved_tokens if e.kind == "torch" else None)
-    return {**out, "prompt_tokens": PROMPT_TOKENS}
+    vllm = e.kind != "torch"
+    block = 16 if vllm else e.kv_block_size  # vLLM's default block size on GPUs
+    cap = None if vllm else e.max_reserved_tokens
+    pool = pool_tokens(cfg, s, device_bytes)
+    rule = steady_rows(max_concurrent=e.max_concurrent, pool_tokens=pool, block_size=block,
+                       prompt_tokens=PROMPT_TOKENS, max_new_tokens=cfg.controller.max_new_tokens, cap=cap)
+    out = {**rule, "prompt_tokens": PROMPT_TOKENS, "twin": False}
+    if pool // block < 2 * watermark_floor(pool // block):  # no pool to speak of: the refusals say why
+        return out
+    width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
+    spec = TwinSpec(max_concurrent=e.max_concurrent, pool_tokens=pool, block_size=block,
+                    prefill_chunk_tokens=VLLM_MAX_NUM_BATCHED_TOKENS if vllm else e.prefill_chunk_tokens,
+                    prompt_tokens=PROMPT_TOKENS, max_new_tokens=cfg.controller.max_new_tokens,
+                    group_size=cfg.controller.group_size, cap=cap,
+                    share_prefill=e.vllm.enable_prefix_caching if vllm else e.share_prefill,
+                    cost=StepCost.roofline(s.params, width, s.kv_bytes_per_token(width)))
+    twin = run_twin(spec)
+    limited_by = "rollout.engine.max_concurrent" if twin["running"] >= 0.99 else rule["limited_by"]
+    return {**out, **twin, "limited_by": limited_by, "twin": True, "engine": e.kind}
+
+
+def watermark_floor(num_blocks: int) -> int:
+    """The blocks a pool must hold beyond its watermark to be planned at all (engines/admission.py)."""
+    from areal_mq.engines.admission import watermark_blocks
+
+    return max(1, watermark_blocks(max(1, num_blocks)))
 
 
 def read_shape(model_dir: str | Path) -> Shape:

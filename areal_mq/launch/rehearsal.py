@@ -401,8 +401,10 @@ def _say(console: Any, report: dict) -> None:
     occ = report["plan"].get("occupancy") or {}
     adm = report["plan"].get("admission") or {}
     if adm:
-        console.print(f"full-scale engine rows running {adm['running']:.0%} ({adm['rows']} of {adm['max_concurrent']} "
-                      f"per engine, limited by {adm['limited_by']}; engines/admission.py)", highlight=False)
+        twin = (f"; scheduler twin: {adm['decoding']:.0%} decoding, {adm['preempt_per_1k']:.2f} preemptions per 1k "
+                f"tokens, KV {adm['kv_use']:.0%} used (engines/twin.py)" if adm.get("twin") else "")
+        console.print(f"full-scale engine rows running {adm['running']:.0%} ({adm['rows']:g} of {adm['max_concurrent']} "
+                      f"per engine, limited by {adm['limited_by']}{twin})", highlight=False)
     if occ:
         console.print(f"full-scale engine occupancy {occ['occupancy']:.0%}; resume: "
                       f"{report['resume'].get('resumed') or 'none'}; evaluations at "

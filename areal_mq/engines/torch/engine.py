@@ -54,14 +54,14 @@ from typing import Any, Mapping
 
 import torch
 
-from areal_mq.engines.admission import admits, watermark_blocks
 from areal_mq.engines.base import Engine, EngineOutput, EngineRequest
 from areal_mq.engines.config import EngineConfig
 from areal_mq.engines.models import load_causal_lm, load_tokenizer
+from areal_mq.engines.scheduler import Scheduler
 from areal_mq.engines.sampling import sample_tokens
 from areal_mq.engines.torch.forward import LlamaRunner
 from areal_mq.engines.torch.graphs import BucketedDecoder
-from areal_mq.engines.torch.kvcache import blocks_for, bytes_per_token, pool_blocks
+from areal_mq.engines.torch.kvcache import bytes_per_token, pool_blocks
 from areal_mq.engines.torch.seq import SeqState, build_output
 from areal_mq.engines.torch.session import SessionKV
 from areal_mq.engines.torch.update_gap import kv_logprob_gap
@@ -97,6 +97,7 @@ class TorchEngine(Engine):
         self.runner = LlamaRunner(self.model, self.max_len, attention=self._attention())
         self.adapters: AdapterState | None = None  # LoRA versions: the kept base (made by the first stage_adapter)
         self.cache = self.runner.new_cache(self._pool_blocks(), self.cfg.kv_block_size)
+        self.sched = Scheduler.for_config(self.cache, self.cfg)  # admission, prefill chunks, preemption: pure
         self.decoder = None  # exact-shape eager decode (runner.decode) unless cuda_graphs
         graphs = self.cfg.cuda_graphs
         if graphs == "auto":  # measured on an H200 with paged KV: 3.7x the eager long tail (benchmarks/RESULTS.md)
@@ -109,16 +110,30 @@ class TorchEngine(Engine):
         self.seed = self.cfg.seed if self.cfg.seed is not None else seed
         self.version = 0
         self.paused = False
-        self.waiting: deque[SeqState] = deque()
-        self.rows: list[SeqState] = []
         self.live: dict[str, SeqState] = {}
         self._rate: deque[tuple[float, int]] = deque()
         self._order = itertools.count()
-        self._recomputing: set[int] = set()  # ids of rows recomputing after an update (recompute_chunk_tokens)
         self.counters = {"steps": 0, "generated_tokens": 0, "prefilled_tokens": 0, "shared_prefill_tokens": 0,
-                         "finished": 0, "session_kv_hits": 0, "prefill_tokens_saved": 0, "preempted": 0,
-                         "preempted_tokens": 0}
+                         "finished": 0, "session_kv_hits": 0, "prefill_tokens_saved": 0}
         self.sessions = SessionKV(self.cfg.session_kv_max_tokens, self.cfg.session_kv_ttl_s)
+
+    @property
+    def cfg(self) -> EngineConfig:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: EngineConfig) -> None:  # a config replaced between steps reaches the scheduler's knobs too
+        self._cfg = cfg
+        if hasattr(self, "sched"):
+            self.sched.configure(cfg)
+
+    @property
+    def waiting(self) -> deque[SeqState]:
+        return self.sched.waiting
+
+    @property
+    def rows(self) -> list[SeqState]:
+        return self.sched.rows
 
     def _attention(self) -> str:
         """decode_attention, `auto` resolved: FlexAttention on CUDA, the plain path on the CPU (flex.py says why)."""
@@ -181,7 +196,7 @@ class TorchEngine(Engine):
         seq = SeqState(request=request, tokens=prompt, n_prompt=len(prompt), stop_ids=frozenset(stops),
                         reserved=need, generator=self._generator(request), submitted_at=time.perf_counter(),
                         order=next(self._order))
-        self.waiting.append(seq)
+        self.sched.add(seq)
         self.live[rid] = seq
 
     def _generator(self, request: EngineRequest) -> torch.Generator | None:
@@ -198,16 +213,13 @@ class TorchEngine(Engine):
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.rows)
+        return self.sched.has_work()
 
     def abort(self, request_id: str) -> EngineOutput | None:
         seq = self.live.pop(request_id, None)
         if seq is None:
             return None
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        else:
-            self._remove(seq)
+        self.sched.abort(seq)
         return build_output(seq, "abort", self.tokenizer)
 
     def pause(self) -> None:
@@ -227,36 +239,15 @@ class TorchEngine(Engine):
         self._prefill()
         finished = self._decode()
         self.counters["steps"] += 1
+        self.sched.tick()
         if self.cfg.step_delay_s:
             time.sleep(self.cfg.step_delay_s)  # test knob: generation slower than training, deterministically
         return finished
 
     def _admit(self) -> None:
-        """FIFO by the one admission rule (engines/admission.py `admits`): a free slot, the pool (less a 1 %
-        watermark and the blocks promised to rows still prefilling) holds the prompt (once per distinct token list:
-        the samples of one prompt share their prefill blocks), and max_reserved_tokens only where it is set. The head
-        waits for room rather than being overtaken."""
-        cap = self.cfg.max_reserved_tokens
-        reserved = sum(s.reserved for s in self.rows) if cap is not None else 0
-        bs = self.cache.block_size
-        promised: dict[int, int] = {}
-        for s in self.rows:
-            if not s.ready:
-                promised[hash(tuple(s.tokens))] = blocks_for(len(s.tokens), bs) - len(s.table)
-        room = self.cache.free_blocks - watermark_blocks(self.cache.num_blocks) - sum(promised.values())
-        while self.waiting:
-            seq = self.waiting[0]
-            key = hash(tuple(seq.tokens))
-            need = 0 if key in promised else blocks_for(len(seq.tokens), bs)
-            if not admits(running=len(self.rows), max_concurrent=self.cfg.max_concurrent, room_blocks=room,
-                          need_blocks=need, cap=cap, reserved=reserved, need_reserved=seq.reserved):
-                break
-            self.waiting.popleft()
-            reserved += seq.reserved
-            room -= need
-            promised[key] = need
-            seq.reset_kv()
-            self.rows.append(seq)
+        """Admission by the scheduler's rule (engines/scheduler.py, engines/admission.py); an admitted row of a
+        session reuses the KV its previous turn left."""
+        for seq in self.sched.admit():
             if seq.request.session and self.sessions.enabled:
                 self._reuse_session_kv(seq)
 
@@ -267,105 +258,21 @@ class TorchEngine(Engine):
             self.counters["session_kv_hits"] += 1
             self.counters["prefill_tokens_saved"] += seq.kv_reused
 
-    # -- blocks and preemption -------------------------------------------------------------------
-
-    def _secure(self, seq: SeqState, start: int, end: int, keep: set[int], preempt: bool = True) -> bool:
-        """Blocks of its own for positions [start, end) of `seq`, preempting the youngest rows outside `keep`
-        (ids) while the pool is short; False when `seq` itself was preempted or `preempt` is off."""
-        hint = blocks_for(seq.reserved, self.cache.block_size)  # where a new run goes (kvcache.py, Placement)
-        while not (self.cache.ensure(seq.table, end, hint) and self.cache.writable(seq.table, start, end, hint)):
-            victims = [s for s in self.rows if id(s) not in keep]
-            if not preempt or not victims:
-                return False
-            victim = max(victims, key=lambda s: s.order)
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        return True
-
-    def _preempt(self, seq: SeqState) -> None:
-        """Free `seq`'s blocks and queue it first, to be recomputed from its tokens when blocks are free."""
-        self.rows.remove(seq)
-        self.counters["preempted"] += 1
-        self.counters["preempted_tokens"] += seq.kv_len
-        self.cache.release(seq.table)
-        seq.reset_kv()
-        self.waiting.appendleft(seq)
-
     # -- prefill and decode ----------------------------------------------------------------------
 
     def _prefill(self) -> None:
-        """Compute KV chunks for pending rows; a row whose next chunk another row computes this step from
-        an identical KV history (the n samples of one prompt) shares that row's blocks instead (`share_prefill`).
-        Rows preempt others for blocks only when no row is ready to decode (decoding frees blocks otherwise)."""
-        budget = self.cfg.prefill_chunk_tokens
-        if self._recomputing:  # rows whose KV a weight update dropped: larger chunks, sized by their own budget
-            self._recomputing &= {id(s) for s in self.rows if not s.ready}
-            budget = max(budget, self.cfg.recompute_chunk_tokens) if self._recomputing else budget
-        picked: list[SeqState] = []
-        starts, chunks = [], []
-        leaders: dict[tuple[int, int], list[int]] = {}  # (start, kv_sig) -> indices into chunks
-        followers: list[tuple[SeqState, int]] = []  # (row, index of the chunk it shares)
-        preempt = not any(s.ready for s in self.rows)
-        for seq in [s for s in self.rows if not s.ready]:
-            if seq not in self.rows:
-                continue  # preempted for an older row this step
-            if self.cfg.share_prefill and (j := self._shared_chunk(seq, leaders, chunks)) is not None:
-                followers.append((seq, j))
-                continue
-            if budget <= 0:
-                continue  # no compute left this step, but later rows may still follow a leader
-            take = min(len(seq.tokens) - 1 - seq.kv_len, budget)
-            if not self._secure(seq, seq.kv_len, seq.kv_len + take, {id(s) for s in picked}, preempt):
-                if seq in self.rows:
-                    break  # FIFO: later rows wait for blocks too
-                continue
-            leaders.setdefault((seq.kv_len, seq.kv_sig), []).append(len(chunks))
-            picked.append(seq)
-            starts.append(seq.kv_len)
-            chunks.append(seq.tokens[seq.kv_len : seq.kv_len + take])
-            budget -= take
-        if not picked:
+        """Compute the KV chunks the scheduler picked (engines/scheduler.py `plan_prefill`: chunked, shared among
+        the samples of one prompt, preempting for blocks only when no row is ready to decode)."""
+        plan = self.sched.plan_prefill()
+        if not plan.picked:
             return
-        self.runner.extend(self.cache, [s.table for s in picked], starts, chunks)
-        for seq, chunk in zip(picked, chunks):
-            seq.advance_kv(chunk, self.version)
-        shared = 0
-        for seq, j in followers:
-            if seq not in self.rows:
-                continue
-            end = starts[j] + len(chunks[j])
-            self.cache.release(seq.table)  # identical KV (same kv_sig) in other blocks, or the same ones
-            seq.table = self.cache.share(picked[j].table, blocks_for(end, self.cache.block_size))
-            seq.advance_kv(chunks[j], self.version)
-            shared += len(chunks[j])
-        self.counters["prefilled_tokens"] += sum(len(c) for c in chunks)
+        self.runner.extend(self.cache, [s.table for s in plan.picked], plan.starts, plan.chunks)
+        shared = self.sched.commit_prefill(plan, self.version)
+        self.counters["prefilled_tokens"] += sum(len(c) for c in plan.chunks)
         self.counters["shared_prefill_tokens"] += shared
 
-    @staticmethod
-    def _shared_chunk(seq: SeqState, leaders: dict, chunks: list[list[int]]) -> int | None:
-        """Index of a chunk computed this step that `seq` can share: same start, same KV history (kv_sig
-        covers tokens and weight versions so far) and the same next tokens."""
-        for j in leaders.get((seq.kv_len, seq.kv_sig), ()):
-            chunk = chunks[j]
-            end = seq.kv_len + len(chunk)
-            if end <= len(seq.tokens) - 1 and seq.tokens[seq.kv_len:end] == chunk:
-                return j
-        return None
-
-    def _decode_rows(self) -> list[SeqState]:
-        """Ready rows, oldest first, each with its own block for the position it writes (preempting the
-        youngest rows while the pool is short), in row order."""
-        keep: set[int] = set()
-        for seq in sorted((s for s in self.rows if s.ready), key=lambda s: s.order):
-            if seq in self.rows:
-                p = len(seq.tokens) - 1
-                if self._secure(seq, p, p + 1, keep):
-                    keep.add(id(seq))
-        return [s for s in self.rows if id(s) in keep]
-
     def _decode(self) -> list[EngineOutput]:
-        rows = self._decode_rows()
+        rows = self.sched.decode_rows()
         if not rows:
             return []
         tokens, positions = [s.tokens[-1] for s in rows], [len(s.tokens) - 1 for s in rows]
@@ -387,17 +294,12 @@ class TorchEngine(Engine):
             if reason is not None:
                 if seq.request.session and self.sessions.enabled:
                     self.sessions.save(self.cache, seq)
-                self._remove(seq)
+                self.sched.remove(seq)
                 del self.live[seq.request.request_id]
                 outputs.append(build_output(seq, reason, self.tokenizer))
         self._count_rate(now, len(rows))
         self.counters["finished"] += len(outputs)
         return outputs
-
-    def _remove(self, seq: SeqState) -> None:
-        """A finished or aborted row leaves; its blocks go back to the pool (shared ones when unreferenced)."""
-        self.rows.remove(seq)
-        self.cache.release(seq.table)
 
     def _count_rate(self, now: float, tokens: int) -> None:
         self.counters["generated_tokens"] += tokens
@@ -440,14 +342,8 @@ class TorchEngine(Engine):
         t_gap = time.perf_counter() - t1
         stale = 0
         if self.cfg.kv_on_update == "recompute":
-            self._recomputing = {id(s) for s in self.rows}
             self.sessions.clear()  # kept KV of finished turns is as stale as the in-flight KV
-            # All KV is invalid: free it; shortest first resumes decoding soonest.
-            self.rows.sort(key=lambda s: len(s.tokens))
-            for seq in self.rows:
-                stale += seq.kv_len
-                self.cache.release(seq.table)
-                seq.reset_kv()
+            stale = self.sched.drop_kv()  # all KV is invalid: freed, rebuilt shortest row first
         t2 = time.perf_counter()
         return {"load_s": t1 - t0, "pause_s": t2 - t1 - t_gap, "tensors": float(n), "in_flight": float(len(self.rows)),
                 "recompute_tokens": float(stale), **gap}
@@ -468,6 +364,7 @@ class TorchEngine(Engine):
             "kv_bytes": self.cache.nbytes, "max_kv_tokens": self.cfg.max_kv_tokens,
             "max_reserved_tokens": self.cfg.max_reserved_tokens,
             "paused": self.paused, "device": str(self.device), "kv_static": self.cache.static,
+            "preempted": self.sched.preempted, "preempted_tokens": self.sched.preempted_tokens,
             **self.counters, **self.sessions.stats(),
         }
 

@@ -32,22 +32,19 @@ layout SDPA reads fastest; measured on the CPU, 1.4x faster than blocks-first pl
 """
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 import torch
 
+from areal_mq.engines.blocks import BlockPool, blocks_for
 from areal_mq.errors import ConfigError
+
+__all__ = ["BlockPool", "PagedKVCache", "blocks_for", "bytes_per_token", "pool_blocks"]
 
 
 def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """K and V of one token over all layers."""
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    """Blocks that hold `tokens` positions."""
-    return -(-tokens // block_size)
 
 
 def pool_blocks(budget_bytes: int, per_token: int, block_size: int, min_blocks: int) -> int:
@@ -62,23 +59,16 @@ def pool_blocks(budget_bytes: int, per_token: int, block_size: int, min_blocks: 
     return usable
 
 
-class PagedKVCache:
-    """A block pool with reference counts (module docstring). Host bookkeeping only; no method syncs the device."""
+class PagedKVCache(BlockPool):
+    """The block pool (engines/blocks.py, the bookkeeping) with its K and V tensors; no method syncs the device."""
 
     def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.num_blocks, self.block_size, self.scratch = num_blocks, block_size, num_blocks
+        super().__init__(num_blocks, block_size)
         shape = (layers, kv_heads, num_blocks + 1, block_size, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self._zero([self.scratch])
-        self.refs = [0] * num_blocks
-        self.free_map = bytearray(b"\x01") * num_blocks  # 1 where a block is free
-        self.free_blocks = num_blocks
-        self.touched = bytearray(num_blocks)  # 1 once a block was handed out (zeroed then)
-        self.claims: dict[int, int] = {}  # last block of a run -> end of the room that run claimed to grow into
-        self.peak_used = 0
-        self.copies = 0  # copy-on-write block copies
 
     @property
     def device(self) -> torch.device:
@@ -87,14 +77,6 @@ class PagedKVCache:
     @property
     def static(self) -> bool:  # allocated once, never moved (graphs.py relies on it)
         return True
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def used(self) -> int:
-        return self.num_blocks - self.free_blocks
 
     @property
     def nbytes(self) -> int:
@@ -106,94 +88,13 @@ class PagedKVCache:
             self.k.index_fill_(2, index, 0)
             self.v.index_fill_(2, index, 0)
 
-    def _run_start(self, want: int) -> int:
-        """Where a new run of up to `want` blocks starts (module docstring, Placement); the pool has a free block."""
-        best, best_room, largest = -1, 0, (0, 0)
-        for gap in re.finditer(rb"\x01+", self.free_map):
-            s, e = gap.span()
-            start = min(max(s, self.claims.get(s - 1, s)), e)
-            if e - start >= want:
-                return start
-            if e - start > best_room:
-                best, best_room = start, e - start
-            if e - s > largest[1] - largest[0]:
-                largest = (s, e)
-        if best >= 0:
-            return best
-        s, e = largest
-        return s if s == 0 else s + (e - s) // 2
+    def _fresh(self, blocks: list[int]) -> None:
+        self._zero(blocks)
 
-    def _take(self, n: int, after: int | None = None, hint: int = 0) -> list[int]:
-        """n free blocks: consecutive after block `after` while those are free, new runs (`_run_start`) otherwise."""
-        blocks, claim = [], self.claims.pop(after, 0) if after is not None else 0
-        for i in range(n):
-            b = after + 1 if after is not None and after + 1 < self.num_blocks and self.free_map[after + 1] else -1
-            if b < 0:
-                want = max(hint - i, n - i)
-                b = self._run_start(want)
-                claim = b + want
-            self.free_map[b] = 0
-            blocks.append(b)
-            after = b
-        self.claims[after] = claim
-        new = [b for b in blocks if not self.touched[b]]
-        if new:
-            self._zero(new)
-            for b in new:
-                self.touched[b] = 1
-        for b in blocks:
-            self.refs[b] = 1
-        self.free_blocks -= n
-        self.peak_used = max(self.peak_used, self.used)
-        return blocks
-
-    def ensure(self, table: list[int], length: int, hint: int = 0) -> bool:
-        """Grow `table` (in place) to hold `length` positions; False (table unchanged) when the pool is short.
-        hint: the most blocks this table will hold (placement of a new run; 0: only what it needs now)."""
-        need = blocks_for(length, self.block_size) - len(table)
-        if need <= 0:
-            return True
-        if need > self.free_blocks:
-            return False
-        after = table[-1] if table and self.refs[table[-1]] == 1 else None  # never grow into a shared run's room
-        table.extend(self._take(need, after, hint - len(table)))
-        return True
-
-    def writable(self, table: list[int], start: int, end: int, hint: int = 0) -> bool:
-        """Make the blocks holding positions [start, end) of `table` this sequence's own, copying any block that is
-        shared (copy-on-write); False when the pool has no block for a copy (the table is then unchanged from the
-        first block it could not copy). hint as in `ensure`."""
-        bs = self.block_size
-        for i in range(start // bs, min(blocks_for(end, bs), len(table))):
-            old = table[i]
-            if self.refs[old] > 1:
-                if not self.free_blocks:
-                    return False
-                (new,) = self._take(1, table[i - 1] if i and self.refs[table[i - 1]] == 1 else None, hint - i)
-                with torch.inference_mode():
-                    self.k[:, :, new] = self.k[:, :, old]
-                    self.v[:, :, new] = self.v[:, :, old]
-                self.refs[old] -= 1
-                table[i] = new
-                self.copies += 1
-        return True
-
-    def share(self, source: Sequence[int], n_blocks: int) -> list[int]:
-        """A new table referencing the first `n_blocks` blocks of `source` (their counts go up)."""
-        table = list(source[:n_blocks])
-        for b in table:
-            self.refs[b] += 1
-        return table
-
-    def release(self, table: list[int]) -> None:
-        """Drop `table`'s references (emptying it); blocks nobody references go back to the pool."""
-        for b in table:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.free_map[b] = 1
-                self.free_blocks += 1
-                self.claims.pop(b, None)
-        table.clear()
+    def _copy(self, old: int, new: int) -> None:
+        with torch.inference_mode():
+            self.k[:, :, new] = self.k[:, :, old]
+            self.v[:, :, new] = self.v[:, :, old]
 
     def padded_tables(self, tables: Sequence[Sequence[int]], width: int, rows: int | None = None) -> list[list[int]]:
         """Host rows of `width` block ids (short tables and padding rows filled with the scratch block)."""

@@ -84,13 +84,13 @@ def test_preempting_the_youngest_when_the_pool_runs_out_changes_no_output(make_e
 def test_preemption_takes_the_youngest_first(make_engine, prompts):
     engine = make_engine(max_concurrent=4, kv_cache_bytes=PER_TOKEN * 16 * 13)
     first_preempted = []
-    original = engine._preempt
+    original = engine.sched.preempt  # engines/scheduler.py decides; the engine drives it
 
     def record(seq):
         first_preempted.append((seq.request.request_id, sorted(s.order for s in engine.rows)[-1] == seq.order))
         original(seq)
 
-    engine._preempt = record
+    engine.sched.preempt = record
     _long_run(engine, prompts)
     assert first_preempted and all(youngest for _, youngest in first_preempted)
     assert first_preempted[0][0] != "q0"  # the oldest is never the first to go

@@ -252,15 +252,16 @@ def test_a_torch_engine_given_several_gpus_is_refused_toward_vllm_tp(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_runs_90_percent_of_its_rows_by_the_engines_rule(path):
-    """Issue 59: the rows each engine runs at once at full scale (engines/admission.py, the rule the torch engine
-    admits by), on the devices the config is planned for, are >= 90 % of the rows it sizes; the plan says so on
-    a line that says 'running'."""
+    """Issue 59: the rows each engine runs at once at full scale (the scheduler twin, engines/twin.py: the torch
+    engine's own scheduler in virtual time), on the devices the config is planned for, are >= 90 % of the rows it
+    sizes and >= 80 % of them decode (the rest prefill); the plan says so on a line that says 'running'."""
     from areal_mq.config import load_config
 
     cfg = load_config(path)
     gpu = bool(cfg.placement.rollout.gpus) or cfg.model.device.startswith("cuda")
     plan = make_plan(cfg, device_gib=80 if gpu else None)
-    assert plan.admission["running"] >= 0.9, plan.admission
+    assert plan.admission["twin"] and plan.admission["running"] >= 0.9, plan.admission
+    assert plan.admission["decoding"] >= 0.8 and plan.admission["preempt_per_1k"] < 1, plan.admission
     assert any("running" in line and f"{plan.admission['running']:.0%}" in line for line in plan.table().splitlines())
 
 
@@ -272,7 +273,7 @@ def test_the_old_reservation_cap_would_throttle_the_node_layout_and_the_plan_say
 
     path = ROOT / "configs" / "qwen2.5-1.5b-node.yaml"
     capped = make_plan(load_config(path, ["rollout.engine.max_reserved_tokens=65536"]), device_gib=80)
-    assert capped.admission["rows"] == 65536 // (256 + 8192) == 7
+    assert capped.admission["rows"] == 65536 // (256 + 8192) == 7  # in the twin as by the rule
     assert capped.admission["limited_by"] == "rollout.engine.max_reserved_tokens"
     assert any("7 of its 256 rows" in w for w in capped.warnings), capped.warnings
     full = make_plan(load_config(path), device_gib=80)
