@@ -83,7 +83,13 @@ receive_half() {  # $1 = a | b
   fi
 }
 
-stage() {  # $1 = a..f | fit
+stage() {  # $1 = a..f | fit; prints its seconds when it ends (where CI's time goes, issue 58)
+  local t0=$SECONDS
+  run_stage "$@"
+  echo "run.sh: stage $1 took $((SECONDS - t0)) s"
+}
+
+run_stage() {
   local args=(--device "$DEVICE" "${QUICK[@]}" --out "$DEST" --work "$WORK")
   echo "run.sh: stage $1 (device $DEVICE${QUICK:+, quick}) -> $DEST"
   case "$1" in

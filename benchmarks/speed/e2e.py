@@ -22,8 +22,13 @@ accuracy and batch reward against wall time for every run.
 
     python benchmarks/speed/e2e.py [--quick] [--json PATH] [--out DIR] [--plot PNG] [--eval-n N]
                              [--eval-versions 12,24] [--keep-weights] [--reuse-runs] [--device cpu|cuda|cuda:N]
+                             [--modes sync,async_eta2]
 
 --device sets model.device for every role and the evaluations (default cpu; benchmarks/gpu/run.sh stage f).
+--modes runs a subset of the four, in their order (at least one sync and one async; the ratios then divide by the
+mean of the sync runs present and name only the async runs present). The CPU smoke of benchmarks/gpu stage f runs
+`--quick --steps 2 --eval-versions 2 --modes sync,async_eta2`: η=4 and the second sync run the same code as those
+two again (issue 58).
 
 --quick runs the tiny random Llama for 3 steps per mode and evaluates its last two versions on 8 problems
 (same code path, nothing is learnt). It cannot finish in 60 s: each `areal-mq run` spends ~25-35 s starting
@@ -61,6 +66,8 @@ MODES = [  # name, label, run.mode, η, threads per role; sync first and last (s
     ("async_eta4", "async η=4", "async", 4, ASYNC_THREADS),
     ("sync_repeat", "sync again", "sync", 0, SYNC_THREADS),
 ]
+MODE_NAMES = [m[0] for m in MODES]
+RATIO_NAMES = {"async_eta2": "async_vs_sync_samples_per_s", "async_eta4": "async_eta4_vs_sync_samples_per_s"}
 QUICK = {"model.name": "tiny-random-llama", "controller.total_steps": 3, "controller.batch_groups": 2,
          "controller.group_size": 2, "controller.max_new_tokens": 16, "controller.max_concurrent_groups": 4,
          # the random model's answers all score alike: dropping uniform groups would starve the trainer
@@ -78,6 +85,26 @@ def threads_arg(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(f"{part!r}: expected ROLE=N with ROLE in {sorted(SYNC_THREADS)}, N >= 1")
         out[role] = int(n)
     return out
+
+
+def modes_arg(text: str) -> list[str]:
+    """'sync,async_eta2' -> those names in MODES order; at least one sync and one async run (the ratio needs both)."""
+    names = [x for x in text.split(",") if x]
+    unknown = [x for x in names if x not in MODE_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown}: expected names from {MODE_NAMES}")
+    kinds = {m[2] for m in MODES if m[0] in names}
+    if kinds != {"sync", "async"}:
+        raise argparse.ArgumentTypeError(f"{names}: needs at least one sync and one async mode")
+    return [n for n in MODE_NAMES if n in names]
+
+
+def ratios(results: list[dict]) -> tuple[float, dict[str, float]]:
+    """(the sync rate: the mean samples/s of the sync runs, first and last so that a linear drift in load cancels;
+    each async run's samples/s over it, named by RATIO_NAMES)."""
+    sync = [r["samples_per_s"] for r in results if r["mode"] == "sync"]
+    rate = sum(sync) / len(sync)
+    return rate, {RATIO_NAMES[r["name"]]: r["samples_per_s"] / rate for r in results if r["name"] in RATIO_NAMES}
 
 
 log = common.logger("e2e")
@@ -221,7 +248,8 @@ def run(args: argparse.Namespace) -> dict:
     out = args.out or ROOT / "bench-results" / ("e2e-quick" if args.quick else "e2e")
     log(f"{cfg.model.name}: {steps} steps x {c.batch_groups} groups x {c.group_size} seqs per mode; "
         f"evaluating versions {versions} on n={n}; runs in {out}")
-    modes = [(*m[:4], {**m[4], **(args.async_threads if m[2] == "async" else args.sync_threads)}) for m in MODES]
+    modes = [(*m[:4], {**m[4], **(args.async_threads if m[2] == "async" else args.sync_threads)}) for m in MODES
+             if m[0] in args.modes]
     results = [run_mode(mode, args, out / mode[0], steps, versions)
                for mode in tqdm(modes, desc="modes", unit="run", file=sys.stderr)]
     base = evaluate_all(results, versions, n, args.quick, out, args.device)
@@ -229,17 +257,14 @@ def run(args: argparse.Namespace) -> dict:
         for r in results:
             shutil.rmtree(Path(r["run_dir"]) / "weights", ignore_errors=True)
     plot_path = e2e_report.plot(results, base, args.plot or out / "accuracy_vs_time.png")
-    by = {r["name"]: r for r in results}
-    sync_rate = (by["sync"]["samples_per_s"] + by["sync_repeat"]["samples_per_s"]) / 2
-    ratios = {"async_vs_sync_samples_per_s": by["async_eta2"]["samples_per_s"] / sync_rate,
-              "async_eta4_vs_sync_samples_per_s": by["async_eta4"]["samples_per_s"] / sync_rate}
+    sync_rate, by_async = ratios(results)
     setup = {"kind": "setup", "name": "setup", "model": cfg.model.name, "total_steps": steps,
              "batch_groups": c.batch_groups, "group_size": c.group_size, "max_new_tokens": c.max_new_tokens,
              "eval_n": n, "eval_versions": versions, "base": base, "plot": str(plot_path),
              "throughput_window": "first to last training step: samples of steps 2..N / (t_N - t_1)",
              "sync_samples_per_s_mean": sync_rate, "device": args.device}
     return {"benchmark": "e2e", "quick": args.quick, "machine": common.torch_machine(device=common.device_name(args.device)), "results": [setup, *results],
-            "ratios": ratios, "targets": dict(TARGETS)}
+            "ratios": by_async, "targets": dict(TARGETS)}
 
 
 def main() -> None:
@@ -257,6 +282,9 @@ def main() -> None:
     parser.add_argument("--sync-threads", type=threads_arg, default={},
                         help=f"Thread split of the sync modes (default {SYNC_THREADS}).")
     parser.add_argument("--reuse-runs", action="store_true", help="Reuse runs saved in OUT (evaluate only).")
+    parser.add_argument("--modes", type=modes_arg, default=MODE_NAMES,
+                        help=f"Comma-separated subset of {','.join(MODE_NAMES)} (default all; one sync and one async "
+                             f"at least).")
     common.add_device_arg(parser)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

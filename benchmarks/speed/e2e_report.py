@@ -143,6 +143,7 @@ def table(report: dict, command: str) -> str:
              "threads: torch threads per process as in the table (--sync-threads / --async-threads); "
              "controller and reward 1 each; all processes share the same 2 cores",
              "ratios: samples/s first->last training step (samples of steps 2..N / (t_N - t_1)) over the mean of "
-             f"the two sync runs ({setup['sync_samples_per_s_mean']:.3f}/s; sync runs first and last)",
+             f"the sync runs ({setup['sync_samples_per_s_mean']:.3f}/s; "
+             f"{' and '.join(r['label'] for r in modes if r['mode'] == 'sync')})",
              f"plot: {setup['plot']}"]
     return "\n".join([*common.align(rows), "", *common.align(ratio_rows), *notes, f"command: {command}"])

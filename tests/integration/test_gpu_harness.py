@@ -1,8 +1,11 @@
 """`bash benchmarks/gpu/run.sh all --device cpu --quick` once, so the GPU harness cannot rot while no GPU is
-around (issue 25 item 8; slow: it runs every stage, e2e's four whole-system runs included).
+around (issue 25 item 8; slow: it runs every stage, three whole-system runs included).
 
-Stage f is `benchmarks/speed/e2e.py --quick`: its report is checked here against the JSON shape of BENCHMARKS.md
-(`check_e2e_report`) rather than by a second run of the same four whole-system runs (CI time: ~2 min).
+Stage f is `benchmarks/speed/e2e.py --quick --steps 2 --eval-versions 2 --modes sync,async_eta2` on the CPU: its
+report is checked here against the JSON shape of BENCHMARKS.md (`check_e2e_report`). Two whole-system runs, not
+four (issue 58: η=4 and the second sync run the same code again at ~30 s each), so the expected modes are
+[sync, async_eta2] and the one ratio is async η=2 over sync; the ratio arithmetic over all four modes is checked
+without processes in tests/unit/test_e2e_benchmark.py. Stage a on the CPU collects only the `gpu`-marked files.
 
 Checks that every stage wrote its JSON and its section of results.md, the figures the docs and fit_sim.py read
 are there, the cuda_ipc row is present (a TODO until it is built), and the fit of the simulator's slot loads.
@@ -55,6 +58,8 @@ def test_all_stages_quick_on_the_cpu(tmp_path):
     assert all(r["runs"][k]["tokens_per_s"] > 0 for r in g["shapes"].values() for k in ("plain", "fsdp", "fsdp_ac"))
 
     assert stages["a"]["ratios"]["failed"] == 0
+    gpu_suite = next(s for s in stages["a"]["suites"] if s["suite"] == "gpu")  # the marked files found, skipped here
+    assert gpu_suite["skipped"] > 0 and "tests/unit/test_devices.py" in gpu_suite["selection"]
     b = stages["b"]
     assert [r["concurrency"] for r in b["longtail"]] == [4, 8]
     assert all(r["engine_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0 for r in b["longtail"])
@@ -83,11 +88,11 @@ def check_e2e_report(report: dict, png: Path) -> None:
     is asserted (benchmarks measure speed; this keeps the code path alive)."""
     assert set(report) >= {"benchmark", "quick", "machine", "results", "ratios", "targets"}
     assert report["targets"] == {"async_vs_sync_samples_per_s": 1.5}
-    assert set(report["ratios"]) == {"async_vs_sync_samples_per_s", "async_eta4_vs_sync_samples_per_s"}
+    assert set(report["ratios"]) == {"async_vs_sync_samples_per_s"}  # η=4 is not run on the CPU (docstring)
     assert all(math.isfinite(v) and v > 0 for v in report["ratios"].values())
     setup, *modes = report["results"]
     assert setup["kind"] == "setup" and setup["model"] == "tiny-random-llama"
-    assert [m["name"] for m in modes] == ["sync", "async_eta2", "async_eta4", "sync_repeat"]
+    assert [m["name"] for m in modes] == ["sync", "async_eta2"]
     expected = setup["total_steps"] * setup["batch_groups"] * setup["group_size"]
     for m in modes:
         assert m["samples"] == expected, f"{m['name']} trained {m['samples']} samples, expected {expected}"
@@ -99,6 +104,7 @@ def check_e2e_report(report: dict, png: Path) -> None:
         assert m["final"]["version"] == setup["total_steps"]
         assert not (Path(m["run_dir"]) / "weights").exists(), "weights should be deleted without --keep-weights"
     assert {m["threads"]["rollout"] for m in modes} == {1, 2}
-    ratio = modes[1]["samples_per_s"] / ((modes[0]["samples_per_s"] + modes[3]["samples_per_s"]) / 2)
+    assert setup["sync_samples_per_s_mean"] == pytest.approx(modes[0]["samples_per_s"])
+    ratio = modes[1]["samples_per_s"] / modes[0]["samples_per_s"]
     assert report["ratios"]["async_vs_sync_samples_per_s"] == pytest.approx(ratio)
     assert png.stat().st_size > 10_000
