@@ -151,9 +151,18 @@ def toy_config(cfg: Any, steps: int, run_dir: Path, cache: Path) -> Toy:
     d["run"]["run_dir"] = str(run_dir)
     d["rollout"]["device"] = d["trainer"]["device"] = None
     e = d["rollout"]["engine"]
+    tp = max(e["vllm"].get("tensor_parallel_size") or 1, d["placement"]["rollout"].get("gpus_per_process") or 1)
     if e["kind"] in ("vllm", "vllm-server") and not _importable("vllm"):
         toy.notes.append(f"rollout.engine.kind {e['kind']}: vLLM is not installed here; rehearsed with the torch engine")
         e["kind"] = "torch"
+    elif e["kind"] == "vllm" and tp > 1:  # vLLM's CPU backend runs no tensor parallelism over pretend GPUs
+        toy.notes.append(f"rollout.engine.kind vllm with tensor parallel {tp}: vLLM on this CPU cannot span pretend "
+                         "GPUs; rehearsed with the torch engine (the placement of its GPUs kept)")
+        e["kind"] = "torch"
+    elif e["kind"] == "vllm" and e["vllm"].get("gpu_memory_utilization"):
+        toy.notes.append(f"rollout.engine.vllm.gpu_memory_utilization {e['vllm']['gpu_memory_utilization']} -> the CPU "
+                         "backend's default (vLLM's CPU backend fails to start above 0.5)")
+        e["vllm"]["gpu_memory_utilization"] = None
     full = {k: e[k] for k in ("max_concurrent", "kv_cache_bytes", "max_kv_tokens")}
     e.update(max_concurrent=min(e["max_concurrent"], TOY_ROWS), kv_cache_bytes=None,
              max_kv_tokens=min(e["max_kv_tokens"], 4096), cuda_graphs=False,

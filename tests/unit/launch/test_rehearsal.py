@@ -97,6 +97,25 @@ def test_the_toy_says_which_admission_knobs_it_changed_and_their_full_scale_valu
     assert t.cfg.rollout.engine.max_reserved_tokens is None
 
 
+def test_the_32b_layout_keeps_eight_ranks_and_two_gpus_per_engine_and_says_how_it_runs_vllm(tmp_path):
+    """Issue 59 item 5: vLLM engines of tensor parallel 2 on pretend GPUs run as torch engines on this CPU (vLLM's
+    CPU backend cannot span them), with their placement and a note saying so; or, without vLLM, the torch engine."""
+    cfg, t = toy(tmp_path, "qwen2.5-32b-2nodes.yaml")
+    c = t.cfg
+    assert cfg.rollout.engine.kind == "vllm" and cfg.rollout.engine.vllm.tensor_parallel_size == 2
+    assert (c.launcher.trainer_ranks, c.launcher.rollout_workers) == (8, 4) and c.launcher.backend == "ray"
+    assert c.placement.rollout.gpus_per_process == 2 and c.rollout.engine.kind == "torch"
+    assert any("vLLM" in n and "torch engine" in n for n in t.notes), t.notes
+
+
+def test_the_14b_lora_layout_keeps_its_adapter_and_four_plus_four_gpus(tmp_path):
+    cfg, t = toy(tmp_path, "qwen2.5-14b-lora-node.yaml")
+    c = t.cfg
+    assert c.trainer.lora is not None and c.trainer.lora.rank == 64 and c.trainer.strategy == "fsdp"
+    assert (c.launcher.trainer_ranks, c.launcher.rollout_workers) == (4, 4)
+    assert c.placement.trainer.gpus == [0, 1, 2, 3] and c.placement.rollout.gpus == [4, 5, 6, 7]
+
+
 def test_no_kill_is_an_option_of_the_rehearsal_only():
     proc = subprocess.run([sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--no-kill"],
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
