@@ -4,7 +4,10 @@ What: `TorchEngine` implements `areal_mq.engines.base.Engine` with plain PyTorch
 `rollout.device` else `model.device`, areal_mq/devices.py). One `step()`:
 
     admit waiting requests (FIFO, while max_concurrent and the free KV blocks allow, and max_reserved_tokens
-             where set: engines/admission.py, the rule plan and the rehearsal report too)
+             where set: engines/admission.py)
+The decisions of admit, prefill and decode (which rows, which chunks, which row is preempted) are the pure scheduler's
+(engines/scheduler.py, over the pool's bookkeeping in engines/blocks.py); this class does the tensor work around
+them. `areal-mq plan` drives the same scheduler at full scale in virtual time (engines/twin.py).
     prefill: write KV for pending prompt / recompute tokens, at most `prefill_chunk_tokens` per step
              (chunked, so decoding never stalls for long)
     decode:  one token for every sequence whose KV is complete, each at its own position
