@@ -4,7 +4,10 @@ The configs are globbed, so a config added later is rehearsed without anyone rem
 ship is a config we ran). Each rehearsal starts every process its layout asks for (the 7B layout: 8 trainer
 ranks over gloo, 8 engines, 4 reward workers, under a local Ray with pretend GPUs), kills one trainer rank after
 the first checkpoint and checks the resume; a tiny model and 4 steps keep the whole folder to a few minutes on 2
-cores. Run: pytest tests/integration/test_rehearsal.py -m slow
+cores. A config that differs from another only in its data (`data_twin`: the gsm8k and math variants of the 1.5B
+node layout) starts no process of its own (issue 58: its processes are its twin's, started here already): its
+toy config, its data and held-out sets as the rehearsal loads them, and its full-scale plan are checked instead.
+Run: pytest tests/integration/test_rehearsal.py -m slow
 """
 from __future__ import annotations
 
@@ -22,6 +25,27 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 # restart path of, say, the 1.5B node layout is the same code whatever data the gsm8k and math layouts read. These
 # are the kinds' chosen configs; a config of a kind none of them has is its kind's first, so a new kind is killed too.
 KILL_FOR_KIND = ("quickstart.yaml", "quickstart-lora.yaml", "qwen2.5-1.5b-node.yaml", "qwen2.5-7b-2nodes.yaml")
+
+
+def data_twin(path: Path) -> str | None:
+    """The shipped config whose layout `path` repeats with other data (everything equal but run.name, run.run_dir
+    and data): the first such, a kind's chosen config (KILL_FOR_KIND) before the others, then by name; None when
+    none or when `path` is itself the first."""
+    from areal_mq.config import load_config
+
+    def layout(p: Path) -> dict:
+        d = load_config(p).model_dump(mode="json")
+        d.pop("data")
+        d["run"].pop("name"), d["run"].pop("run_dir")
+        return d
+
+    mine = layout(path)
+    for other in sorted(CONFIGS, key=lambda p: (p.name not in KILL_FOR_KIND, p.name)):
+        if other == path:
+            return None
+        if layout(other) == mine:
+            return other.name
+    return None
 
 
 def layout_kind(cfg) -> str:
@@ -66,6 +90,8 @@ def test_every_shipped_config_rehearses_green(config, tmp_path):
     from areal_mq.launch.rehearsal import expected_processes
 
     cfg = load_config(config)
+    if (twin := data_twin(config)) is not None:
+        return check_data_variant(config, twin, tmp_path)
     kill = config.name in killed_configs()
     proc, report = rehearse(config, tmp_path / "run", *(() if kill else ("--no-kill",)))
     tail = (proc.stdout + proc.stderr)[-4000:]
@@ -86,6 +112,33 @@ def test_every_shipped_config_rehearses_green(config, tmp_path):
         assert report["plan"]["admission"]["running"] >= 0.9, report["plan"]["admission"]
     if any(getattr(cfg.placement, r).gpus for r in ("trainer", "rollout")):  # pretend devices, as placed
         assert report["roles"]["rollout"]["cuda_visible_devices"], report["roles"]
+
+
+def check_data_variant(config: Path, twin: str, tmp_path: Path) -> None:
+    """A data variant of `twin` below the process level: the rehearsal's own toy config (its data mapped to the
+    shipped samples), the training and held-out problems loaded as the controller and the evaluation load them, and
+    the full-scale plan (no refusal, the engines' rows running in the scheduler twin)."""
+    from areal_mq.config import load_config
+    from areal_mq.data.dataset import build_dataset, load_eval_problems
+    from areal_mq.launch.plan import make_plan
+    from areal_mq.launch.toy import toy_config
+
+    cfg = load_config(config)
+    toy = toy_config(cfg, 4, tmp_path / "run-rehearsal", tmp_path / "cache")
+    assert toy.data["replaced"], toy.data  # its own data names, each mapped to a sample the rehearsal reads
+    train, held_out = build_dataset(toy.cfg.data), load_eval_problems(toy.cfg.data)
+    assert len(train) > 0 and len(held_out) > 0
+    plan = make_plan(cfg, device_gib=80)
+    assert not plan.refusals and plan.admission["running"] >= 0.9, (plan.refusals, plan.admission)
+    assert data_twin(ROOT / "configs" / twin) is None  # the twin itself is rehearsed whole
+
+
+def test_the_data_variants_are_the_1_5b_node_layouts_and_nothing_else():
+    """Which configs skip starting processes (their twin's rehearsal starts the same ones): exactly the two data
+    variants of the 1.5B node layout. A config that differs in anything but its data is rehearsed whole."""
+    variants = {p.name: data_twin(p) for p in CONFIGS if data_twin(p)}
+    assert variants == {"qwen2.5-1.5b-math.yaml": "qwen2.5-1.5b-node.yaml",
+                        "qwen2.5-1.5b-gsm8k.yaml": "qwen2.5-1.5b-node.yaml"}, variants
 
 
 def test_one_kill_and_resume_per_layout_kind():
