@@ -135,5 +135,9 @@ class BlockPool:
             if self.refs[b] == 0:
                 self.free_map[b] = 1
                 self.free_blocks += 1
-                self.claims.pop(b, None)
+                self._freed(b)
         table.clear()
+
+    def _freed(self, block: int) -> None:
+        """Block `block` went back to the pool: the run it ended claims no room any more."""
+        self.claims.pop(block, None)

@@ -59,14 +59,8 @@ class TwinPool(BlockPool):
         self.peak_used = max(self.peak_used, self.used)
         return blocks
 
-    def release(self, table: list[int]) -> None:
-        for b in table:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.free_map[b] = 1
-                self.free_blocks += 1
-                self.free_list.append(b)
-        table.clear()
+    def _freed(self, block: int) -> None:
+        self.free_list.append(block)
 
 
 @dataclass(eq=False)
