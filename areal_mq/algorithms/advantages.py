@@ -1,6 +1,8 @@
-"""Rewards -> per-sequence advantages (GRPO-style group normalisation).
+"""Rewards -> per-sequence advantages: the advantage estimators, a registry chosen by trainer.adv_estimator.
 
-What: every `Sample` is one prompt's group of n rewarded sequences. Rewards are transformed
+What: an estimator takes the step's groups of rewards (one array per prompt) and returns one advantage per
+sequence, group by group; it sees the whole step so that a batch-level estimator fits the same seam.
+`group` (the default, GRPO): every `Sample` is one prompt's group of n rewarded sequences. Rewards are transformed
 (`clip((r + reward_bias) * reward_scale, ±reward_clip)`), a baseline is subtracted inside the group
 (the group mean, the leave-one-out mean of the others, or none), and optionally the result is divided
 by the group's std (population std + adv_eps). Every generated token of a sequence gets its
@@ -9,6 +11,8 @@ sequence's advantage. A group of one sequence has no baseline to compare against
 Why: pure numpy, so it can be checked by hand and runs identically on every data-parallel rank.
 """
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -41,3 +45,17 @@ def group_advantages(rewards: np.ndarray, cfg: TrainerConfig) -> np.ndarray:
         adv = adv / (r.std() + cfg.adv_eps)
     return adv
 
+
+
+def group_estimator(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:
+    """`group_advantages` of every group of the step, independently."""
+    return [group_advantages(r, cfg) for r in groups]
+
+
+AdvantageEstimator = Callable[[Sequence[np.ndarray], TrainerConfig], list[np.ndarray]]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"group": group_estimator}
+
+
+def step_advantages(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:
+    """The advantages of the step's groups by trainer.adv_estimator."""
+    return ADVANTAGE_ESTIMATORS[cfg.adv_estimator](groups, cfg)

@@ -180,11 +180,28 @@ class TrainerConfig(BaseModel):
         "no loss (and no gradient); kept tokens keep their weight (capped as above). null: off; k > 1 "
         "(e.g. 2). Needs behav_correction (without it the weight is 1 everywhere)."
     )
-    policy_loss: Literal["ppo", "cispo"] = Field(
-        "ppo", description="ppo: the clipped surrogate min(r*A, clip(r)*A), which drops the gradient of clipped "
+    policy_loss: Literal["ppo", "cispo", "gspo"] = Field(
+        "ppo", description="The policy loss (a registry: areal_mq/algorithms/objective.py POLICY_LOSSES). "
+        "ppo: the clipped surrogate min(r*A, clip(r)*A), which drops the gradient of clipped "
         "tokens. cispo: CISPO (MiniMax-M1, arXiv 2506.13585; AReaL 2.0): -sg(clip(r, 1-eps_clip_low, "
-        "1+eps_clip_high)) * A * logp, every token keeps a gradient, its IS ratio is clipped instead. Both are "
-        "weighted by the behaviour weight and masks above; r = exp(logp - prox)."
+        "1+eps_clip_high)) * A * logp, every token keeps a gradient, its IS ratio is clipped instead. gspo: GSPO "
+        "(Zheng et al. 2025, arXiv 2507.18071): the ratio is the sequence's s = exp(mean of (logp - prox) over its "
+        "tokens), clipped per sequence with eps_clip_low/high (the paper uses ~3e-4 / 4e-4, not 0.2), every token "
+        "carrying its sequence's s as value and s * grad(logp) as gradient (GSPO-token); the paper's objective is "
+        "gspo with loss_agg seq-mean-token-mean. All are weighted by the behaviour weight and masks above; "
+        "r = exp(logp - prox)."
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"] = Field(
+        "token-mean", description="How per-token losses make the step's loss (verl's loss_agg_mode; registry "
+        "LOSS_AGGREGATIONS in areal_mq/algorithms/objective.py). token-mean: sum over the step's tokens / their "
+        "count (long answers weigh more, DAPO). seq-mean-token-mean: the mean over the step's sequences of each "
+        "sequence's token mean (GRPO as published, GSPO). seq-mean-token-sum: the mean over sequences of each "
+        "sequence's token sum. constant: sum over tokens / (sequences x loss_agg_constant) (Dr. GRPO, arXiv "
+        "2503.20783: no length bias). Counts are of the whole optimizer step (every micro-batch and rank)."
+    )
+    loss_agg_constant: float | None = Field(
+        None, gt=0, description="loss_agg constant only: the normaliser per sequence, e.g. the rollouts' "
+        "max_new_tokens (Dr. GRPO divides by the generation budget); required there, unused otherwise."
     )
     allow_uncorrected_off_policy: bool = Field(
         False, description="Allow max_staleness > 0 with behav_correction off (biased; you must opt in)."
@@ -196,6 +213,12 @@ class TrainerConfig(BaseModel):
     reward_scale: float = Field(1.0, description="Rewards are transformed as clip((r + reward_bias) * reward_scale).")
     reward_bias: float = Field(0.0, description="Added to every reward before scaling.")
     reward_clip: float | None = Field(None, gt=0, description="Clip transformed rewards to [-reward_clip, reward_clip].")
+    adv_estimator: Literal["group"] = Field(
+        "group", description="The advantage estimator (registry ADVANTAGE_ESTIMATORS in "
+        "areal_mq/algorithms/advantages.py). group: each prompt's group of sequences against a baseline within the "
+        "group (adv_baseline), optionally divided by the group's std (adv_std_norm; GRPO; adv_std_norm false is "
+        "Dr. GRPO's unnormalised advantage, leave_one_out without it is RLOO)."
+    )
     adv_baseline: Literal["group_mean", "leave_one_out", "none"] = Field(
         "group_mean", description="Baseline subtracted within a group: its mean, the mean of the others, or none."
     )
@@ -292,6 +315,10 @@ class TrainerConfig(BaseModel):
         if self.lora is not None and self.publish_layout == "sharded":
             raise ValueError("trainer.lora publishes the adapter only, gathered to rank 0 (it is small); "
                              "publish_layout sharded serves a full model's shards: use publish_layout auto or gather")
+        if self.loss_agg == "constant" and self.loss_agg_constant is None:
+            raise ValueError("trainer.loss_agg 'constant' divides each sequence's token sum by trainer.loss_agg_constant, "
+                             "which is not set: give the normaliser (Dr. GRPO uses the generation budget, e.g. the "
+                             "rollouts' max_new_tokens)")
         if self.behav_cap_mode == "mask" and self.behav_weight_cap is None:
             raise ValueError("behav_cap_mode 'mask' needs a behav_weight_cap; set one (e.g. 5.0) or use 'truncate'")
         if self.behav_weight_level != "token" and not self.behav_correction:

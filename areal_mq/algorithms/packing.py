@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from areal_mq.algorithms.advantages import group_advantages
+from areal_mq.algorithms.advantages import step_advantages
 from areal_mq.algorithms.config import TrainerConfig
 
 if TYPE_CHECKING:
@@ -82,8 +82,8 @@ def samples_to_seqs(samples: Sequence["Sample"], cfg: TrainerConfig) -> list[Seq
     """Flatten groups into sequences with their advantages. Sequences with no generated token are
     dropped (nothing to train on); an empty prompt is refused (its first token has no context)."""
     seqs: list[SeqData] = []
-    for sample in samples:
-        advs = group_advantages(np.array([s.reward for s in sample.seqs]), cfg)
+    groups = step_advantages([np.array([s.reward for s in sample.seqs]) for sample in samples], cfg)
+    for sample, advs in zip(samples, groups):
         for i, (seq, adv) in enumerate(zip(sample.seqs, advs)):
             if len(seq.prompt_ids) == 0:
                 raise ValueError(
@@ -157,12 +157,13 @@ def shared_bins(seqs: Sequence[SeqData], ids: Sequence[int], budget: int) -> lis
 @dataclass
 class StepPlan:
     """Micro-batch bins (sequence indices) of this rank, per mini-batch, and the global counts the
-    loss normalises by (generated tokens of each whole mini-batch, over all ranks)."""
+    loss normalises by (generated tokens and sequences of each whole mini-batch, over all ranks)."""
 
     minibatches: list[list[list[int]]]
     gen_tokens: list[int]
     oversized: int = 0
     all_minibatch_seqs: list[list[int]] = field(default_factory=list)
+    n_seqs: list[int] = field(default_factory=list)  # sequences of each whole mini-batch, over all ranks
 
 
 def plan_step(seqs: Sequence[SeqData], cfg: TrainerConfig, world_size: int = 1, rank: int = 0) -> StepPlan:
@@ -181,6 +182,7 @@ def plan_step(seqs: Sequence[SeqData], cfg: TrainerConfig, world_size: int = 1, 
             bins = [mine[i:i + cfg.padded_mb_size] for i in range(0, len(mine), cfg.padded_mb_size)]
         plan.minibatches.append(bins)
         plan.gen_tokens.append(sum(seqs[i].n_train for i in mini))
+        plan.n_seqs.append(len(mini))
         plan.oversized += sum(1 for i in mine if lengths[i] > cfg.max_tokens_per_mb)
     return plan
 

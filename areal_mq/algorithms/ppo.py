@@ -9,12 +9,15 @@ current logprob θ:
     w = exp(sum_seq(p - b)) or exp(mean_seq(p - b))   # trainer.behav_weight_level sequence / geometric:
                                          # every token of a sequence gets its sequence's weight
     w = 0 where w ∉ [1/k, k]             # IcePop masking (trainer.offpolicy_mask_k = k; off by default)
-    loss_token = -w * min(r*A, clip(r, 1-eps_low, 1+eps_high) * A)     # policy_loss "ppo"
-    loss_token = -w * sg(clip(r, 1-eps_low, 1+eps_high)) * A * θ        # policy_loss "cispo" (sg: no gradient)
+    loss_token = -w * policy_loss(θ, p, A) + kl_coef * KL(θ || ref)
+                 # trainer.policy_loss: "ppo" min(r*A, clip(r, 1-eps_low, 1+eps_high) * A), "cispo", "gspo"
+                 # (areal_mq/algorithms/objective.py POLICY_LOSSES; r = exp(θ - p))
 
-The batch loss is sum(loss_token) / total_tokens where `total_tokens` is the number of generated
+The batch loss aggregates loss_token by trainer.loss_agg (objective.py LOSS_AGGREGATIONS); the default,
+token-mean, is sum(loss_token) / total_tokens where `total_tokens` is the number of generated
 tokens of the WHOLE optimizer step (every micro-batch, every data-parallel rank), so accumulating
-micro-batch gradients gives exactly the gradient of the token mean. Tokens masked out (behaviour cap in
+micro-batch gradients gives exactly the gradient of the token mean (the sequence modes divide by the step's
+`total_seqs` the same way). Tokens masked out (behaviour cap in
 mode "mask", or outside [1/k, k]) contribute zero but stay in the denominator. Where each correction comes
 from: the field descriptions in areal_mq/algorithms/config.py.
 The statistics stay 0-dim tensors on the loss's device: the trainer sums them over micro-batches and reads
@@ -28,6 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from areal_mq.algorithms.config import TrainerConfig
+from areal_mq.algorithms.objective import LOSS_AGGREGATIONS, POLICY_LOSSES, StepCounts, sequence_log_weight
+
+__all__ = ["LossStats", "behaviour_weight", "kl_penalty", "ppo_loss", "sequence_log_weight", "surrogate"]
 
 
 @dataclass
@@ -42,20 +48,6 @@ class LossStats:
     capped: torch.Tensor  # tokens whose weight exceeded the cap (truncated or masked)
     masked: torch.Tensor  # tokens that contribute no loss: over the cap in mode "mask", or outside [1/k, k]
     kl_sum: torch.Tensor
-
-
-def sequence_log_weight(log_w: torch.Tensor, seq_index: torch.Tensor, level: str) -> torch.Tensor:
-    """Per token, the log weight of its sequence: the sum (level "sequence") or the mean ("geometric") of the
-    token log weights `log_w` over the tokens with the same `seq_index` (sequence numbers 0..S-1).
-
-    The sums are sized by the token count (S <= N), known on the host: sizing them by `seq_index.max()` would
-    copy that value back from the device, a sync in every micro-batch on CUDA."""
-    slots = seq_index.numel()
-    total = log_w.new_zeros(slots).index_add_(0, seq_index, log_w)
-    if level == "geometric":
-        count = log_w.new_zeros(slots).index_add_(0, seq_index, torch.ones_like(log_w))
-        total = total / count.clamp(min=1)
-    return total[seq_index]
 
 
 def behaviour_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cfg: TrainerConfig,
@@ -88,13 +80,10 @@ def behaviour_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cfg: Tra
     return weight, raw, keep, capped
 
 
-def surrogate(logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, cfg: TrainerConfig):
+def surrogate(logp: torch.Tensor, prox_logp: torch.Tensor, advantages: torch.Tensor, cfg: TrainerConfig,
+              seq_index: torch.Tensor | None = None):
     """(per-token policy loss before the behaviour weight, clipped-mask) of trainer.policy_loss."""
-    clipped_ratio = torch.clamp(ratio, 1.0 - cfg.eps_clip_low, 1.0 + cfg.eps_clip_high)
-    if cfg.policy_loss == "cispo":  # the clipped ratio is a constant weight of the logprob's gradient
-        return -clipped_ratio.detach() * advantages * logp, clipped_ratio.detach() != ratio.detach()
-    surr, surr_clipped = ratio * advantages, clipped_ratio * advantages
-    return -torch.minimum(surr, surr_clipped), (surr_clipped < surr).detach()
+    return POLICY_LOSSES[cfg.policy_loss](logp, prox_logp, advantages, cfg, seq_index)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -114,25 +103,28 @@ def ppo_loss(
     cfg: TrainerConfig,
     ref_logp: torch.Tensor | None = None,
     seq_index: torch.Tensor | None = None,
+    total_seqs: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Loss of one micro-batch's generated tokens, already normalised by the step's `total_tokens`.
+    """Loss of one micro-batch's generated tokens, already normalised by the step's counts (trainer.loss_agg).
 
     All tensors are 1-d over the same tokens ([N]); only `logp` carries gradient. With
     behav_correction off, the proximal policy IS the behaviour policy (pass behav_logp as prox_logp).
-    `seq_index` ([N] long): the sequence (0..S-1) of each token, for trainer.behav_weight_level != token.
+    `seq_index` ([N] long): the sequence (0..S-1) of each token, for trainer.behav_weight_level != token,
+    policy_loss gspo and loss_agg seq-mean-token-mean. `total_tokens` / `total_seqs`: generated tokens /
+    sequences of the whole optimizer step (total_seqs is needed by the loss_agg modes other than token-mean).
     """
     if total_tokens <= 0:
         raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
     prox_logp = prox_logp.detach()
     weight, raw, keep, capped = behaviour_weight(prox_logp, behav_logp.detach(), cfg, seq_index)
-    policy, clipped = surrogate(logp, torch.exp(logp - prox_logp), advantages, cfg)
+    policy, clipped = surrogate(logp, prox_logp, advantages, cfg, seq_index)
     per_token = weight * policy
     kl_sum = logp.new_zeros((), dtype=torch.float32)
     if cfg.kl_coef > 0 and ref_logp is not None:
         kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
         kl_sum = kl.detach().sum().float()
-    loss = per_token.sum() / total_tokens
+    loss = LOSS_AGGREGATIONS[cfg.loss_agg](per_token, seq_index, StepCounts(total_tokens, total_seqs), cfg)
     with torch.no_grad():
         stats = LossStats(
             n_tokens=logp.numel(),

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from areal_mq.algorithms.config import TrainerConfig
+from areal_mq.algorithms.objective import StepCounts
 from areal_mq.algorithms.packing import MicroBatch, SeqData, build_microbatch, plan_step, samples_to_seqs
 from areal_mq.algorithms.ppo import ppo_loss
 
@@ -226,9 +227,10 @@ class Trainer:
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
-    def prepare(self, samples: Sequence["Sample"]) -> tuple[list[SeqData], list[list[MicroBatch]], list[int], int]:
-        """Sequences, this rank's micro-batches per mini-batch, global generated tokens per mini-batch,
-        and the number of oversized sequences."""
+    def prepare(self, samples: Sequence["Sample"]) -> tuple[list[SeqData], list[list[MicroBatch]], list[StepCounts],
+                                                          int]:
+        """Sequences, this rank's micro-batches per mini-batch, the global counts of each mini-batch (generated
+        tokens and sequences over every rank: the loss's denominators), and the number of oversized sequences."""
         seqs = samples_to_seqs(samples, self.cfg)
         if not seqs:
             raise ValueError("the batch has no generated tokens to train on (every sequence is empty)")
@@ -242,7 +244,8 @@ class Trainer:
             counts = [[len(b) for b in plan_step(seqs, self.cfg, self.world_size, r).minibatches]
                       for r in range(self.world_size)]
             self._lockstep = [max(c[i] for c in counts) for i in range(len(minis))]
-        return seqs, minis, plan.gen_tokens, plan.oversized
+        step_counts = [StepCounts(tokens, n) for tokens, n in zip(plan.gen_tokens, plan.n_seqs)]
+        return seqs, minis, step_counts, plan.oversized
 
     def prox_from_forward(self, minis: list[list[MicroBatch]]) -> bool:
         """True when the proximal logprobs need no separate pass: with a single mini-batch nothing updates
@@ -300,13 +303,15 @@ class Trainer:
         logp, _ = model(one, one * 0, None, zero, zero, zero, 1.0, False)
         return logp.sum() * 0.0
 
-    def backward_minibatch(self, mini: list[MicroBatch], gen_tokens: int,
+    def backward_minibatch(self, mini: list[MicroBatch], step: StepCounts | int,
                            n_runs: int | None = None) -> tuple["torch.Tensor", np.ndarray, "torch.Tensor"]:
-        """Accumulate the gradient of one mini-batch (zeroed first). Returns this rank's metric sums: the
-        value-dependent ones [_N_DEVICE_SUMS] float64 on the device, the counts (n_gen, fwd_tokens) on the
+        """Accumulate the gradient of one mini-batch (zeroed first); `step`: the whole mini-batch's counts over
+        every rank (an int: its generated tokens alone, enough for loss_agg token-mean). Returns this rank's
+        metric sums: the value-dependent ones [_N_DEVICE_SUMS] float64 on the device, the counts (n_gen, fwd_tokens) on the
         host, and its largest behaviour weight (0-dim, device). Nothing here waits for the device."""
         import torch
 
+        step = step if isinstance(step, StepCounts) else StepCounts(step)
         sums = torch.zeros(_N_DEVICE_SUMS, dtype=torch.float64, device=self.device)
         weight_max = torch.zeros(2, dtype=torch.float64, device=self.device)  # behaviour weight, mismatch |d|
         counts = np.zeros(len(_SUMS) - _N_DEVICE_SUMS)
@@ -323,8 +328,8 @@ class Trainer:
                     prox = mb.behav_logp
                 else:  # None: one mini-batch, so this forward runs on the proximal weights (see recompute)
                     prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
-                loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, gen_tokens, self.cfg, mb.ref_logp,
-                                    mb.seq_index)
+                loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, step.tokens, self.cfg, mb.ref_logp,
+                                    mb.seq_index, step.seqs)
                 self.accelerator.backward(loss * (self.world_size * self._loss_scale))
             at_v = mb.prox_logp if mb.prox_logp is not None else logp  # the trainer's logprobs at version v
             mm_k3, mm_n, mm_out, mm_max = mismatch_stats(at_v, mb.behav_logp, mb.versions, self.version)
@@ -357,7 +362,7 @@ class Trainer:
         self.optimizer_steps += 1
         return norm.detach()
 
-    def run_minibatches(self, minis: list[list[MicroBatch]], gen_tokens: list[int]):
+    def run_minibatches(self, minis: list[list[MicroBatch]], step_counts: list[StepCounts] | list[int]):
         """The device part of a step after `recompute`: backward and optimizer step per mini-batch. Returns
         (device sums, host counts, device max behaviour weight, [device grad norm per mini-batch]) for
         `_reduce`; no host sync, so it runs on `meta` under DeviceGuard (tests/unit/algorithms)."""
@@ -366,8 +371,8 @@ class Trainer:
         sums = torch.zeros(_N_DEVICE_SUMS, dtype=torch.float64, device=self.device)
         weight_max = torch.zeros(2, dtype=torch.float64, device=self.device)
         counts, norms = np.zeros(len(_SUMS) - _N_DEVICE_SUMS), []
-        for mini, n_gen, n_runs in zip(minis, gen_tokens, self._runs(minis)):
-            mb_sums, mb_counts, mb_max = self.backward_minibatch(mini, n_gen, n_runs)
+        for mini, step, n_runs in zip(minis, step_counts, self._runs(minis)):
+            mb_sums, mb_counts, mb_max = self.backward_minibatch(mini, step, n_runs)
             sums, counts, weight_max = sums + mb_sums, counts + mb_counts, torch.maximum(weight_max, mb_max)
             norms.append(self.optimizer_step())
         return sums, counts, weight_max, norms
@@ -384,13 +389,13 @@ class Trainer:
     def train_step(self, samples: Sequence["Sample"]) -> dict[str, float]:
         """One training step on `samples` (the same list on every rank); returns metrics."""
         t0 = time.perf_counter()
-        seqs, minis, gen_tokens, oversized = self.prepare(samples)
+        seqs, minis, step_counts, oversized = self.prepare(samples)
         t1 = time.perf_counter()
         with DeviceSpan(self.device) as recompute_span:
             self.recompute(minis)
         lr = self.scheduler.get_last_lr()[0]
         skipped = self.scaler.skipped if self.scaler is not None else 0
-        sums, weight_max, norms = self._reduce(*self.run_minibatches(minis, gen_tokens))
+        sums, weight_max, norms = self._reduce(*self.run_minibatches(minis, step_counts))
         elapsed = time.perf_counter() - t0
         metrics = self._metrics(seqs, samples, sums, weight_max, norms, len(minis))
         metrics.update(lr=lr, oversized_seqs=oversized, prepare_s=t1 - t0,
