@@ -224,6 +224,13 @@ class EvalConfig(_Section):
         None, ge=1, description="KV pool of the evaluation's own engine, bytes. None: the rollout engine's setting. "
         "A periodic evaluation (every > 0) on GPUs shares the first rollout engine's device unless placement.eval "
         "gives it one: engine + evaluation must fit that device (`areal-mq plan` counts both).")
+    samples: int = Field(
+        1, ge=1, le=1024, description="Answers sampled per held-out problem. 1 (default): one answer, greedy unless "
+        "temperature > 0. N > 1: reports mean accuracy over the N x problems answers, pass@k by the unbiased estimator "
+        "(Chen et al. 2021) and maj@k for every k in eval.k (areal_mq/evaluation/passk.py); needs temperature > 0.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of the evaluation (0: greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of the evaluation.")
+    k: list[int] = Field(default_factory=lambda: [1], description="The k of pass@k and maj@k (each 1..eval.samples).")
 
 
 class ControllerConfig(_Section):

@@ -1,4 +1,4 @@
-"""Held-out evaluation: greedy answers of a policy version on the test split, graded strict and lenient.
+"""Held-out evaluation: answers of a policy version on the test split, graded strict and lenient.
 
 strict  = exactly one \\boxed{N} (the form the prompt asks for) and N equals the reference;
 lenient = the last boxed number, else the last number in the text, equals the reference (tells arithmetic
@@ -7,6 +7,11 @@ The policy is the base model, or a published weights directory (run_dir/weights/
 always a named version, never weights that change during the evaluation.
 
     areal-mq eval --config configs/quickstart.yaml [--weights runs/quickstart/weights/v20] [--n 200]
+
+By default one greedy answer per problem. With eval.samples N > 1 (`--samples N --temperature T --k 1,4,8`) each
+problem gets N sampled answers (request ids PROBLEM#sJ, seeded per request by the engine's seed), `strict` and
+`lenient` are the mean over all answers, and `pass_at_k` holds pass@k, maj@k and the means, overall and per level
+(evaluation/passk.py).
 """
 from __future__ import annotations
 
@@ -56,11 +61,19 @@ def eval_setup(cfg: Any, n: int | None) -> tuple:
 
 
 def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version: int | None = None,
-             progress: bool = True, max_new_tokens: int | None = None) -> dict:
+             progress: bool = True, max_new_tokens: int | None = None, samples: int | None = None,
+             temperature: float | None = None, top_p: float | None = None, ks: list[int] | None = None) -> dict:
+    """samples / temperature / top_p / ks: default eval.samples, eval.temperature, eval.top_p, eval.k."""
     from areal_mq.devices import release_device_memory
     from areal_mq.engines.base import EngineRequest
+    from areal_mq.evaluation.passk import check_ks
     from areal_mq.messages import SamplingSpec
 
+    e = cfg.eval
+    samples = e.samples if samples is None else samples
+    temperature = e.temperature if temperature is None else temperature
+    top_p = e.top_p if top_p is None else top_p
+    ks = check_ks(list(e.k if ks is None else ks), samples, temperature)
     problems, tokenizer, fmt, engine = eval_setup(cfg, n)
     t0 = time.perf_counter()
     try:
@@ -68,16 +81,41 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
             from areal_mq.weights.disk import load_version_dir  # a full or a LoRA version
 
             load_version_dir(engine, version if version is not None else 1, weights)
-        sampling = SamplingSpec(temperature=0.0, max_new_tokens=max_new_tokens or cfg.controller.max_new_tokens)
+        sampling = SamplingSpec(temperature=temperature, top_p=top_p,
+                                max_new_tokens=max_new_tokens or cfg.controller.max_new_tokens)
         for p in problems:
-            engine.submit(EngineRequest(p.id, fmt.ids(p), sampling))
-        outputs = _drain(engine, len(problems), progress)
+            ids = fmt.ids(p)
+            for j in range(samples):
+                engine.submit(EngineRequest(p.id if samples == 1 else f"{p.id}#s{j}", ids, sampling))
+        outputs = _drain(engine, len(problems) * samples, progress)
     finally:
         engine.close()
         del engine  # the launcher evaluates in its own process: its model and KV pool must not outlive this
         release_device_memory()
-    return {**summarize(outputs, problems), "weights": weights or "base",
-            "version": version if version is not None else 0, "seconds": round(time.perf_counter() - t0, 1)}
+    result = summarize(outputs, problems) if samples == 1 else summarize_sampled(outputs, problems, samples, ks)
+    return {**result, "weights": weights or "base", "version": version if version is not None else 0,
+            "samples": samples, "temperature": temperature, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def summarize_sampled(outputs: list, problems: list, samples: int, ks: list[int]) -> dict:
+    """N answers per problem: `summarize` over every answer (strict / lenient are then the means) plus pass@k and
+    maj@k (evaluation/passk.py) under "pass_at_k"."""
+    import dataclasses
+
+    from areal_mq.evaluation.passk import summarize_samples
+    from areal_mq.grading import grade
+
+    by_id = {p.id: p for p in problems}
+    per_sample = [dataclasses.replace(p, id=f"{p.id}#s{j}") for p in problems for j in range(samples)]
+    result = summarize(outputs, per_sample)
+    graded: dict[str, list] = {p.id: [None] * samples for p in problems}
+    for out in outputs:
+        pid, _, j = out.request_id.rpartition("#s")
+        graded[pid][int(j)] = grade(out.text, by_id[pid].answer)
+    graded = {pid: [g for g in gs if g is not None] for pid, gs in graded.items() if any(g is not None for g in gs)}
+    result["pass_at_k"] = summarize_samples(graded, {pid: _groups(by_id[pid]) for pid in graded}, ks)
+    result["problems"] = len(graded)
+    return result
 
 
 def summarize(outputs: list, problems: list) -> dict:
@@ -133,7 +171,7 @@ def base_eval_cached(cfg: Any, progress: bool = True) -> dict:
 
     # the training order (data.seed, shuffle, epochs) does not change what the base model answers
     data = cfg.data.model_dump(exclude={"seed", "shuffle", "epochs"})
-    key = json.dumps([cfg.model.model_dump(), data, cfg.eval.size,
+    key = json.dumps([cfg.model.model_dump(), data, cfg.eval.model_dump(exclude={"every"}),
                       cfg.controller.max_new_tokens, cfg.rollout.engine.kind] + ([cfg.rollout.engine.dtype] if cfg.rollout.engine.dtype != "auto" else []),
                      sort_keys=True, default=str)
     path = models_cache_dir(cfg.model.cache_dir).parent / "eval" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

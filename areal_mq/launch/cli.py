@@ -126,11 +126,31 @@ def eval_cmd(config: Optional[str] = typer.Option(None, "--config", "-c", help="
              version: Optional[int] = typer.Option(None, help="Policy version these weights are (recorded)."),
              append_to: Optional[str] = typer.Option(None, help="Append the result to RUN_DIR/eval.jsonl."),
              no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
-             as_json: bool = typer.Option(False, "--json", help="Print the result as JSON.")) -> None:
-    """Accuracy (strict and lenient) of the base model or a checkpoint on the held-out split."""
+             as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+             samples: Optional[int] = typer.Option(None, help="Answers per problem (default eval.samples, 1); N > 1 "
+                                                   "reports pass@k and maj@k (needs --temperature > 0)."),
+             temperature: Optional[float] = typer.Option(None, help="Sampling temperature (default eval.temperature, "
+                                                         "0: greedy)."),
+             top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling (default eval.top_p)."),
+             k: Optional[str] = typer.Option(None, help="The k of pass@k / maj@k, comma-separated, e.g. 1,4,8 "
+                                             "(default eval.k).")) -> None:
+    """Accuracy (strict and lenient) of the base model or a checkpoint on the held-out split; with --samples N,
+    mean accuracy over N answers a problem, pass@k and maj@k (areal_mq/evaluation/passk.py)."""
+    from areal_mq.errors import ConfigError
     from areal_mq.evaluation.heldout import append_result, evaluate
 
-    cfg = _cfg(config, set_)
+    overrides = list(set_ or [])
+    try:
+        ks = [int(x) for x in k.split(",") if x.strip()] if k is not None else None
+    except ValueError:
+        typer.echo(f"error: --k {k!r}: give whole numbers separated by commas, e.g. 1,4,8", err=True)
+        raise typer.Exit(2)
+    for name, value in (("samples", samples), ("temperature", temperature), ("top_p", top_p)):
+        if value is not None:
+            overrides.append(f"eval.{name}={value}")
+    if ks is not None:
+        overrides.append(f"eval.k={json.dumps(ks)}")
+    cfg = _cfg(config, overrides)
     if weights and not Path(weights).is_dir():
         typer.echo(f"error: --weights {weights} is not a directory", err=True)
         raise typer.Exit(2)
@@ -138,7 +158,11 @@ def eval_cmd(config: Optional[str] = typer.Option(None, "--config", "-c", help="
         typer.echo(f"error: --append-to {append_to} is not a run directory", err=True)
         raise typer.Exit(2)
     t0 = time.time()
-    result = evaluate(cfg, weights=weights, n=n, version=version, progress=not no_progress)
+    try:
+        result = evaluate(cfg, weights=weights, n=n, version=version, progress=not no_progress)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     if append_to:
         append_result(append_to, result)
     if as_json:
@@ -148,6 +172,14 @@ def eval_cmd(config: Optional[str] = typer.Option(None, "--config", "-c", help="
                f"truncated {result['truncated']:.1%}  n={result['n']}  ({time.time() - t0:.0f}s)")
     for level, r in result["by_level"].items():
         typer.echo(f"  {level}: strict {r['strict']:.1%} lenient {r['lenient']:.1%} (n={r['n']})")
+    pk = result.get("pass_at_k")
+    if pk:
+        typer.echo(f"  {result['samples']} answers a problem at temperature {result['temperature']:g} "
+                   f"({pk['n']} problems): mean strict {pk['mean_strict']:.1%} lenient {pk['mean_lenient']:.1%}")
+        for kk in pk["k"]:
+            typer.echo(f"  pass@{kk}: strict {pk['pass@k_strict'][str(kk)]:.1%} lenient "
+                       f"{pk['pass@k_lenient'][str(kk)]:.1%}   maj@{kk}: strict {pk['maj@k_strict'][str(kk)]:.1%} "
+                       f"lenient {pk['maj@k_lenient'][str(kk)]:.1%}")
 
 
 def plot_cmd(run_dir: str = typer.Argument(..., help="Run directory."),
