@@ -207,6 +207,12 @@ class TrainerConfig(BaseModel):
         False, description="Allow max_staleness > 0 with behav_correction off (biased; you must opt in)."
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen initial model (0: off).")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus: each token's loss gets -entropy_coef x the entropy of the policy's "
+        "next-token distribution there, aggregated like the rest (loss_agg; verl's entropy_coeff). 0: off, and "
+        "the entropy (always logged) is computed without gradient; > 0 backpropagates it through the chunked "
+        "LM head (one more [chunk, vocabulary] fp32 tensor in backward)."
+    )
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator: k1 = logp - ref, k3 = e^(ref-logp) - (ref-logp) - 1.")
 
     # ---------------------------------------------------------------- advantages

@@ -13,6 +13,8 @@ most one chunk's [chunk, V] fp32 logits (and their softmax / gradient) is alive 
 Measured (live tensor bytes, forward + backward with entropy, 2,048 tokens at V = 151,936, 256 MiB chunks):
 4.6 GiB full, 1.0 GiB with torch.utils.checkpoint per chunk (it keeps each chunk's logits during its
 recompute and their gradient beside them), 0.5 GiB with this Function.
+The entropies are without gradient unless asked (`entropy_grad`, for trainer.entropy_coef): then backward adds
+dH/dz = -softmax * (log softmax + H) to each chunk's logit gradient, one more [chunk, V] fp32 tensor while it runs.
 The matmul follows autocast like the model's own lm_head would (bf16 under a bf16 autocast), the softmax is fp32.
 How to run its tests and benchmark:
     python -m pytest tests/unit/algorithms/test_logprobs_chunked.py
@@ -69,21 +71,23 @@ def lm_head_of(model: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                      chunk_tokens: int, with_entropy: bool = False, bias: torch.Tensor | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logp [N] fp32, entropy [N] fp32 without grad, or None) of `targets` [N] under the logits
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp [N] fp32, entropy [N] fp32 or None) of `targets` [N] under the logits
     `(hidden [N, H] @ weight[V, H].T + bias).float() / temperature` (no division when temperature <= 0 or == 1),
-    `chunk_tokens` rows at a time. Differentiable wrt hidden, weight and bias."""
+    `chunk_tokens` rows at a time. Differentiable wrt hidden, weight and bias; the entropy only with
+    `entropy_grad` (which implies with_entropy)."""
+    with_entropy = with_entropy or entropy_grad
     device_type = hidden.device.type
     autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else torch.promote_types(hidden.dtype, weight.dtype)
     divisor = float(temperature) if temperature > 0 and temperature != 1.0 else 1.0
     logp, entropy = _ChunkedLogprobs.apply(hidden, weight, bias, targets.long(), divisor, max(1, int(chunk_tokens)),
-                                           with_entropy, dtype)
+                                           with_entropy, dtype, entropy_grad)
     return logp, (entropy if with_entropy else None)
 
 
 def full_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                  with_entropy: bool = False, bias: torch.Tensor | None = None,
+                  with_entropy: bool = False, bias: torch.Tensor | None = None, entropy_grad: bool = False,
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference chunked_logprobs must equal: the same result from the whole fp32 [N, V] logits at once (what
     trainer.token_logprobs computed from the model's logits). For tests and benchmarks."""
@@ -93,8 +97,8 @@ def full_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.long()[:, None]).squeeze(-1)
     entropy = None
-    if with_entropy:
-        with torch.no_grad():
+    if with_entropy or entropy_grad:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
@@ -111,10 +115,11 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, divi
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Saves hidden, weight, bias, targets and the logsumexp [N]; recomputes each chunk's logits in backward."""
+    """Saves hidden, weight, bias, targets and the logsumexp [N] (and the entropy [N] when it is differentiable);
+    recomputes each chunk's logits in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, divisor, chunk, with_entropy, dtype):
+    def forward(ctx, hidden, weight, bias, targets, divisor, chunk, with_entropy, dtype, entropy_grad=False):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
@@ -129,14 +134,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     logp_all = z.sub_(lse[s:s + chunk, None])
                     entropy[s:s + chunk] = -logp_all.exp().mul_(logp_all).sum(-1)
                 del z
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if entropy_grad else None)
         ctx.divisor, ctx.chunk, ctx.dtype = divisor, chunk, dtype
-        ctx.mark_non_differentiable(entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        if entropy is None:
+            grad_entropy = None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dtype, chunk, n = ctx.dtype, ctx.chunk, hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -147,8 +155,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for s in range(0, n, chunk):
                 h = hidden[s:s + chunk].to(dtype)
                 g = grad_logp[s:s + chunk, None].float() / ctx.divisor  # the 1/T of logits / T, on [c] not [c, V]
-                p = _chunk_logits(h, w, b, ctx.divisor).sub_(lse[s:s + chunk, None]).exp_()  # softmax
-                dz = p.mul_(-g).scatter_add_(-1, targets[s:s + chunk, None], g).to(dtype)  # g (onehot - softmax) / T
+                if grad_entropy is None:
+                    p = _chunk_logits(h, w, b, ctx.divisor).sub_(lse[s:s + chunk, None]).exp_()  # softmax
+                    dz = p.mul_(-g).scatter_add_(-1, targets[s:s + chunk, None], g).to(dtype)  # g (onehot - p) / T
+                else:  # + ge dH/dz = -ge p (log p + H) / T: dz = g onehot - p (g + ge (log p + H)) / T
+                    ge = grad_entropy[s:s + chunk, None].float() / ctx.divisor
+                    log_p = _chunk_logits(h, w, b, ctx.divisor).sub_(lse[s:s + chunk, None])
+                    p = log_p.exp()
+                    coef = log_p.add_(entropy[s:s + chunk, None]).mul_(ge).add_(g)
+                    dz = p.mul_(coef).neg_().scatter_add_(-1, targets[s:s + chunk, None], g).to(dtype)
+                    del log_p, coef
                 if need_h:
                     grad_h[s:s + chunk] = dz @ w
                 if need_w:
@@ -161,4 +177,4 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 del p, dz
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None

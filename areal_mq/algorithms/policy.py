@@ -18,7 +18,8 @@ from torch import nn
 
 
 class PolicyLogprobs(nn.Module):
-    """`forward(...) -> (logp [N] fp32, entropy [N] fp32 | None)` over the generated tokens of one micro-batch."""
+    """`forward(...) -> (logp [N] fp32, entropy [N] fp32 | None)` over the generated tokens of one micro-batch
+    (the entropy differentiable with `entropy_grad`)."""
 
     def __init__(self, lm: nn.Module, chunk_mb: float = 256.0, autocast: torch.dtype | None = None):
         super().__init__()
@@ -28,16 +29,16 @@ class PolicyLogprobs(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 keep_cols: torch.Tensor, logit_index: torch.Tensor, targets: torch.Tensor, temperature: float,
-                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.autocast is not None:
             with torch.autocast(input_ids.device.type, dtype=self.autocast):
                 return self._forward(input_ids, position_ids, attention_mask, keep_cols, logit_index, targets,
-                                     temperature, with_entropy)
+                                     temperature, with_entropy, entropy_grad)
         return self._forward(input_ids, position_ids, attention_mask, keep_cols, logit_index, targets, temperature,
-                             with_entropy)
+                             with_entropy, entropy_grad)
 
     def _forward(self, input_ids, position_ids, attention_mask, keep_cols, logit_index, targets, temperature,
-                 with_entropy):
+                 with_entropy, entropy_grad=False):
         from areal_mq.algorithms.logprobs import chunk_tokens_for, chunked_logprobs, lm_head_of
 
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
@@ -45,7 +46,8 @@ class PolicyLogprobs(nn.Module):
         hidden = hidden[:, keep_cols].reshape(-1, hidden.shape[-1])[logit_index]
         weight, bias = lm_head_of(self.lm)
         chunk = chunk_tokens_for(weight.shape[0], self.chunk_mb)
-        return chunked_logprobs(hidden, weight, targets, temperature, chunk, with_entropy=with_entropy, bias=bias)
+        return chunked_logprobs(hidden, weight, targets, temperature, chunk, with_entropy=with_entropy, bias=bias,
+                                entropy_grad=entropy_grad)
 
 
 def as_policy(model: Any, chunk_mb: float = 256.0) -> Any:

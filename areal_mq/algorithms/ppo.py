@@ -9,7 +9,7 @@ current logprob θ:
     w = exp(sum_seq(p - b)) or exp(mean_seq(p - b))   # trainer.behav_weight_level sequence / geometric:
                                          # every token of a sequence gets its sequence's weight
     w = 0 where w ∉ [1/k, k]             # IcePop masking (trainer.offpolicy_mask_k = k; off by default)
-    loss_token = -w * policy_loss(θ, p, A) + kl_coef * KL(θ || ref)
+    loss_token = -w * policy_loss(θ, p, A) + kl_coef * KL(θ || ref) - entropy_coef * H(π_θ at the token)
                  # trainer.policy_loss: "ppo" min(r*A, clip(r, 1-eps_low, 1+eps_high) * A), "cispo", "gspo"
                  # (areal_mq/algorithms/objective.py POLICY_LOSSES; r = exp(θ - p))
 
@@ -104,6 +104,7 @@ def ppo_loss(
     ref_logp: torch.Tensor | None = None,
     seq_index: torch.Tensor | None = None,
     total_seqs: float | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Loss of one micro-batch's generated tokens, already normalised by the step's counts (trainer.loss_agg).
 
@@ -112,6 +113,7 @@ def ppo_loss(
     `seq_index` ([N] long): the sequence (0..S-1) of each token, for trainer.behav_weight_level != token,
     policy_loss gspo and loss_agg seq-mean-token-mean. `total_tokens` / `total_seqs`: generated tokens /
     sequences of the whole optimizer step (total_seqs is needed by the loss_agg modes other than token-mean).
+    `entropy` ([N], with gradient): the policy's entropy at each token, for trainer.entropy_coef > 0.
     """
     if total_tokens <= 0:
         raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
@@ -124,6 +126,11 @@ def ppo_loss(
         kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
         kl_sum = kl.detach().sum().float()
+    if cfg.entropy_coef > 0:
+        if entropy is None or entropy.shape != logp.shape:
+            raise ValueError("trainer.entropy_coef > 0 needs the entropy of every token (entropy, the same length "
+                             "as the logprobs, with gradient)")
+        per_token = per_token - cfg.entropy_coef * entropy
     loss = LOSS_AGGREGATIONS[cfg.loss_agg](per_token, seq_index, StepCounts(total_tokens, total_seqs), cfg)
     with torch.no_grad():
         stats = LossStats(

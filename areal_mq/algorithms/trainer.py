@@ -108,14 +108,16 @@ def apply_tf32_policy(device: "torch.device", allow: bool) -> None:
         torch.backends.cudnn.allow_tf32 = allow
 
 
-def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False, chunk_mb: float = 256.0):
-    """Logprobs [N] of the generated tokens of `mb` (and their entropies [N] if asked, no grad), computed by the
-    LM head in chunks of tokens (areal_mq/algorithms/policy.py). `model`: the trainer's wrapped policy, or a
-    plain Hugging Face causal LM (wrapped here)."""
+def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False, chunk_mb: float = 256.0,
+                   entropy_grad: bool = False):
+    """Logprobs [N] of the generated tokens of `mb` (and their entropies [N] if asked, with gradient only if
+    `entropy_grad`), computed by the LM head in chunks of tokens (areal_mq/algorithms/policy.py). `model`: the
+    trainer's wrapped policy, or a plain Hugging Face causal LM (wrapped here)."""
     from areal_mq.algorithms.policy import as_policy
 
+    extra = {"entropy_grad": True} if entropy_grad else {}  # else the call the policy always had
     return as_policy(model, chunk_mb)(mb.input_ids, mb.position_ids, mb.attention_mask, mb.keep_cols,
-                                      mb.logit_index, mb.targets, temperature, with_entropy)
+                                      mb.logit_index, mb.targets, temperature, with_entropy, **extra)
 
 
 class DeviceSpan:
@@ -323,13 +325,15 @@ class Trainer:
         for k, mb in enumerate(mini):
             last = k == len(mini) - 1
             with self.strategy.accumulate(self.model, last):
-                logp, entropy = token_logprobs(self.model, mb, self.cfg.temperature, with_entropy=True)
+                logp, entropy = token_logprobs(self.model, mb, self.cfg.temperature, with_entropy=True,
+                                               entropy_grad=self.cfg.entropy_coef > 0)
                 if not self.cfg.behav_correction:
                     prox = mb.behav_logp
                 else:  # None: one mini-batch, so this forward runs on the proximal weights (see recompute)
                     prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
                 loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, step.tokens, self.cfg, mb.ref_logp,
-                                    mb.seq_index, step.seqs)
+                                    mb.seq_index, step.seqs, entropy)
+                entropy = entropy.detach()
                 self.accelerator.backward(loss * (self.world_size * self._loss_scale))
             at_v = mb.prox_logp if mb.prox_logp is not None else logp  # the trainer's logprobs at version v
             mm_k3, mm_n, mm_out, mm_max = mismatch_stats(at_v, mb.behav_logp, mb.versions, self.version)

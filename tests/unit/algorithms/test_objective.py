@@ -202,13 +202,56 @@ def test_trainer_gradient_does_not_depend_on_the_micro_batching(tiny_model_dir):
     cfg = TrainerConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean", max_tokens_per_mb=16,
                         packing="dynamic", device="cpu", precision="fp32")
     trainer = Trainer(cfg, tiny_model_dir)
-    grads = []
-    for budget in (16, 4096):
-        trainer.cfg.max_tokens_per_mb = budget
-        _, minis, counts, _ = trainer.prepare(samples)
-        assert counts[0].seqs == 6 and (len(minis[0]) > 1) == (budget == 16)
-        trainer.backward_minibatch(minis[0], counts[0])
-        grads.append({n: p.grad.clone() for n, p in trainer.unwrapped.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and grads[0]
-    for name, value in grads[1].items():
-        torch.testing.assert_close(grads[0][name], value, rtol=1e-4, atol=1e-8, msg=name)
+    grads = {}
+    for entropy_coef in (0.0, 0.5):  # the entropy bonus (differentiable entropy) accumulates the same way
+        trainer.cfg.entropy_coef = entropy_coef
+        for budget in (16, 4096):
+            trainer.cfg.max_tokens_per_mb = budget
+            _, minis, counts, _ = trainer.prepare(samples)
+            assert counts[0].seqs == 6 and (len(minis[0]) > 1) == (budget == 16)
+            trainer.backward_minibatch(minis[0], counts[0])
+            grads[entropy_coef, budget] = {n: p.grad.clone() for n, p in trainer.unwrapped.named_parameters()
+                                           if p.grad is not None}
+    for entropy_coef in (0.0, 0.5):
+        many, one = grads[entropy_coef, 16], grads[entropy_coef, 4096]
+        assert many.keys() == one.keys() and many
+        for name, value in one.items():  # fp32 sums in another order: 1e-4 of the tensor's largest entry
+            torch.testing.assert_close(many[name], value, rtol=1e-4, atol=1e-4 * value.abs().max().item(), msg=name)
+    head = "lm_head.weight" if "lm_head.weight" in one else next(iter(one))
+    assert not torch.allclose(grads[0.0, 4096][head], grads[0.5, 4096][head])
+
+
+# ---------------------------------------------------------------- entropy bonus
+def test_entropy_bonus_by_hand():
+    """loss -= entropy_coef x the aggregated entropy (verl's entropy_coeff): entropies [0.5, 1.5, 1.0], coef 0.1,
+    token-mean over 3 tokens -> the loss drops by 0.1 x 1.0 and each entropy's gradient is -0.1 / 3."""
+    logp, prox, _, _, adv, seq_index = _batch(0, n_seqs=1)
+    logp, prox, adv, seq_index = logp[:3].detach(), prox[:3], adv[:3], seq_index[:3]
+    entropy = torch.tensor([0.5, 1.5, 1.0], requires_grad=True)
+    base, _ = ppo_loss(logp, prox, prox, adv, 3, TrainerConfig(behav_correction=False), seq_index=seq_index)
+    cfg = TrainerConfig(behav_correction=False, entropy_coef=0.1)
+    loss, _ = ppo_loss(logp, prox, prox, adv, 3, cfg, seq_index=seq_index, entropy=entropy)
+    loss.backward()
+    assert (loss - base).item() == pytest.approx(-0.1, abs=1e-6)
+    assert entropy.grad.tolist() == pytest.approx([-0.1 / 3] * 3)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        ppo_loss(logp, prox, prox, adv, 3, cfg, seq_index=seq_index)
+
+
+def test_chunked_entropy_gradient_equals_the_full_logits_one():
+    """The chunked LM head's entropy gradient (dH/dz = -p (log p + H)) equals autograd through full logits,
+    at a temperature and with chunks smaller than the batch; logp and entropy both in the loss."""
+    from areal_mq.algorithms.logprobs import chunked_logprobs, full_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden0, weight0 = torch.randn(7, 8, generator=g), torch.randn(50, 8, generator=g)
+    bias0, targets = torch.randn(50, generator=g), torch.randint(0, 50, (7,), generator=g)
+    mix = torch.randn(7, generator=g)
+    out = []
+    for fn, kw in [(full_logprobs, {}), (chunked_logprobs, {"chunk_tokens": 3})]:
+        h, w, b = (t.clone().requires_grad_() for t in (hidden0, weight0, bias0))
+        logp, entropy = fn(h, w, targets, 0.7, bias=b, entropy_grad=True, **kw)
+        ((logp * mix).sum() + 0.3 * entropy.sum()).backward()
+        out.append((entropy.detach(), h.grad, w.grad, b.grad))
+    for want, got in zip(*out):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
