@@ -246,7 +246,19 @@ class ControllerConfig(_Section):
     total_steps: int = Field(20, ge=1, description="Training steps (policy versions) of the run.")
     drop_uniform_groups: bool = Field(
         False, description="Do not train on groups whose rewards are all equal (zero advantage, no gradient); "
-        "generate a replacement instead (DAPO dynamic sampling). Dropped groups are logged and still plotted.")
+        "generate a replacement instead (DAPO dynamic sampling). Dropped groups are logged and still plotted; the "
+        "controller's stats report sampled_per_trained (groups sampled per group trained). What 'uniform' means: "
+        "uniform_by.")
+    uniform_by: Literal["reward", "outcome"] = Field(
+        "reward", description="With drop_uniform_groups: reward = every reward of the group equal (zero advantage; "
+        "right for any reward). outcome = every answer's reward detail `correct` equal: all right or all wrong, "
+        "DAPO's rule for a verifiable reward, which still holds when rewards are shaped (overlong_buffer); a group "
+        "whose details lack a boolean `correct` is judged by reward (areal_mq/rewards/shaping.py).")
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO's soft overlong punishment (eq. 13): over the last N tokens before max_new_tokens "
+        "an answer's reward falls linearly by up to overlong_penalty (0 = off). Reward jobs carry each answer's token "
+        "count and the cap either way (RewardJob.lengths, max_tokens).")
+    overlong_penalty: float = Field(1.0, ge=0.0, description="The largest overlong punishment (at max_new_tokens).")
     batch_order: Literal["completion", "admission"] = Field(
         "completion", description="Order in which finished groups reach the sample store (and so the trainer's "
         "batches). completion: as each finishes (a group whose answers are short finishes first and is trained "
@@ -256,6 +268,13 @@ class ControllerConfig(_Section):
     max_retries: int = Field(3, ge=0, description="Retries of a failed generation/reward job before the group is dropped.")
     reward_task: str = Field("arith", description="Task of the reward jobs: a key of reward.tasks, or a built-in "
                              "name / import path (module:function) that then becomes one.")
+
+    @model_validator(mode="after")
+    def _overlong_inside_the_cap(self) -> "ControllerConfig":
+        if self.overlong_buffer >= self.max_new_tokens:
+            raise ValueError(f"controller.overlong_buffer {self.overlong_buffer} must be below max_new_tokens "
+                             f"({self.max_new_tokens}): the punishment ramps over the last overlong_buffer tokens")
+        return self
 
 
 class LauncherConfig(_Section):

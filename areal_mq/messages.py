@@ -265,13 +265,20 @@ class RewardJob(Message):
     completions: list[str] = Field(min_length=1)
     reference: Any = None
     truncated: list[bool] = Field(default_factory=list)
+    lengths: list[int] = Field(default_factory=list)  # each completion's generated tokens (DAPO's length shaping)
+    max_tokens: int = Field(0, ge=0)  # the generation cap those lengths ran against (controller.max_new_tokens)
     meta: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_flag_per_completion(self) -> "RewardJob":
-        if self.truncated and len(self.truncated) != len(self.completions):
-            raise ValueError(f"truncated has {len(self.truncated)} flags for {len(self.completions)} "
-                             "completions (one per completion, or none)")
+        for name in ("truncated", "lengths"):
+            values = getattr(self, name)
+            if values and len(values) != len(self.completions):
+                what = "flags" if name == "truncated" else "entries"
+                raise ValueError(f"{name} has {len(values)} {what} for {len(self.completions)} "
+                                 "completions (one per completion, or none)")
+        if any(n < 0 for n in self.lengths):
+            raise ValueError("lengths must be token counts (>= 0)")
         return self
 
 

@@ -18,9 +18,12 @@ Invariants:
 - a failed or refused generation/episode/reward job is retried (up to `max_retries`, with a pause), never silently
   lost: a group that still fails is logged as `controller.group_failed` with the reason;
 - a group reaches the store exactly once (sample_id = group id; the store deduplicates resends);
-- with `drop_uniform_groups`, a group whose rewards are all equal (zero advantage: no gradient) is logged
-  as `controller.group_dropped` and not stored; it stops counting as submitted, so admission replaces it
-  (DAPO's dynamic sampling: the trainer's steps are spent on groups that teach something);
+- with `drop_uniform_groups`, a uniform group (rewards all equal, or with `uniform_by: outcome` every answer
+  right or every answer wrong: areal_mq/rewards/shaping.py) is logged as `controller.group_dropped` and not
+  stored; it stops counting as submitted, so admission replaces it (DAPO's dynamic sampling: the trainer's steps
+  are spent on groups that teach something); stats() reports sampled_per_trained;
+- with `overlong_buffer` > 0, DAPO's soft overlong punishment is added to each answer's reward (its own reward
+  stays in the seq's info as reward_raw); reward jobs carry every answer's token count and the cap;
 - every admitted group leaves the admission ledger (controller_admission.py, beside the η rule) exactly once:
   stored, dropped_uniform, failed, or (after it was stored) stale when the sample store drops it — the store's
   stats name the groups it dropped, polled every few seconds — so losses never eat the staleness bound;
@@ -60,6 +63,7 @@ from areal_mq.balance import SplitAdvisor
 from areal_mq.errors import JobFailed
 from areal_mq.messages import (EpisodeResult, Error, GenerateRequest, GenerateResult, RewardJob, RewardResult, Sample,
                                SamplingSpec, SeqSample, WeightsReady, length_bucket)
+from areal_mq.rewards.shaping import overlong_penalty, uniform_group
 from areal_mq.workers.controller_admission import AdmissionLedger, can_admit
 from areal_mq.workers.controller_episodes import EpisodePath
 
@@ -76,12 +80,21 @@ def nonfinite_reason(values: Any, what: str) -> str | None:
     return f"non-finite {what} at positions {bad[:5].tolist()} (e.g. {arr[bad[0]]}) of {arr.size}"
 
 
-def scored_answers(prompt_ids: list[int], answers: list[GenerateResult], scored: RewardResult) -> list[SeqSample]:
-    """A single-turn group's answers, in sample order, with the reward job's rewards (and details) -> seqs."""
+def scored_answers(prompt_ids: list[int], answers: list[GenerateResult], scored: RewardResult,
+                   overlong: tuple[int, int, float] = (0, 0, 0.0)) -> list[SeqSample]:
+    """A single-turn group's answers, in sample order, with the reward job's rewards (and details) -> seqs.
+    overlong (max_tokens, buffer, factor): DAPO's soft overlong punishment added to each reward (rewards/shaping.py;
+    the reward worker's own reward stays in info["reward_raw"])."""
     details = scored.details or [{}] * len(answers)
-    return [SeqSample(prompt_ids=prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs, versions=r.versions,
-                      reward=float(rw), finish_reason=r.finish_reason, info={"detail": d} if d else {})
-            for r, rw, d in zip(answers, scored.rewards, details)]
+    seqs = []
+    for r, rw, d in zip(answers, scored.rewards, details):
+        info: dict = {"detail": d} if d else {}
+        penalty = overlong_penalty(len(r.output_ids), *overlong)
+        if penalty:
+            info.update(reward_raw=float(rw), overlong_penalty=penalty)
+        seqs.append(SeqSample(prompt_ids=prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs, versions=r.versions,
+                              reward=float(rw) + penalty, finish_reason=r.finish_reason, info=info))
+    return seqs
 
 
 def request_seed(run_seed: int, group_id: str, index: int) -> int:
@@ -199,7 +212,9 @@ class Controller(Role):
             elif (why := nonfinite_reason(msg.rewards, "rewards")) is not None:
                 self._fail(group, kind, why)
             else:
-                self._store(group, scored_answers(group.prompt_ids, self._ordered(group), msg), {})
+                c = self.ctl_cfg
+                overlong = (c.max_new_tokens, c.overlong_buffer, c.overlong_penalty)
+                self._store(group, scored_answers(group.prompt_ids, self._ordered(group), msg, overlong), {})
 
     def _collect(self, group: Group, index: int, answer: GenerateResult | EpisodeResult, tokens: int) -> bool:
         """Keep sample `index`'s answer (`tokens` generated); True once every sample of the group is back."""
@@ -246,7 +261,8 @@ class Controller(Role):
         job = self.jobs.submit(RewardJob(
             task=self.ctl_cfg.reward_task, prompt_id=group.problem.id, prompt=group.problem.prompt,
             completions=[r.text for r in ordered], reference=group.problem.answer,
-            truncated=[r.finish_reason == "length" for r in ordered]), service="reward")
+            truncated=[r.finish_reason == "length" for r in ordered], lengths=[len(r.output_ids) for r in ordered],
+            max_tokens=self.ctl_cfg.max_new_tokens), service="reward")
         self.by_job[job] = ("reward", group.group_id, 0)
         self.log.debug("controller.reward_submitted", group=group.group_id, job=job)
 
@@ -258,9 +274,11 @@ class Controller(Role):
         every = np.unique(np.concatenate([np.asarray(s.versions) for s in seqs]))  # sorted
         versions = [int(v) for v in every if v >= 0]  # -1: an episode's environment tokens
         reward_mean = round(sum(rewards) / len(rewards), 4)
-        if self.ctl_cfg.drop_uniform_groups and max(rewards) - min(rewards) <= 1e-9:
-            self._drop(group, seqs, reward_mean, versions)
-            return
+        if self.ctl_cfg.drop_uniform_groups:
+            uniform, why = uniform_group(rewards, [s.info.get("detail") for s in seqs], self.ctl_cfg.uniform_by)
+            if uniform:
+                self._drop(group, seqs, reward_mean, versions, why)
+                return
         sample = Sample(sample_id=group.group_id, prompt_id=group.problem.id, seqs=seqs,
                         meta={"level": group.problem.level, **meta})
         if self.ctl_cfg.batch_order == "admission":  # put by step(), once its predecessors have left
@@ -301,14 +319,16 @@ class Controller(Role):
                       latency_s=round(time.monotonic() - group.submitted_at, 2))
         self.save_state()
 
-    def _drop(self, group: Group, seqs: list[SeqSample], reward_mean: float, versions: list[int]) -> None:
-        """A uniform-reward group: not stored, and no longer counted against the bound (admission replaces it)."""
+    def _drop(self, group: Group, seqs: list[SeqSample], reward_mean: float, versions: list[int],
+              reason: str = "uniform_reward") -> None:
+        """A uniform group (rewards/shaping.py `uniform_group`): not stored, and no longer counted against the bound
+        (admission replaces it)."""
         self.groups.pop(group.group_id, None)
         self.ledger.settle(group.group_id, "dropped_uniform")
         self.dropped += 1
         bucket = length_bucket(max(len(s.output_ids) for s in seqs))
         self.dropped_by_length[bucket] = self.dropped_by_length.get(bucket, 0) + 1
-        self.log.info("controller.group_dropped", group=group.group_id, reason="uniform_reward",
+        self.log.info("controller.group_dropped", group=group.group_id, reason=reason,
                       reward_mean=reward_mean, versions=versions, length_bucket=bucket)
         self.save_state()
 
@@ -377,6 +397,8 @@ class Controller(Role):
         recent = self.rewards[-200:]
         return {"version": self.version, "submitted": self.submitted, "stored": self.stored, "failed": self.failed,
                 "dropped": self.dropped, "dropped_by_length": dict(self.dropped_by_length),
+                # DAPO reports it: groups sampled (trained + dropped by dynamic sampling) per group trained
+                "sampled_per_trained": round((self.stored + self.dropped) / self.stored, 3) if self.stored else None,
                 "ledger": self.ledger.balance(),
                 "in_flight": len(self.groups), "held": len(self.held), "gen_tokens": self.gen_tokens, "gen_tokens_per_s": round(self.gen_tokens / elapsed, 2),
                 "reward_mean": round(sum(recent) / len(recent), 4) if recent else None,
