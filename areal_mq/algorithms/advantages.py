@@ -8,6 +8,13 @@ sequence, group by group; it sees the whole step so that a batch-level estimator
 by the group's std (population std + adv_eps). Every generated token of a sequence gets its
 sequence's advantage. A group of one sequence has no baseline to compare against: advantage 0
 (unless adv_baseline is "none").
+`reinforce_pp` (REINFORCE++, Hu et al. 2025, arXiv 2501.03262, eq. 10 in the versions read): no per-prompt baseline; every sequence's
+transformed reward minus the mean over ALL sequences of the step, divided by their std (population std + adv_eps;
+adv_std_norm false: the mean is subtracted only). adv_baseline is the group estimator's and is not used here.
+The paper also folds a token-level KL into the reward: trainer.kl_in reward (areal_mq/algorithms/ppo.py).
+Data-parallel ranks: every rank receives the whole step's sample list (workers/trainer.py broadcasts it) and
+computes the advantages here, before packing.py splits the sequences between ranks, so the "global batch" is the
+whole step on every rank and the normalisation is the same everywhere, with no collective.
 Why: pure numpy, so it can be checked by hand and runs identically on every data-parallel rank.
 """
 from __future__ import annotations
@@ -52,8 +59,18 @@ def group_estimator(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> list[np
     return [group_advantages(r, cfg) for r in groups]
 
 
+def reinforce_pp_estimator(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:
+    """REINFORCE++: the step's transformed rewards normalised over the whole batch, returned group by group."""
+    rewards = [transform_rewards(r, cfg) for r in groups]
+    flat = np.concatenate(rewards) if rewards else np.zeros(0)
+    if flat.size == 0:
+        return rewards
+    mean, scale = flat.mean(), (flat.std() + cfg.adv_eps if cfg.adv_std_norm else 1.0)
+    return [(r - mean) / scale for r in rewards]
+
+
 AdvantageEstimator = Callable[[Sequence[np.ndarray], TrainerConfig], list[np.ndarray]]
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"group": group_estimator}
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"group": group_estimator, "reinforce_pp": reinforce_pp_estimator}
 
 
 def step_advantages(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:

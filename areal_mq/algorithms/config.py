@@ -219,11 +219,13 @@ class TrainerConfig(BaseModel):
     reward_scale: float = Field(1.0, description="Rewards are transformed as clip((r + reward_bias) * reward_scale).")
     reward_bias: float = Field(0.0, description="Added to every reward before scaling.")
     reward_clip: float | None = Field(None, gt=0, description="Clip transformed rewards to [-reward_clip, reward_clip].")
-    adv_estimator: Literal["group"] = Field(
+    adv_estimator: Literal["group", "reinforce_pp"] = Field(
         "group", description="The advantage estimator (registry ADVANTAGE_ESTIMATORS in "
         "areal_mq/algorithms/advantages.py). group: each prompt's group of sequences against a baseline within the "
         "group (adv_baseline), optionally divided by the group's std (adv_std_norm; GRPO; adv_std_norm false is "
-        "Dr. GRPO's unnormalised advantage, leave_one_out without it is RLOO)."
+        "Dr. GRPO's unnormalised advantage, leave_one_out without it is RLOO). reinforce_pp: REINFORCE++ (arXiv "
+        "2501.03262): no group baseline, the rewards minus the mean over every sequence of the step, divided by "
+        "their std (adv_std_norm; adv_baseline unused); the paper pairs it with kl_in reward."
     )
     adv_baseline: Literal["group_mean", "leave_one_out", "none"] = Field(
         "group_mean", description="Baseline subtracted within a group: its mean, the mean of the others, or none."
