@@ -207,6 +207,12 @@ class TrainerConfig(BaseModel):
         False, description="Allow max_staleness > 0 with behav_correction off (biased; you must opt in)."
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen initial model (0: off).")
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="Where the KL to the frozen initial model goes (kl_coef > 0). loss: kl_coef x the "
+        "kl_estimator term in each token's loss (GRPO). reward: no KL in the loss; the k1 estimate log(behaviour / "
+        "reference) of every generated token is a per-token reward, folded into the advantage as REINFORCE++ does "
+        "(arXiv 2501.03262): A_t = A - kl_coef x (sum of the KL over the sequence's tokens from t on), after the "
+        "advantage estimator (the KL is not normalised with the rewards; kl_estimator is not used).")
     entropy_coef: float = Field(
         0.0, ge=0, description="Entropy bonus: each token's loss gets -entropy_coef x the entropy of the policy's "
         "next-token distribution there, aggregated like the rest (loss_agg; verl's entropy_coeff). 0: off, and "

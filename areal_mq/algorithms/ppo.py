@@ -10,6 +10,7 @@ current logprob θ:
                                          # every token of a sequence gets its sequence's weight
     w = 0 where w ∉ [1/k, k]             # IcePop masking (trainer.offpolicy_mask_k = k; off by default)
     loss_token = -w * policy_loss(θ, p, A) + kl_coef * KL(θ || ref) - entropy_coef * H(π_θ at the token)
+                 # trainer.kl_in reward instead: no KL term, A_t -= kl_coef * sum_{s>=t} (b_s - ref_s) (`kl_in_reward`)
                  # trainer.policy_loss: "ppo" min(r*A, clip(r, 1-eps_low, 1+eps_high) * A), "cispo", "gspo"
                  # (areal_mq/algorithms/objective.py POLICY_LOSSES; r = exp(θ - p))
 
@@ -31,9 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from areal_mq.algorithms.config import TrainerConfig
-from areal_mq.algorithms.objective import LOSS_AGGREGATIONS, POLICY_LOSSES, StepCounts, sequence_log_weight
+from areal_mq.algorithms.objective import (LOSS_AGGREGATIONS, POLICY_LOSSES, StepCounts, _need_seq_index,
+                                           sequence_log_weight)
 
-__all__ = ["LossStats", "behaviour_weight", "kl_penalty", "ppo_loss", "sequence_log_weight", "surrogate"]
+__all__ = ["LossStats", "behaviour_weight", "kl_in_reward", "kl_penalty", "ppo_loss", "sequence_log_weight", "suffix_sums",
+           "surrogate"]
 
 
 @dataclass
@@ -94,6 +97,29 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
+def suffix_sums(x: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """Per token t of sequence i, sum over the tokens s >= t of sequence i of x_s. The tokens of a sequence are
+    contiguous and in order, sequences numbered 0..S-1 in order (seq_index non-decreasing), as packing.py lays
+    them out: the suffix sum over the whole micro-batch minus what the later sequences hold. float64 inside."""
+    x64 = x.double()
+    after_t = x64.flip(0).cumsum(0).flip(0)  # sum over s >= t of the whole micro-batch
+    totals = x64.new_zeros(seq_index.numel()).index_add_(0, seq_index, x64)
+    later = totals.sum() - totals.cumsum(0)  # sum over the sequences after i
+    return (after_t - later[seq_index]).to(x.dtype)
+
+
+def kl_in_reward(advantages: torch.Tensor, behav_logp: torch.Tensor, ref_logp: torch.Tensor,
+                 seq_index: torch.Tensor | None, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """trainer.kl_in reward: the KL to the reference as a per-token reward, folded into the advantage as
+    REINFORCE++ does (arXiv 2501.03262, eq. 8-9): A_t = A_seq - kl_coef * sum_{s >= t} KL_s, with the k1 estimate
+    KL_s = log pi_old(y_s) - log pi_ref(y_s) where pi_old is the policy that sampled the token (the behaviour
+    logprobs) — a constant, no gradient flows through it. Over the trained tokens only (an episode's environment
+    tokens have no logprob). Returns (the advantages, the summed KL as a 0-dim float32)."""
+    kl = behav_logp - ref_logp
+    seq_index = _need_seq_index(seq_index, kl, "trainer.kl_in 'reward'")
+    return advantages - kl_coef * suffix_sums(kl, seq_index), kl.sum().float()
+
+
 def ppo_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,
@@ -119,10 +145,12 @@ def ppo_loss(
         raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
     prox_logp = prox_logp.detach()
     weight, raw, keep, capped = behaviour_weight(prox_logp, behav_logp.detach(), cfg, seq_index)
+    kl_sum = logp.new_zeros((), dtype=torch.float32)
+    if cfg.kl_coef > 0 and ref_logp is not None and cfg.kl_in == "reward":
+        advantages, kl_sum = kl_in_reward(advantages, behav_logp.detach(), ref_logp.detach(), seq_index, cfg.kl_coef)
     policy, clipped = surrogate(logp, prox_logp, advantages, cfg, seq_index)
     per_token = weight * policy
-    kl_sum = logp.new_zeros((), dtype=torch.float32)
-    if cfg.kl_coef > 0 and ref_logp is not None:
+    if cfg.kl_coef > 0 and ref_logp is not None and cfg.kl_in == "loss":
         kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
         kl_sum = kl.detach().sum().float()

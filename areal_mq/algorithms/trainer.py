@@ -13,6 +13,9 @@ One step:
                rank runs the busiest rank's micro-batch count), clip, AdamW step, LR schedule step
             -> version += 1
 
+With trainer.kl_in reward the reference logprobs of the recompute pass become a per-token reward inside the loss
+(ppo.py `kl_in_reward`: each token's advantage minus kl_coef x the k1 KL summed from it to the sequence's end), so
+the advantages computed at packing time never wait for the reference model.
 Every rank receives the SAME full sample list and computes the same plan; it trains only its share.
 The loss of every micro-batch is normalised by the generated-token count of the whole mini-batch
 over all ranks and multiplied by the world size (DDP averages gradients), so a step's gradient is
