@@ -259,6 +259,12 @@ class ControllerConfig(_Section):
         "an answer's reward falls linearly by up to overlong_penalty (0 = off). Reward jobs carry each answer's token "
         "count and the cap either way (RewardJob.lengths, max_tokens).")
     overlong_penalty: float = Field(1.0, ge=0.0, description="The largest overlong punishment (at max_new_tokens).")
+    overlong_filter: bool = Field(
+        False, description="DAPO's overlong filtering: a truncated answer (finish_reason length, max_new_tokens "
+        "reached) of a single-turn group is stored loss_excluded, so the trainer trains none of its tokens (they leave "
+        "the loss's token and sequence counts too) while its reward still counts in its group's advantages. A step "
+        "whose every sequence is excluded is acked without an update (logged trainer.step_skipped). Multi-turn "
+        "episodes are not filtered.")
     batch_order: Literal["completion", "admission"] = Field(
         "completion", description="Order in which finished groups reach the sample store (and so the trainer's "
         "batches). completion: as each finishes (a group whose answers are short finishes first and is trained "

@@ -305,6 +305,8 @@ class SeqSample(BaseModel):
     loss_mask   # [T] uint8 or None: 1 = a model-generated token (trained), 0 = an environment token inside
                 # the episode (feedback, tool output: version -1, logprob 0, never trained). None = every
                 # output token was generated (single-turn; today's behaviour).
+    loss_excluded  # True: no token of this sequence is trained (DAPO's overlong filtering of a truncated
+                # answer, controller.overlong_filter), while its reward still counts in its group's advantages.
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
@@ -316,6 +318,7 @@ class SeqSample(BaseModel):
     finish_reason: str = "stop"
     info: dict[str, Any] = Field(default_factory=dict)
     loss_mask: UInt8Array | None = None
+    loss_excluded: bool = False
 
     @model_validator(mode="after")
     def _same_lengths(self) -> "SeqSample":

@@ -81,10 +81,11 @@ def nonfinite_reason(values: Any, what: str) -> str | None:
 
 
 def scored_answers(prompt_ids: list[int], answers: list[GenerateResult], scored: RewardResult,
-                   overlong: tuple[int, int, float] = (0, 0, 0.0)) -> list[SeqSample]:
+                   overlong: tuple[int, int, float] = (0, 0, 0.0), overlong_filter: bool = False) -> list[SeqSample]:
     """A single-turn group's answers, in sample order, with the reward job's rewards (and details) -> seqs.
     overlong (max_tokens, buffer, factor): DAPO's soft overlong punishment added to each reward (rewards/shaping.py;
-    the reward worker's own reward stays in info["reward_raw"])."""
+    the reward worker's own reward stays in info["reward_raw"]). overlong_filter: DAPO's overlong filtering, a
+    truncated answer (finish_reason "length") is marked loss_excluded (its reward still counts in the group)."""
     details = scored.details or [{}] * len(answers)
     seqs = []
     for r, rw, d in zip(answers, scored.rewards, details):
@@ -93,7 +94,8 @@ def scored_answers(prompt_ids: list[int], answers: list[GenerateResult], scored:
         if penalty:
             info.update(reward_raw=float(rw), overlong_penalty=penalty)
         seqs.append(SeqSample(prompt_ids=prompt_ids, output_ids=r.output_ids, logprobs=r.logprobs, versions=r.versions,
-                              reward=float(rw) + penalty, finish_reason=r.finish_reason, info=info))
+                              reward=float(rw) + penalty, finish_reason=r.finish_reason, info=info,
+                              loss_excluded=overlong_filter and r.finish_reason == "length"))
     return seqs
 
 
@@ -214,7 +216,8 @@ class Controller(Role):
             else:
                 c = self.ctl_cfg
                 overlong = (c.max_new_tokens, c.overlong_buffer, c.overlong_penalty)
-                self._store(group, scored_answers(group.prompt_ids, self._ordered(group), msg, overlong), {})
+                self._store(group, scored_answers(group.prompt_ids, self._ordered(group), msg, overlong,
+                                                  c.overlong_filter), {})
 
     def _collect(self, group: Group, index: int, answer: GenerateResult | EpisodeResult, tokens: int) -> bool:
         """Keep sample `index`'s answer (`tokens` generated); True once every sample of the group is back."""

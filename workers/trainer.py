@@ -178,7 +178,13 @@ class TrainerWorker(Role):
         return keep
 
     def step(self, batch: Any, waited_s: float) -> dict:
+        from areal_mq.algorithms.packing import trains_anything
+
         samples = self._finite(sorted(batch.samples, key=lambda s: s.sample_id))
+        if samples and not trains_anything(samples):  # e.g. every answer truncated under controller.overlong_filter
+            self.log_info("trainer.step_skipped", batch=batch.batch_id, samples=len(samples),
+                          version=self.trainer.version, reason="no sequence has a token to train on (empty or loss_excluded): no loss, no update")
+            samples = []
         if not samples:  # nothing trainable: acked at once (no parameter depends on it), no new version
             if self.is_main:
                 self.store.ack(batch)

@@ -78,9 +78,18 @@ class SeqData:
         return len(self.tokens) - self.prompt_len
 
 
+def trains_anything(samples: Sequence["Sample"]) -> bool:
+    """Whether `samples` hold a token to train on: a sequence with a generated token, a trained loss-mask entry
+    and not loss_excluded (controller.overlong_filter). False: the step has no loss at all."""
+    return any(len(seq.output_ids) and not seq.loss_excluded and (seq.loss_mask is None or seq.loss_mask.any())
+               for sample in samples for seq in sample.seqs)
+
+
 def samples_to_seqs(samples: Sequence["Sample"], cfg: TrainerConfig) -> list[SeqData]:
     """Flatten groups into sequences with their advantages. Sequences with no generated token are
-    dropped (nothing to train on); an empty prompt is refused (its first token has no context)."""
+    dropped (nothing to train on), and so are loss_excluded ones (DAPO overlong filtering) after the advantages
+    are computed over the whole group, theirs included; an empty prompt is refused (its first token has no
+    context)."""
     seqs: list[SeqData] = []
     groups = step_advantages([np.array([s.reward for s in sample.seqs]) for sample in samples], cfg)
     for sample, advs in zip(samples, groups):
@@ -91,7 +100,7 @@ def samples_to_seqs(samples: Sequence["Sample"], cfg: TrainerConfig) -> list[Seq
                     "has no context to score it; the controller must send at least one prompt token"
                 )
             mask = None if seq.loss_mask is None else np.asarray(seq.loss_mask, np.uint8)
-            if len(seq.output_ids) == 0 or (mask is not None and not mask.any()):
+            if len(seq.output_ids) == 0 or seq.loss_excluded or (mask is not None and not mask.any()):
                 continue
             tokens = np.concatenate([seq.prompt_ids, seq.output_ids]).astype(np.int64)
             seqs.append(SeqData(tokens, len(seq.prompt_ids), np.asarray(seq.logprobs, np.float32),

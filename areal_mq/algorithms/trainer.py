@@ -238,7 +238,8 @@ class Trainer:
         tokens and sequences over every rank: the loss's denominators), and the number of oversized sequences."""
         seqs = samples_to_seqs(samples, self.cfg)
         if not seqs:
-            raise ValueError("the batch has no generated tokens to train on (every sequence is empty)")
+            raise ValueError("the batch has no generated tokens to train on (every sequence is empty or "
+                             "loss_excluded); check packing.trains_anything(samples) first, as the trainer worker does")
         plan = plan_step(seqs, self.cfg, self.world_size, self.rank)
         packed, shared = self.cfg.packing != "padded", self.cfg.packing == "shared"
         pad_id = self.unwrapped.config.pad_token_id or 0
@@ -463,6 +464,8 @@ class Trainer:
             # generated tokens trained at staleness 0, 1, 2, ... versions (index = staleness)
             "staleness_hist": np.bincount(np.clip(stale, 0, None)).astype(int).tolist(),
             "n_tokens": int(sum(q.length for q in seqs)), "n_gen_tokens": int(s["n_gen"]),
+            # sequences not trained by controller.overlong_filter (their rewards still shaped the advantages)
+            "loss_excluded_seqs": sum(q.loss_excluded for smp in samples for q in smp.seqs),
             "fwd_tokens": int(s["fwd_tokens"]),  # tokens the model computed (fewer than n_tokens when prompts are shared)
             "reward_mean": float(np.mean(rewards)), "adv_abs_mean": float(np.mean([abs(q.advantage) for q in seqs])),
         }
