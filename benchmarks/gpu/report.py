@@ -45,6 +45,12 @@ def parse(doc: str, extra=None) -> argparse.Namespace:
     return args
 
 
+def cpu_smoke(args: argparse.Namespace) -> bool:
+    """--quick on the CPU: CI's smoke run (`run.sh all --device cpu --quick`), where a stage runs the smallest thing
+    that proves its code path (fewer runs, steps or repeats; issue 58). --quick on a GPU keeps its quick sizes."""
+    return bool(args.quick) and str(args.device) == "cpu"
+
+
 def machine(device: str) -> dict:
     return common.torch_machine(device=common.device_name(device))
 

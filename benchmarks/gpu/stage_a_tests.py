@@ -31,7 +31,7 @@ def gpu_marked_files() -> list[str]:
 
 
 def selections(args) -> list[tuple[str, list[str]]]:
-    if args.quick and args.device == "cpu":
+    if report.cpu_smoke(args):
         return [("gpu", ["-m", "gpu", *gpu_marked_files()]), *SUITES[True][1:]]
     return SUITES[args.quick]
 

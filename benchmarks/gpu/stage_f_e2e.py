@@ -35,7 +35,7 @@ def main() -> None:
     json_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(report.HERE.parent / "speed" / "e2e.py"), "--device", args.device, "--json", str(json_path),
            "--out", str(args.work / "e2e"), "--plot", str(args.out / "stage_f_accuracy.png"),
-           *(FULL if not args.quick else QUICK_CPU if args.device == "cpu" else ["--quick"])]
+           *(QUICK_CPU if report.cpu_smoke(args) else ["--quick"] if args.quick else FULL)]
     common.logger("gpu-f")(" ".join(cmd[1:]))
     rc = subprocess.run(cmd, cwd=report.ROOT, timeout=TIMEOUT_S[args.quick]).returncode
     if rc != 0 or not json_path.is_file():

@@ -7,7 +7,8 @@ P prompt + L generated tokens (full: 4 x 4 x (256 + 768)):
   - fsdp: the trainer with trainer.strategy fsdp (bf16 MixedPrecisionPolicy, fp32 master + AdamW);
   - fsdp_ac: + activation checkpointing (trainer.gradient_checkpointing);
   - fsdp_offload: + trainer.fsdp.offload (parameters, gradients, AdamW state in host memory; step on the CPU);
-tokens/s (median of the timed steps after a warm-up) and peak device memory (torch.cuda.max_memory_allocated).
+tokens/s (median of the timed steps after a warm-up; the CPU smoke: one step, no warm-up) and peak device memory
+(torch.cuda.max_memory_allocated).
 Then a larger Qwen2.5 shape (3B) trained with offload + activation checkpointing; 7B with offload needs
 ~112 GiB of host memory for its fp32 state (the lent machine has 128 GiB), left to a bigger host.
 Ratios: fsdp_vs_plain_tokens_per_s (target 0.5, the trainer's stage c target) and
@@ -26,7 +27,7 @@ from report import common
 from stage_c_trainer import batch, plain_step, rows_of
 
 SIZES = {"groups": (2, 4), "group_size": (2, 4), "prompt": (8, 256), "gen": (24, 768), "budget": (64, 4096),
-         "steps": (1, 2)}  # quick, full
+         "steps": (1, 2), "warmup": (1, 1)}  # quick, full; the CPU smoke times its one step without a warm-up
 SHAPES = (("tiny-qwen2", "tiny-qwen3"), ("qwen2.5-1.5b", "qwen3-4b"))
 # 3B only: a 7B with offload holds ~112 GiB of fp32 state in host memory, on a 128 GiB machine (docs/bigger-models.md)
 LARGEST = (("tiny-qwen2",), ("qwen2.5-3b",))
@@ -60,7 +61,8 @@ def _trainer_run(model_dir, args, s, full, **cfg) -> dict:
     trainer = Trainer(TrainerConfig(lr=1e-7, max_tokens_per_mb=s["budget"], strategy="fsdp", precision="bf16",
                                     fsdp=fsdp, **cfg), model_dir, device=args.device, engine_dtype="bfloat16")
     clock = report.timer(trainer.device)
-    trainer.train_step(full)  # warm-up
+    for _ in range(s["warmup"]):
+        trainer.train_step(full)
     times = []
     for _ in range(s["steps"]):
         t0 = clock()
@@ -82,7 +84,8 @@ def _plain_run(model_dir, args, s, full) -> dict:
     rows = rows_of(full, model.device)
     per_mb = max(1, s["budget"] // rows.shape[1])
     clock = report.timer(args.device)
-    plain_step(model, optimizer, rows, per_mb, "bf16")  # warm-up (AdamW state made here)
+    for _ in range(s["warmup"]):  # AdamW state made here (in the CPU smoke, in the timed step)
+        plain_step(model, optimizer, rows, per_mb, "bf16")
     times = []
     for _ in range(s["steps"]):
         t0 = clock()
@@ -106,7 +109,7 @@ def run(args) -> dict:
     from areal_mq.engines.shapes import build_random_model, parameter_count
 
     q = 0 if args.quick else 1
-    s = {k: v[q] for k, v in SIZES.items()}
+    s = {k: v[q] for k, v in SIZES.items()} | ({"warmup": 0} if report.cpu_smoke(args) else {})
     full = batch(s["groups"], s["group_size"], s["prompt"], s["gen"])
     tokens = sum(len(x.prompt_ids) + len(x.output_ids) for smp in full for x in smp.seqs)
     shapes = {}

@@ -11,7 +11,10 @@ staleness 0; anything but 0 is numerics): its mean and maximum, and the steps' l
 is fp32/fp32 (held-out strict 42-45 % at v50). A pair that learns clearly best (strict at v50 ahead of the others by
 more than the seed noise, ~4 points on 200 problems) should become the GPU default (rollout.engine.dtype,
 trainer.precision); with one seed the table says which pairs to run more seeds of.
---quick: the tiny random Llama, 2 steps (stage e's quick sizes), same code path; on the CPU fp16 runs slowly.
+--quick: the tiny random Llama, 2 steps (stage e's quick sizes), same code path; on the CPU fp16 runs slowly, and
+no periodic evaluation runs (eval.every 0: the base and the last version are still evaluated, by the launcher in
+each pair's precision; stage e smokes the periodic evaluator, three more background evaluations on 2 cores only
+repeat it, issue 58).
 
     python benchmarks/gpu/stage_p_precision.py [--device cuda] [--quick] [--out DIR] [--work DIR]
 """
@@ -27,6 +30,7 @@ from report import common
 PAIRS = {"bf16/bf16": {"rollout.engine.dtype": "bfloat16", "trainer.precision": "bf16", "trainer.publish_dtype": "bfloat16"},
          "fp16/fp16": {"rollout.engine.dtype": "float16", "trainer.precision": "fp16", "trainer.publish_dtype": "float16"},
          "bf16/fp32": {"rollout.engine.dtype": "bfloat16", "trainer.precision": "fp32", "trainer.publish_dtype": "bfloat16"}}
+QUICK_CPU = {"eval.every": 0}  # see the docstring
 log = common.logger("gpu-p")
 
 
@@ -35,7 +39,7 @@ def one(args, name: str, out: dict) -> None:
 
     run_dir = args.work / f"precision-{name.replace('/', '-')}"
     try:
-        _, wall = e.launch(args, run_dir, PAIRS[name])
+        _, wall = e.launch(args, run_dir, {**(QUICK_CPU if report.cpu_smoke(args) else {}), **PAIRS[name]})
     except SystemExit as exc:  # one failed pair is reported, the others still run
         out[name] = {"error": str(exc)[-2000:]}
         return

@@ -43,7 +43,7 @@ def test_unknown_stage_and_argument_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~5 min: every GPU stage's code path once (tests/README.md)
+@pytest.mark.long  # ~2-3 min (121 s alone, issue 58): every GPU stage's code path once (tests/README.md)
 @pytest.mark.timeout(2400)
 def test_all_stages_quick_on_the_cpu(tmp_path):
     out = tmp_path / "out"
