@@ -1,6 +1,7 @@
 """GPU stage p (benchmarks/gpu/stage_p_precision.py: the quickstart-gpu config under the bf16/bf16, fp16/fp16 and
 bf16/fp32 engine/trainer pairs, side by side) runs first time: its --device cpu --quick smoke, through run.sh as a
-lent GPU would run it, writes every pair's held-out results and per-step mismatch_kl. No accuracy is asserted."""
+lent GPU would run it, writes every pair's held-out results (base and v2: the CPU smoke runs no periodic evaluation,
+stage e's covers it) and per-step mismatch_kl. No accuracy is asserted."""
 from __future__ import annotations
 
 import json
