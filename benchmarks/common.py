@@ -75,6 +75,15 @@ def logger(area: str) -> Callable[[str], None]:
     return log
 
 
+def exited(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for `proc` to exit: True as soon as it has (a poll loop's sleep, ended by the event)."""
+    try:
+        proc.wait(timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait_s: float = 30.0,
                  kill_wait_s: float = 5.0) -> None:
     """Send `sig` to a still-running process, wait up to `wait_s` for it to exit, then kill it."""

@@ -189,8 +189,7 @@ def launch(run: dict, args, run_dir: Path) -> tuple[float, float, dict]:
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
     try:
         last = -1
-        while proc.poll() is None:
-            time.sleep(1.0)
+        while not common.exited(proc, 1.0):  # returns as soon as the run ends
             done = count_lines(run_dir / "metrics.jsonl")
             if done != last and done % 5 == 0:
                 log(f"{run['key']}: {done}/{args.versions} versions")

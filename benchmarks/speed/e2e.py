@@ -152,7 +152,7 @@ def launch(mode: tuple, quick: bool, run_dir: Path, total_steps: int, device: st
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
     try:
         with tqdm(total=total_steps, desc=f"{mode[1]} steps", unit="step", file=sys.stderr, leave=False) as bar:
-            while not exited(proc, 0.5):  # returns as soon as the run ends; else samples the load every 0.5 s
+            while not common.exited(proc, 0.5):  # returns as soon as the run ends; else samples the load every 0.5 s
                 loads.append(os.getloadavg()[0])
                 bar.update(min(total_steps, count_lines(run_dir / "metrics.jsonl")) - bar.n)
                 if time.monotonic() - t0 > RUN_TIMEOUT_S[quick]:
@@ -164,14 +164,6 @@ def launch(mode: tuple, quick: bool, run_dir: Path, total_steps: int, device: st
         tail = err_path.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"{mode[1]} run failed (exit {proc.returncode}); launcher output ({err_path}):\n{tail}")
     return {"started_ts": started_ts, "wall_s": wall, "loadavg_during": sum(loads) / max(1, len(loads))}
-
-
-def exited(proc: subprocess.Popen, timeout_s: float) -> bool:
-    try:
-        proc.wait(timeout_s)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
 
 
 def stop(proc: subprocess.Popen) -> None:
