@@ -228,6 +228,18 @@ class Launcher:
             return "failed"
         return None
 
+    def wait_for_exit(self, timeout_s: float, check_s: float = 0.1) -> None:
+        """The supervisor's tick: sleep up to `timeout_s`, ending as soon as a child process that was running exits,
+        so a finished trainer (or a dead child) is acted on within `check_s`, not a whole tick later (issue 58).
+        Children without a local process (Ray's actors) are not watched: their tick lasts `timeout_s`."""
+        procs = [getattr(c, "proc", None) for c in self.children]  # a Ray trainer unit has none
+        running = [p for p in procs if p is not None and p.poll() is None]
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if any(proc.poll() is not None for proc in running):
+                return
+            time.sleep(min(check_s, left))
+
     def event(self, name: str, **fields: Any) -> None:
         """One line in run_dir/events/launcher.jsonl (read by `areal-mq events tail RUN_DIR` like any other)."""
         import json

@@ -66,7 +66,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 def live_progress(launcher: Any, console: Any, quiet: bool = False, poll_s: float = 1.0) -> str:
-    """Supervise the launcher's children while showing progress; returns 'done' or 'failed'."""
+    """Supervise the launcher's children while showing progress; returns 'done' or 'failed'. Each tick refreshes the
+    view every `poll_s` and ends early when a child exits (Launcher.wait_for_exit)."""
     from rich.live import Live
 
     view = RunView(Path(launcher.cfg.run.run_dir))
@@ -82,13 +83,13 @@ def live_progress(launcher: Any, console: Any, quiet: bool = False, poll_s: floa
                 m = view.metrics[-1] if view.metrics else {}
                 console.print(f"step {step}/{total} reward {_fmt(m.get('reward_mean'))} "
                               f"staleness {_fmt(m.get('staleness_mean'))} elapsed {(time.time() - started) / 60:.1f} min")
-            time.sleep(poll_s)
+            launcher.wait_for_exit(poll_s)
         return state
     with Live(render(view, total, started), console=console, refresh_per_second=2) as live:
         while (state := launcher.check_children()) is None:
             view.refresh()
             live.update(render(view, total, started))
-            time.sleep(poll_s)
+            launcher.wait_for_exit(poll_s)
         view.refresh()
         live.update(render(view, total, started))
     return state
