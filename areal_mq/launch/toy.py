@@ -173,8 +173,18 @@ def toy_config(cfg: Any, steps: int, run_dir: Path, cache: Path) -> Toy:
         toy.notes.append(f"rollout.engine admission at toy scale: {changed}; the rule is the full-scale engine's "
                          "(engines/admission.py), whose rows running at full scale the plan above reports")
     c = d["controller"]
+    full_new = c["max_new_tokens"]
     c.update(group_size=min(c["group_size"], 4), batch_groups=2, max_concurrent_groups=4, total_steps=steps,
              max_new_tokens=TOY_NEW_TOKENS)
+    if c.get("overlong_buffer"):  # the same share of the (shorter) toy answers, so the punishment still ramps
+        buffer = min(max(1, round(c["overlong_buffer"] * TOY_NEW_TOKENS / full_new)), TOY_NEW_TOKENS - 1)
+        toy.notes.append(f"controller.overlong_buffer {c['overlong_buffer']} -> {buffer}: the same share of "
+                         f"max_new_tokens ({full_new} -> {TOY_NEW_TOKENS})")
+        c["overlong_buffer"] = buffer
+    if c.get("overlong_filter"):
+        toy.notes.append("controller.overlong_filter off: a random model's answers run to max_new_tokens, so every "
+                         "sequence would be excluded and no step would train")
+        c["overlong_filter"] = False
     if c["drop_uniform_groups"]:
         toy.notes.append("controller.drop_uniform_groups off: a random model earns equal rewards in most groups")
         c["drop_uniform_groups"] = False

@@ -120,3 +120,16 @@ def test_no_kill_is_an_option_of_the_rehearsal_only():
     proc = subprocess.run([sys.executable, "-m", "areal_mq.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--no-kill"],
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2 and "--no-kill is an option of --rehearse" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_dapo_overlong_buffer_keeps_its_share_of_the_toy_answers_and_says_so(tmp_path):
+    """configs/quickstart-dapo.yaml punishes the last 16 of 64 tokens; the toy answers are 16 tokens, so the buffer
+    becomes 4 (a buffer as long as the answers is refused), with a note naming the full-scale value; the overlong
+    filter is turned off, said."""
+    cfg, t = toy(tmp_path, "quickstart-dapo.yaml")
+    assert cfg.controller.overlong_buffer == 16 and cfg.controller.max_new_tokens == 64
+    assert t.cfg.controller.overlong_buffer == 4 and t.cfg.controller.max_new_tokens == 16
+    assert any("overlong_buffer 16 -> 4" in note for note in t.notes)
+    # a random model's answers all hit the cap: filtered, no step would ever train (said, like drop_uniform_groups)
+    assert cfg.controller.overlong_filter and not t.cfg.controller.overlong_filter
+    assert any("overlong_filter off" in note for note in t.notes)
