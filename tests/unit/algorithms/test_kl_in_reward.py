@@ -33,15 +33,39 @@ def test_reward_mode_has_no_kl_term_in_the_loss_by_hand():
     behav, ref, adv, seq_index = torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([2.0]), torch.tensor([0])
     cfg = TrainerConfig(behav_correction=False, kl_coef=0.5, kl_in="reward")
     loss, st = ppo_loss(logp, behav, behav, adv, 1.0, cfg, ref, seq_index)
-    assert float(loss) == pytest.approx(-1.0) and float(st.kl_sum) == pytest.approx(2.0)
+    assert float(loss.detach()) == pytest.approx(-1.0) and float(st.kl_sum) == pytest.approx(2.0)
     loss.backward()
     assert logp.grad.tolist() == pytest.approx([-1.0])  # d(-r * A_t)/dlogp = -A_t: the KL carries no gradient
     d = -3.0 - -1.0  # k3 = e^d - d - 1
     loss, _ = ppo_loss(logp, behav, behav, adv, 1.0, cfg.model_copy(update={"kl_in": "loss"}), ref, seq_index)
-    assert float(loss) == pytest.approx(-2.0 + 0.5 * (torch.tensor(d).exp().item() - d - 1))
+    assert float(loss.detach()) == pytest.approx(-2.0 + 0.5 * (torch.tensor(d).exp().item() - d - 1))
 
 
 def test_reward_mode_needs_the_sequences_of_the_tokens():
     cfg = TrainerConfig(kl_coef=0.1, kl_in="reward")
     with pytest.raises(ValueError, match="kl_in 'reward'.*seq_index"):
         ppo_loss(torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.ones(2), 2.0, cfg, torch.zeros(2))
+
+
+def test_the_trainer_folds_the_reference_kl_of_its_recompute_pass(tiny_model_dir):
+    """Through the real Trainer (REINFORCE++ as the paper pairs it: reinforce_pp with kl_in reward): the reference
+    model's logprobs of the recompute pass reach the fold, the logged KL is the k1 mean log(behaviour / reference)
+    over the trained tokens, and the loss is not the one without the KL."""
+    import numpy as np
+
+    from areal_mq.algorithms.trainer import Trainer
+    from tests.unit.algorithms.batches import behaviour_near_model, make_samples
+
+    clean = behaviour_near_model(make_samples(5, n_groups=2, group_size=3), tiny_model_dir, noise=0.0)  # = reference
+    noisy = behaviour_near_model(make_samples(5, n_groups=2, group_size=3), tiny_model_dir, noise=0.3, seed=1)
+    want_kl = np.mean(np.concatenate([n.logprobs - c.logprobs for a, b in zip(noisy, clean)
+                                      for n, c in zip(a.seqs, b.seqs)]))
+    losses = {}
+    for coef in (0.0, 0.5):
+        cfg = TrainerConfig(lr=1e-3, max_tokens_per_mb=64, adv_estimator="reinforce_pp", kl_coef=coef,
+                            kl_in="reward")
+        m = Trainer(cfg, tiny_model_dir).train_step(noisy)
+        losses[coef] = m["loss"]
+        if coef:
+            assert m["kl"] == pytest.approx(want_kl, rel=1e-4, abs=1e-5)
+    assert np.isfinite(losses[0.5]) and losses[0.5] != pytest.approx(losses[0.0])
