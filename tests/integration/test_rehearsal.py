@@ -77,8 +77,9 @@ def rehearse(config: Path | str, run_dir: Path, *extra: str, timeout: float = 60
     return proc, (json.loads(report_path.read_text()) if report_path.is_file() else {})
 
 
-# over 120 s beside another test (tests/README.md): 8 gloo ranks + 8 engines under Ray; 4 ranks + 4 engines, twice
-LONG = {"qwen2.5-7b-2nodes.yaml", "qwen2.5-1.5b-node.yaml"}
+# over 120 s beside another test (tests/README.md): 8 gloo ranks + 8 engines under Ray; 8 ranks + 4 engines under
+# Ray; 4 ranks + 4 engines, twice
+LONG = {"qwen2.5-7b-2nodes.yaml", "qwen2.5-32b-2nodes.yaml", "qwen2.5-1.5b-node.yaml"}
 
 
 @pytest.mark.slow
