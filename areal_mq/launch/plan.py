@@ -240,7 +240,7 @@ def admission(cfg: Any, s: Shape, device_bytes: float | None) -> dict:
     """Rows each engine runs at once in steady state: the scheduler twin (engines/twin.py) at full scale, with
     what limits them by the engines' rule (engines/admission.py)."""
     from areal_mq.algorithms.trainer import rollout_dtype
-    from areal_mq.engines.admission import steady_rows
+    from areal_mq.engines.admission import steady_rows, watermark_blocks
     from areal_mq.engines.twin import VLLM_MAX_NUM_BATCHED_TOKENS, StepCost, TwinSpec, run_twin
 
     e = cfg.rollout.engine
@@ -251,7 +251,7 @@ def admission(cfg: Any, s: Shape, device_bytes: float | None) -> dict:
     rule = steady_rows(max_concurrent=e.max_concurrent, pool_tokens=pool, block_size=block,
                        prompt_tokens=PROMPT_TOKENS, max_new_tokens=cfg.controller.max_new_tokens, cap=cap)
     out = {**rule, "prompt_tokens": PROMPT_TOKENS, "twin": False}
-    if pool // block < 2 * watermark_floor(pool // block):  # no pool to speak of: the refusals say why
+    if pool // block < 2 * watermark_blocks(max(1, pool // block)):  # no pool to speak of: the refusals say why
         return out
     width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
     spec = TwinSpec(max_concurrent=e.max_concurrent, pool_tokens=pool, block_size=block,
@@ -263,13 +263,6 @@ def admission(cfg: Any, s: Shape, device_bytes: float | None) -> dict:
     twin = run_twin(spec)
     limited_by = "rollout.engine.max_concurrent" if twin["running"] >= 0.99 else rule["limited_by"]
     return {**out, **twin, "limited_by": limited_by, "twin": True, "engine": e.kind}
-
-
-def watermark_floor(num_blocks: int) -> int:
-    """The blocks a pool must hold beyond its watermark to be planned at all (engines/admission.py)."""
-    from areal_mq.engines.admission import watermark_blocks
-
-    return max(1, watermark_blocks(max(1, num_blocks)))
 
 
 def read_shape(model_dir: str | Path) -> Shape:
