@@ -219,6 +219,14 @@ class EvalConfig(_Section):
     """Held-out evaluation of the policy during and after a run (problems from data.eval_name)."""
 
     every: int = Field(0, ge=0, description="Evaluate every N versions in the background (0 = only at the end).")
+    via: Literal["process", "rollout"] = Field(
+        "process", description="Where the periodic evaluations (every > 0) generate. process: a background `areal-mq "
+        "eval` with an engine of its own on the version's pinned weights (its memory beside rollout engine 0, or "
+        "placement.eval; refused under Ray with GPUs). rollout: the controller sends the held-out problems to the rollout "
+        "workers as requests pinned to the version (GenerateRequest.pin_version), graded like the standalone evaluation: "
+        "no engine or GPU of its own, allowed under Ray; while those requests run the workers defer newer weights, so "
+        "training samples meanwhile are at that version (areal_mq/evaluation/periodic.py). The base and final "
+        "evaluations run standalone either way.")
     size: int = Field(200, ge=1, description="Held-out problems per evaluation.")
     kv_cache_bytes: int | None = Field(
         None, ge=1, description="KV pool of the evaluation's own engine, bytes. None: the rollout engine's setting. "
@@ -447,11 +455,12 @@ class RunConfig(_Section):
     def _check_eval_placement(self) -> None:
         from areal_mq.launch.ray_placement import uses_placement
 
-        if self.launcher.backend == "ray" and self.eval.every > 0 and uses_placement(self):
+        if self.launcher.backend == "ray" and self.eval.every > 0 and self.eval.via == "process" and uses_placement(self):
             raise ConfigError(
                 f"eval.every {self.eval.every} under launcher.backend ray with GPU placement: the periodic evaluation "
-                "runs in the driver, whose GPUs Ray gives to the roles; set eval.every: 0 (the base and final "
-                "evaluations still run, while no role holds a GPU)")
+                "runs in the driver, whose GPUs Ray gives to the roles; set eval.via: rollout (it generates through "
+                "the rollout engines) or eval.every: 0 (the base and final evaluations still run, while no role holds "
+                "a GPU)")
 
     def job_leases(self) -> dict[str, float]:
         """Per-service job leases the job broker applies: brokers.job_deadlines, plus a 'generate' lease sized

@@ -192,6 +192,12 @@ class GenerateRequest(Message):
     prompt_ids  # [P] int32, chat template already applied
     min_version: the controller's current policy version; a worker that has not loaded it yet holds the
     request until it has (otherwise a request racing its WeightsReady would be generated stale).
+    pin_version: None (a training request), or the one policy version this request may be generated at: a
+    periodic evaluation through the rollout engines (eval.via rollout) pins its requests to the version it
+    evaluates. A worker below it holds the request until it loads exactly that version; while pinned requests
+    run it applies no newer version (training requests meanwhile are generated at the pinned one); a worker
+    already past it answers Error(version_passed), not retryable. min_version <= pin_version; only the
+    controller submits these, and their answers never reach the sample store.
     session: the multi-turn episode this request is a turn of ("" = none), at most MAX_SESSION_LEN chars.
     Every turn of one episode carries the same key: the job broker sends it to the worker that served the
     session last (that worker may still hold the previous turn's KV), and the torch engine reuses that KV
@@ -207,9 +213,18 @@ class GenerateRequest(Message):
     group_id: str = ""
     sample_index: int = 0
     min_version: int = Field(0, ge=0, description="Start only once the worker's policy is at least this version.")
+    pin_version: int | None = Field(None, ge=0, le=2**31 - 1, description="Generate only at exactly this policy "
+                                    "version (a periodic evaluation); None: any version >= min_version.")
     session: str = Field("", max_length=MAX_SESSION_LEN,
                          description="Multi-turn episode key: sticky routing and KV reuse across turns.")
     meta: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _pin_not_below_min(self) -> "GenerateRequest":
+        if self.pin_version is not None and self.pin_version < self.min_version:
+            raise ValueError(f"pin_version {self.pin_version} is below min_version {self.min_version}: no version "
+                             "can serve the request")
+        return self
 
 
 def same_token_lengths(msg: Any) -> Any:
@@ -650,7 +665,7 @@ class Error(Message):
 
     codes: bad_frames, bad_header, bad_version, unknown_kind, bad_fields, bad_arrays, too_large,
     queue_full, no_service, job_failed, bad_request, bad_reply, forbidden, weights_unavailable, store_full,
-    disk_full, internal.
+    disk_full, internal, version_passed (a pinned GenerateRequest reached a worker already past its version).
     Example: Error(code="bad_version", message="protocol version 9, this broker speaks 1", ref_id="")
     """
 

@@ -171,7 +171,7 @@ def base_eval_cached(cfg: Any, progress: bool = True) -> dict:
 
     # the training order (data.seed, shuffle, epochs) does not change what the base model answers
     data = cfg.data.model_dump(exclude={"seed", "shuffle", "epochs"})
-    key = json.dumps([cfg.model.model_dump(), data, cfg.eval.model_dump(exclude={"every"}),
+    key = json.dumps([cfg.model.model_dump(), data, cfg.eval.model_dump(exclude={"every", "via"}),
                       cfg.controller.max_new_tokens, cfg.rollout.engine.kind] + ([cfg.rollout.engine.dtype] if cfg.rollout.engine.dtype != "auto" else []),
                      sort_keys=True, default=str)
     path = models_cache_dir(cfg.model.cache_dir).parent / "eval" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

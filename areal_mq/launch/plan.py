@@ -27,9 +27,10 @@ nothing loaded) and the run config:
   rollout engine weights in the engine's dtype, the KV block pool (kv_cache_bytes, else max_kv_tokens
                  positions), and the logits of max_concurrent rows; a vLLM engine's weights and KV per GPU of its
                  tensor_parallel_size, held to its gpu_memory_utilization of the device;
-  evaluation    a periodic held-out evaluation (eval.every > 0) is an engine of its own (weights, its KV pool:
-                 eval.kv_cache_bytes, else the rollout engine's), on the GPUs of placement.eval or, by default,
-                 beside the first rollout engine: the two are counted together against that device;
+  evaluation    a periodic held-out evaluation (eval.every > 0, eval.via process) is an engine of its own (weights,
+                 its KV pool: eval.kv_cache_bytes, else the rollout engine's), on the GPUs of placement.eval or, by
+                 default, beside the first rollout engine: the two are counted together against that device; with
+                 eval.via rollout it runs through the rollout engines, no memory of its own (said in `notes`);
 and sets them against the memory each one gets: on CUDA a device each (the GPU's memory, or --device-gib),
 on the CPU the host's memory, which every process shares. `refusals` name the process, the numbers and the
 knob to turn; `areal-mq run` runs the same check first.
@@ -446,8 +447,11 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
     procs = [trainer_rank(cfg, s, ranks)]
     if cfg.rollout.engine.kind in ("torch", "vllm", "vllm-server"):
         procs.append(engine(cfg, s))
-        if cfg.eval.every > 0:
+        if cfg.eval.every > 0 and cfg.eval.via == "process":
             procs.append(evaluation(cfg, s))
+    if cfg.eval.every > 0 and cfg.eval.via == "rollout":
+        notes.append(f"periodic evaluation (eval.every {cfg.eval.every}, eval.via rollout): through the rollout "
+                     "engines, no engine of its own")
     asked = cfg.trainer.device or cfg.model.device
     on_cuda = device_gib is not None or asked.startswith("cuda") or resolve_device(asked).type == "cuda"
     procs[0].load = load_peak(cfg, s, ranks, on_cuda)
