@@ -125,8 +125,30 @@ LEVERS = {
     "lrdecay_eta2": ("async η=2 cosine lr", "async", 2,
                      {"trainer.lr_schedule": "cosine", "trainer.decay_steps": 150, "trainer.min_lr_ratio": 0.1}, False),
 }
+# issue 60 item 4: the recipes the field trains with, each at the quickstart's settings otherwise (async η=2,
+# dynamic sampling of uniform groups on, lr 1e-5), compared with GRPO (async_eta2, the quickstart's default);
+# docs/recipes.md maps each onto the peers' names, configs/quickstart-*.yaml ship the ones with a config
+RECIPES = {
+    "gspo_eta2": ("GSPO (sequence ratio, seq-mean-token-mean)", "async", 2,
+                  {"trainer.policy_loss": "gspo", "trainer.loss_agg": "seq-mean-token-mean",
+                   "trainer.eps_clip_low": 3e-4, "trainer.eps_clip_high": 4e-4}, False),
+    "drgrpo_eta2": ("Dr. GRPO (constant 64, no std)", "async", 2,
+                    {"trainer.loss_agg": "constant", "trainer.loss_agg_constant": 64.0,
+                     "trainer.adv_std_norm": False}, False),
+    "dapo_eta2": ("DAPO (clip-higher, by outcome, overlong)", "async", 2,
+                  {"trainer.eps_clip_high": 0.28, "controller.uniform_by": "outcome",
+                   "controller.overlong_buffer": 16, "controller.overlong_filter": True}, False),
+    "reinforcepp_eta2": ("REINFORCE++ (batch norm, KL 1e-3 in reward)", "async", 2,
+                         {"trainer.adv_estimator": "reinforce_pp", "trainer.kl_coef": 1e-3,
+                          "trainer.kl_in": "reward"}, False),
+    "rloo_eta2": ("RLOO (leave-one-out, no std)", "async", 2,
+                  {"trainer.adv_baseline": "leave_one_out", "trainer.adv_std_norm": False}, False),
+    "cispo_eta2": ("CISPO (ε_high 0.28)", "async", 2, {"trainer.policy_loss": "cispo", "trainer.eps_clip_high": 0.28},
+                   False),
+}
+LEVERS = {**LEVERS, **RECIPES}
 # a lever that changes the task's settings is compared with sync at the same settings, not with the study's sync
-BASES = {"async_small": "sync_small", "async_lr5e-6": "sync_lr5e-6",
+BASES = {**{name: "async_eta2" for name in RECIPES}, "async_small": "sync_small", "async_lr5e-6": "sync_lr5e-6",
          **{f"lora_eta2_lr{lr}": "async_eta2" for lr in ("5e-5", "1e-4", "2e-4", "4e-4")}}
 STUDY = list(MODES)
 MODES = {**MODES, **LEVERS}

@@ -7,6 +7,10 @@ the first checkpoint and checks the resume; a tiny model and 4 steps keep the wh
 cores. A config that differs from another only in its data (`data_twin`: the gsm8k and math variants of the 1.5B
 node layout) starts no process of its own (issue 58: its processes are its twin's, started here already): its
 toy config, its data and held-out sets as the rehearsal loads them, and its full-scale plan are checked instead.
+Likewise a config that differs from a rehearsed one only in the trainer's objective (`objective_twin`: the recipe
+examples quickstart-gspo, -drgrpo, -rloo, -cispo, -reinforcepp beside quickstart.yaml; OBJECTIVE_KEYS) runs its objective
+in a real Trainer on the toy model instead: two optimizer steps whose losses differ from the twin's objective on the
+same batch, and its full-scale plan. What the objective changes is the trainer's step and nothing a process does.
 Run: pytest tests/integration/test_rehearsal.py -m slow
 """
 from __future__ import annotations
@@ -44,6 +48,36 @@ def data_twin(path: Path) -> str | None:
         if other == path:
             return None
         if layout(other) == mine:
+            return other.name
+    return None
+
+
+# The trainer's objective (areal_mq/algorithms/objective.py, advantages.py): what a recipe example changes. A config
+# that differs from a whole-rehearsed one in these alone starts the same processes doing the same things; only the
+# trainer's arithmetic differs, checked in process (check_objective_variant). Controller keys (dynamic sampling,
+# overlong shaping: quickstart-dapo) change what processes do and are rehearsed whole.
+OBJECTIVE_KEYS = ("policy_loss", "loss_agg", "loss_agg_constant", "eps_clip_low", "eps_clip_high", "adv_estimator",
+                  "adv_baseline", "adv_std_norm", "kl_coef", "kl_in", "kl_estimator", "entropy_coef")
+
+
+def objective_twin(path: Path) -> str | None:
+    """The whole-rehearsed config `path` repeats with another objective (everything equal but run.name, run.run_dir
+    and OBJECTIVE_KEYS): a kind's chosen config (KILL_FOR_KIND) first, then by name, never a data or objective
+    variant itself; None when none."""
+    from areal_mq.config import load_config
+
+    def layout(p: Path) -> dict:
+        d = load_config(p).model_dump(mode="json")
+        d["run"].pop("name"), d["run"].pop("run_dir")
+        for key in OBJECTIVE_KEYS:
+            d["trainer"].pop(key)
+        return d
+
+    mine = layout(path)
+    for other in sorted(CONFIGS, key=lambda p: (p.name not in KILL_FOR_KIND, p.name)):
+        if other == path:
+            return None
+        if data_twin(other) is None and layout(other) == mine:
             return other.name
     return None
 
@@ -93,6 +127,8 @@ def test_every_shipped_config_rehearses_green(config, tmp_path):
     cfg = load_config(config)
     if (twin := data_twin(config)) is not None:
         return check_data_variant(config, twin, tmp_path)
+    if (twin := objective_twin(config)) is not None:
+        return check_objective_variant(config, twin, tmp_path)
     kill = config.name in killed_configs()
     proc, report = rehearse(config, tmp_path / "run", *(() if kill else ("--no-kill",)))
     tail = (proc.stdout + proc.stderr)[-4000:]
@@ -132,6 +168,55 @@ def check_data_variant(config: Path, twin: str, tmp_path: Path) -> None:
     plan = make_plan(cfg, device_gib=80)
     assert not plan.refusals and plan.admission["running"] >= 0.9, (plan.refusals, plan.admission)
     assert data_twin(ROOT / "configs" / twin) is None  # the twin itself is rehearsed whole
+
+
+def check_objective_variant(config: Path, twin: str, tmp_path: Path) -> None:
+    """An objective variant of `twin` below the process level: the rehearsal's toy config (the toy model with the
+    real tokenizer), a real Trainer with the config's trainer settings taking two optimizer steps on realistic
+    groups (finite losses, a gradient, the parameters moved), the twin's objective on the same batch giving another
+    loss (the config's objective is what ran), and the full-scale plan."""
+    import math
+
+    import torch
+
+    from areal_mq.algorithms.trainer import Trainer
+    from areal_mq.config import load_config
+    from areal_mq.launch.plan import make_plan
+    from areal_mq.launch.toy import toy_config
+    from tests.unit.algorithms.batches import make_samples
+
+    cfg, other = load_config(config), load_config(ROOT / "configs" / twin)
+    assert objective_twin(ROOT / "configs" / twin) is None  # the twin itself is rehearsed whole
+    toy = toy_config(cfg, 4, tmp_path / "run-rehearsal", tmp_path / "cache")
+    model_dir = Path(toy.cfg.model.name)
+    losses = {}
+    for name, trainer_cfg in ((config.name, toy.cfg.trainer), (twin, toy.cfg.trainer.model_copy(
+            update={k: getattr(other.trainer, k) for k in OBJECTIVE_KEYS}))):
+        torch.manual_seed(0)
+        trainer = Trainer(trainer_cfg.model_copy(update={"device": "cpu"}), model_dir)
+        try:
+            before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters() if p.requires_grad}
+            steps = [trainer.train_step(make_samples(seed, n_groups=2, group_size=cfg.controller.group_size,
+                                                     gen_len=(2, 24), version=trainer.version)) for seed in (0, 1)]
+            assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in steps), steps
+            moved = [n for n, p in trainer.unwrapped.named_parameters() if n in before and not torch.equal(p, before[n])]
+            assert moved, "two optimizer steps moved no parameter"
+            losses[name] = steps[0]["loss"]
+        finally:
+            trainer.close()
+    assert losses[config.name] != losses[twin], losses  # the objective keys reached the step
+    plan = make_plan(cfg, device_gib=80)
+    assert not plan.refusals and plan.admission["running"] >= 0.9, (plan.refusals, plan.admission)
+
+
+def test_the_objective_variants_are_the_recipe_examples_beside_the_quickstart():
+    """Which configs are checked as objective variants: the recipe examples whose only difference from the
+    quickstart is the trainer's objective. quickstart-dapo changes controller settings too (dynamic sampling by
+    outcome, overlong shaping): it is rehearsed as processes, and its clip-higher objective goes through the same
+    seam (areal_mq/algorithms/objective.py) in the trainer process there."""
+    variants = {p.name: objective_twin(p) for p in CONFIGS if objective_twin(p)}
+    assert variants == {f"quickstart-{n}.yaml": "quickstart.yaml"
+                        for n in ("cispo", "drgrpo", "gspo", "reinforcepp", "rloo")}, variants
 
 
 def test_the_data_variants_are_the_1_5b_node_layouts_and_nothing_else():
