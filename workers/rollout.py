@@ -9,6 +9,9 @@ heartbeats going):
                                  cuda_ipc (colocated): nothing to fetch, one device copy from the trainer's shared
                                  buffers at a step boundary (areal_mq/weights/ipc.py)
     on_job(GenerateRequest) ──► engine.submit  (held until the engine reaches `min_version`)
+    pinned (pin_version N: eval.via rollout) ──► started only at exactly N (held below it, Error(version_passed)
+                                 past it); while pinned requests run, and PIN_LINGER_S after, a newer version is
+                                 fetched but not applied, bounded (workers/rollout_pins.py)
     rollout.interruptible false ──► an update waits (fetched) until the sequences in flight finish, and the
                                  requests that arrive meanwhile wait for it: every sequence has one version
     on_tick ──► engine.step() ──► finished sequences ──► GenerateResult to the controller
@@ -30,6 +33,8 @@ A worker that joins late loads the retained weights before it announces READY.
 - a failed weight load is retried WEIGHTS_LOAD_ATTEMPTS times with doubling pauses (generation goes on
   meanwhile); when it still fails, the requests held for that version are answered
   Error(weights_unavailable) (retryable: the controller resubmits) instead of waiting for ever;
+- every token of a pinned answer carries its pinned version: the worker applies no other version while it runs
+  (unless the pin's bound expires: then the answer carries two versions and the controller skips that evaluation);
 - a bus replay of (0, "base") after a broker restart is ignored (versions never go back on it); a real
   older version (a trainer resumed from a checkpoint) is loaded.
 
@@ -49,6 +54,7 @@ from areal_mq.actor.roles import Role, RoleLoop
 from areal_mq.weights.disk import engine_base_checksum
 from areal_mq.weights.catchup import WeightCatchup
 from areal_mq.weights.ipc import IpcReceiver
+from areal_mq.workers.rollout_pins import PinnedRequests, pin_hold_limit_s
 
 # A failed weight load is tried again after 0.5, 1, 2 s (doubling, at most WEIGHTS_RETRY_MAX_S) up to
 # WEIGHTS_LOAD_ATTEMPTS tries in all; then the requests held for that version get Error(weights_unavailable).
@@ -102,6 +108,7 @@ class RolloutWorker(Role):
         self.catchup = WeightCatchup(cfg.run.run_dir, cfg.trainer, cfg.rollout.weights_timeout_s, runtime.keys,
                                      min_mbps=cfg.rollout.weights_min_mbps, base_checksum=engine_base_checksum(engine))
         self.ipc = IpcReceiver(cfg.run.run_dir, cfg.rollout.weights_timeout_s)  # trainer.publish_mode cuda_ipc
+        self.pins = PinnedRequests(pin_hold_limit_s(cfg), clock)  # pinned requests (eval.via rollout) hold updates
 
     # ------------------------------------------------------------ weights
     def load(self, ready: WeightsReady, attempt: int = 1) -> None:
@@ -157,6 +164,8 @@ class RolloutWorker(Role):
             return
         if fetch.error is None and not self.interruptible and self.jobs:
             return  # not interruptible: the fetched update waits until the sequences in flight finish
+        if fetch.error is None and self._pinned_hold():
+            return  # pinned requests run at the engine's version: the update waits for them
         self.fetching = None
         if fetch.error is not None:
             self._fetch_failed(fetch.ready, fetch.attempt, fetch.error)
@@ -193,6 +202,7 @@ class RolloutWorker(Role):
             self._load_failed(ready, attempt, str(exc))
             return
         t2 = time.perf_counter()
+        self.pins.applied()
         self.catchup.commit(update)
         self.unloadable = None
         fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in timings.items()}
@@ -225,11 +235,23 @@ class RolloutWorker(Role):
             self.take(ready, attempt)
 
     def take(self, ready: WeightsReady, attempt: int = 1) -> None:
-        """Load `ready`: on a thread while the engine has sequences to decode, else at once."""
-        if self.engine.has_work() and ready.mode in FETCHED_MODES:
+        """Load `ready`: on a thread while the engine has sequences to decode (or pinned requests hold updates), else
+        at once."""
+        if (self.engine.has_work() or self._pinned_hold()) and ready.mode in FETCHED_MODES:
             self.start_fetch(ready, attempt)
         else:
             self.load(ready, attempt)
+
+    def _pinned_hold(self) -> bool:
+        """An update must wait for the pinned requests (rollout_pins.py); logs once when their bound expired."""
+        if self.pins.holding():
+            return True
+        if self.pins.expired and self.pins.running:
+            self.log.warning("rollout.pin_hold_expired", pinned=len(self.pins.running), version=self.engine.version,
+                             limit_s=round(self.pins.limit_s, 1),
+                             hint="the pinned answers will carry two versions: the controller skips that evaluation")
+            self.pins.expired = False
+        return False
 
     def update_waiting(self) -> bool:
         """Not interruptible, and an update is announced or fetched: new requests wait until it is applied."""
@@ -243,8 +265,8 @@ class RolloutWorker(Role):
 
     def fail_held(self, version: int, error: str) -> None:
         """Answer the requests held for `version` (or older) with a retryable error: it will not come."""
-        stranded = [j for j in self.held if j.msg.min_version <= version]
-        self.held = [j for j in self.held if j.msg.min_version > version]
+        stranded = [j for j in self.held if _waits_for(j.msg) <= version]
+        self.held = [j for j in self.held if _waits_for(j.msg) > version]
         for job in stranded:
             self.rt.fail(job, "weights_unavailable",
                          f"policy version {version} could not be loaded on {self.rt.worker_id} ({error[:300]}); "
@@ -262,19 +284,31 @@ class RolloutWorker(Role):
         if not isinstance(msg, GenerateRequest):
             self.rt.fail(job, "bad_request", f"a rollout worker takes generate_request, got {msg.kind.value}")
             return
-        if msg.min_version > self.engine.version:
+        if msg.pin_version is not None and msg.pin_version < self.engine.version:
+            self._refuse_passed(job)
+            return
+        if _waits_for(msg) > self.engine.version:
             self.held.append(job)
             bad = self.unloadable
-            if bad is not None and self.retry_load is None and msg.min_version <= bad.version:
+            if bad is not None and self.retry_load is None and _waits_for(msg) <= bad.version:
                 self.retry_load = (bad, 1, self.clock())  # a resubmit: try that version afresh
             return
         self._submit(job)
+
+    def _refuse_passed(self, job: Any) -> None:
+        self.rt.fail(job, "version_passed",
+                     f"request pinned to policy version {job.msg.pin_version}, and {self.rt.worker_id} holds version "
+                     f"{self.engine.version}: that version has passed here (not retryable at that version)")
 
     def _submit(self, job: Any) -> None:
         from areal_mq.engines.base import EngineRequest
 
         msg = job.msg
-        if self.update_waiting():
+        pinned = msg.pin_version is not None
+        if pinned and msg.pin_version != self.engine.version:  # released after the worker jumped past the pin
+            self._refuse_passed(job)
+            return
+        if self.update_waiting() and not pinned:  # a pinned request runs now, at its version, and holds the update
             self.deferred.append(job)
             return
         try:
@@ -285,14 +319,16 @@ class RolloutWorker(Role):
             return
         self.jobs[job.id] = job
         self.started[job.id] = self.clock()
+        if pinned:
+            self.pins.started(job.id, msg.pin_version)
         self.log.debug("rollout.request_started", job=job.id, prompt_len=len(msg.prompt_ids),
                        version=self.engine.version)
 
     def release_held(self) -> None:
         if not self.held:
             return
-        ready = [j for j in self.held if j.msg.min_version <= self.engine.version]
-        self.held = [j for j in self.held if j.msg.min_version > self.engine.version]
+        ready = [j for j in self.held if _waits_for(j.msg) <= self.engine.version]
+        self.held = [j for j in self.held if _waits_for(j.msg) > self.engine.version]
         for job in ready:
             self._submit(job)
 
@@ -300,6 +336,7 @@ class RolloutWorker(Role):
         for out in self.engine.step():
             job = self.jobs.pop(out.request_id, None)
             started = self.started.pop(out.request_id, None)
+            self.pins.finished(out.request_id)
             if job is None:
                 continue
             if started is not None:
@@ -337,7 +374,7 @@ class RolloutWorker(Role):
 
     def stats(self) -> dict:
         fields = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
-        fields.update(running=len(self.jobs), held=len(self.held), deferred=len(self.deferred), tokens=self.tokens,
+        fields.update(running=len(self.jobs), pinned=len(self.pins.running), held=len(self.held), deferred=len(self.deferred), tokens=self.tokens,
                       row_tokens_per_s=round(self.row_tokens_per_s, 3),
                       occupancy=round(len(self.jobs) / max(1, self.capacity), 3), **self.updates)
         return fields
@@ -345,9 +382,10 @@ class RolloutWorker(Role):
     # ------------------------------------------------------------ loop hooks
     def on_tick(self) -> bool:
         self.finish_fetch()
-        # not interruptible: a cuda_ipc update (applied, not fetched) is taken once nothing runs
-        if self.announced is not None and self.fetching is None and (
-                self.interruptible or not self.jobs or self.announced.mode in FETCHED_MODES):
+        # not interruptible: a cuda_ipc update (applied, not fetched) is taken once nothing runs; pinned requests
+        # hold it too (a fetched one is fetched now and waits in finish_fetch)
+        if self.announced is not None and self.fetching is None and (self.announced.mode in FETCHED_MODES or (
+                (self.interruptible or not self.jobs) and not self._pinned_hold())):
             ready, self.announced = self.announced, None
             self.take(ready)
         self.retry_load_if_due()
@@ -368,6 +406,11 @@ class RolloutWorker(Role):
         for rid in list(self.jobs):  # left over: abort here, the broker requeues them on DISCONNECT
             self.engine.abort(rid)
         self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held) + len(self.deferred))
+
+
+def _waits_for(msg: GenerateRequest) -> int:
+    """The version a request waits for: its pin (exactly that one), else its minimum."""
+    return msg.pin_version if msg.pin_version is not None else msg.min_version
 
 
 def stage(update: Any, stagers: tuple[Any, Any]) -> Any:
