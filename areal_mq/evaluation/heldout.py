@@ -41,15 +41,12 @@ def eval_setup(cfg: Any, n: int | None) -> tuple:
 
     Greedy outputs do not depend on the batch (per-request streams), so the engine runs wide batches: 128 at
     once scores the same as 32 and is ~1.5x faster on a 2-core CPU (0.30 s against 0.44 s a problem)."""
-    from areal_mq.data import load_eval_problems
     from areal_mq.data.prompts import ChatFormatter
     from areal_mq.devices import role_device
     from areal_mq.engines import build_engine
     from areal_mq.engines.models import load_tokenizer, resolve_model
 
-    problems = load_eval_problems(cfg.data)[: n or cfg.eval.size]
-    if not problems:
-        raise ConfigError(NO_EVAL_SET.format(name=cfg.data.name))
+    problems = eval_problems(cfg, n)
     tokenizer = load_tokenizer(resolve_model(cfg.model.name, cfg.model.cache_dir))
     fmt = ChatFormatter(tokenizer, cfg.data.system_prompt, cfg.data.examples)
     engine_cfg = cfg.rollout.engine.model_copy(update={"max_concurrent": max(cfg.rollout.engine.max_concurrent, EVAL_BATCH),
@@ -60,20 +57,51 @@ def eval_setup(cfg: Any, n: int | None) -> tuple:
                                                   device=role_device(cfg, "rollout"))
 
 
-def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version: int | None = None,
-             progress: bool = True, max_new_tokens: int | None = None, samples: int | None = None,
-             temperature: float | None = None, top_p: float | None = None, ks: list[int] | None = None) -> dict:
-    """samples / temperature / top_p / ks: default eval.samples, eval.temperature, eval.top_p, eval.k."""
-    from areal_mq.devices import release_device_memory
-    from areal_mq.engines.base import EngineRequest
+def eval_problems(cfg: Any, n: int | None = None) -> list:
+    """The held-out problems of an evaluation: the first `n` (default eval.size) of the held-out set."""
+    from areal_mq.data import load_eval_problems
+
+    problems = load_eval_problems(cfg.data)[: n or cfg.eval.size]
+    if not problems:
+        raise ConfigError(NO_EVAL_SET.format(name=cfg.data.name))
+    return problems
+
+
+def eval_params(cfg: Any, max_new_tokens: int | None = None, samples: int | None = None,
+                temperature: float | None = None, top_p: float | None = None, ks: list[int] | None = None) -> tuple:
+    """(samples, sampling, ks) of an evaluation: eval.samples, eval.temperature / top_p with controller.max_new_tokens,
+    eval.k, unless given. The one definition for the standalone evaluation and the one through the rollout engines
+    (eval.via rollout, workers/controller_eval.py)."""
     from areal_mq.evaluation.passk import check_ks
     from areal_mq.messages import SamplingSpec
 
     e = cfg.eval
     samples = e.samples if samples is None else samples
     temperature = e.temperature if temperature is None else temperature
-    top_p = e.top_p if top_p is None else top_p
     ks = check_ks(list(e.k if ks is None else ks), samples, temperature)
+    sampling = SamplingSpec(temperature=temperature, top_p=e.top_p if top_p is None else top_p,
+                            max_new_tokens=max_new_tokens or cfg.controller.max_new_tokens)
+    return samples, sampling, ks
+
+
+def request_ids(problem: Any, samples: int) -> list[str]:
+    """The request id of each answer to `problem`: its id (one answer), else PROBLEM#sJ (what `score` reads)."""
+    return [problem.id] if samples == 1 else [f"{problem.id}#s{j}" for j in range(samples)]
+
+
+def score(outputs: list, problems: list, samples: int, ks: list[int]) -> dict:
+    """The graded result of `outputs` (request_id, text, finish_reason) on `problems`: `summarize` for one answer a
+    problem, `summarize_sampled` for several."""
+    return summarize(outputs, problems) if samples == 1 else summarize_sampled(outputs, problems, samples, ks)
+
+
+def generate_answers(cfg: Any, weights: str | None, version: int | None, n: int | None, samples: int, sampling: Any,
+                     progress: bool = True) -> tuple[list, list, float]:
+    """(engine outputs, problems, seconds): a standalone engine's answers of `weights` (None: the base model) on the
+    held-out problems, `samples` each; seconds from the built engine on (the weights' load and the answers)."""
+    from areal_mq.devices import release_device_memory
+    from areal_mq.engines.base import EngineRequest
+
     problems, tokenizer, fmt, engine = eval_setup(cfg, n)
     t0 = time.perf_counter()
     try:
@@ -81,20 +109,27 @@ def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version
             from areal_mq.weights.disk import load_version_dir  # a full or a LoRA version
 
             load_version_dir(engine, version if version is not None else 1, weights)
-        sampling = SamplingSpec(temperature=temperature, top_p=top_p,
-                                max_new_tokens=max_new_tokens or cfg.controller.max_new_tokens)
         for p in problems:
             ids = fmt.ids(p)
-            for j in range(samples):
-                engine.submit(EngineRequest(p.id if samples == 1 else f"{p.id}#s{j}", ids, sampling))
+            for rid in request_ids(p, samples):
+                engine.submit(EngineRequest(rid, ids, sampling))
         outputs = _drain(engine, len(problems) * samples, progress)
+        return outputs, problems, time.perf_counter() - t0
     finally:
         engine.close()
         del engine  # the launcher evaluates in its own process: its model and KV pool must not outlive this
         release_device_memory()
-    result = summarize(outputs, problems) if samples == 1 else summarize_sampled(outputs, problems, samples, ks)
-    return {**result, "weights": weights or "base", "version": version if version is not None else 0,
-            "samples": samples, "temperature": temperature, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def evaluate(cfg: Any, weights: str | None = None, n: int | None = None, version: int | None = None,
+             progress: bool = True, max_new_tokens: int | None = None, samples: int | None = None,
+             temperature: float | None = None, top_p: float | None = None, ks: list[int] | None = None) -> dict:
+    """samples / temperature / top_p / ks: default eval.samples, eval.temperature, eval.top_p, eval.k."""
+    samples, sampling, ks = eval_params(cfg, max_new_tokens, samples, temperature, top_p, ks)
+    outputs, problems, seconds = generate_answers(cfg, weights, version, n, samples, sampling, progress)
+    return {**score(outputs, problems, samples, ks), "weights": weights or "base",
+            "version": version if version is not None else 0, "samples": samples,
+            "temperature": sampling.temperature, "seconds": round(seconds, 1)}
 
 
 def summarize_sampled(outputs: list, problems: list, samples: int, ks: list[int]) -> dict:
