@@ -39,7 +39,10 @@ Invariants:
 - `batch_order: admission` puts finished groups in the order they were admitted: a finished group is held
   (still in flight for the ledger, regenerated on resume) until every group admitted before it was stored,
   dropped or failed, so the trainer's batches are the earliest admitted groups, not the fastest generated;
-- the strict per-sample staleness filter lives in the sample store (it knows the trainer's version).
+- the strict per-sample staleness filter lives in the sample store (it knows the trainer's version);
+- eval.via rollout (controller_eval.py): a published version due for evaluation sends the held-out problems as
+  GenerateRequests pinned to it; their answers are graded into run_dir/eval.jsonl and never join a group, the
+  store, the admission ledger or the generated-token count.
 Who waits on whom: the controller waits on nobody's speed — it only stops admitting when the bound says so.
 Sync mode (`run.mode: sync`) is the classic loop: one whole batch is admitted, generated, rewarded and stored,
 and the next is admitted only when the trainer has published the next version. That is exactly the
@@ -123,7 +126,8 @@ class Controller(Role):
     name = "controller"
     stats_every_s = 2.0
 
-    def __init__(self, cfg: Any, dataset: Any, formatter: Any, jobs: Any, store: Any, log: Any, rt: Any = None):
+    def __init__(self, cfg: Any, dataset: Any, formatter: Any, jobs: Any, store: Any, log: Any, rt: Any = None,
+                 evaluation: Any = None):
         super().__init__(rt)
         self.cfg, self.ctl_cfg = cfg, cfg.controller
         self.dataset, self.formatter, self.jobs, self.store, self.log = dataset, formatter, jobs, store, log
@@ -146,6 +150,7 @@ class Controller(Role):
         self.state_path = Path(cfg.run.run_dir) / "controller_state.json"
         self.advisor, self.store_depth = SplitAdvisor.from_config(cfg), 0  # generation:training split (balance.py)
         self.episodes = EpisodePath(jobs) if cfg.agent.workflow else None  # multi-turn: a workflow per sample
+        self.evaluation = evaluation  # controller_eval.RolloutEval (eval.via rollout), else None
 
     # ------------------------------------------------------------ admission
     def admit(self) -> int:
@@ -192,6 +197,9 @@ class Controller(Role):
 
     # ------------------------------------------------------------ answers
     def on_answer(self, job_id: str, msg: Any) -> None:
+        if self.evaluation is not None and self.evaluation.owns(job_id):  # a pinned evaluation answer: no group's
+            self.evaluation.on_answer(job_id, msg)
+            return
         kind, group_id, index = self.by_job.pop(job_id, (None, "", 0))
         group = self.groups.get(group_id)
         if group is None:
@@ -373,6 +381,8 @@ class Controller(Role):
         if version != self.version:  # lower after a trainer resumed from a checkpoint
             self.version = version
             self.log.info("controller.version", version=version, submitted=self.submitted, stored=self.stored)
+            if self.evaluation is not None:
+                self.evaluation.on_version(version)
 
     def save_state(self) -> None:
         state = {"dataset": self.dataset.state_dict(), "submitted": self.submitted, "next_group": self.next_group,
@@ -437,6 +447,8 @@ class Controller(Role):
         return stopping or self.done()
 
     def on_stop(self) -> None:
+        if self.evaluation is not None:
+            self.evaluation.stop()
         self.log.info("controller.finished", **self.stats())
 
 
@@ -457,6 +469,7 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     from areal_mq.client import JobClient, StoreClient
     from areal_mq.data import build_dataset
     from areal_mq.actor.runtime import WorkerRuntime
+    from areal_mq.workers.controller_eval import RolloutEval
 
     rt = WorkerRuntime(cfg, role="controller", service=None, capacity=0, worker_id=worker_id)
     b = cfg.brokers
@@ -466,7 +479,8 @@ def main(cfg: Any, worker_id: str | None = None) -> int:
     store = StoreClient(b.store_addr, keys=rt.keys, heartbeat_s=b.heartbeat_s)
     try:
         formatter = _formatter(cfg)
-        ctl = Controller(cfg, build_dataset(cfg.data), formatter, jobs, store, rt.log, rt)
+        ctl = Controller(cfg, build_dataset(cfg.data), formatter, jobs, store, rt.log, rt,
+                         evaluation=RolloutEval.from_config(cfg, formatter, jobs, rt.log))
         replay = ctl.load_state()
         initial = rt.start()
         if initial is not None:

@@ -13,6 +13,18 @@ it takes what is idle and never blocks the run. At most one evaluation runs at a
 are due it evaluates the newest and records the skipped ones in its log (`eval_pins/skipped.txt`).
 
     launcher = Launcher(cfg); ... launcher.evaluator = PeriodicEval.from_config(cfg, config_path)
+
+eval.via rollout (default: process, all of the above): no process and no engine of its own. The controller sends the
+held-out problems to the rollout workers as requests pinned to the due version (workers/controller_eval.py, the same
+`due_versions`; GenerateRequest.pin_version), grades the answers with heldout.py's `score` and appends the line itself,
+with "via": "rollout"; greedy answers equal a standalone evaluation of that version. It needs no GPU or memory beyond
+the rollout engines', so it is allowed under Ray with GPUs. The cost: while the evaluation's requests run, a worker
+fetches newer versions but does not apply them (workers/rollout_pins.py, bounded), so the training samples it
+generates meanwhile are at the evaluated version — more staleness for them, up to the η bound, never beyond (the
+sample store still drops what is too stale); and the evaluation's requests share the engines' rows with training. A
+request that reaches a worker already past the version (the trainer published the next one and that worker applied
+it before the request got a row) skips that version's evaluation, logged controller.eval_skipped with the reason,
+never a number of other weights. The launcher only says what happened (`RolloutEvalNotes`).
 """
 from __future__ import annotations
 
@@ -23,6 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_mq.telemetry.tail import read_new_lines
 from areal_mq.weights import disk_versions
 
 
@@ -144,3 +157,32 @@ class PeriodicEval:
                 self.proc.kill()
                 self.proc.wait(5)
         self._reap()
+
+
+@dataclass
+class RolloutEvalNotes:
+    """eval.via rollout: the launcher's evaluator. The controller evaluates (workers/controller_eval.py); this only
+    turns its controller.eval_done / controller.eval_skipped events into lines for the user. Nothing to wait for or stop:
+    the evaluation lives and ends with the controller."""
+
+    run_dir: Path
+    offsets: dict = field(default_factory=dict)
+
+    def poll(self) -> str | None:
+        notes = []
+        for path in sorted((self.run_dir / "events").glob("controller*.jsonl")):
+            for rec in read_new_lines(path, self.offsets):
+                if rec.get("event") == "controller.eval_done":
+                    notes.append(f"periodic eval (through the rollout engines): v{rec.get('version')} strict "
+                                 f"{rec.get('strict', 0):.1%} lenient {rec.get('lenient', 0):.1%} (n={rec.get('n')}, "
+                                 f"{rec.get('seconds')}s)")
+                elif rec.get("event") == "controller.eval_skipped":
+                    reason = str(rec.get("reason")).replace("[", "(").replace("]", ")")  # no console markup
+                    notes.append(f"periodic eval of v{rec.get('version')} skipped: {reason}")
+        return "\n".join(notes) or None
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None

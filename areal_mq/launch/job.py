@@ -40,6 +40,8 @@ def execute(cfg, console, *, skip_eval: bool, quiet: bool, resume: bool) -> tupl
     from areal_mq.errors import ConfigError
     from areal_mq.launch.launcher import Launcher
 
+    if skip_eval and cfg.eval.via == "rollout":  # the controller evaluates, reading the config the launcher writes
+        cfg.eval.every = 0
     if cfg.launcher.backend == "ray":  # ports are settled on the brokers' node
         from areal_mq.launch.ray_backend import RayLauncher
 
@@ -57,9 +59,11 @@ def execute(cfg, console, *, skip_eval: bool, quiet: bool, resume: bool) -> tupl
         _eval_into_run(cfg, None, 0, console, "base model")
     launcher.plan(path)
     if cfg.eval.every and not skip_eval:
-        from areal_mq.evaluation.periodic import PeriodicEval
+        from areal_mq.evaluation.periodic import PeriodicEval, RolloutEvalNotes
 
-        launcher.evaluator = PeriodicEval.from_config(cfg, path)
+        # via rollout the controller evaluates through the rollout engines; the launcher only reports its results
+        launcher.evaluator = (PeriodicEval.from_config(cfg, path) if cfg.eval.via == "process"
+                              else RolloutEvalNotes(Path(cfg.run.run_dir)))
     _stop_signals_interrupt()
     outcome = "failed"
     try:
