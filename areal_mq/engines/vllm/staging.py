@@ -56,8 +56,9 @@ def decoder_layers(model: Any) -> dict[int, Any]:
 class _Kept:
     """One module's new state, made while its old state stayed live: values to copy in, objects to set."""
 
-    def __init__(self, module: Any, values: dict, objects: dict, absent: set):
+    def __init__(self, module: Any, values: dict, objects: dict, absent: set, dropped: set = frozenset()):
         self.module, self.values, self.objects, self.absent = module, values, objects, absent
+        self.dropped = dropped  # (kind, name) of tensors the processing removed: gone in the new state too
 
     def apply(self) -> None:
         m = self.module
@@ -73,15 +74,18 @@ class _Kept:
                 getattr(m, kind)[name] = obj
         for name in self.absent:
             m.__dict__.pop(name, None)
+        for kind, name in self.dropped:
+            getattr(m, kind).pop(name, None)
 
 
 def _snapshot(module: Any) -> tuple[dict, dict]:
-    """(tensor objects and a clone of their values, the module's other attributes) of one module."""
+    """(tensor objects and a clone of their values, the module's other attributes) of one module. An entry
+    registered as None (a linear layer without bias: `_parameters["bias"] = None`) is kept as (None, None): the
+    module's forward reads it (`self.bias`), so it must stay registered while the layer is processed."""
     tensors = {}
     for kind in ("_parameters", "_buffers"):
         for name, t in getattr(module, kind).items():
-            if t is not None:
-                tensors[(kind, name)] = (t, t.detach().clone())
+            tensors[(kind, name)] = (t, None if t is None else t.detach().clone())
     attrs = {k: v for k, v in module.__dict__.items() if k not in _TORCH_STATE}
     return tensors, attrs
 
@@ -97,12 +101,14 @@ def _host_copy(t: Any, host: Any) -> Any:
 
 def _keep_and_restore(module: Any, tensors: dict, attrs: dict, host: Any) -> _Kept:
     """Take the module's new state (values to the host), then put its old state back."""
-    values, objects, absent = {}, {}, set()
+    values, objects, absent, dropped = {}, {}, set(), set()
     for kind in ("_parameters", "_buffers"):
         table = getattr(module, kind)
         for name, now in list(table.items()):
             old = tensors.get((kind, name))
-            if old is not None and now is old[0]:
+            if now is None and old is not None and old[0] is None:
+                continue  # None before and after: nothing to keep
+            if old is not None and old[0] is not None and now is old[0]:
                 same = now.shape == old[1].shape and now.dtype == old[1].dtype
                 values[(kind, name)] = (same, _host_copy(now, host) if same else now.data)
                 if same:
@@ -114,7 +120,12 @@ def _keep_and_restore(module: Any, tensors: dict, attrs: dict, host: Any) -> _Ke
                 if old is None:
                     del table[name]
                 else:
-                    table[name] = old[0]
+                    table[name] = old[0]  # None included: the old forward reads it (eager: vLLM's enforce_eager)
+        for (k, name), (old_t, _) in tensors.items():  # entries the processing removed: back for the old forward
+            if k == kind and name not in table:
+                table[name] = old_t
+                if old_t is not None:
+                    dropped.add((kind, name))
     for name, value in list(module.__dict__.items()):
         if name in _TORCH_STATE:
             continue
@@ -127,7 +138,7 @@ def _keep_and_restore(module: Any, tensors: dict, attrs: dict, host: Any) -> _Ke
     absent = {name for name in attrs if name not in module.__dict__}
     for name in absent:
         module.__dict__[name] = attrs[name]
-    return _Kept(module, values, objects, absent)
+    return _Kept(module, values, objects, absent, dropped)
 
 
 class Stage:

@@ -52,6 +52,39 @@ def test_keep_and_restore_leaves_the_old_computation_live_and_apply_installs_the
     assert m.scale.shape == (2, 2)
 
 
+class NoBias(torch.nn.Module):
+    """Like vLLM's linear layers without bias: `bias` registered as None and read by the forward, which an eager
+    engine (vllm.enforce_eager) runs as Python every step (a compiled graph had it baked in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 3), requires_grad=False)
+        self.register_parameter("bias", None)
+        self.register_buffer("extra", torch.zeros(4))
+
+    def forward(self, x):
+        out = x @ self.weight.t()
+        return out if self.bias is None else out + self.bias
+
+
+def test_an_entry_registered_as_none_stays_registered_while_staged_and_a_removed_tensor_goes_at_apply():
+    """Found when the vLLM tests ran eager: staging deleted every None entry (`bias`) of a layer until the swap,
+    so an eager forward between two buckets died with "'QKVParallelLinear' object has no attribute 'bias'"."""
+    torch.manual_seed(0)
+    m, x = NoBias(), torch.randn(2, 3)
+    before = m(x).clone()
+    tensors, attrs = _snapshot(m)
+    new = torch.randn(4, 3)
+    m.weight.data.copy_(new)
+    del m._buffers["extra"]  # the processing removed a tensor (the new layout does without it)
+    kept = _keep_and_restore(m, tensors, attrs, torch.device("cpu"))
+    assert "bias" in m._parameters and m.bias is None and torch.equal(m(x), before)
+    assert "extra" in m._buffers  # back for the old computation
+    kept.apply()
+    assert "bias" in m._parameters and m.bias is None and torch.allclose(m(x), x @ new.t())
+    assert "extra" not in m._buffers  # gone in the new state, as the processing left it
+
+
 def test_layer_keys_and_the_group_order():
     assert layer_key("model.layers.12.mlp.up_proj.weight") == 12
     assert layer_key("model.embed_tokens.weight") == TOP and layer_key("lm_head.weight") == TOP
