@@ -5,7 +5,8 @@
 - with max_staleness 0 the asynchronous mode trains on exactly the samples of sync mode and reaches
   exactly the same parameters (deterministic engine setting: one sequence at a time);
 - a child killed during the run is reported by name, with the reason and its log;
-- periodic held-out evaluations run during training, each on a pinned published version.
+- periodic held-out evaluations run during training, each on a pinned published version; through the rollout
+  engines (eval.via rollout) their answers equal a standalone greedy evaluation of that version, problem by problem.
 """
 from __future__ import annotations
 
@@ -89,6 +90,45 @@ def test_periodic_evaluations_are_pinned_to_published_versions(tmp_path):
     assert all(e["weights"].endswith(f"eval_pins/v{e['version']}") for e in evals[1:-1])
     assert all(e["n"] == 8 for e in evals)
     assert not list((run_dir / "eval_pins").glob("v*")), "pinned copies are removed after their evaluation"
+
+
+def test_periodic_evaluations_through_the_rollout_engines_equal_standalone_ones(tmp_path):
+    """eval.via rollout: the controller sends the held-out problems to the rollout worker pinned to each due version;
+    every answer equals, problem by problem, a standalone greedy evaluation (heldout.generate_answers, the engine
+    `areal-mq eval` builds) of that version's weights, and differs from the next version's (the pin mattered)."""
+    from areal_mq.config import load_config
+    from areal_mq.evaluation.heldout import eval_params, generate_answers
+
+    run_dir = tmp_path / "via-rollout"
+    # engine rows to spare (2 groups x 2 answers of the worker's 8): the evaluation's requests get rows as soon as they
+    # are sent, so they reach the worker before the trainer's next version can (else version_passed skips that one).
+    # Two due versions (v1, v2): a loaded host may still skip one (named in the events); one must be evaluated.
+    done = _run(run_dir, "controller.total_steps=3", "eval.every=1", "eval.via=rollout", "eval.size=8",
+                "trainer.keep_weight_versions=3", "controller.max_concurrent_groups=2", evaluate=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals][0] == 0 and evals[-1]["version"] == 3
+    through = [e for e in evals if e.get("via") == "rollout"]
+    skipped = _events(run_dir, "controller.eval_skipped")
+    assert through, f"no evaluation through the rollout engines; skipped: {[s['reason'] for s in skipped]}"
+    assert {e["version"] for e in through} | {s["version"] for s in skipped} == {1, 2}
+    assert all(s["reason"] for s in skipped)
+    assert not (run_dir / "eval_pins").exists(), "no evaluation process, no pinned copies"
+    assert not [g for g in _events(run_dir, "controller.group_stored") if g["group"].startswith("eval-")]
+    cfg = load_config(run_dir / "config.yaml")
+    samples, sampling, _ = eval_params(cfg)
+    assert sampling.temperature == 0.0 and samples == 1  # greedy: the equality below is exact
+    standalone = {}
+    for v in sorted({e["version"] for e in through} | {e["version"] + 1 for e in through}):
+        outputs, _, _ = generate_answers(cfg, str(run_dir / "weights" / f"v{v}"), v, None, samples, sampling, False)
+        standalone[v] = {o.request_id: o.text for o in outputs}
+    for e in through:
+        v = e["version"]
+        answers = [json.loads(line) for line in (run_dir / "eval_answers" / f"v{v}.jsonl").read_text().splitlines()]
+        pinned = {a["id"]: a["text"] for a in answers}
+        assert e["n"] == len(pinned) == 8
+        assert pinned == standalone[v], f"v{v}: answers through the rollout engines differ from a standalone evaluation"
+        assert pinned != standalone[v + 1], f"v{v} and v{v + 1} answer alike: the comparison would prove nothing"
 
 
 def _final_params(run_dir: Path):
