@@ -44,6 +44,7 @@ ANY = frozenset(ROLES)
 OWNED_SERVICES = {"generate": "rollout", "reward": "reward", "agent": "agent"}
 PERMISSIONS: dict[str, frozenset[str]] = {
     "submit": frozenset({"controller", "agent", "launcher"}),  # jobs to the job broker
+    "submit:pinned": frozenset({"controller"}),  # a generate_request with pin_version: it holds the workers' updates
     "serve": frozenset({"rollout", "reward", "agent", "echo"}),  # READY for a service no role owns
     "publish:weights": frozenset({"trainer"}),
     "publish:control": frozenset({"launcher", "controller"}),

@@ -204,6 +204,8 @@ class JobBroker:
             return refusal(role, f"serve:{env.msg.service}")
         if kind in (Kind.DISCONNECT, Kind.STATS_REQUEST) or kind in REPLY_KINDS:
             return None  # a disconnect or reply only concerns the sender's own registration and jobs
+        if kind == Kind.GENERATE_REQUEST and env.msg.pin_version is not None:  # a periodic evaluation's: controller only
+            return refusal(role, "submit") or refusal(role, "submit:pinned")
         return refusal(role, "submit")
 
     def _forbid(self, ident: bytes, env: protocol.Envelope, role: str | None, why: str) -> None:

@@ -52,6 +52,7 @@ def test_key_problems_say_what_to_do(tmp_path):
     ("controller", "store:put", True), ("trainer", "store:put", False),
     ("trainer", "store:take", True), ("controller", "store:take", False),
     ("controller", "submit", True), ("rollout", "submit", False), ("observer", "stats", True),
+    ("controller", "submit:pinned", True), ("agent", "submit:pinned", False), ("launcher", "submit:pinned", False),
     ("rollout", "serve:generate", True), ("reward", "serve:generate", False), ("reward", "serve:reward", True),
     ("echo", "serve:echo", True), ("echo", "serve:reward", False), ("observer", "serve:echo", False),
     ("rollout", "weights:fetch", True), ("reward", "weights:fetch", False),
