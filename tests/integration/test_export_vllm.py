@@ -49,6 +49,7 @@ def test_vllm_serves_the_bf16_export_with_the_trainers_greedy_tokens(tmp_path):
         want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False)[0, len(PROMPT):].tolist()
 
+    # vLLM's compiled default (no enforce_eager), as a user's run starts it; the other vLLM tests run eager
     cfg = EngineConfig(kind="vllm", max_concurrent=2, seed=0, vllm={"kv_cache_space_gib": 1, "start_timeout_s": 1200})
     engine = VllmEngine(cfg, done.out, dtype="float32")
     try:

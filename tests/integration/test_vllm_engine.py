@@ -68,9 +68,12 @@ def shm_dir(tmp_path_factory):
 def engine(model_dir, shm_dir):
     # 64 MiB buckets: an in-memory update of SmolLM2 (float32, ~540 MB) crosses vLLM's RPC in several messages;
     # shm_dir is where the old path staged files: it must stay empty
+    # enforce_eager: these tests check our engine code (updates, aborts, parity), which is the same compiled or
+    # eager; eager starts in ~27 s instead of ~50-57 s here. The compiled default (vLLM's torch.compile of the
+    # model) is started by test_export_vllm.py, the one test here of what a user's run starts
     cfg = EngineConfig(kind="vllm", max_concurrent=4, seed=0,
                        vllm={"kv_cache_space_gib": 1, "start_timeout_s": 1200, "weight_bucket_mb": 64,
-                             "shm_dir": str(shm_dir)})
+                             "shm_dir": str(shm_dir), "enforce_eager": True})
     eng = VllmEngine(cfg, model_dir)  # no dtype: the CPU default, model.dtype's float32 (the parity below needs it)
     print(f"\nvLLM engine started in {eng.start_s:.1f} s")
     yield eng

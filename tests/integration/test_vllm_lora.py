@@ -62,7 +62,7 @@ def run_dir(tmp_path_factory):
 def engine(model_dir, run_dir):
     cfg = EngineConfig(kind="vllm", max_concurrent=4, seed=0,
                        vllm={"kv_cache_space_gib": 1, "start_timeout_s": 1200, "max_lora_rank": RANK,
-                             "lora_dir": str(run_dir / "vllm-lora")})
+                             "lora_dir": str(run_dir / "vllm-lora"), "enforce_eager": True})  # see test_vllm_engine.py
     eng = VllmEngine(cfg, model_dir)
     print(f"\nvLLM engine with LoRA started in {eng.start_s:.1f} s")
     yield eng

@@ -49,7 +49,8 @@ def model_dir():
 def server(model_dir, tmp_path_factory):
     """A vLLM server process; yields its engine config; stopped by PID."""
     port = free_port()
-    cfg = EngineConfig(kind="vllm-server", max_concurrent=4, seed=0, vllm={"server_url": f"http://127.0.0.1:{port}"})
+    cfg = EngineConfig(kind="vllm-server", max_concurrent=4, seed=0,  # eager: test_vllm_engine.py says why
+                       vllm={"server_url": f"http://127.0.0.1:{port}", "enforce_eager": True})
     log = open(tmp_path_factory.mktemp("server") / "vllm.log", "wb")
     proc = subprocess.Popen(server_command(str(model_dir), port, cfg, dtype="float32"), env=server_env(cfg),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
