@@ -222,8 +222,9 @@ class EvalConfig(_Section):
     via: Literal["process", "rollout"] = Field(
         "process", description="Where the periodic evaluations (every > 0) generate. process: a background `areal-mq "
         "eval` with an engine of its own on the version's pinned weights (its memory beside rollout engine 0, or "
-        "placement.eval; refused under Ray with GPUs). rollout: the controller sends the held-out problems to the rollout "
-        "workers as requests pinned to the version (GenerateRequest.pin_version), graded like the standalone evaluation: "
+        "placement.eval; refused under Ray with GPUs). rollout: the controller sends the held-out problems to the "
+        "rollout workers as requests pinned to the version (GenerateRequest.pin_version), graded like the standalone "
+        "evaluation: "
         "no engine or GPU of its own, allowed under Ray; while those requests run the workers defer newer weights, so "
         "training samples meanwhile are at that version (areal_mq/evaluation/periodic.py). The base and final "
         "evaluations run standalone either way.")
@@ -455,7 +456,8 @@ class RunConfig(_Section):
     def _check_eval_placement(self) -> None:
         from areal_mq.launch.ray_placement import uses_placement
 
-        if self.launcher.backend == "ray" and self.eval.every > 0 and self.eval.via == "process" and uses_placement(self):
+        if (self.launcher.backend == "ray" and self.eval.every > 0 and self.eval.via == "process"
+                and uses_placement(self)):
             raise ConfigError(
                 f"eval.every {self.eval.every} under launcher.backend ray with GPU placement: the periodic evaluation "
                 "runs in the driver, whose GPUs Ray gives to the roles; set eval.via: rollout (it generates through "

@@ -15,7 +15,8 @@ Never a wrong number: an answer with a token of another version (a worker's pin 
 controller.eval_skipped names the reason and nothing is written to eval.jsonl. An evaluation still running when the
 run ends is skipped the same way.
 
-    ctl = Controller(cfg, dataset, formatter, jobs, store, log, evaluation=RolloutEval.from_config(cfg, formatter, jobs, log))
+    evaluation = RolloutEval.from_config(cfg, formatter, jobs, log)  # None unless eval.via rollout
+    ctl = Controller(cfg, dataset, formatter, jobs, store, log, evaluation=evaluation)
 """
 from __future__ import annotations
 
@@ -82,8 +83,9 @@ class RolloutEval:
         for p in self.problems:
             ids = self.formatter.ids(p)
             for rid in request_ids(p, self.samples):
-                job = self.jobs.submit(GenerateRequest(prompt_ids=ids, sampling=self.sampling, group_id=f"eval-v{version}",
-                                                       min_version=version, pin_version=version), service="generate")
+                job = self.jobs.submit(GenerateRequest(prompt_ids=ids, sampling=self.sampling,
+                                                       group_id=f"eval-v{version}", min_version=version,
+                                                       pin_version=version), service="generate")
                 jobs[job] = rid
         self.running = _Running(version, jobs)
         self.log.info("controller.eval_started", version=version, via="rollout", requests=len(jobs))

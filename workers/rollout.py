@@ -374,8 +374,8 @@ class RolloutWorker(Role):
 
     def stats(self) -> dict:
         fields = {k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
-        fields.update(running=len(self.jobs), pinned=len(self.pins.running), held=len(self.held), deferred=len(self.deferred), tokens=self.tokens,
-                      row_tokens_per_s=round(self.row_tokens_per_s, 3),
+        fields.update(running=len(self.jobs), pinned=len(self.pins.running), held=len(self.held),
+                      deferred=len(self.deferred), tokens=self.tokens, row_tokens_per_s=round(self.row_tokens_per_s, 3),
                       occupancy=round(len(self.jobs) / max(1, self.capacity), 3), **self.updates)
         return fields
 

@@ -51,6 +51,7 @@ class PinnedRequests:
         not passed, and it has not waited `limit_s` yet. Ask only when an update is waiting (starts its clock)."""
         now = self.clock()
         if not self.running and now >= self.linger_until:
+            self.waited_since = None  # nothing holds: the next hold is timed afresh
             return False
         if self.waited_since is None:
             self.waited_since = now

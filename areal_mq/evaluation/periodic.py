@@ -162,8 +162,8 @@ class PeriodicEval:
 @dataclass
 class RolloutEvalNotes:
     """eval.via rollout: the launcher's evaluator. The controller evaluates (workers/controller_eval.py); this only
-    turns its controller.eval_done / controller.eval_skipped events into lines for the user. Nothing to wait for or stop:
-    the evaluation lives and ends with the controller."""
+    turns its controller.eval_done / controller.eval_skipped events into lines for the user. Nothing to wait for or
+    stop: the evaluation lives and ends with the controller."""
 
     run_dir: Path
     offsets: dict = field(default_factory=dict)
@@ -177,7 +177,7 @@ class RolloutEvalNotes:
                                  f"{rec.get('strict', 0):.1%} lenient {rec.get('lenient', 0):.1%} (n={rec.get('n')}, "
                                  f"{rec.get('seconds')}s)")
                 elif rec.get("event") == "controller.eval_skipped":
-                    reason = str(rec.get("reason")).replace("[", "(").replace("]", ")")  # no console markup
+                    reason = str(rec.get("reason")).replace("[", "(").replace("]", ")")  # no rich markup
                     notes.append(f"periodic eval of v{rec.get('version')} skipped: {reason}")
         return "\n".join(notes) or None
 

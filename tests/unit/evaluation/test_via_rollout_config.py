@@ -40,3 +40,20 @@ def test_via_rollout_the_plan_counts_no_evaluation_engine_and_says_where_it_runs
     assert not via.refusals, via.table()
     assert not [p for p in via.processes if p.role.startswith("evaluation")]
     assert any("through the rollout engines, no engine of its own" in n for n in via.notes), via.notes
+
+
+def test_the_launcher_says_each_evaluation_through_the_rollout_engines_once(tmp_path):
+    import json
+
+    from areal_mq.evaluation.periodic import RolloutEvalNotes
+
+    (tmp_path / "events").mkdir()
+    records = [{"event": "controller.stats"},
+               {"event": "controller.eval_done", "version": 2, "strict": 0.25, "lenient": 0.5, "n": 8, "seconds": 1.5},
+               {"event": "controller.eval_skipped", "version": 4, "reason": "p1: [version_passed] the worker holds 5"}]
+    (tmp_path / "events" / "controller.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    notes = RolloutEvalNotes(tmp_path)
+    lines = notes.poll().splitlines()
+    assert "v2 strict 25.0% lenient 50.0% (n=8" in lines[0]
+    assert lines[1] == "periodic eval of v4 skipped: p1: (version_passed) the worker holds 5"  # no rich markup
+    assert notes.poll() is None

@@ -115,4 +115,5 @@ def test_a_resumed_run_skips_versions_in_eval_jsonl_and_one_evaluation_runs_at_a
 
 def test_via_process_builds_no_rollout_evaluation(tmp_path):
     cfg = load_config(None, [f"run.run_dir={tmp_path}", "eval.every=2"])
-    assert cfg.eval.via == "process" and RolloutEval.from_config(cfg, Formatter(), InMemoryJobs(), RecordingLog()) is None
+    assert cfg.eval.via == "process"
+    assert RolloutEval.from_config(cfg, Formatter(), InMemoryJobs(), RecordingLog()) is None
