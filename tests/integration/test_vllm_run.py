@@ -21,7 +21,8 @@ pytest.importorskip("peft")
 
 from .test_e2e import ROOT, _events, _sets  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.long,  # 158 s in CI run 5 (tests/README.md)
+              pytest.mark.timeout(1800)]
 
 
 def test_a_lora_run_on_vllm_serves_every_adapter_version_and_trains_on_them(tmp_path):
