@@ -118,17 +118,16 @@ def test_periodic_evaluations_through_the_rollout_engines_equal_standalone_ones(
     cfg = load_config(run_dir / "config.yaml")
     samples, sampling, _ = eval_params(cfg)
     assert sampling.temperature == 0.0 and samples == 1  # greedy: the equality below is exact
+    v = through[0]["version"]  # one version compared (each standalone evaluation builds an engine: CI time)
     standalone = {}
-    for v in sorted({e["version"] for e in through} | {e["version"] + 1 for e in through}):
-        outputs, _, _ = generate_answers(cfg, str(run_dir / "weights" / f"v{v}"), v, None, samples, sampling, False)
-        standalone[v] = {o.request_id: o.text for o in outputs}
-    for e in through:
-        v = e["version"]
-        answers = [json.loads(line) for line in (run_dir / "eval_answers" / f"v{v}.jsonl").read_text().splitlines()]
-        pinned = {a["id"]: a["text"] for a in answers}
-        assert e["n"] == len(pinned) == 8
-        assert pinned == standalone[v], f"v{v}: answers through the rollout engines differ from a standalone evaluation"
-        assert pinned != standalone[v + 1], f"v{v} and v{v + 1} answer alike: the comparison would prove nothing"
+    for w in (v, v + 1):
+        outputs, _, _ = generate_answers(cfg, str(run_dir / "weights" / f"v{w}"), w, None, samples, sampling, False)
+        standalone[w] = {o.request_id: o.text for o in outputs}
+    answers = [json.loads(line) for line in (run_dir / "eval_answers" / f"v{v}.jsonl").read_text().splitlines()]
+    pinned = {a["id"]: a["text"] for a in answers}
+    assert through[0]["n"] == len(pinned) == 8
+    assert pinned == standalone[v], f"v{v}: answers through the rollout engines differ from a standalone evaluation"
+    assert pinned != standalone[v + 1], f"v{v} and v{v + 1} answer alike: the comparison would prove nothing"
 
 
 def _final_params(run_dir: Path):
