@@ -8,7 +8,7 @@ ToolResult: an unknown tool, malformed JSON, arguments that miss the schema or a
 limits.timeout_s and a tool that raised are all error results with the reason.
 Why: a model's tool call is untrusted text; an episode must be able to read the failure and go on.
 Run: python -c "import asyncio; from areal_mq.tools import default_tools; \
-print(asyncio.run(default_tools().call('search', {'query': 'Veltran lighthouse'})).content)"
+print(asyncio.run(default_tools().call('search', {'query': 'Harrowgate lighthouse'})).content)"
 """
 from __future__ import annotations
 

@@ -83,4 +83,5 @@ def test_refusals_name_the_fix(tmp_path):
     (big / "huge.txt").write_text("x " * 600)
     (big / "ok.txt").write_text("small")
     c = load_corpus(str(big), max_file_bytes=1000)
-    assert [p.id for p in c.passages] == ["ok.txt"] and c.skipped == ["huge.txt: 1200 bytes, over max_file_bytes (1000)"]
+    assert [p.id for p in c.passages] == ["ok.txt"]
+    assert c.skipped == ["huge.txt: 1200 bytes, over max_file_bytes (1000)"]

@@ -116,3 +116,33 @@ def test_a_refusing_sandbox_fails_closed():
     refused = CodeSandbox(SandboxConfig(isolation="namespaces", **LIMITS), namespaces=False)
     r = run(refused, "print(1)")
     assert not r.ok and r.reason == "sandbox_refused" and "isolation 'namespaces' refused" in r.message
+
+
+class CountingBox:
+    """The real sandbox, counting the runs it starts."""
+
+    def __init__(self, box):
+        self.box, self.started = box, 0
+
+    def run(self, program, tests):
+        self.started += 1
+        return self.box.run(program, tests)
+
+
+def test_a_call_that_times_out_while_queued_never_starts_its_program(box):
+    """max_concurrency 1 and a 0.5 s call limit: the first program (sleeping 2 s) times out running and ends at
+    its own pace; the second times out while waiting for the thread, and its program is never started."""
+    counting = CountingBox(box)
+    tool = PythonTool(counting, max_concurrency=1)
+    reg = ToolRegistry([tool], ToolLimits(timeout_s=0.5))
+    code = {"code": "import time\ntime.sleep(2)"}
+
+    async def main():
+        return await asyncio.gather(reg.call("python", code), reg.call("python", code))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        tool._pool.shutdown(wait=True)  # waits for queued runs too (close() would cancel them itself)
+    assert [r.reason for r in results] == ["timeout", "timeout"]
+    assert counting.started == 1

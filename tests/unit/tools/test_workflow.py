@@ -18,7 +18,8 @@ from areal_mq.workflows.runner import run_episode
 from tests.unit.tools.test_registry import Echo
 
 PROBLEM = Problem("q2", "How tall is the Harrowgate lighthouse tower, in metres?", "31")
-SEARCH = '<tool_call>\n{"name": "search", "arguments": {"query": "Harrowgate lighthouse tower metres", "k": 1}}\n</tool_call>'
+SEARCH = ('<tool_call>\n{"name": "search", "arguments": {"query": "Harrowgate lighthouse tower metres", "k": 1}}\n'
+          "</tool_call>")
 
 
 def registry() -> ToolRegistry:
