@@ -3,9 +3,9 @@
 What: `PythonTool(sandbox=CodeSandbox(SandboxConfig(...)), max_concurrency=4)`;
 `await tool.call({"code": "print(2**10)"})` -> ToolResult(ok=True, output="1024\n"). The program runs through the
 code rewards' sandbox (areal_mq/rewards/sandbox/runner.py) with the same limits and the same refusals: a read of
-a host file is `read_blocked`, a socket `network_blocked`, a program past the sandbox's timeout_s `timeout` (every process of
-the run killed), an exception `error` with its type and message. stdout and stderr come back (the sandbox keeps
-the last 4096 bytes of each; past its max_output_bytes the run is killed: `output_limit`).
+a host file is `read_blocked`, a socket `network_blocked`, a program past the sandbox's timeout_s `timeout`
+(every process of the run killed), an exception `error` with its type and message. stdout and stderr come back
+(the sandbox keeps the last 4096 bytes of each; past its max_output_bytes the run is killed: `output_limit`).
 Why a thread pool: CodeSandbox.run blocks (it waits on the child's pipes); run on the event loop it would stall
 every other episode of the agent for the program's whole run. The pool has max_concurrency threads, so at most
 that many sandboxes run at once; a call waiting for a free thread is cancelled cleanly by the registry's timeout
