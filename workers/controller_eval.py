@@ -6,8 +6,8 @@ problems as GenerateRequests pinned to N (min_version = pin_version = N). Proble
 eval.temperature / eval.samples) and request ids are heldout.py's (`eval_problems`, `eval_params`, `request_ids`), the
 prompt is the controller's chat formatter, built as `areal-mq eval` builds it; so the answers equal a standalone
 evaluation of N's weights (greedy; tests/integration/test_e2e.py checks it per problem, torch engine on the CPU; GPU
-kernels whose sums depend on the batch can flip near-tied tokens, in a standalone evaluation of another width too). The answers never join a
-group, the sample store or the generated-token count. When all are back they are graded with heldout's `score`, one
+kernels whose sums depend on the batch can flip near-tied tokens, in a standalone evaluation of another width too).
+The answers never join a group, the sample store or the generated-token count. When all are back they are graded with heldout's `score`, one
 line goes to run_dir/eval.jsonl (the standalone evaluation's fields plus "via": "rollout", so `areal-mq plot`, the
 live display and the benchmarks read it unchanged), the answers to run_dir/eval_answers/vN.jsonl, and
 controller.eval_done is logged.
