@@ -1,0 +1,147 @@
+r"""Tool calls through the OpenAI endpoint: one family per way a model writes a call, chosen from its chat template.
+
+What: a `ToolFamily` says how the endpoint offers tools to a model and reads its calls back:
+  - qwen: the template renders `tools` itself (Qwen2.5, Qwen3, Hermes, SmolLM with such a template); the model
+    writes `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per call.
+  - llama3: the template renders `tools` itself (Llama 3.1/3.2/3.3); the model writes
+    `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`, several joined by `;`).
+  - prompted: the template knows no tools (SmolLM2's own): the endpoint lists the tools in the system message
+    (PROMPTED_SYSTEM, the qwen form) and renders tool results as `<tool_response>` user text; qwen parsing.
+  - none: tools are rendered as for `prompted`, nothing is parsed: the reply is always text.
+`family_for(chat_template, name="auto")` picks one; `family.parse(text)` returns a ParsedReply: the content,
+OpenAI `tool_calls` entries (ids `call_<hex>`), and `error` when text that opened a call was not a valid call
+(the reply is then returned whole as text, finish_reason stop, and the error goes into the episode record).
+`family.forced(name)` is the text that starts the reply for tool_choice "required" (name None) or a named
+function: it goes into the prompt (environment tokens, never trained) and is prepended before parsing.
+Why here: parsing never changes the trained tokens (they are the generated ids, whatever the parser did).
+Run: pytest tests/unit/openai/test_toolcalls.py -q
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+PYTHON_TAG = "<|python_tag|>"
+PROMPTED_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, "
+    "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+@dataclass
+class ParsedReply:
+    content: str | None  # None when the reply is only tool calls
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI entries {"id", "type", "function"}
+    error: str = ""  # "" or why a call the text opened was not parsed (then content is the whole text)
+
+
+def _entry(name: str, arguments: dict) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _call(body: str, args_key: str) -> tuple[dict | None, str]:
+    """(entry, "") for a JSON object {"name": str, args_key: object or JSON-object string}; (None, reason) else."""
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        return None, f"not JSON ({str(exc)[:120]})"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None, 'not a JSON object with a string "name"'
+    args = call.get(args_key, call.get("arguments", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError):
+            return None, f"{args_key} is a string that is not JSON"
+    if not isinstance(args, dict):
+        return None, f"{args_key} must be a JSON object"
+    return _entry(call["name"], args), ""
+
+
+def parse_qwen(text: str) -> ParsedReply:
+    """`<tool_call>{json}</tool_call>` blocks (a last block cut before its closing tag is read too)."""
+    bodies = CALL_BLOCK.findall(text)
+    if not bodies:
+        return ParsedReply(text)
+    calls = []
+    for i, body in enumerate(bodies):
+        entry, why = _call(body.strip(), "arguments")
+        if entry is None:
+            return ParsedReply(text, [], f"malformed_tool_call: call {i}: {why}")
+        calls.append(entry)
+    rest = CALL_BLOCK.sub("", text).strip()
+    return ParsedReply(rest or None, calls)
+
+
+def parse_llama3(text: str) -> ParsedReply:
+    """Llama 3.1's JSON form: the whole reply is `{"name", "parameters"}` objects joined by `;`."""
+    body = text.strip()
+    tagged = body.startswith(PYTHON_TAG)
+    body = body[len(PYTHON_TAG):].strip() if tagged else body
+    if not body.startswith("{"):
+        return ParsedReply(text, [], "malformed_tool_call: <|python_tag|> without a JSON call" if tagged else "")
+    parts = [p for p in body.split(";") if p.strip()] if _is_json_list(body) else [body]
+    calls = []
+    for i, part in enumerate(parts):
+        entry, why = _call(part.strip(), "parameters")
+        if entry is None:
+            return ParsedReply(text, [], f"malformed_tool_call: call {i}: {why}")
+        calls.append(entry)
+    return ParsedReply(None, calls)
+
+
+def _is_json_list(body: str) -> bool:
+    """Several calls joined by `;` (one call's JSON may itself hold a `;` in a string: tried whole first)."""
+    try:
+        json.loads(body)
+        return False
+    except (ValueError, RecursionError):
+        return ";" in body
+
+
+def parse_none(text: str) -> ParsedReply:
+    return ParsedReply(text)
+
+
+@dataclass(frozen=True)
+class ToolFamily:
+    name: str
+    parse: Callable[[str], ParsedReply]
+    template_tools: bool  # the chat template renders `tools` (else: PROMPTED_SYSTEM and <tool_response> text)
+    required_prefix: str  # what starts the reply for tool_choice "required"
+    named_prefix: str  # ... for a named function ({name} filled in)
+
+    def forced(self, tool_choice: str | dict) -> str:
+        """The prompt text that forces a call ("" for auto / none)."""
+        if isinstance(tool_choice, dict):
+            return self.named_prefix.format(name=tool_choice["function"]["name"])
+        return self.required_prefix if tool_choice == "required" else ""
+
+
+QWEN_NAMED = '<tool_call>\n{{"name": "{name}", "arguments": '
+FAMILIES: dict[str, ToolFamily] = {f.name: f for f in (
+    ToolFamily("qwen", parse_qwen, True, "<tool_call>\n", QWEN_NAMED),
+    ToolFamily("llama3", parse_llama3, True, '{"name": "', '{{"name": "{name}", "parameters": '),
+    ToolFamily("prompted", parse_qwen, False, "<tool_call>\n", QWEN_NAMED),
+    ToolFamily("none", parse_none, False, "", ""),
+)}
+
+
+def family_for(chat_template: str | None, name: str = "auto") -> ToolFamily:
+    """The family `name` names, or for "auto" the one the template's text shows (prompted when it has no tools)."""
+    if name != "auto":
+        if name not in FAMILIES:
+            raise ValueError(f"unknown tool-call family {name!r}; known: auto, {', '.join(FAMILIES)}")
+        return FAMILIES[name]
+    template = chat_template or ""
+    if "tools" not in template:
+        return FAMILIES["prompted"]
+    if PYTHON_TAG in template or "ipython" in template:
+        return FAMILIES["llama3"]
+    return FAMILIES["qwen"]
