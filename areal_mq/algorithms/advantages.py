@@ -11,7 +11,9 @@ sequence's advantage. A group of one sequence has no baseline to compare against
 `reinforce_pp` (REINFORCE++, Hu et al. 2025, arXiv 2501.03262, eq. 10 in the versions read): no per-prompt baseline; every sequence's
 transformed reward minus the mean over ALL sequences of the step, divided by their std (population std + adv_eps;
 adv_std_norm false: the mean is subtracted only). adv_baseline is the group estimator's and is not used here.
-The paper also folds a token-level KL into the reward: trainer.kl_in reward (areal_mq/algorithms/ppo.py).
+The paper also folds a token-level KL into the reward: trainer.kl_in reward folds it after this normalisation
+(areal_mq/algorithms/ppo.py); trainer.kl_in reward_normalized before it, per token, in the paper's order
+(`normalize_returns`, run by the trainer after its reference pass).
 Data-parallel ranks: every rank receives the whole step's sample list (workers/trainer.py broadcasts it) and
 computes the advantages here, before packing.py splits the sequences between ranks, so the "global batch" is the
 whole step on every rank and the normalisation is the same everywhere, with no collective.
@@ -60,13 +62,44 @@ def group_estimator(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> list[np
 
 
 def reinforce_pp_estimator(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:
-    """REINFORCE++: the step's transformed rewards normalised over the whole batch, returned group by group."""
+    """REINFORCE++: the step's transformed rewards normalised over the whole batch, returned group by group.
+    With trainer.kl_in reward_normalized the transformed rewards themselves: the KL is folded in and the batch
+    normalisation done per token once the reference logprobs exist (`normalize_returns`)."""
     rewards = [transform_rewards(r, cfg) for r in groups]
+    if cfg.kl_in == "reward_normalized":
+        return rewards
     flat = np.concatenate(rewards) if rewards else np.zeros(0)
     if flat.size == 0:
         return rewards
     mean, scale = flat.mean(), (flat.std() + cfg.adv_eps if cfg.adv_std_norm else 1.0)
     return [(r - mean) / scale for r in rewards]
+
+
+def normalize_returns(parts: Sequence[tuple], cfg: TrainerConfig, all_reduce: Callable | None = None) -> list:
+    """trainer.kl_in reward_normalized, REINFORCE++ in the paper's order (arXiv 2501.03262 eq. 8-10; OpenRLHF):
+    per trained token t of a sequence with transformed reward R, the return G_t = R - kl_coef x sum_{s >= t} KL_s
+    (k1: KL_s = behaviour logp - reference logp, no discount), then A_t = (G_t - mean) / (std + adv_eps) with the
+    mean and (population) std over every trained token of the step, every micro-batch and every rank.
+
+    `parts`: one (rewards [N], behav_logp [N], ref_logp [N], seq_index [N]) per micro-batch, torch tensors, the
+    rewards each token's sequence's R. `all_reduce(tensor)` sums a float64 tensor over the data-parallel ranks
+    (None: one rank). Returns the advantages per part (float32). Every rank must call it (a collective)."""
+    import torch
+
+    from areal_mq.algorithms.ppo import suffix_sums
+
+    returns = [r.double() - cfg.kl_coef * suffix_sums((b - ref).double(), i) for r, b, ref, i in parts]
+    stats = torch.zeros(3, dtype=torch.float64, device=returns[0].device if returns else None)
+    for g in returns:
+        stats += torch.stack([g.new_tensor(float(g.numel())), g.sum(), (g * g).sum()])
+    if all_reduce is not None:
+        all_reduce(stats)
+    count, total, squares = stats.tolist()
+    if count == 0:
+        return [g.float() for g in returns]
+    mean = total / count
+    scale = (max(squares / count - mean * mean, 0.0) ** 0.5 + cfg.adv_eps) if cfg.adv_std_norm else 1.0
+    return [((g - mean) / scale).float() for g in returns]
 
 
 AdvantageEstimator = Callable[[Sequence[np.ndarray], TrainerConfig], list[np.ndarray]]

@@ -207,12 +207,16 @@ class TrainerConfig(BaseModel):
         False, description="Allow max_staleness > 0 with behav_correction off (biased; you must opt in)."
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen initial model (0: off).")
-    kl_in: Literal["loss", "reward"] = Field(
+    kl_in: Literal["loss", "reward", "reward_normalized"] = Field(
         "loss", description="Where the KL to the frozen initial model goes (kl_coef > 0). loss: kl_coef x the "
         "kl_estimator term in each token's loss (GRPO). reward: no KL in the loss; the k1 estimate log(behaviour / "
         "reference) of every generated token is a per-token reward, folded into the advantage as REINFORCE++ does "
         "(arXiv 2501.03262): A_t = A - kl_coef x (sum of the KL over the sequence's tokens from t on), after the "
-        "advantage estimator (the KL is not normalised with the rewards; kl_estimator is not used).")
+        "advantage estimator (the KL is not normalised with the rewards; kl_estimator is not used). "
+        "reward_normalized (adv_estimator reinforce_pp only): the paper's order, as OpenRLHF runs it: each token's "
+        "return G_t = reward - kl_coef x (the KL summed from t on), then normalised over every trained token of the "
+        "step on every rank ((G - mean) / (std + adv_eps); adv_std_norm false: minus the mean only), after the "
+        "reference pass (areal_mq/algorithms/advantages.py `normalize_returns`).")
     entropy_coef: float = Field(
         0.0, ge=0, description="Entropy bonus: each token's loss gets -entropy_coef x the entropy of the policy's "
         "next-token distribution there, aggregated like the rest (loss_agg; verl's entropy_coeff). 0: off, and "
@@ -333,6 +337,10 @@ class TrainerConfig(BaseModel):
             raise ValueError("trainer.loss_agg 'constant' divides each sequence's token sum by trainer.loss_agg_constant, "
                              "which is not set: give the normaliser (Dr. GRPO uses the generation budget, e.g. the "
                              "rollouts' max_new_tokens)")
+        if self.kl_in == "reward_normalized" and (self.adv_estimator != "reinforce_pp" or self.kl_coef <= 0):
+            raise ValueError(f"trainer.kl_in 'reward_normalized' folds the KL into REINFORCE++'s returns before their "
+                             f"batch normalisation: it needs adv_estimator reinforce_pp (got {self.adv_estimator!r}) "
+                             f"and kl_coef > 0 (got {self.kl_coef}); use kl_in 'reward' with another estimator")
         if self.behav_cap_mode == "mask" and self.behav_weight_cap is None:
             raise ValueError("behav_cap_mode 'mask' needs a behav_weight_cap; set one (e.g. 5.0) or use 'truncate'")
         if self.behav_weight_level != "token" and not self.behav_correction:

@@ -146,6 +146,8 @@ def ppo_loss(
     prox_logp = prox_logp.detach()
     weight, raw, keep, capped = behaviour_weight(prox_logp, behav_logp.detach(), cfg, seq_index)
     kl_sum = logp.new_zeros((), dtype=torch.float32)
+    if cfg.kl_coef > 0 and ref_logp is not None and cfg.kl_in == "reward_normalized":
+        kl_sum = (behav_logp.detach() - ref_logp.detach()).sum().float()  # already in the advantages: logged only
     if cfg.kl_coef > 0 and ref_logp is not None and cfg.kl_in == "reward":
         advantages, kl_sum = kl_in_reward(advantages, behav_logp.detach(), ref_logp.detach(), seq_index, cfg.kl_coef)
     policy, clipped = surrogate(logp, prox_logp, advantages, cfg, seq_index)

@@ -284,6 +284,24 @@ class Trainer:
         finally:
             self.model.train()
 
+    def _normalize_returns(self, minis: list[list[MicroBatch]]) -> None:
+        """trainer.kl_in reward_normalized: every micro-batch's advantages become REINFORCE++'s normalised returns
+        (advantages.py `normalize_returns`; the mean and std over every rank's trained tokens)."""
+        from areal_mq.algorithms.advantages import normalize_returns
+
+        mbs = [mb for mini in minis for mb in mini]
+        reduce = None
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            def reduce(t):  # NCCL reduces device tensors only
+                on = t.to(self.device)
+                dist.all_reduce(on, op=dist.ReduceOp.SUM)
+                t.copy_(on.cpu() if t.device.type == "cpu" else on)
+        parts = [(mb.advantages, mb.behav_logp, mb.ref_logp, mb.seq_index) for mb in mbs]
+        for mb, adv in zip(mbs, normalize_returns(parts, self.cfg, reduce)):
+            mb.advantages = adv.to(mb.advantages.dtype)
+
     def _reference(self) -> Any:
         """The reference policy's context: under trainer.lora the adapter switched off, else nothing to do."""
         import contextlib
@@ -401,6 +419,8 @@ class Trainer:
         t1 = time.perf_counter()
         with DeviceSpan(self.device) as recompute_span:
             self.recompute(minis)
+            if self.cfg.kl_in == "reward_normalized" and self.cfg.kl_coef > 0:
+                self._normalize_returns(minis)
         lr = self.scheduler.get_last_lr()[0]
         skipped = self.scaler.skipped if self.scaler is not None else 0
         sums, weight_max, norms = self._reduce(*self.run_minibatches(minis, step_counts))

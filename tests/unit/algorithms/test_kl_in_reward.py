@@ -69,3 +69,67 @@ def test_the_trainer_folds_the_reference_kl_of_its_recompute_pass(tiny_model_dir
         if coef:
             assert m["kl"] == pytest.approx(want_kl, rel=1e-4, abs=1e-5)
     assert np.isfinite(losses[0.5]) and losses[0.5] != pytest.approx(losses[0.0])
+
+
+# ---------------------------------------------------------------- kl_in reward_normalized (the paper's order)
+def test_reward_normalized_returns_by_hand():
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262) eq. 8-10 in OpenRLHF's order: G_t = R - beta * sum_{s>=t} KL_s,
+    then A_t = (G_t - mean) / std over every token of the batch. Sequence 0: R = 1, KL = (0.5, -0.25, 1.0), beta
+    0.1 -> G = (0.875, 0.925, 0.9); sequence 1 (another micro-batch): R = 0, KL = (2.0,) -> G = -0.2. Over the 4
+    tokens: mean 0.625, population std sqrt(mean of squares 0.6059375 - 0.390625) = 0.46391..."""
+    from areal_mq.algorithms.advantages import normalize_returns
+
+    cfg = TrainerConfig(adv_estimator="reinforce_pp", kl_coef=0.1, kl_in="reward_normalized", adv_eps=1e-6)
+    parts = [(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.75, -1.5]),
+              torch.tensor([0, 0, 0])),
+             (torch.tensor([0.0]), torch.tensor([-3.0]), torch.tensor([-5.0]), torch.tensor([0]))]
+    g = [0.875, 0.925, 0.9, -0.2]
+    mean = sum(g) / 4
+    std = (sum(x * x for x in g) / 4 - mean * mean) ** 0.5
+    want = [(x - mean) / (std + 1e-6) for x in g]
+    got = normalize_returns(parts, cfg)
+    assert [x for p in got for x in p.tolist()] == pytest.approx(want, rel=1e-6)
+    centred = normalize_returns(parts, cfg.model_copy(update={"adv_std_norm": False}))
+    assert [x for p in centred for x in p.tolist()] == pytest.approx([x - mean for x in g], rel=1e-6)
+    seen = []
+    normalize_returns(parts, cfg, all_reduce=lambda t: seen.append(t.tolist()))  # the ranks' sums: count, sum, squares
+    assert seen == [pytest.approx([4.0, sum(g), sum(x * x for x in g)])]
+
+
+def test_reward_normalized_needs_reinforce_pp_and_a_kl():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="reward_normalized.*adv_estimator reinforce_pp"):
+        TrainerConfig(kl_coef=0.1, kl_in="reward_normalized")
+    with pytest.raises(ValidationError, match="kl_coef > 0"):
+        TrainerConfig(adv_estimator="reinforce_pp", kl_in="reward_normalized")
+
+
+def test_the_trainer_normalizes_the_returns_after_its_reference_pass(tiny_model_dir):
+    """Through the real Trainer: the advantages the loss sees are the normalised returns of every trained token
+    (mean 0, std 1 over the step, whatever the micro-batching), the loss differs from kl_in reward's order, and the
+    logged KL is the same k1 mean."""
+    import numpy as np
+
+    from areal_mq.algorithms.trainer import Trainer
+    from tests.unit.algorithms.batches import behaviour_near_model, make_samples
+
+    noisy = behaviour_near_model(make_samples(5, n_groups=2, group_size=3), tiny_model_dir, noise=0.3, seed=1)
+    results = {}
+    for kl_in, budget in (("reward", 4096), ("reward_normalized", 4096), ("reward_normalized", 16)):
+        cfg = TrainerConfig(lr=1e-3, max_tokens_per_mb=budget, adv_estimator="reinforce_pp", kl_coef=0.5, kl_in=kl_in,
+                            packing="dynamic")
+        trainer = Trainer(cfg, tiny_model_dir)
+        _, minis, _, _ = trainer.prepare(noisy)
+        trainer.recompute(minis)
+        if kl_in == "reward_normalized":
+            trainer._normalize_returns(minis)
+            adv = torch.cat([mb.advantages for mini in minis for mb in mini]).double()
+            assert float(adv.mean()) == pytest.approx(0.0, abs=1e-5) and float(adv.std(unbiased=False)) == \
+                pytest.approx(1.0, rel=1e-4)
+            results[kl_in, budget] = sorted(adv.tolist())
+        m = Trainer(cfg, tiny_model_dir).train_step(noisy)
+        assert np.isfinite(m["loss"]) and m["kl"] != 0  # k1 of noisy behaviour: either sign
+        results[kl_in, "loss"] = m["loss"]
+    assert results["reward_normalized", 16] == pytest.approx(results["reward_normalized", 4096], abs=1e-5)
+    assert results["reward_normalized", "loss"] != pytest.approx(results["reward", "loss"])
