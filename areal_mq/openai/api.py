@@ -5,24 +5,29 @@ What: `parse_chat(body, limits, model)` checks a decoded JSON body field by fiel
 carrying the HTTP status and OpenAI-style error JSON `{"error": {"message", "type", "param", "code"}}`.
 `chat_response(...)` renders GenerateResults as a `chat.completion` object.
 Why apart from the server: pure functions, unit-tested without sockets, a broker or a tokenizer.
-Supported: messages (string content or text parts), model, temperature, top_p, max_tokens /
-max_completion_tokens, stop, seed, n, logprobs, top_logprobs = 0, user. Not supported (400): stream,
-top_logprobs > 0 (the engines record only the sampled token's logprob), tools, response_format.
+Supported: messages (string content or text parts; assistant `tool_calls`, tool `tool_call_id`), model,
+temperature, top_p, max_tokens / max_completion_tokens, stop, seed, n, logprobs, top_logprobs = 0, user, tools
+(function tools, bounded in number and size) and tool_choice (auto, none, required, a named function),
+parallel_tool_calls (accepted; a reply may hold several calls either way). Not supported (400): stream,
+top_logprobs > 0 (the engines record only the sampled token's logprob), functions / function_call (the old
+form), response_format.
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from areal_mq.messages import MAX_SESSION_LEN, GenerateResult, SamplingSpec
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 EPISODE_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,%d}$" % MAX_SESSION_LEN)
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
-               "audio", "modalities", "prediction")
+UNSUPPORTED = ("functions", "function_call", "response_format", "logit_bias", "audio", "modalities", "prediction")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_CHOICES = ("auto", "none", "required")
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,9 @@ class ApiLimits:
     max_n: int = 8
     max_stop: int = 4
     max_stop_chars: int = 256
+    max_tools: int = 64
+    max_tools_chars: int = 65_536  # the tools array as JSON
+    max_tool_calls: int = 64  # per assistant message in the history
 
 
 class ApiError(Exception):
@@ -54,6 +62,8 @@ class ChatCall:
     samplings: list[SamplingSpec]  # one per choice (n)
     logprobs: bool
     episode_id: str  # "" = none
+    tools: list[dict] = field(default_factory=list)  # OpenAI function tools, as sent
+    tool_choice: str | dict = "auto"  # "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
 
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
@@ -113,10 +123,72 @@ def parse_messages(value: Any, limits: ApiLimits) -> list[dict]:
         text = _content(msg, i)
         chars += len(text)
         role = "system" if msg["role"] == "developer" else msg["role"]
-        out.append({"role": role, "content": text})
+        item = {"role": role, "content": text}
+        if role == "assistant" and msg.get("tool_calls"):
+            item["tool_calls"] = _tool_calls(msg["tool_calls"], i, limits)
+            chars += sum(len(c["function"]["arguments"]) for c in item["tool_calls"])
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str) or not 0 < len(call_id) <= 256:
+                raise bad(f"messages[{i}]: a tool message needs tool_call_id (a string of 1-256 characters)",
+                          f"messages[{i}].tool_call_id")
+            item["tool_call_id"] = call_id
+        out.append(item)
     if chars > limits.max_content_chars:
         raise bad(f"messages hold {chars} characters, more than {limits.max_content_chars}", "messages")
     return out
+
+
+def _tool_calls(value: Any, i: int, limits: ApiLimits) -> list[dict]:
+    """An assistant message's tool_calls as {"id", "type": "function", "function": {"name", "arguments": str}}."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(value, list) or len(value) > limits.max_tool_calls:
+        raise bad(f"{param} must be an array of at most {limits.max_tool_calls} calls", param, "invalid_type")
+    out = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
+                and isinstance(call.get("id"), str) and call.get("type", "function") == "function"):
+            raise bad(f'{param}[{j}] must be {{"id": str, "type": "function", "function": {{"name": str, '
+                      '"arguments": str}}}}', f"{param}[{j}]", "invalid_type")
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def _tools(body: dict, limits: ApiLimits) -> tuple[list[dict], str | dict]:
+    """`tools` (function tools only) and `tool_choice`, bounded; a named choice must name a listed tool."""
+    tools, choice = body.get("tools") or [], body.get("tool_choice")
+    if not isinstance(tools, list) or len(tools) > limits.max_tools:
+        raise bad(f"tools must be an array of at most {limits.max_tools} function tools", "tools", "invalid_type")
+    try:
+        size = len(json.dumps(tools))
+    except (TypeError, ValueError, RecursionError):
+        raise bad("tools must be plain JSON", "tools", "invalid_type") from None
+    if size > limits.max_tools_chars:
+        raise bad(f"tools hold {size} characters of JSON, more than {limits.max_tools_chars}", "tools")
+    out = []
+    for j, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not (tool.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and TOOL_NAME.match(fn["name"]) and isinstance(fn.get("description", ""), str)
+                and isinstance(fn.get("parameters", {}), dict)):
+            raise bad(f'tools[{j}] must be {{"type": "function", "function": {{"name": 1-64 of A-Z a-z 0-9 _ -, '
+                      '"description"?: str, "parameters"?: object}}}}', f"tools[{j}]", "invalid_type")
+        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters")
+                                                     if k in fn}})
+    if choice is None:
+        return out, "auto"
+    names = {t["function"]["name"] for t in out}
+    if isinstance(choice, str) and choice in TOOL_CHOICES:
+        if choice == "required" and not out:
+            raise bad('tool_choice "required" needs tools', "tool_choice")
+        return out, choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(fn, dict) and choice.get("type") == "function" and fn.get("name") in names:
+        return out, {"type": "function", "function": {"name": fn["name"]}}
+    raise bad('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": NAME}} '
+              "naming one of tools", "tool_choice")
 
 
 def _stop(body: dict, limits: ApiLimits) -> list[str]:
@@ -173,7 +245,10 @@ def parse_chat(body: Any, limits: ApiLimits, model: str, episode_header: str | N
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
                 max_new_tokens=max_tokens, stop_strings=_stop(body, limits))
     samplings = [SamplingSpec(**spec, seed=None if seed is None else (seed + i) % 2 ** 63) for i in range(n)]
-    return ChatCall(messages, samplings, logprobs, _episode_id(body, episode_header))
+    tools, tool_choice = _tools(body, limits)
+    if not isinstance(body.get("parallel_tool_calls", True), bool):
+        raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls", "invalid_type")
+    return ChatCall(messages, samplings, logprobs, _episode_id(body, episode_header), tools, tool_choice)
 
 
 def _logprobs(result: GenerateResult, decode: Callable[[list[int]], str]) -> dict:
@@ -184,13 +259,22 @@ def _logprobs(result: GenerateResult, decode: Callable[[list[int]], str]) -> dic
     return {"content": content, "refusal": None}
 
 
+def assistant_message(content: str | None, tool_calls: list[dict] | None = None) -> dict:
+    msg = {"role": "assistant", "content": content, "refusal": None}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
 def chat_response(model: str, prompt_tokens: int, results: list[GenerateResult], want_logprobs: bool,
-                  decode: Callable[[list[int]], str]) -> dict:
-    """A `chat.completion` object for the n results of one call (in choice order)."""
+                  decode: Callable[[list[int]], str], messages: list[dict] | None = None) -> dict:
+    """A `chat.completion` object for the n results of one call (in choice order); `messages[i]` replaces the
+    plain-text assistant message of choice i (parsed tool calls: finish_reason tool_calls)."""
     choices = []
     for i, r in enumerate(results):
-        choices.append({"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
-                        "finish_reason": "length" if r.finish_reason == "length" else "stop",
+        msg = messages[i] if messages else assistant_message(r.text)
+        reason = "tool_calls" if msg.get("tool_calls") else "length" if r.finish_reason == "length" else "stop"
+        choices.append({"index": i, "message": msg, "finish_reason": reason,
                         "logprobs": _logprobs(r, decode) if want_logprobs else None})
     completion = sum(len(r.output_ids) for r in results)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

@@ -104,7 +104,7 @@ def test_round_trip_with_the_official_client_records_the_episode(endpoint, token
     ({"model": MODEL, "messages": USER, "n": 100}, 400, "n"),
     ({"model": MODEL, "messages": USER, "stream": True}, 400, "stream"),
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs"),
-    ({"model": MODEL, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": MODEL, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0]"),
     ({"model": MODEL, "messages": USER, "user": "../../etc/passwd"}, 400, "user"),
     ([1, 2], 400, None),
 ])
