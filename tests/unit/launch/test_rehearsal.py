@@ -133,3 +133,27 @@ def test_the_dapo_overlong_buffer_keeps_its_share_of_the_toy_answers_and_says_so
     # a random model's answers all hit the cap: filtered, no step would ever train (said, like drop_uniform_groups)
     assert cfg.controller.overlong_filter and not t.cfg.controller.overlong_filter
     assert any("overlong_filter off" in note for note in t.notes)
+
+
+def test_check_evals_takes_a_named_skip_of_an_evaluation_through_the_rollout_engines(tmp_path):
+    """eval.via rollout may skip a due version with its reason (controller.eval_skipped: the pin was passed, or
+    another evaluation was running); the rehearsal reports it as skipped instead of failing, while a version that
+    is neither evaluated nor skipped still fails, and via process keeps today's rule."""
+    import json
+
+    from areal_mq.config import load_config
+    from areal_mq.launch.rehearsal import check_evals
+
+    cfg = load_config(None, ["eval.every=1", "eval.via=rollout"])
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"version": v, "n": 4, "strict": 0.5}) + "\n"
+                                                 for v in (0, 1, 3)))
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "controller.jsonl").write_text(json.dumps(
+        {"ts": 1.0, "event": "controller.eval_skipped", "version": 2, "reason": "the evaluation of v1 was still running"})
+        + "\n")
+    evals, failures = check_evals(tmp_path, cfg, 3)
+    assert not failures and [e["version"] for e in evals] == [0, 1, 2, 3] and evals[2]["skipped"].startswith("the eval")
+    _, failures = check_evals(tmp_path, cfg, 4)  # v4 (the final one) neither evaluated nor skipped
+    assert failures and "[4]" in failures[0]["reason"]
+    _, failures = check_evals(tmp_path, cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"via": "process"})}), 3)
+    assert failures  # via process: a skip is not an evaluation
