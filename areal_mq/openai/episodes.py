@@ -11,11 +11,13 @@ Why bounded: any HTTP client can open episodes, so the recorder caps episodes (l
 turns per episode, tokens per episode and in all, and forgets episodes idle past a TTL. A turn that would
 break a cap is not recorded; the episode says so (`dropped_turns`), the response is still served.
 
-Single sequence: turn k+1 continues turn k when its prompt starts with turn k's prompt + output (the
-chat template re-rendering what the model generated, then adding the environment's message). Then the
-tokens in between are the environment's (masked). When a prompt does not extend the previous turn (the
-client edited history, or the template re-tokenized the assistant text differently), the episode is not a
-single sequence: `to_sequences()` starts a new sequence there and `to_segments()` raises NotOneSequence.
+Single sequence: turn k+1 continues turn k when its prompt starts with turn k's prompt + output. The
+endpoint builds it that way (prompts.py: previous prompt ids + generated ids + the new messages' tokens) when
+the client's history is what was served; the tokens in between are the environment's (masked). A turn the
+endpoint had to render fresh (the client edited history, changed tools; `split` names the reason and the first
+differing message) starts a new sequence: `to_sequences()` splits there and `to_segments()` raises
+NotOneSequence. `audit()` checks every turn: the trained tokens equal the generated ones, in the context (the
+prompt) they were generated from; `to_json()` carries it per turn and in sum.
 Run: pytest tests/unit/test_openai_episodes.py -q
 """
 from __future__ import annotations
@@ -51,10 +53,23 @@ class Choice:
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: str
+    tool_calls: int = 0  # calls parsed out of its text (the tokens stay as generated)
+    tool_error: str = ""  # why text that opened a tool call was returned as text (toolcalls.ParsedReply.error)
 
     def to_json(self) -> dict:
         return {"output_ids": self.output_ids.tolist(), "logprobs": self.logprobs.tolist(),
-                "versions": self.versions.tolist(), "finish_reason": self.finish_reason}
+                "versions": self.versions.tolist(), "finish_reason": self.finish_reason,
+                "tool_calls": self.tool_calls, "tool_error": self.tool_error}
+
+
+@dataclass
+class Served:
+    """What the endpoint served an episode's last turn, so the next turn can extend its tokens (prompts.py)."""
+
+    message_keys: list[str]  # per request message, prompts.message_key
+    tools_key: str  # prompts.tools_key of the request's tools
+    prompt_ids: np.ndarray  # [P] int32
+    replies: list[tuple[str, np.ndarray]]  # per choice: message_key of the assistant message answered, output ids
 
 
 @dataclass
@@ -64,12 +79,16 @@ class RecordedTurn:
     prompt_ids: np.ndarray
     choices: list[Choice]
     created: float = 0.0
+    origin: str = "fresh"  # "fresh" | "continued" (prompt = previous prompt + output + new) | "split"
+    split_reason: str = ""  # why a later turn was rendered fresh: edited_history, tools_changed, ...
+    edit_at: int = -1  # the first request message that differed from what was served (-1: none / n.a.)
 
     def tokens(self) -> int:
         return len(self.prompt_ids) + sum(len(c.output_ids) for c in self.choices)
 
     def to_json(self) -> dict:
-        return {"prompt_ids": self.prompt_ids.tolist(), "created": self.created,
+        return {"prompt_ids": self.prompt_ids.tolist(), "created": self.created, "origin": self.origin,
+                "split_reason": self.split_reason, "edit_at": self.edit_at,
                 "choices": [c.to_json() for c in self.choices]}
 
 
@@ -79,6 +98,7 @@ class RecordedEpisode:
     turns: list[RecordedTurn] = field(default_factory=list)
     dropped_turns: int = 0
     touched: float = 0.0
+    served: Served | None = None  # the last turn served (recorded or not), for the next turn's prompt
 
     def tokens(self) -> int:
         return sum(t.tokens() for t in self.turns)
@@ -95,7 +115,8 @@ class RecordedEpisode:
             nxt = self.turns[k + 1].prompt_ids if k + 1 < len(self.turns) else None
             choice = _continued_choice(turn, nxt)
             p = turn.prompt_ids
-            if prev is not None and len(p) >= len(prev) and np.array_equal(p[:len(prev)], prev):
+            extends = prev is not None and len(p) >= len(prev) and np.array_equal(p[:len(prev)], prev)
+            if extends and turn.origin != "split":
                 if len(p) > len(prev):
                     sequences[-1].append(_plain("env", k, p[len(prev):]))
             else:
@@ -115,11 +136,35 @@ class RecordedEpisode:
                 "differently); train them as separate sequences with to_sequences()")
         return seqs[0] if seqs else []
 
+    def audit(self) -> list[dict]:
+        """Per turn: generated and trained token counts, and `exact`: the trained tokens are the generated ids
+        and the sequence before them is the prompt they were generated from."""
+        out = []
+        for seq in self.to_sequences():
+            context: list[int] = []
+            for seg in seq:
+                if seg["kind"] == "generated":
+                    turn = self.turns[seg["turn"]]
+                    nxt = self.turns[seg["turn"] + 1].prompt_ids if seg["turn"] + 1 < len(self.turns) else None
+                    gen = _continued_choice(turn, nxt).output_ids.tolist()
+                    trained = [t for t, m in zip(seg["tokens"], seg["loss_mask"]) if m]
+                    out.append({"turn": seg["turn"], "generated": len(gen), "trained": len(trained),
+                                "exact": trained == gen and context == turn.prompt_ids.tolist()})
+                context += seg["tokens"]
+        return out
+
     def to_json(self) -> dict:
-        seqs = self.to_sequences()
-        return {"episode_id": self.episode_id, "turns": [t.to_json() for t in self.turns],
-                "dropped_turns": self.dropped_turns, "single_sequence": len(seqs) <= 1,
-                "sequence_starts": [seq[0]["turn"] for seq in seqs]}
+        seqs, audit = self.to_sequences(), self.audit()
+        turns = [{**t.to_json(), "audit": a} for t, a in zip(self.turns, audit)]
+        splits = [{"turn": k, "reason": t.split_reason, "message": t.edit_at}
+                  for k, t in enumerate(self.turns) if t.origin == "split"]
+        summary = {"turns": len(audit), "generated_tokens": sum(a["generated"] for a in audit),
+                   "trained_tokens": sum(a["trained"] for a in audit),
+                   "exact_turns": sum(a["exact"] for a in audit),
+                   "continued_turns": sum(t.origin == "continued" for t in self.turns), "splits": splits}
+        return {"episode_id": self.episode_id, "turns": turns, "dropped_turns": self.dropped_turns,
+                "single_sequence": len(seqs) <= 1, "sequence_starts": [seq[0]["turn"] for seq in seqs],
+                "audit": summary}
 
 
 def _continued_choice(turn: RecordedTurn, next_prompt: np.ndarray | None) -> Choice:
@@ -154,13 +199,15 @@ class EpisodeRecorder:
         self._lock = threading.Lock()
         self.evicted = 0
 
-    def record(self, episode_id: str, turn: RecordedTurn) -> int:
-        """Append `turn`; returns its index, or -1 when a cap refused it (counted in dropped_turns)."""
+    def record(self, episode_id: str, turn: RecordedTurn, served: Served | None = None) -> int:
+        """Append `turn` (and keep `served` for the next turn's prompt); returns its index, or -1 when a cap
+        refused it (counted in dropped_turns)."""
         lim, now = self.limits, self._clock()
         with self._lock:
             self._expire(now)
             ep = self._episodes.pop(episode_id, None) or RecordedEpisode(episode_id)
             ep.touched = now
+            ep.served = served if served is not None else ep.served
             self._episodes[episode_id] = ep
             n = turn.tokens()
             if len(ep.turns) >= lim.max_turns or ep.tokens() + n > lim.max_episode_tokens:
@@ -173,6 +220,13 @@ class EpisodeRecorder:
                                                               and len(self._episodes) > 1):
                 self._drop(next(iter(self._episodes)))
             return len(ep.turns) - 1
+
+    def served(self, episode_id: str) -> Served | None:
+        """What the episode's last turn served (None: a new episode, or forgotten)."""
+        with self._lock:
+            self._expire(self._clock())
+            ep = self._episodes.get(episode_id)
+            return ep.served if ep is not None else None
 
     def get(self, episode_id: str) -> RecordedEpisode | None:
         with self._lock:

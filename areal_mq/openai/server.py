@@ -28,9 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from areal_mq.openai.api import ApiError, ApiLimits, chat_response, models_response, parse_chat
+from areal_mq.openai.api import (ApiError, ApiLimits, ChatCall, assistant_message, chat_response, models_response,
+                                 parse_chat)
 from areal_mq.openai.backend import OpenAIBackend
-from areal_mq.openai.episodes import Choice, EpisodeRecorder, RecorderLimits, RecordedTurn
+from areal_mq.openai.episodes import Choice, EpisodeRecorder, RecorderLimits, RecordedTurn, Served
+from areal_mq.openai.prompts import Prompt, PromptBuilder, message_key, tools_key
+from areal_mq.openai.toolcalls import FAMILIES, family_for
 from areal_mq.security import RateLimited
 
 EPISODE_PATH = re.compile(r"^/v1/episodes/([A-Za-z0-9_.:@-]{1,128})$")
@@ -46,6 +49,7 @@ class ServeConfig:
     read_timeout_s: float = 30.0  # per socket read: a client that trickles its request is cut off
     request_timeout_s: float = 300.0  # generation deadline of one call
     max_context: int = 2048  # prompt + max_tokens, tokens
+    tool_family: str = "auto"  # how tools are offered and calls parsed: auto (from the template) or a toolcalls.FAMILIES name
     api: ApiLimits = field(default_factory=ApiLimits)
     episodes: RecorderLimits = field(default_factory=RecorderLimits)
 
@@ -60,15 +64,8 @@ class ChatService:
         self.created = int(time.time())
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share between threads
         self._limited = RateLimited(log) if log is not None else None  # a client may hit a limit on every call
-
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        from areal_mq.engines.models import apply_chat_template
-
-        try:
-            with self._tok_lock:
-                return apply_chat_template(self.tokenizer, messages)
-        except Exception as exc:  # a template may refuse an order of roles (raise_exception in Jinja)
-            raise ApiError(400, f"the chat template refused these messages: {str(exc)[:300]}", "messages") from None
+        family = family_for(getattr(tokenizer, "chat_template", None), cfg.tool_family)
+        self.prompts = PromptBuilder(tokenizer, family, self._tok_lock)
 
     def decode(self, ids: list[int]) -> str:
         with self._tok_lock:
@@ -76,7 +73,8 @@ class ChatService:
 
     def chat(self, body: Any, episode_header: str | None) -> dict:
         call = parse_chat(body, self.cfg.api, self.model, episode_header)
-        prompt = self.prompt_ids(call.messages)
+        built = self.prompts.build(call, self.recorder.served(call.episode_id) if call.episode_id else None)
+        prompt = built.ids
         want = len(prompt) + call.samplings[0].max_new_tokens
         if want > self.cfg.max_context:
             raise ApiError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({call.samplings[0].max_new_tokens}) "
@@ -88,13 +86,24 @@ class ChatService:
         # they do not replace the KV the next turn most likely continues
         sessions = [call.episode_id] + [""] * (len(call.samplings) - 1)
         results = self.backend.generate(prompt, call.samplings, sessions, self.cfg.request_timeout_s)
+        family = self.prompts.family if call.tools and call.tool_choice != "none" else FAMILIES["none"]
+        parsed = [family.parse(built.forced + r.text) for r in results]
+        messages = [assistant_message(p.content, p.tool_calls) for p in parsed]
         if call.episode_id:
-            turn = RecordedTurn(np.asarray(prompt, dtype=np.int32),
-                        [Choice(r.output_ids, r.logprobs, r.versions, r.finish_reason) for r in results])
-            if self.recorder.record(call.episode_id, turn) < 0 and self._limited:  # one key: bounded log state
-                self._limited.warning("openai.turn_not_recorded", "turn_not_recorded", episode=call.episode_id,
-                                      reason="episode turn or token limit")
-        return chat_response(self.model, len(prompt), results, call.logprobs, self.decode)
+            self._record(call, built, results, parsed, messages)
+        return chat_response(self.model, len(prompt), results, call.logprobs, self.decode, messages)
+
+    def _record(self, call: ChatCall, built: Prompt, results: list, parsed: list, messages: list[dict]) -> None:
+        """The turn (tokens exactly as generated, whatever the parser made of them) and what was served."""
+        ids = np.asarray(built.ids, dtype=np.int32)
+        turn = RecordedTurn(ids, [Choice(r.output_ids, r.logprobs, r.versions, r.finish_reason, len(p.tool_calls),
+                                         p.error) for r, p in zip(results, parsed)],
+                            origin=built.origin, split_reason=built.split_reason, edit_at=built.edit_at)
+        served = Served([message_key(m) for m in call.messages], tools_key(call.tools), ids,
+                        [(message_key(m), np.asarray(r.output_ids, dtype=np.int32)) for m, r in zip(messages, results)])
+        if self.recorder.record(call.episode_id, turn, served) < 0 and self._limited:  # one key: bounded log state
+            self._limited.warning("openai.turn_not_recorded", "turn_not_recorded", episode=call.episode_id,
+                                  reason="episode turn or token limit")
 
     def episode(self, episode_id: str, pop: bool) -> dict:
         ep = self.recorder.pop(episode_id) if pop else self.recorder.get(episode_id)
