@@ -170,7 +170,7 @@ def _tools(body: dict, limits: ApiLimits) -> tuple[list[dict], str | dict]:
     out = []
     for j, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not (tool.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str)
+        if not (isinstance(fn, dict) and tool.get("type") == "function" and isinstance(fn.get("name"), str)
                 and TOOL_NAME.match(fn["name"]) and isinstance(fn.get("description", ""), str)
                 and isinstance(fn.get("parameters", {}), dict)):
             raise bad(f'tools[{j}] must be {{"type": "function", "function": {{"name": 1-64 of A-Z a-z 0-9 _ -, '
@@ -185,7 +185,8 @@ def _tools(body: dict, limits: ApiLimits) -> tuple[list[dict], str | dict]:
             raise bad('tool_choice "required" needs tools', "tool_choice")
         return out, choice
     fn = choice.get("function") if isinstance(choice, dict) else None
-    if isinstance(fn, dict) and choice.get("type") == "function" and fn.get("name") in names:
+    if isinstance(fn, dict) and choice.get("type") == "function" and isinstance(fn.get("name"), str) \
+            and fn["name"] in names:
         return out, {"type": "function", "function": {"name": fn["name"]}}
     raise bad('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": NAME}} '
               "naming one of tools", "tool_choice")

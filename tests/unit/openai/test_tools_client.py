@@ -129,7 +129,9 @@ def test_tools_are_validated(serve):
     for kw, param in [({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0]"),
                       ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice"),
                       ({"tool_choice": "required"}, "tool_choice"),
-                      ({"tools": tools * 65}, "tools")]:
+                      ({"tools": tools * 65}, "tools"), ({"tools": ["add"]}, "tools[0]"),
+                      ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": ["add"]}}},
+                       "tool_choice")]:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=user, **kw)
         assert err.value.body["param"] == param
