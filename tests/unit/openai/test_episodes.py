@@ -82,3 +82,18 @@ def test_idle_episodes_expire():
     assert rec.get("old") is None and rec.get("new") is not None
     now[0] = 30.0
     assert rec.pop("new") is None and rec.stats() == {"episodes": 0, "tokens": 0, "evicted": 2}
+
+
+def test_a_split_turn_starts_a_new_sequence_even_when_its_tokens_extend_and_the_audit_counts_turns():
+    rec = EpisodeRecorder()
+    rec.record("e", turn([1, 2], choice([5, 6], 0)))
+    rec.record("e", RecordedTurn(np.asarray([1, 2, 5, 6, 9], np.int32), [choice([7], 1)], origin="continued"))
+    rec.record("e", RecordedTurn(np.asarray([1, 2, 5, 6, 9, 7, 8], np.int32), [choice([3, 3], 1)], origin="split",
+                                 split_reason="edited_history", edit_at=1))
+    doc = rec.get("e").to_json()
+    assert doc["sequence_starts"] == [0, 2] and not doc["single_sequence"]
+    assert [t["audit"] for t in doc["turns"]] == [{"turn": 0, "generated": 2, "trained": 2, "exact": True},
+                                                  {"turn": 1, "generated": 1, "trained": 1, "exact": True},
+                                                  {"turn": 2, "generated": 2, "trained": 2, "exact": True}]
+    assert doc["audit"] == {"turns": 3, "generated_tokens": 5, "trained_tokens": 5, "exact_turns": 3,
+                            "continued_turns": 1, "splits": [{"turn": 2, "reason": "edited_history", "message": 1}]}
