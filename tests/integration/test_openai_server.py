@@ -99,6 +99,11 @@ def test_turns_are_recorded_per_episode_and_popped(system, how):
     assert ep["episode_id"] == episode_id and len(ep["turns"]) == 2 and ep["dropped_turns"] == 0
     first, second = ep["turns"]
     assert second["prompt_ids"][:len(first["prompt_ids"])] == first["prompt_ids"]
+    # the second prompt continues the generated ids, never a re-tokenization of the text (random model: often differs)
+    assert second["origin"] == "continued" and ep["single_sequence"]
+    assert second["prompt_ids"][:len(first["prompt_ids"]) + len(first["choices"][0]["output_ids"])] == \
+        first["prompt_ids"] + first["choices"][0]["output_ids"]
+    assert ep["audit"]["exact_turns"] == 2 and ep["audit"]["trained_tokens"] == ep["audit"]["generated_tokens"]
     for t in ep["turns"]:
         (ch,) = t["choices"]
         assert len(ch["output_ids"]) == len(ch["logprobs"]) == len(ch["versions"]) >= 1
@@ -108,6 +113,30 @@ def test_turns_are_recorded_per_episode_and_popped(system, how):
     with pytest.raises(urllib.error.HTTPError) as info:
         episode(system, episode_id)
     assert info.value.code == 404 and json.loads(info.value.read())["error"]["code"] == "episode_not_found"
+
+
+def test_a_tools_agent_against_the_real_engine_trains_exactly_what_was_generated(system):
+    """tools= with a named tool_choice on the real worker: the forced call opening is prompt, the random model's
+    arguments mostly malformed (text + reason recorded) or parsed; three turns, one exact sequence either way."""
+    c = client(system)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    for _ in range(3):
+        r = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=8, temperature=1.0,
+                                      tool_choice={"type": "function", "function": {"name": "add"}}, user="tools-1")
+        msg = r.choices[0].message
+        messages.append(msg)
+        if msg.tool_calls:
+            messages += [{"role": "tool", "tool_call_id": t.id, "content": "5"} for t in msg.tool_calls]
+        else:
+            messages.append({"role": "user", "content": "Call the tool."})
+    ep = episode(system, "tools-1", "DELETE")
+    assert [t["origin"] for t in ep["turns"]] == ["fresh", "continued", "continued"] and ep["single_sequence"]
+    assert ep["audit"]["exact_turns"] == 3 and ep["audit"]["trained_tokens"] == ep["audit"]["generated_tokens"]
+    for t in ep["turns"]:
+        (ch,) = t["choices"]
+        assert ch["tool_calls"] > 0 or ch["tool_error"].startswith("malformed_tool_call")
 
 
 def test_errors_reach_the_client_as_openai_errors(system):
