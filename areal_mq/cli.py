@@ -134,6 +134,8 @@ def serve_openai(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = 
                                                  "key clients must send (Bearer); required off loopback."),
                  max_tokens: int = typer.Option(1024, help="Largest max_tokens a request may ask for."),
                  timeout: float = typer.Option(300.0, help="Seconds one call may wait for its generation."),
+                 tool_family: str = typer.Option("auto", help="How tools are offered and calls parsed: auto (from "
+                                                 "the chat template) or a family of docs/openai.md's Tools table."),
                  insecure: bool = InsecureOpt) -> None:
     """Serve /v1/chat/completions and /v1/models backed by the job broker; record episodes (docs/openai.md)."""
     import os
@@ -143,7 +145,7 @@ def serve_openai(config: Optional[str] = ConfigOpt, set_: Optional[List[str]] = 
 
     cfg = _load(config, set_, insecure)
     try:
-        scfg = serve_config(cfg, host, port, os.environ.get(api_key_env, ""), max_tokens, timeout)
+        scfg = serve_config(cfg, host, port, os.environ.get(api_key_env, ""), max_tokens, timeout, tool_family)
         code = serve(cfg, scfg, broker)
     except (ArealError, OSError) as exc:  # a taken port, a missing key, an unknown model
         typer.echo(f"error: {exc}", err=True)

@@ -258,7 +258,7 @@ class OpenAIServer(ThreadingHTTPServer):
 
 
 def serve_config(cfg: Any, host: str, port: int, api_key: str = "", max_tokens: int = 1024,
-                 timeout_s: float = 300.0) -> ServeConfig:
+                 timeout_s: float = 300.0, tool_family: str = "auto") -> ServeConfig:
     """ServeConfig from the CLI flags and the run config (the engine's context length bounds every call)."""
     from areal_mq.errors import ConfigError
     from areal_mq.security import is_loopback
@@ -269,9 +269,11 @@ def serve_config(cfg: Any, host: str, port: int, api_key: str = "", max_tokens: 
     context = cfg.rollout.engine.max_model_len or 2048
     if not 1 <= max_tokens < context:
         raise ConfigError(f"--max-tokens {max_tokens} must be between 1 and the context ({context}) - 1")
+    if tool_family != "auto" and tool_family not in FAMILIES:
+        raise ConfigError(f"--tool-family {tool_family!r}: one of auto, {', '.join(FAMILIES)}")
     api = ApiLimits(max_tokens=max_tokens, default_max_tokens=min(256, max_tokens))
     return ServeConfig(host=host, port=port, api_key=api_key, request_timeout_s=timeout_s, max_context=context,
-                       api=api)
+                       api=api, tool_family=tool_family)
 
 
 def broker_backend(cfg: Any, address: str, keys: Any, log: Any) -> OpenAIBackend:

@@ -70,3 +70,15 @@ def test_family_from_the_template_and_forced_prefixes():
     forced = qwen.forced(named)
     assert calls(qwen.parse(forced + '{"a": 1}}\n</tool_call>')) == [("add", {"a": 1})]
     assert calls(FAMILIES["llama3"].parse(FAMILIES["llama3"].forced(named) + '{"a": 2}}')) == [("add", {"a": 2})]
+
+
+def test_serve_config_takes_a_known_family_only():
+    from types import SimpleNamespace
+
+    from areal_mq.errors import ConfigError
+    from areal_mq.openai.server import serve_config
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(engine=SimpleNamespace(max_model_len=2048)))
+    assert serve_config(cfg, "127.0.0.1", 0, tool_family="llama3").tool_family == "llama3"
+    with pytest.raises(ConfigError, match="--tool-family"):
+        serve_config(cfg, "127.0.0.1", 0, tool_family="hermes2")
