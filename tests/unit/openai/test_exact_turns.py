@@ -1,7 +1,7 @@
-"""Exact tokens across turns through ChatService (areal_mq/openai/prompts.py): 200 multi-turn tool episodes, half
-on SmolLM2's own template (no tool support: the `prompted` family) and half on a Qwen2.5-style template
-(tests/unit/openai/fixtures, `qwen` family) applied to SmolLM2's tokenizer, answered by a scripted backend whose
-tool calls use other JSON spacing than the template's. Every turn's trained tokens are its generated ids in the
+"""Exact tokens across turns through ChatService (areal_mq/openai/prompts.py): 300 multi-turn tool episodes, a third
+each on SmolLM2's own template (no tool support: the `prompted` family), a Qwen2.5-style and a Qwen3-style template
+(tests/unit/openai/fixtures, `qwen` family; Qwen3's drops earlier <think> blocks) applied to SmolLM2's tokenizer,
+answered by a scripted backend whose tool calls use other JSON spacing than the template's. Every turn's trained tokens are its generated ids in the
 context they were generated in (the episode audit), where a fresh render of the history would not extend them.
 An edited history, another reply or other tools split the episode, recorded with the reason.
 
@@ -20,7 +20,9 @@ from areal_mq.messages import GenerateResult
 from areal_mq.openai.server import ChatService, ServeConfig
 
 MODEL = "smollm2-135m-instruct"
-QWEN_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen2_5_chat_template.jinja").read_text()
+FIXTURES = Path(__file__).parent / "fixtures"
+QWEN_TEMPLATE = (FIXTURES / "qwen2_5_chat_template.jinja").read_text()
+QWEN3_TEMPLATE = (FIXTURES / "qwen3_chat_template.jinja").read_text()
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
 
@@ -58,9 +60,9 @@ REPLIES = [_call, _call, lambda rng: f"<think>sum</think> The answer is {rng.ran
 @pytest.fixture(scope="module")
 def tokenizers():
     smol = load_tokenizer(resolve_model(MODEL))
-    qwen = copy.deepcopy(smol)
-    qwen.chat_template = QWEN_TEMPLATE
-    return {"smollm2": smol, "qwen2.5": qwen}
+    qwen, qwen3 = copy.deepcopy(smol), copy.deepcopy(smol)
+    qwen.chat_template, qwen3.chat_template = QWEN_TEMPLATE, QWEN3_TEMPLATE
+    return {"smollm2": smol, "qwen2.5": qwen, "qwen3": qwen3}
 
 
 def service(tokenizer, rng, **backend_kw):
@@ -85,14 +87,14 @@ def run_episode(svc, episode_id, rng, turns):
     return messages
 
 
-@pytest.mark.parametrize("template", ["smollm2", "qwen2.5"])
+@pytest.mark.parametrize("template", ["smollm2", "qwen2.5", "qwen3"])
 @pytest.mark.parametrize("eos", [True, False])
 def test_trained_tokens_equal_generated_tokens_for_every_turn(tokenizers, template, eos):
     tok, rng = tokenizers[template], random.Random(f"{template}{eos}")
     svc = service(tok, rng, eos=eos)
-    assert svc.prompts.family.name == {"smollm2": "prompted", "qwen2.5": "qwen"}[template]
+    assert svc.prompts.family.name == {"smollm2": "prompted", "qwen2.5": "qwen", "qwen3": "qwen"}[template]
     turns = exact = rerender_breaks = calls = 0
-    for e in range(50):  # x 4 parameter sets = 200 episodes
+    for e in range(50):  # x 6 parameter sets = 300 episodes
         n_turns = rng.randint(3, 5)
         messages = run_episode(svc, f"ep{e}", rng, n_turns)
         ep = svc.recorder.pop(f"ep{e}")
@@ -159,3 +161,17 @@ def test_tool_choice_none_required_and_named(tokenizers):
     r = svc.chat({"model": MODEL, "messages": user, "tools": TOOLS, "tool_choice": "required"}, "req")
     assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["message"]["content"].startswith("<tool_call>")
     assert svc.recorder.get("req").turns[0].choices[0].tool_error.startswith("malformed_tool_call")
+
+
+def test_qwen3_would_drop_an_earlier_think_block_and_the_continued_prompt_keeps_it(tokenizers):
+    tok = tokenizers["qwen3"]
+    svc = service(tok, random.Random(3))
+    svc.backend.script = ["<think>17 and 25</think>\n\nIt is 42.", "Yes."]
+    m = [{"role": "user", "content": "What is 17 + 25?"}]
+    r = svc.chat({"model": MODEL, "messages": m}, "think")
+    m += [r["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
+    svc.chat({"model": MODEL, "messages": m}, "think")
+    continued = tok.decode(svc.recorder.get("think").turns[1].prompt_ids.tolist())
+    fresh = tok.decode(svc.prompts._fresh(m, []))
+    assert "<think>17 and 25</think>" in continued and "17 and 25" not in fresh
+    assert svc.episode("think", pop=True)["audit"]["exact_turns"] == 2
