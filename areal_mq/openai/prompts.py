@@ -155,8 +155,8 @@ class PromptBuilder:
 def _with_object_args(msg: dict) -> dict:
     if not msg.get("tool_calls"):
         return msg
-    calls = [{**c, "function": {"name": c["function"]["name"], "arguments": _canonical_args(c["function"]["arguments"])}}
-             for c in msg["tool_calls"]]
+    calls = [{**c, "function": {"name": c["function"]["name"],
+                                "arguments": _canonical_args(c["function"]["arguments"])}} for c in msg["tool_calls"]]
     return {**msg, "tool_calls": calls}
 
 

@@ -49,7 +49,7 @@ class ServeConfig:
     read_timeout_s: float = 30.0  # per socket read: a client that trickles its request is cut off
     request_timeout_s: float = 300.0  # generation deadline of one call
     max_context: int = 2048  # prompt + max_tokens, tokens
-    tool_family: str = "auto"  # how tools are offered and calls parsed: auto (from the template) or a toolcalls.FAMILIES name
+    tool_family: str = "auto"  # how tools are offered and calls parsed: auto (from the template) or a FAMILIES name
     api: ApiLimits = field(default_factory=ApiLimits)
     episodes: RecorderLimits = field(default_factory=RecorderLimits)
 

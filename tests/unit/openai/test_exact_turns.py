@@ -1,11 +1,12 @@
 """Exact tokens across turns through ChatService (areal_mq/openai/prompts.py): 300 multi-turn tool episodes, a third
 each on SmolLM2's own template (no tool support: the `prompted` family), a Qwen2.5-style and a Qwen3-style template
 (tests/unit/openai/fixtures, `qwen` family; Qwen3's drops earlier <think> blocks) applied to SmolLM2's tokenizer,
-answered by a scripted backend whose tool calls use other JSON spacing than the template's. Every turn's trained tokens are its generated ids in the
-context they were generated in (the episode audit), where a fresh render of the history would not extend them.
-An edited history, another reply or other tools split the episode, recorded with the reason.
+answered by a scripted backend whose tool calls use other JSON spacing than the template's. Every turn's trained
+tokens are its generated ids in the context they were generated in (the episode audit), where a fresh render of the
+history would not extend them. An edited history, another reply or other tools split the episode, recorded with the
+reason.
 
-Run: pytest tests/unit/openai/test_exact_turns.py -q   (~20 s on a busy 2-core machine, most of it loading the tokenizer)
+Run: pytest tests/unit/openai/test_exact_turns.py -q   (~20 s on a busy 2-core machine, mostly loading the tokenizer)
 """
 import copy
 import json
@@ -66,7 +67,8 @@ def tokenizers():
 
 
 def service(tokenizer, rng, **backend_kw):
-    return ChatService(ServeConfig(max_context=1 << 16), MODEL, tokenizer, ScriptedBackend(tokenizer, rng, **backend_kw))
+    backend = ScriptedBackend(tokenizer, rng, **backend_kw)
+    return ChatService(ServeConfig(max_context=1 << 16), MODEL, tokenizer, backend)
 
 
 def run_episode(svc, episode_id, rng, turns):
@@ -159,7 +161,8 @@ def test_tool_choice_none_required_and_named(tokenizers):
     assert tok.decode(turn.choices[0].output_ids.tolist()).startswith('{"a": 4')  # trained: only what was generated
     svc.backend.script = ["no call at all"]
     r = svc.chat({"model": MODEL, "messages": user, "tools": TOOLS, "tool_choice": "required"}, "req")
-    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["message"]["content"].startswith("<tool_call>")
+    (ch,) = r["choices"]
+    assert ch["finish_reason"] == "stop" and ch["message"]["content"].startswith("<tool_call>")
     assert svc.recorder.get("req").turns[0].choices[0].tool_error.startswith("malformed_tool_call")
 
 

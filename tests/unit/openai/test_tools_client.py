@@ -99,7 +99,8 @@ def test_an_openai_tools_agent_runs_unchanged_and_its_episode_trains(serve, toke
     assert '"name": "add"' in tokenizer.decode(first)  # the tools reached the model (system message)
     ep = service.recorder.pop("agent-1")
     doc = ep.to_json()
-    assert doc["single_sequence"] and doc["audit"]["exact_turns"] == 2 and doc["turns"][0]["choices"][0]["tool_calls"] == 1
+    assert doc["single_sequence"] and doc["audit"]["exact_turns"] == 2
+    assert doc["turns"][0]["choices"][0]["tool_calls"] == 1
     assert doc["turns"][1]["origin"] == "continued"
     segs = ep.to_segments()
     assert [s["kind"] for s in segs] == ["prompt", "generated", "env", "generated"]
@@ -127,7 +128,8 @@ def test_tools_are_validated(serve):
     user = [{"role": "user", "content": "hi"}]
     tools = ToolRegistry([AddTool()]).openai_tools()
     for kw, param in [({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0]"),
-                      ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice"),
+                      ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+                       "tool_choice"),
                       ({"tool_choice": "required"}, "tool_choice"),
                       ({"tools": tools * 65}, "tools"), ({"tools": ["add"]}, "tools[0]"),
                       ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": ["add"]}}},
