@@ -1,7 +1,8 @@
 """`areal-mq serve-openai`: an OpenAI-compatible chat endpoint backed by the job broker.
 
 What: `POST /v1/chat/completions` renders the messages with the model's own chat template (the tokenizer
-the rollout workers use), submits one GenerateRequest per choice to the job broker (service "generate",
+the rollout workers use; a later turn of an episode continues the tokens already served instead: prompts.py;
+tools per model family: toolcalls.py), submits one GenerateRequest per choice to the job broker (service "generate",
 this process speaks with the "agent" key), and answers in the OpenAI format (api.py). Every answer
 is recorded for its episode (`X-Episode-Id` header or `user`; episodes.py) and can be read with
 `GET /v1/episodes/{id}` or popped with `DELETE /v1/episodes/{id}`. `GET /v1/models` lists the one model.
