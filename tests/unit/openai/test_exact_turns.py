@@ -113,6 +113,8 @@ def test_trained_tokens_equal_generated_tokens_for_every_turn(tokenizers, templa
         calls += sum(c["tool_calls"] for t in doc["turns"] for c in t["choices"])
         # what re-rendering the whole history would give: for most episodes no extension of the generated tokens
         last = ep.turns[-1]
+        text = tok.decode(last.prompt_ids.tolist())  # every assistant message closed once, generated or not
+        assert "<|im_end|><|im_end|>" not in text and text.count("<|im_start|>") == text.count("<|im_end|>") + 1
         fresh = svc.prompts._fresh(messages[:-1] if messages[-1]["role"] == "user" else messages, TOOLS)
         rerender_breaks += fresh[:len(last.prompt_ids)] != last.prompt_ids.tolist()
     assert exact == turns and turns >= 150 and calls > 20
