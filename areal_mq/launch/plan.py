@@ -7,7 +7,8 @@ nothing loaded) and the run config:
                  the embeddings, or the final norm + LM head, gathered with its gradient, one at a time; a tied
                  model's one matrix in the root), the reference model (kl_coef > 0), activations of one
                  micro-batch (trainer.max_tokens_per_mb tokens: (8 H + 3 I) values per token and layer in the
-                 compute dtype, H per layer with gradient checkpointing), one chunk of logits with its softmax
+                 compute dtype, H per layer with gradient checkpointing) and its packed row's L x L attention
+                 mask (boolean, and the additive bias SDPA makes of it), one chunk of logits with its softmax
                  and gradient (3 x trainer.fsdp.logprob_chunk_mb); the publish snapshots are host memory, not
                  counted on a device: gathered (2 x the model in trainer.publish_dtype, on rank 0) or, sharded
                  (trainer.publish_layout), 2 copies of the rank's own shard staged through pinned host buckets
@@ -313,6 +314,12 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
                             (compute + 4 * (t.lora is None)) * s.embed_params))
     per_token_layer = s.hidden if t.gradient_checkpointing else 8 * s.hidden + 3 * s.intermediate
     p.items.append(Item("activations", t.max_tokens_per_mb * s.layers * per_token_layer * compute))
+    if t.packing in ("shared", "dynamic"):
+        # one packed row of L = max_tokens_per_mb tokens: packing.py's shared packing builds a boolean [1, 1, L, L]
+        # mask, dynamic packing leaves it to transformers, which builds the same block-diagonal mask from the
+        # position ids; SDPA's kernels other than flash take it as an additive bias in the compute dtype. Quadratic:
+        # 192 MiB at 8k tokens in bf16, 3 GiB at 32k (padded micro-batches are a few short rows)
+        p.items.append(Item("attention mask (L x L)", t.max_tokens_per_mb ** 2 * (1 + compute)))
     p.items.append(Item("logits chunk", 3 * t.fsdp.logprob_chunk_mb * (1 << 20)))
     # sharded publishing's 2 snapshots of the shard (BackgroundPublisher) are host memory, staged through pinned
     # buckets (weights/staging.py): not on the device, like the gathered snapshot (module docstring)

@@ -282,3 +282,19 @@ def test_the_old_reservation_cap_would_throttle_the_node_layout_and_the_plan_say
     small = steady_rows(max_concurrent=256, pool_tokens=100 * 3000, block_size=16, prompt_tokens=256,
                         max_new_tokens=8192)
     assert small["limited_by"] == "the KV pool" and 95 <= small["rows"] <= 100, small
+
+
+def test_a_packed_row_counts_its_quadratic_attention_mask():
+    """Packed micro-batches (shared, dynamic) attend through an L x L mask today (algorithms/packing.py; issue 61):
+    a boolean and SDPA's additive bias in the compute dtype, 3 bytes a pair in bf16 on a GPU: 3 GiB at 32k tokens,
+    16 x the 8k row's; padded micro-batches count none."""
+    def items(*sets):
+        from areal_mq.config import load_config
+
+        plan = make_plan(load_config(ROOT / "configs" / "quickstart-gpu.yaml", list(sets)))
+        return {i.name: i.nbytes for i in next(p for p in plan.processes if p.role == "trainer rank").items}
+
+    long, short = items("trainer.max_tokens_per_mb=32768"), items("trainer.max_tokens_per_mb=8192")
+    assert long["attention mask (L x L)"] == 32768 ** 2 * 3 == 3 * 2 ** 30
+    assert long["attention mask (L x L)"] == 16 * short["attention mask (L x L)"]
+    assert "attention mask (L x L)" not in items("trainer.packing=padded")
