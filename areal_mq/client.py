@@ -18,8 +18,8 @@ import zmq
 
 from areal_mq import protocol
 from areal_mq.errors import BrokerUnavailable, JobFailed, ProtocolError
-from areal_mq.messages import (Ack, BatchAck, Error, GetBatch, Heartbeat, Kind, Message, Sample, SampleBatch,
-                               Stats, StatsRequest)
+from areal_mq.messages import (Ack, BatchAck, Error, GeneratePartial, GetBatch, Heartbeat, Kind, Message, Sample,
+                               SampleBatch, Stats, StatsRequest)
 from areal_mq.security import Keyring
 
 
@@ -171,7 +171,9 @@ class JobClient:
                         self._resubmit_all("broker restarted")
                     continue
                 ref = env.reply_to or getattr(env.msg, "ref_id", "")
-                if ref in self.pending:
+                if ref in self.pending and env.kind == Kind.GENERATE_PARTIAL:
+                    out.append((ref, env.msg))  # a streamed request's tokens so far: the job is still pending
+                elif ref in self.pending:
                     del self.pending[ref]
                     out.append((ref, env.msg))
         return out
@@ -184,8 +186,8 @@ class JobClient:
         deadline = time.monotonic() + timeout
         while True:
             for i, (rid, msg) in enumerate(self._set_aside):
-                if rid == job_id:
-                    del self._set_aside[i]
+                if rid == job_id and not isinstance(msg, GeneratePartial):  # partials are a view: wait() drops them
+                    self._set_aside = [(r, m) for j, (r, m) in enumerate(self._set_aside) if r != job_id and j != i]
                     if isinstance(msg, Error):
                         raise JobFailed(f"job {job_id} failed: [{msg.code}] {msg.message}")
                     return msg

@@ -18,6 +18,7 @@ MAX_READY_TASKS = 256  # Ready.tasks entries; a worker serving more advertises n
 MAX_SESSION_LEN = 128  # GenerateRequest.session characters (a routing and cache key, never a payload)
 MAX_EPISODE_TOKENS = 1 << 16  # SeqSample.loss_mask / EpisodeResult: tokens after the prompt of one episode
 MAX_PROBLEM_CHARS = 1 << 16  # EpisodeJob.prompt and answer characters
+MAX_PARTIAL_TOKENS = 4096  # GeneratePartial tokens in one message (a worker sends at most this many per partial)
 
 
 def _narrowed(value: np.ndarray, want: np.dtype) -> np.ndarray:
@@ -78,6 +79,7 @@ class Kind(str, enum.Enum):
     DISCONNECT = "disconnect"
     GENERATE_REQUEST = "generate_request"
     GENERATE_RESULT = "generate_result"
+    GENERATE_PARTIAL = "generate_partial"
     REWARD_JOB = "reward_job"
     REWARD_RESULT = "reward_result"
     SAMPLE = "sample"
@@ -217,6 +219,8 @@ class GenerateRequest(Message):
                                     "version (a periodic evaluation); None: any version >= min_version.")
     session: str = Field("", max_length=MAX_SESSION_LEN,
                          description="Multi-turn episode key: sticky routing and KV reuse across turns.")
+    stream: bool = Field(False, description="Send GeneratePartial messages while decoding (the OpenAI endpoint's "
+                         "stream: true); the GenerateResult stays the answer. Training traffic leaves it False.")
     meta: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -260,6 +264,37 @@ class GenerateResult(Message):
 
     @model_validator(mode="after")
     def _same_lengths(self) -> "GenerateResult":
+        return same_token_lengths(self)
+
+
+class GeneratePartial(Message):
+    """rollout worker -> job broker -> requester: tokens of a streamed request (GenerateRequest.stream) decoded
+    since the previous partial, sent while the sequence runs. A view only: the GenerateResult that ends the job is
+    the answer and holds every token again; a requester may drop partials (the broker forwards them only from the
+    worker the job is assigned to, only for a generate_request, and only the rollout role may send them).
+
+    output_ids  # [K] int32, 1 <= K <= MAX_PARTIAL_TOKENS, the tokens after the first `start`
+    logprobs    # [K] float32
+    versions    # [K] int32, the policy version of each (a weight update mid-answer changes them; same stream)
+    seq: 0, 1, 2, ... per job (a gap or repeat means a partial was lost or the job was requeued: `start` says
+    where these tokens belong; a requeued job starts again at 0).
+    Rate: at most one per job every STREAM_INTERVAL_S, each at most MAX_PARTIAL_TOKENS (workers/rollout_stream.py).
+    Example: GeneratePartial(output_ids=[5, 6], logprobs=[-0.1, -2.0], versions=[3, 3], start=0, seq=0)
+    """
+
+    kind: ClassVar[Kind] = Kind.GENERATE_PARTIAL
+    direction: ClassVar[str] = "rollout worker -> requester"
+    output_ids: Int32Array
+    logprobs: Float32Array
+    versions: Int32Array
+    start: int = Field(ge=0, le=1 << 20)
+    seq: int = Field(ge=0, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "GeneratePartial":
+        if not 1 <= len(self.output_ids) <= MAX_PARTIAL_TOKENS:
+            raise ValueError(f"a partial holds 1 to MAX_PARTIAL_TOKENS ({MAX_PARTIAL_TOKENS}) tokens, got "
+                             f"{len(self.output_ids)}")
         return same_token_lengths(self)
 
 
@@ -736,7 +771,7 @@ class Stats(Message):
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.kind: cls
     for cls in (
-        Ready, Heartbeat, Disconnect, GenerateRequest, GenerateResult, RewardJob, RewardResult,
+        Ready, Heartbeat, Disconnect, GenerateRequest, GenerateResult, GeneratePartial, RewardJob, RewardResult,
         Sample, GetBatch, SampleBatch, BatchAck, Ack, WeightsReady, WeightsFetch, WeightsChunk,
         Control, Event, Error, StatsRequest, Stats, EpisodeJob, EpisodeResult,
     )

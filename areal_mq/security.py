@@ -46,6 +46,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "submit": frozenset({"controller", "agent", "launcher"}),  # jobs to the job broker
     "submit:pinned": frozenset({"controller"}),  # a generate_request with pin_version: it holds the workers' updates
     "serve": frozenset({"rollout", "reward", "agent", "echo"}),  # READY for a service no role owns
+    "stream": frozenset({"rollout"}),  # generate_partial: tokens of a streamed generate_request, while it decodes
     "publish:weights": frozenset({"trainer"}),
     "publish:control": frozenset({"launcher", "controller"}),
     "publish:events": ANY,

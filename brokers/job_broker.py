@@ -28,7 +28,11 @@ Invariants:
   has credit; if that worker is full the job waits for it at most `sticky_wait_s` (then any worker), and if
   it died, any worker (brokers/sticky.py: the LRU-bounded session map and the parked jobs);
 - with CURVE keys, a peer may only say what its role owns (security.refusal): only worker roles register,
-  only for their own services and up to `max_capacity`; only the controller (agent, launcher) submits jobs.
+  only for their own services and up to `max_capacity`; only the controller (agent, launcher) submits jobs;
+  only the rollout role sends generate_partial;
+- a generate_partial (tokens of a streamed request, docs/protocol.md) is forwarded to the job's client only from
+  the worker the job is assigned to and only for a generate_request; it never ends the job nor frees a slot
+  (the generate_result does); anything else is dropped and counted (dropped_partials).
   Anything else is answered with Error(forbidden) and logged, rate-limited.
 Who waits on whom: nobody waits on the broker except through credits; the broker waits on nothing.
 
@@ -189,6 +193,8 @@ class JobBroker:
             self._drop_worker(ident, f"disconnect: {env.msg.reason}")
         elif kind in REPLY_KINDS and env.reply_to and ident in self.workers:
             self._on_reply(ident, env, frames)
+        elif kind == Kind.GENERATE_PARTIAL:
+            self._on_partial(ident, env, frames)
         elif kind == Kind.STATS_REQUEST:
             self._send(ident, protocol.encode(Stats(data=self.stats()), reply_to=env.id))
         elif kind in REPLY_KINDS:
@@ -202,6 +208,8 @@ class JobBroker:
             if env.msg.capacity > self.max_capacity:
                 return f"capacity {env.msg.capacity} exceeds brokers.max_worker_capacity ({self.max_capacity})"
             return refusal(role, f"serve:{env.msg.service}")
+        if kind == Kind.GENERATE_PARTIAL:
+            return refusal(role, "stream")
         if kind in (Kind.DISCONNECT, Kind.STATS_REQUEST) or kind in REPLY_KINDS:
             return None  # a disconnect or reply only concerns the sender's own registration and jobs
         if kind == Kind.GENERATE_REQUEST and env.msg.pin_version is not None:  # a periodic evaluation's: controller only
@@ -363,6 +371,16 @@ class JobBroker:
             self.metrics.answered(job, now)
         self._send(job.client, frames)
         self._deliver(dispatch.freed(self.pool, worker, now))
+
+    def _on_partial(self, ident: bytes, env: protocol.Envelope, frames: list) -> None:
+        """Forward a streamed request's partial tokens to its client; the job stays assigned (a view, not an answer)."""
+        job = self.jobs.get(env.reply_to)
+        worker = self.workers.get(ident)
+        if worker is None or job is None or job.worker != ident or job.kind != Kind.GENERATE_REQUEST:
+            self.counters["dropped_partials"] += 1  # late (requeued, answered) or not this worker's: never forwarded
+            return
+        worker.last_seen = time.monotonic()
+        self._send(job.client, frames)
 
     def _fail_job(self, worker: WorkerState, job: JobState, why: str) -> None:
         """Answer `job` to its client with Error(bad_reply) instead of the worker's reply; free the slot."""

@@ -47,7 +47,8 @@ from .dispatch import Assignment, JobState, Leases, Pool, WorkerState
 from .job_broker import DEFAULT_SERVICE, REPLY_KINDS, reply_problem
 from .sticky import StickySessions
 
-NOT_JOBS = REPLY_KINDS | {Kind.READY, Kind.HEARTBEAT, Kind.DISCONNECT, Kind.STATS_REQUEST}
+NOT_JOBS = REPLY_KINDS | {Kind.READY, Kind.HEARTBEAT, Kind.DISCONNECT, Kind.STATS_REQUEST,
+                          Kind.GENERATE_PARTIAL}
 _SLICE_S = 0.05  # a blocked take/poll wakes this often to expire sticky waits and leases
 
 

@@ -15,6 +15,8 @@ heartbeats going):
     rollout.interruptible false ──► an update waits (fetched) until the sequences in flight finish, and the
                                  requests that arrive meanwhile wait for it: every sequence has one version
     on_tick ──► engine.step() ──► finished sequences ──► GenerateResult to the controller
+                              └──► streamed requests (GenerateRequest.stream) ──► GeneratePartial, bounded
+                                   (workers/rollout_stream.py; a view: the GenerateResult still has every token)
     paused (Control pause) ──► Engine.pause: in-flight sequences wait; the broker sends nothing new
 
 Invariants: capacity = the engine's concurrent-sequence budget, so the broker never sends more than the
@@ -55,6 +57,7 @@ from areal_mq.weights.disk import engine_base_checksum
 from areal_mq.weights.catchup import WeightCatchup
 from areal_mq.weights.ipc import IpcReceiver
 from areal_mq.workers.rollout_pins import PinnedRequests, pin_hold_limit_s
+from areal_mq.workers.rollout_stream import StreamedRequests
 
 # A failed weight load is tried again after 0.5, 1, 2 s (doubling, at most WEIGHTS_RETRY_MAX_S) up to
 # WEIGHTS_LOAD_ATTEMPTS tries in all; then the requests held for that version get Error(weights_unavailable).
@@ -109,6 +112,7 @@ class RolloutWorker(Role):
                                      min_mbps=cfg.rollout.weights_min_mbps, base_checksum=engine_base_checksum(engine))
         self.ipc = IpcReceiver(cfg.run.run_dir, cfg.rollout.weights_timeout_s)  # trainer.publish_mode cuda_ipc
         self.pins = PinnedRequests(pin_hold_limit_s(cfg), clock)  # pinned requests (eval.via rollout) hold updates
+        self.streams = StreamedRequests(getattr(engine, "progress", lambda rid: None))  # stream: true requests
 
     # ------------------------------------------------------------ weights
     def load(self, ready: WeightsReady, attempt: int = 1) -> None:
@@ -321,6 +325,7 @@ class RolloutWorker(Role):
         self.started[job.id] = self.clock()
         if pinned:
             self.pins.started(job.id, msg.pin_version)
+        self.streams.started(job)
         self.log.debug("rollout.request_started", job=job.id, prompt_len=len(msg.prompt_ids),
                        version=self.engine.version)
 
@@ -337,6 +342,7 @@ class RolloutWorker(Role):
             job = self.jobs.pop(out.request_id, None)
             started = self.started.pop(out.request_id, None)
             self.pins.finished(out.request_id)
+            self.streams.finished(out.request_id)
             if job is None:
                 continue
             if started is not None:
@@ -353,6 +359,9 @@ class RolloutWorker(Role):
                            reason=out.finish_reason, versions=np.unique(out.versions).tolist(),  # 30x a set
                            group=job.msg.group_id, sample=job.msg.sample_index,
                            version_counts=np.unique(out.versions, return_counts=True)[1].tolist())
+        if self.streams:
+            for job, partial in self.streams.due(self.clock()):
+                self.rt.partial(job, partial)
 
     def _measure(self, tokens: int, seconds: float) -> None:
         """Fold one finished request's decode speed (queueing included: what the lease sees) into the average and
@@ -405,6 +414,7 @@ class RolloutWorker(Role):
     def on_stop(self) -> None:
         for rid in list(self.jobs):  # left over: abort here, the broker requeues them on DISCONNECT
             self.engine.abort(rid)
+            self.streams.finished(rid)
         self.log.info("rollout.drained", handed_back=len(self.jobs) + len(self.held) + len(self.deferred))
 
 

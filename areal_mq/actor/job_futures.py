@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from areal_mq.messages import Message
+from areal_mq.messages import Kind, Message
 
 
 class JobFutures:
@@ -32,18 +32,22 @@ class JobFutures:
     def __init__(self, client: Any):
         self.client = client
         self._jobs: dict[str, tuple[Future, float]] = {}  # job id -> (future, deadline in time.monotonic())
+        self._partials: dict[str, Callable[[Message], None]] = {}  # streamed job id -> called with each partial
 
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def submit(self, msg: Message, service: str, deadline: float = math.inf,
-               future: Future | None = None) -> tuple[str, Future]:
+    def submit(self, msg: Message, service: str, deadline: float = math.inf, future: Future | None = None,
+               on_partial: Callable[[Message], None] | None = None) -> tuple[str, Future]:
         """Submit `msg` to `service`: (job id, the future its answer resolves). `deadline` is a time.monotonic()
         instant (default: none); `future` is one another thread made and waits on (default: a new one). A
-        future cancelled meanwhile is fine: the next pump() forgets its job."""
+        future cancelled meanwhile is fine: the next pump() forgets its job. `on_partial` gets each
+        GeneratePartial of a streamed request (on the owner thread; it must not block) until the answer."""
         job_id = self.client.submit(msg, service=service)
         fut = future if future is not None else Future()
         self._jobs[job_id] = (fut, deadline)
+        if on_partial is not None:
+            self._partials[job_id] = on_partial
         return job_id, fut
 
     def pump(self, timeout: float = 0.0) -> int:
@@ -52,6 +56,11 @@ class JobFutures:
         self.expire()
         answers = self.client.poll(timeout)
         for job_id, msg in answers:
+            if msg.kind == Kind.GENERATE_PARTIAL:  # a view of a job still running: never resolves it
+                if job_id in self._jobs and job_id in self._partials:
+                    self._partials[job_id](msg)
+                continue
+            self._partials.pop(job_id, None)
             entry = self._jobs.pop(job_id, None)
             if entry is not None and entry[0].set_running_or_notify_cancel():
                 entry[0].set_result(msg)
@@ -72,6 +81,7 @@ class JobFutures:
         """Stop tracking `job_id` and tell the client to forget it; returns its future (None when unknown).
         The future is left as it is: the caller resolves or cancels it."""
         entry = self._jobs.pop(job_id, None)
+        self._partials.pop(job_id, None)
         self.client.forget(job_id)
         return entry[0] if entry is not None else None
 

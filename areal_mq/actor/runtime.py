@@ -147,6 +147,11 @@ class WorkerRuntime:
         frames = protocol.encode(msg, reply_to=job.id)
         self._post(lambda link: link.send(frames))
 
+    def partial(self, job: Job, msg: Message) -> None:
+        """Send a view of `job` while it runs (a GeneratePartial): the job stays in flight; reply() still ends it."""
+        frames = protocol.encode(msg, reply_to=job.id)
+        self._post(lambda link: link.send(frames))
+
     def fail(self, job: Job, code: str, message: str) -> None:
         self.log.warning(f"{self.role}.job_failed", job=job.id, code=code, error=message)
         self.reply(job, Error(code=code, message=message, ref_id=job.id))

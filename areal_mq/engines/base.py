@@ -101,6 +101,12 @@ class Engine(abc.ABC):
     def abort(self, request_id: str) -> EngineOutput | None:
         """Stop one request; return its partial output (finish_reason "abort") or None if unknown."""
 
+    def progress(self, request_id: str) -> tuple[list[int], list[float], list[int]] | None:
+        """The tokens a running request has generated so far: (ids, logprobs, versions), or None (unknown,
+        finished, or an engine that cannot tell: the rollout worker then streams nothing before the result).
+        Read between steps, from the stepping thread; the lists may be the engine's own: do not modify them."""
+        return None
+
     def pause(self) -> None:  # noqa: B027 - optional
         """Stop stepping until resume(); running requests keep their state."""
 

@@ -8,9 +8,10 @@ Why apart from the server: pure functions, unit-tested without sockets, a broker
 Supported: messages (string content or text parts; assistant `tool_calls`, tool `tool_call_id`), model,
 temperature, top_p, max_tokens / max_completion_tokens, stop, seed, n, logprobs, top_logprobs = 0, user, tools
 (function tools, bounded in number and size) and tool_choice (auto, none, required, a named function),
-parallel_tool_calls (accepted; a reply may hold several calls either way). Not supported (400): stream,
-top_logprobs > 0 (the engines record only the sampled token's logprob), functions / function_call (the old
-form), response_format.
+parallel_tool_calls (accepted; a reply may hold several calls either way), stream (n 1, no logprobs) with
+stream_options {include_usage}: `chunk(...)` renders one `chat.completion.chunk`. Not supported (400): stream with
+n > 1 or logprobs, top_logprobs > 0 (the engines record only the sampled token's logprob), functions /
+function_call (the old form), response_format.
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class ChatCall:
     episode_id: str  # "" = none
     tools: list[dict] = field(default_factory=list)  # OpenAI function tools, as sent
     tool_choice: str | dict = "auto"  # "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
+    stream: bool = False  # answer as server-sent chat.completion.chunk events
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
 
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
@@ -212,9 +215,24 @@ def _episode_id(body: dict, header: str | None) -> str:
     return value
 
 
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage): `stream` a boolean; stream_options only with stream, holding only include_usage."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad(f"stream must be a boolean, got {type(stream).__name__}", "stream", "invalid_type")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            not isinstance(options.get("include_usage", False), bool):
+        raise bad('stream_options supports only {"include_usage": true|false}', "stream_options", "unsupported_value")
+    return stream, options.get("include_usage", False)
+
+
 def _check_unsupported(body: dict, limits: ApiLimits) -> None:
-    if body.get("stream"):
-        raise bad("stream: true is not supported by this endpoint; send stream: false", "stream", "unsupported_value")
     for name in UNSUPPORTED:
         if body.get(name) not in (None, [], {}):
             raise bad(f"{name} is not supported by this endpoint", name, "unsupported_parameter")
@@ -249,7 +267,12 @@ def parse_chat(body: Any, limits: ApiLimits, model: str, episode_header: str | N
     tools, tool_choice = _tools(body, limits)
     if not isinstance(body.get("parallel_tool_calls", True), bool):
         raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls", "invalid_type")
-    return ChatCall(messages, samplings, logprobs, _episode_id(body, episode_header), tools, tool_choice)
+    stream, include_usage = _stream(body)
+    if stream and (n > 1 or logprobs):
+        raise bad("stream: true supports n 1 without logprobs here; send stream: false for n > 1 or logprobs",
+                  "n" if n > 1 else "logprobs", "unsupported_value")
+    return ChatCall(messages, samplings, logprobs, _episode_id(body, episode_header), tools, tool_choice, stream,
+                    include_usage)
 
 
 def _logprobs(result: GenerateResult, decode: Callable[[list[int]], str]) -> dict:
@@ -280,8 +303,25 @@ def chat_response(model: str, prompt_tokens: int, results: list[GenerateResult],
     completion = sum(len(r.output_ids) for r in results)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices, "system_fingerprint": None,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": prompt_tokens + completion}}
+            "usage": usage(prompt_tokens, completion)}
+
+
+def chunk(completion_id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
+          usage: dict | None = None) -> dict:
+    """One `chat.completion.chunk` of a streamed answer: a delta of choice 0, or (delta None) the usage chunk with no
+    choices (stream_options.include_usage)."""
+    doc = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+           "system_fingerprint": None,
+           "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                 "finish_reason": finish_reason}]}
+    if usage is not None:
+        doc["usage"] = usage
+    return doc
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def models_response(model: str, created: int) -> dict:

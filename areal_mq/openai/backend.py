@@ -9,6 +9,9 @@ broker restart must keep running while handler threads block. The owner thread k
 JobFutures (areal_mq/actor/job_futures.py, the adapter the agent role uses too).
 A job past its deadline, or whose caller gave up, is forgotten (JobClient.forget: no resubmission); if its answer
 arrives later it is ignored.
+`OpenAIBackend.stream(prompt_ids, sampling, session, timeout_s)` submits one GenerateRequest with stream=True and
+yields its GeneratePartials as the owner thread receives them (docs/protocol.md), then its GenerateResult, which
+holds every token again (the partials are a view); errors raise ApiError as for `generate`.
 """
 from __future__ import annotations
 
@@ -17,12 +20,12 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from areal_mq.actor.job_futures import JobFutures
-from areal_mq.messages import Error, GenerateRequest, GenerateResult, SamplingSpec
+from areal_mq.messages import Error, GeneratePartial, GenerateRequest, GenerateResult, SamplingSpec
 from areal_mq.openai.api import ApiError
 
 # broker Error code -> (HTTP status, OpenAI error code)
@@ -77,6 +80,38 @@ class OpenAIBackend:
             for f in futures:  # a choice failed: its siblings are not waited for either
                 f.cancel()
 
+    def stream(self, prompt_ids: list[int], sampling: SamplingSpec, session: str,
+               timeout_s: float) -> Iterator[GeneratePartial | GenerateResult]:
+        """One streamed choice, submitted now (a silent broker raises 503 here, before any answer is sent): an
+        iterator of its partials as they arrive, then its result (the last item)."""
+        if self.broker_silent():
+            raise self._unavailable()
+        deadline = time.monotonic() + timeout_s
+        fut: Future = Future()
+        parts: queue.SimpleQueue = queue.SimpleQueue()  # bounded by the answer: max_new_tokens tokens at most
+        msg = GenerateRequest(prompt_ids=np.asarray(prompt_ids, dtype=np.int32), sampling=sampling, session=session,
+                              group_id="openai", stream=True)
+        self._inbox.put((msg, fut, deadline, parts.put))
+        return self._events(fut, parts, deadline)
+
+    def _events(self, fut: Future, parts: queue.SimpleQueue,
+                deadline: float) -> Iterator[GeneratePartial | GenerateResult]:
+        try:
+            while not fut.done():
+                try:
+                    yield parts.get(timeout=0.05)
+                except queue.Empty:
+                    if self.broker_silent() or time.monotonic() >= deadline:
+                        break  # _result raises the 503 / 504
+            while True:  # partials that came in just before the result
+                try:
+                    yield parts.get_nowait()
+                except queue.Empty:
+                    break
+            yield self._result(fut, deadline)
+        finally:
+            fut.cancel()  # a client that went away mid-stream: the owner thread forgets the job
+
     def _result(self, fut: Future, deadline: float) -> GenerateResult:
         """Wait in slices: a broker that goes silent mid-call fails the call now (503), not at its deadline."""
         while True:
@@ -119,11 +154,11 @@ class OpenAIBackend:
     def _step(self, client: Any) -> None:
         while True:
             try:
-                msg, fut, deadline = self._inbox.get_nowait()
+                msg, fut, deadline, *on_partial = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if not fut.cancelled():  # a caller already gone (a sibling choice failed): never submitted
-                self._jobs.submit(msg, "generate", deadline, fut)
+                self._jobs.submit(msg, "generate", deadline, fut, *on_partial)
         # past their deadline or cancelled: forgotten (no more resubmissions of a call nobody waits for)
         self._jobs.pump(self.poll_s)
         # silent past the liveness window, or reconnected and not heard since (a reconnect restarts the clock)

@@ -16,6 +16,7 @@ requests to `OpenAIBackend`, the one thread that owns the JobClient (a ZeroMQ so
 """
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import os
@@ -23,18 +24,20 @@ import re
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from areal_mq.openai.api import (ApiError, ApiLimits, ChatCall, assistant_message, chat_response, models_response,
-                                 parse_chat)
+from areal_mq.openai.api import (ApiError, ApiLimits, ChatCall, assistant_message, chat_response, chunk,
+                                 models_response, parse_chat, usage)
 from areal_mq.openai.backend import OpenAIBackend
 from areal_mq.openai.episodes import Choice, EpisodeRecorder, RecorderLimits, RecordedTurn, Served
 from areal_mq.openai.prompts import Prompt, PromptBuilder, message_key, tools_key
-from areal_mq.openai.toolcalls import FAMILIES, family_for
+from areal_mq.openai.streaming import HELD_FAMILIES, TextStream, chunks
+from areal_mq.openai.toolcalls import FAMILIES, ToolFamily, family_for
 from areal_mq.security import RateLimited
 
 EPISODE_PATH = re.compile(r"^/v1/episodes/([A-Za-z0-9_.:@-]{1,128})$")
@@ -72,7 +75,14 @@ class ChatService:
         with self._tok_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def chat(self, body: Any, episode_header: str | None) -> dict:
+    def decode_text(self, ids: list[int]) -> str:
+        """As the engines decode an answer's text (special tokens skipped): what a streamed delta is cut from."""
+        with self._tok_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat(self, body: Any, episode_header: str | None) -> dict | Iterator[dict]:
+        """The chat.completion object, or for `stream: true` an iterator of chat.completion.chunk objects (every
+        check that can fail before generation has passed by then)."""
         call = parse_chat(body, self.cfg.api, self.model, episode_header)
         built = self.prompts.build(call, self.recorder.served(call.episode_id) if call.episode_id else None)
         prompt = built.ids
@@ -86,13 +96,38 @@ class ChatService:
         # the first choice carries the episode as its session (sticky routing, KV reuse); the others none, so
         # they do not replace the KV the next turn most likely continues
         sessions = [call.episode_id] + [""] * (len(call.samplings) - 1)
-        results = self.backend.generate(prompt, call.samplings, sessions, self.cfg.request_timeout_s)
         family = self.prompts.family if call.tools and call.tool_choice != "none" else FAMILIES["none"]
+        if call.stream:
+            return self._stream(call, built, family)
+        results = self.backend.generate(prompt, call.samplings, sessions, self.cfg.request_timeout_s)
         parsed = [family.parse(built.forced + r.text) for r in results]
         messages = [assistant_message(p.content, p.tool_calls) for p in parsed]
         if call.episode_id:
             self._record(call, built, results, parsed, messages)
         return chat_response(self.model, len(prompt), results, call.logprobs, self.decode, messages)
+
+    def _stream(self, call: ChatCall, built: Prompt, family: ToolFamily) -> Iterator[dict]:
+        """One streamed choice (streaming.py): deltas from the worker's partials, the end from its result, which is
+        parsed and recorded exactly as without stream."""
+        events = self.backend.stream(built.ids, call.samplings[0], call.episode_id, self.cfg.request_timeout_s)
+        tools = family.name != "none"
+        text = TextStream(self.decode_text, call.samplings[0].stop_strings, HELD_FAMILIES.get(family.name),
+                          hold_all=tools and (bool(built.forced) or family.name not in HELD_FAMILIES))
+
+        def finish(result: Any) -> tuple[Any, dict]:
+            parsed = family.parse(built.forced + result.text)
+            message = assistant_message(parsed.content, parsed.tool_calls)
+            if call.episode_id:
+                self._record(call, built, [result], [parsed], [message])
+            return parsed, message
+
+        def diverged() -> None:
+            if self._limited:
+                self._limited.warning("openai.stream_diverged", "stream_diverged", episode=call.episode_id)
+
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        make = functools.partial(chunk, cid, self.model, created)
+        return chunks(make, events, text, finish, len(built.ids), call.include_usage, usage, diverged)
 
     def _record(self, call: ChatCall, built: Prompt, results: list, parsed: list, messages: list[dict]) -> None:
         """The turn (tokens exactly as generated, whatever the parser made of them) and what was served."""
@@ -147,13 +182,17 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self._authorize()
             status, doc = 200, self._route(method, self.path.split("?", 1)[0])
+            if not isinstance(doc, dict):  # stream: true: the headers go now, the chunks as they come
+                self._reply_stream(doc)
+                doc = None
         except ApiError as exc:
             status, doc = exc.status, exc.body()
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the server or leak a trace
             if self.service.log:
                 self.service.log.exception("openai.internal_error", error=repr(exc)[:300])
             doc = ApiError(500, "internal error (logged by the server)", None, "internal_error", "server_error").body()
-        self._reply(status, doc)
+        if doc is not None:
+            self._reply(status, doc)
         self._drain_refused_body()
         if self.service.log:
             self.service.log.debug("openai.request", method=method, path=self.path[:100], status=status,
@@ -206,6 +245,37 @@ class Handler(BaseHTTPRequestHandler):
                 left -= len(chunk)
         except OSError:  # the client stopped sending or went away: nothing more to wait for
             pass
+
+    def _reply_stream(self, chunks: Iterator[dict]) -> None:
+        """Server-sent events: `data: {chunk}` per chunk, then `data: [DONE]`; the connection closes after (no
+        Content-Length). An error after the headers is sent as an event with the OpenAI error object (the openai
+        package raises it); a client that goes away stops the stream (its job is forgotten)."""
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            try:
+                for doc in chunks:
+                    self._event(json.dumps(doc))
+            except ApiError as exc:
+                self._event(json.dumps(exc.body()))
+            except Exception as exc:  # noqa: BLE001 - a bug must not leak a trace into the stream
+                if self.service.log:
+                    self.service.log.exception("openai.internal_error", error=repr(exc)[:300])
+                self._event(json.dumps(ApiError(500, "internal error (logged by the server)", None, "internal_error",
+                                                "server_error").body()))
+            self._event("[DONE]")
+        except OSError:  # the client went away mid-stream
+            pass
+        finally:
+            getattr(chunks, "close", lambda: None)()  # ends the backend's wait: the job is cancelled and forgotten
+
+    def _event(self, data: str) -> None:
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
 
     def _reply(self, status: int, doc: dict) -> None:
         data = json.dumps(doc).encode()

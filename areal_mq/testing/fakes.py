@@ -4,7 +4,7 @@ What:
 - `RecordingLog`   a structured logger (structlog's BoundLogger surface: debug/info/warning/error/exception,
                    `bind`) that keeps every record; `named(event)` gives the fields of each record of an event.
 - `FakeRuntime`    the role-facing surface of areal_mq.actor.runtime.WorkerRuntime (next_job, next_signal,
-                   ready, reply, fail, stopping, log): jobs and signals the test scripted, replies recorded.
+                   ready, reply, partial, fail, stopping, log): jobs and signals the test scripted, replies recorded.
 - `InMemoryJobs`   areal_mq.client.JobClient's surface (submit, poll, forget, close, pending) with no broker:
                    the test answers jobs itself with `answer(job_id, msg)`, or passes an `answerer`.
 - `InMemoryStore`  the sample store's `put` as a list.
@@ -107,6 +107,7 @@ class FakeRuntime:
         self.signals = [Signal(m) for m in signals]
         self.readies: list[int] = []
         self.replies: dict[str, Message] = {}
+        self.partials: dict[str, list[Message]] = {}  # job id -> GeneratePartials sent while it ran
         self.stopping = False
         self.stop_reason = ""
 
@@ -127,6 +128,11 @@ class FakeRuntime:
         if job.id in self.replies:
             raise AssertionError(f"job {job.id} answered twice: {self.replies[job.id]!r}, then {msg!r}")
         self.replies[job.id] = msg
+
+    def partial(self, job: Any, msg: Message) -> None:
+        if job.id in self.replies:
+            raise AssertionError(f"job {job.id} got a partial after its answer: {msg!r}")
+        self.partials.setdefault(job.id, []).append(msg)
 
     def fail(self, job: Any, code: str, message: str) -> None:
         self.log.warning(f"{self.role}.job_failed", job=job.id, code=code, error=message)

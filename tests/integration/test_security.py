@@ -17,7 +17,8 @@ import zmq
 from areal_mq import protocol
 from areal_mq.client import JobClient, SignalPublisher, SignalSubscriber, StoreClient
 from areal_mq.errors import BrokerUnavailable, JobFailed
-from areal_mq.messages import Control, Error, Event, GenerateRequest, Ready, RewardJob, Sample, SeqSample, WeightsReady
+from areal_mq.messages import (Control, Error, Event, GeneratePartial, GenerateRequest, Ready, RewardJob, Sample,
+                               SeqSample, WeightsReady)
 from areal_mq.security import Keyring, generate_keys
 
 from areal_mq.config import load_config
@@ -185,7 +186,10 @@ def test_roles_may_only_say_what_they_own(cfg, broker):
                                ("rollout", RewardJob(task="t", completions=["a"]), "echo"),
                                ("trainer", RewardJob(task="t", completions=["a"]), "reward"),
                                # a pinned request holds the workers' updates: an agent's workflow may not send one
-                               ("agent", GenerateRequest(prompt_ids=[1], min_version=1, pin_version=1), "")):
+                               ("agent", GenerateRequest(prompt_ids=[1], min_version=1, pin_version=1), ""),
+                               # partial tokens of a streamed request: only a rollout worker says those
+                               ("agent", GeneratePartial(output_ids=[1], logprobs=[0.0], versions=[0], start=0,
+                                                         seq=0), "")):
         got = answer(role, msg, service)
         assert isinstance(got, Error) and got.code == "forbidden", (role, msg.kind, got)
         assert got.message

@@ -56,6 +56,8 @@ def test_key_problems_say_what_to_do(tmp_path):
     ("rollout", "serve:generate", True), ("reward", "serve:generate", False), ("reward", "serve:reward", True),
     ("echo", "serve:echo", True), ("echo", "serve:reward", False), ("observer", "serve:echo", False),
     ("rollout", "weights:fetch", True), ("reward", "weights:fetch", False),
+    ("rollout", "stream", True), ("agent", "stream", False), ("controller", "stream", False),  # generate_partial
+    ("reward", "stream", False),
     (None, "publish:weights", True),  # insecure mode: no roles, everything allowed
 ])
 def test_permission_table(role, action, ok):

@@ -225,6 +225,10 @@ class TorchEngine(Engine):
         self.sched.abort(seq)
         return build_output(seq, "abort", self.tokenizer)
 
+    def progress(self, request_id: str) -> tuple[list[int], list[float], list[int]] | None:
+        seq = self.live.get(request_id)
+        return None if seq is None else (seq.output_ids, seq.logprobs, seq.versions)
+
     def pause(self) -> None:
         self.paused = True
 
