@@ -380,6 +380,7 @@ class JobBroker:
             self.counters["dropped_partials"] += 1  # late (requeued, answered) or not this worker's: never forwarded
             return
         worker.last_seen = time.monotonic()
+        self.counters["partials"] += 1
         self._send(job.client, frames)
 
     def _fail_job(self, worker: WorkerState, job: JobState, why: str) -> None:

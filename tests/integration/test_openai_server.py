@@ -139,6 +139,25 @@ def test_a_tools_agent_against_the_real_engine_trains_exactly_what_was_generated
         assert ch["tool_calls"] > 0 or ch["tool_error"].startswith("malformed_tool_call")
 
 
+def test_a_streamed_answer_is_the_plain_answer_from_the_workers_partials(system):
+    """stream=True on the real worker: the broker forwards its generate_partials (counter `partials`), the chunks
+    join into the answer the same greedy request gets without stream, and both episode records are the same."""
+    c = client(system)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=24, temperature=0)
+    plain = c.chat.completions.create(**kw, user="plain-1")
+    before = _broker_counters(system).get("partials", 0)
+    events = list(c.chat.completions.create(**kw, user="stream-1", stream=True,
+                                            stream_options={"include_usage": True}))
+    assert _broker_counters(system)["partials"] > before
+    assert events[0].choices[0].delta.role == "assistant" and events[-1].usage is not None
+    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert text == plain.choices[0].message.content
+    assert events[-2].choices[0].finish_reason == plain.choices[0].finish_reason
+    a, b = episode(system, "plain-1", "DELETE"), episode(system, "stream-1", "DELETE")
+    assert [t["choices"] for t in a["turns"]] == [t["choices"] for t in b["turns"]]
+    assert [t["prompt_ids"] for t in a["turns"]] == [t["prompt_ids"] for t in b["turns"]]
+
+
 def test_errors_reach_the_client_as_openai_errors(system):
     c = client(system)
     with pytest.raises(openai.NotFoundError):

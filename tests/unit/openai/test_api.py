@@ -102,7 +102,7 @@ def test_round_trip_with_the_official_client_records_the_episode(endpoint, token
     ({"model": MODEL, "messages": USER, "max_tokens": "10"}, 400, "max_tokens"),
     ({"model": MODEL, "messages": USER, "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "messages": USER, "n": 100}, 400, "n"),
-    ({"model": MODEL, "messages": USER, "stream": True}, 400, "stream"),
+    ({"model": MODEL, "messages": USER, "stream": "yes"}, 400, "stream"),
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0]"),
     ({"model": MODEL, "messages": USER, "user": "../../etc/passwd"}, 400, "user"),
