@@ -3,7 +3,8 @@
 What: `POST /v1/chat/completions` renders the messages with the model's own chat template (the tokenizer
 the rollout workers use; a later turn of an episode continues the tokens already served instead: prompts.py;
 tools per model family: toolcalls.py), submits one GenerateRequest per choice to the job broker (service "generate",
-this process speaks with the "agent" key), and answers in the OpenAI format (api.py). Every answer
+this process speaks with the "agent" key), and answers in the OpenAI format (api.py); `stream: true` as
+server-sent chunk events fed by the rollout worker's partial outputs (streaming.py). Every answer
 is recorded for its episode (`X-Episode-Id` header or `user`; episodes.py) and can be read with
 `GET /v1/episodes/{id}` or popped with `DELETE /v1/episodes/{id}`. `GET /v1/models` lists the one model.
 Why: an agent written against any OpenAI client library becomes an RL workflow, with exact token ids,
