@@ -258,6 +258,13 @@ class TrainerConfig(BaseModel):
         "padded: fixed `padded_mb_size` sequences per micro-batch, right-padded (baseline)."
     )
     padded_mb_size: int = Field(4, ge=1, description="Sequences per micro-batch when packing == padded.")
+    attention: Literal["sdpa", "varlen"] = Field(
+        "sdpa", description="How a packed micro-batch attends. sdpa: through an L x L mask over its row (shared: "
+        "packing.py's boolean tree mask; dynamic: transformers' block-diagonal one from the position ids), quadratic "
+        "in the row (3 GiB at 32k tokens in bf16) and off SDPA's flash kernels. varlen: block by block, one causal SDPA "
+        "call per completion over [its prompt; itself] (areal_mq/algorithms/attention.py): nothing quadratic in the "
+        "row, equal to sdpa to fp32 rounding, each prompt's attention computed once per completion of its group. "
+        "Padded micro-batches attend the same way under both.")
 
     # ---------------------------------------------------------------- weights and checkpoints
     publish_mode: Literal["disk", "zmq", "cuda_ipc"] = Field(

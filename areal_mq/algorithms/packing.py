@@ -220,16 +220,21 @@ class MicroBatch:
     n_tokens: int  # real (non-pad) tokens fed to the model
     prox_logp: "torch.Tensor | None" = None
     ref_logp: "torch.Tensor | None" = None
+    # trainer.attention varlen, packed rows only: per prompt unit (prompt start, prompt end, [(start, end) of each
+    # completion]) in columns; the row attends block by block through these instead of a mask (attention.py)
+    segments: list | None = None
 
 
 def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, pad_id: int = 0,
-                     share_prompts: bool = False, device: "torch.device | str | None" = None) -> MicroBatch:
+                     share_prompts: bool = False, device: "torch.device | str | None" = None,
+                     varlen: bool = False) -> MicroBatch:
     """Tensors for the sequences `ids` on `device` (default cpu), packed into one row or right-padded rows;
-    with `share_prompts` one row where each prompt appears once (see the module docstring)."""
+    with `share_prompts` one row where each prompt appears once (see the module docstring). `varlen`
+    (trainer.attention varlen): a packed row carries its blocks (`segments`) and no mask (algorithms/attention.py)."""
     import torch
 
     if packed and share_prompts:
-        return _shared_microbatch(seqs, ids, device)
+        return _shared_microbatch(seqs, ids, device, varlen)
     put = _to_device(device)
     chosen = [seqs[i] for i in ids]
     if packed:
@@ -254,7 +259,9 @@ def build_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], packed: bool, 
     mask = None
     if not packed:
         mask = put(np.stack([np.arange(width) < s.length for s in chosen]), torch.long)
+    segments = [(off, off + s.length, []) for (_, off), s in zip(where, chosen)] if packed and varlen else None
     return MicroBatch(
+        segments=segments,
         seq_ids=list(ids),
         input_ids=put(np.stack(rows), torch.long),
         position_ids=put(np.stack(pos), torch.long),
@@ -273,22 +280,26 @@ def _to_device(device: "torch.device | str | None"):
     return lambda array, dtype: torch.as_tensor(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
 
-def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], device: "torch.device | str | None") -> MicroBatch:
+def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], device: "torch.device | str | None",
+                       varlen: bool = False) -> MicroBatch:
     """One row [prompt_a, completions of a..., prompt_b, ...] with a boolean [1, 1, L, L] mask (True =
     attend): a prompt attends causally to itself; a completion to its prompt and causally to itself. The
     first generated token is scored by the prompt's last column, which the completions of a unit share.
     The mask is computed on `device` from each column's block (a prompt or a completion) and the block it
     also sees (a completion: its prompt; a prompt: itself): attend[i, j] = j <= i and block[j] in
-    {block[i], parent[i]} (a prompt comes before its completions, so j <= i holds for all of it)."""
+    {block[i], parent[i]} (a prompt comes before its completions, so j <= i holds for all of it). `varlen`: no mask;
+    the blocks' columns as `segments` instead (algorithms/attention.py)."""
     import torch
 
     put = _to_device(device)
     order: list[int] = []
     toks, pos, cols, block, parent = [], [], [], [], []
+    segments: list = []
     off = 0
     for unit in prompt_units(seqs, ids):
         p_len = seqs[unit[0]].prompt_len
         p0, prompt_block = off, len(block)
+        segments.append((p0, p0 + p_len, []))
         toks.append(seqs[unit[0]].tokens[:p_len])
         pos.append(np.arange(p_len))
         block.append(np.full(p_len, prompt_block))
@@ -302,11 +313,14 @@ def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], device: "tor
                         .astype(np.int64))
             block.append(np.full(len(gen), len(block)))
             parent.append(np.full(len(gen), prompt_block))
+            segments[-1][2].append((off, off + len(gen)))
             order.append(i)
             off += len(gen)
-    block_t, parent_t = put(np.concatenate(block), torch.long), put(np.concatenate(parent), torch.long)
-    causal = torch.ones(off, off, dtype=torch.bool, device=block_t.device).tril_()
-    mask = causal & ((block_t[None, :] == block_t[:, None]) | (block_t[None, :] == parent_t[:, None]))
+    mask = None
+    if not varlen:
+        block_t, parent_t = put(np.concatenate(block), torch.long), put(np.concatenate(parent), torch.long)
+        causal = torch.ones(off, off, dtype=torch.bool, device=block_t.device).tril_()
+        mask = (causal & ((block_t[None, :] == block_t[:, None]) | (block_t[None, :] == parent_t[:, None])))[None, None]
     cols_np = np.concatenate(cols)
     keep = np.unique(cols_np)
     chosen = [seqs[i] for i in order]
@@ -314,11 +328,12 @@ def _shared_microbatch(seqs: Sequence[SeqData], ids: Sequence[int], device: "tor
         seq_ids=order,
         input_ids=put(np.concatenate(toks)[None], torch.long),
         position_ids=put(np.concatenate(pos)[None], torch.long),
-        attention_mask=mask[None, None],
+        attention_mask=mask,
         keep_cols=put(keep, torch.long),
         logit_index=put(np.searchsorted(keep, cols_np), torch.long),
         **_trained(chosen, put),
         n_tokens=off,
+        segments=segments if varlen else None,
     )
 
 

@@ -29,20 +29,23 @@ class PolicyLogprobs(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 keep_cols: torch.Tensor, logit_index: torch.Tensor, targets: torch.Tensor, temperature: float,
-                with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                with_entropy: bool = False, entropy_grad: bool = False,
+                segments: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`segments`: a packed row's blocks under trainer.attention varlen (algorithms/attention.py), else None."""
         if self.autocast is not None:
             with torch.autocast(input_ids.device.type, dtype=self.autocast):
                 return self._forward(input_ids, position_ids, attention_mask, keep_cols, logit_index, targets,
-                                     temperature, with_entropy, entropy_grad)
+                                     temperature, with_entropy, entropy_grad, segments)
         return self._forward(input_ids, position_ids, attention_mask, keep_cols, logit_index, targets, temperature,
-                             with_entropy, entropy_grad)
+                             with_entropy, entropy_grad, segments)
 
     def _forward(self, input_ids, position_ids, attention_mask, keep_cols, logit_index, targets, temperature,
-                 with_entropy, entropy_grad=False):
+                 with_entropy, entropy_grad=False, segments=None):
         from areal_mq.algorithms.logprobs import chunk_tokens_for, chunked_logprobs, lm_head_of
 
+        extra = {} if segments is None else {"areal_segments": segments}  # reaches every layer's attention call
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                               use_cache=False).last_hidden_state  # use_cache=False: else the packed mask is skipped
+                               use_cache=False, **extra).last_hidden_state  # use_cache=False: else the packed mask is skipped
         hidden = hidden[:, keep_cols].reshape(-1, hidden.shape[-1])[logit_index]
         weight, bias = lm_head_of(self.lm)
         chunk = chunk_tokens_for(weight.shape[0], self.chunk_mb)

@@ -119,6 +119,8 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     from areal_mq.algorithms.policy import as_policy
 
     extra = {"entropy_grad": True} if entropy_grad else {}  # else the call the policy always had
+    if mb.segments is not None:  # trainer.attention varlen: a packed row's blocks instead of a mask
+        extra["segments"] = mb.segments
     return as_policy(model, chunk_mb)(mb.input_ids, mb.position_ids, mb.attention_mask, mb.keep_cols,
                                       mb.logit_index, mb.targets, temperature, with_entropy, **extra)
 
@@ -186,7 +188,15 @@ class Trainer:
         if cfg.kl_coef > 0 and cfg.lora is not None:  # the base with the adapter off (lora.reference): no 2nd model
             self.ref_model = self.model
         elif cfg.kl_coef > 0:  # built like the policy: under fsdp 4 bytes per parameter / shard ranks more
-            self.ref_model = self.strategy.build(self.model_path, train=False)[1]
+            ref_unwrapped, self.ref_model = self.strategy.build(self.model_path, train=False)
+            if cfg.attention == "varlen":
+                from areal_mq.algorithms.attention import use_varlen
+
+                use_varlen(ref_unwrapped)
+        if cfg.attention == "varlen":  # packed rows attend block by block (algorithms/attention.py)
+            from areal_mq.algorithms.attention import use_varlen
+
+            use_varlen(self.unwrapped)
         self.version = 0
         self.optimizer_steps = 0
         self.consumed_ids: list[str] = []  # trained since the last checkpoint (algorithms/checkpoint.py)
@@ -243,7 +253,8 @@ class Trainer:
         plan = plan_step(seqs, self.cfg, self.world_size, self.rank)
         packed, shared = self.cfg.packing != "padded", self.cfg.packing == "shared"
         pad_id = self.unwrapped.config.pad_token_id or 0
-        minis = [[build_microbatch(seqs, b, packed, pad_id, shared, self.device) for b in bins]
+        varlen = self.cfg.attention == "varlen"
+        minis = [[build_microbatch(seqs, b, packed, pad_id, shared, self.device, varlen) for b in bins]
                  for bins in plan.minibatches]
         self._lockstep = [len(b) for b in plan.minibatches]
         if self.strategy.lockstep and self.world_size > 1:  # every rank runs the busiest rank's micro-batch count

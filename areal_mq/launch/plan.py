@@ -314,7 +314,7 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
                             (compute + 4 * (t.lora is None)) * s.embed_params))
     per_token_layer = s.hidden if t.gradient_checkpointing else 8 * s.hidden + 3 * s.intermediate
     p.items.append(Item("activations", t.max_tokens_per_mb * s.layers * per_token_layer * compute))
-    if t.packing in ("shared", "dynamic"):
+    if t.packing in ("shared", "dynamic") and t.attention == "sdpa":  # varlen: none (algorithms/attention.py)
         # one packed row of L = max_tokens_per_mb tokens: packing.py's shared packing builds a boolean [1, 1, L, L]
         # mask, dynamic packing leaves it to transformers, which builds the same block-diagonal mask from the
         # position ids; SDPA's kernels other than flash take it as an additive bias in the compute dtype. Quadratic:

@@ -298,3 +298,4 @@ def test_a_packed_row_counts_its_quadratic_attention_mask():
     assert long["attention mask (L x L)"] == 32768 ** 2 * 3 == 3 * 2 ** 30
     assert long["attention mask (L x L)"] == 16 * short["attention mask (L x L)"]
     assert "attention mask (L x L)" not in items("trainer.packing=padded")
+    assert "attention mask (L x L)" not in items("trainer.max_tokens_per_mb=32768", "trainer.attention=varlen")
