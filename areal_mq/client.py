@@ -185,9 +185,9 @@ class JobClient:
         """
         deadline = time.monotonic() + timeout
         while True:
-            for i, (rid, msg) in enumerate(self._set_aside):
+            for rid, msg in self._set_aside:
                 if rid == job_id and not isinstance(msg, GeneratePartial):  # partials are a view: wait() drops them
-                    self._set_aside = [(r, m) for j, (r, m) in enumerate(self._set_aside) if r != job_id and j != i]
+                    self._set_aside = [(r, m) for r, m in self._set_aside if r != job_id]
                     if isinstance(msg, Error):
                         raise JobFailed(f"job {job_id} failed: [{msg.code}] {msg.message}")
                     return msg
