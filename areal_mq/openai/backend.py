@@ -92,7 +92,7 @@ class OpenAIBackend:
         msg = GenerateRequest(prompt_ids=np.asarray(prompt_ids, dtype=np.int32), sampling=sampling, session=session,
                               group_id="openai", stream=True)
         self._inbox.put((msg, fut, deadline, parts.put))
-        return self._events(fut, parts, deadline)
+        return _Events(self._events(fut, parts, deadline), fut)
 
     def _events(self, fut: Future, parts: queue.SimpleQueue,
                 deadline: float) -> Iterator[GeneratePartial | GenerateResult]:
@@ -164,3 +164,21 @@ class OpenAIBackend:
         # silent past the liveness window, or reconnected and not heard since (a reconnect restarts the clock)
         self._silent_s = client.link.silent_s(time.monotonic())
         self._down = client.link.delay > 0 or self._silent_s > self.silent_after_s
+
+
+class _Events:
+    """A streamed call's events; close() cancels its job even before the first event was asked for (closing a
+    generator that never started runs none of its code)."""
+
+    def __init__(self, events: Iterator[GeneratePartial | GenerateResult], fut: Future):
+        self._events, self._fut = events, fut
+
+    def __iter__(self) -> "_Events":
+        return self
+
+    def __next__(self) -> GeneratePartial | GenerateResult:
+        return next(self._events)
+
+    def close(self) -> None:
+        self._fut.cancel()  # the owner thread forgets the job
+        self._events.close()

@@ -73,24 +73,34 @@ def chunks(make: Callable[..., dict], events: Iterator[GeneratePartial | Generat
            usage: Callable[[int, int], dict], on_diverged: Callable[[], None] | None = None) -> Iterator[dict]:
     """The chunk objects of one streamed call. `make(delta, finish_reason=None, usage=None)` renders a chunk;
     `finish(result)` parses the final result into (ParsedReply, its assistant message) and records the episode."""
-    yield make({"role": "assistant", "content": ""})
-    for event in events:
-        if isinstance(event, GeneratePartial):
-            if delta := text.feed(event):
-                yield make({"content": delta})
-            continue
-        parsed, message = finish(event)
-        rest, same = text.finish(parsed.content)
-        if not same and on_diverged is not None:
-            on_diverged()
-        if rest:
-            yield make({"content": rest})
-        calls = message.get("tool_calls") or []
-        for i, call in enumerate(calls):
-            yield make({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                        "function": {"name": call["function"]["name"],
-                                                     "arguments": call["function"]["arguments"]}}]})
-        reason = "tool_calls" if calls else "length" if event.finish_reason == "length" else "stop"
-        yield make({}, finish_reason=reason)
-        if include_usage:
-            yield make(None, usage=usage(prompt_tokens, len(event.output_ids)))
+    try:
+        yield make({"role": "assistant", "content": ""})
+        for event in events:
+            if isinstance(event, GeneratePartial):
+                if delta := text.feed(event):
+                    yield make({"content": delta})
+                continue
+            yield from _end(make, event, text, finish, prompt_tokens, include_usage, usage, on_diverged)
+    finally:  # a client gone mid-stream: the job is cancelled and forgotten
+        getattr(events, "close", lambda: None)()
+
+
+def _end(make: Callable[..., dict], event: GenerateResult, text: TextStream,
+         finish: Callable[[GenerateResult], tuple[Any, dict | None]], prompt_tokens: int, include_usage: bool,
+         usage: Callable[[int, int], dict], on_diverged: Callable[[], None] | None) -> Iterator[dict]:
+    """The chunks from the final result: rest of the content, tool_calls, finish, usage."""
+    parsed, message = finish(event)
+    rest, same = text.finish(parsed.content)
+    if not same and on_diverged is not None:
+        on_diverged()
+    if rest:
+        yield make({"content": rest})
+    calls = message.get("tool_calls") or []
+    for i, call in enumerate(calls):
+        yield make({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                    "function": {"name": call["function"]["name"],
+                                                 "arguments": call["function"]["arguments"]}}]})
+    reason = "tool_calls" if calls else "length" if event.finish_reason == "length" else "stop"
+    yield make({}, finish_reason=reason)
+    if include_usage:
+        yield make(None, usage=usage(prompt_tokens, len(event.output_ids)))

@@ -32,7 +32,7 @@ import threading
 from functools import partialmethod
 from typing import Any, Callable, Iterable
 
-from areal_mq.messages import Error, Message
+from areal_mq.messages import Error, Kind, Message
 
 LEVELS = ("debug", "info", "warning", "error", "exception", "critical")
 
@@ -213,9 +213,11 @@ class InMemoryJobs:
                     self._inbox.append((job_id, reply))
         out = []
         for job_id, msg in self._inbox:
-            if self.pending.pop(job_id, None) is None:
+            if job_id not in self.pending:
                 self.dropped.append(job_id)
-            else:
+            else:  # a GeneratePartial (a streamed job's tokens so far) leaves the job pending, as in JobClient
+                if msg.kind != Kind.GENERATE_PARTIAL:
+                    del self.pending[job_id]
                 out.append((job_id, msg))
         self._inbox = []
         return out

@@ -110,3 +110,38 @@ def test_a_call_waits_while_the_broker_answers_late():
 
     out, _ = run(late, timeout_s=10.0)
     assert out[0].versions.tolist() == [5, 5]
+
+
+def test_a_streamed_call_yields_its_partials_then_its_result_and_a_partial_never_ends_it():
+    from areal_mq.messages import GeneratePartial
+
+    client = InMemoryJobs()
+    backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
+    backend.start()
+    try:
+        events = backend.stream([1, 2], SamplingSpec(), "ep", 5.0)
+        wait_for(lambda: client.pending, 10, what="the streamed job submitted")
+        (job_id,) = client.pending
+        assert client.pending[job_id].stream and client.pending[job_id].session == "ep"
+        for k in range(2):
+            client.answer(job_id, GeneratePartial(output_ids=[1], logprobs=[-0.1], versions=[5], start=k, seq=k))
+        first = next(events)
+        assert isinstance(first, GeneratePartial) and job_id in client.pending  # still running
+        client.answer(job_id, ok(None))
+        rest = list(events)
+        assert [type(e).__name__ for e in rest] == ["GeneratePartial", "GenerateResult"]
+    finally:
+        backend.close()
+
+
+def test_a_stream_whose_reader_goes_away_forgets_its_job():
+    client = InMemoryJobs()
+    backend = OpenAIBackend(lambda: client, silent_after_s=1.0, poll_s=0.01)
+    backend.start()
+    try:
+        events = backend.stream([1, 2], SamplingSpec(), "", 60.0)
+        wait_for(lambda: client.pending, 10, what="the streamed job submitted")
+        events.close()  # the HTTP client disconnected before anything came
+        wait_for(lambda: client.pending == {} and client.forgotten, 10, what="the job forgotten")
+    finally:
+        backend.close()
