@@ -190,3 +190,18 @@ def test_async_call_returns_the_answer_and_a_cancelled_call_forgets_its_job():
 def test_async_call_before_start_is_a_clear_error():
     with pytest.raises(RuntimeError, match="before start"):
         asyncio.run(AsyncJobFutures(InMemoryJobs).call(StatsRequest(), "generate"))
+
+
+def test_a_partial_goes_to_its_callback_and_never_resolves_the_future():
+    from areal_mq.messages import GeneratePartial, GenerateResult
+
+    client = InMemoryJobs()
+    jobs = JobFutures(client)
+    got = []
+    job_id, fut = jobs.submit(StatsRequest(), "generate", on_partial=got.append)
+    client.answer(job_id, GeneratePartial(output_ids=[7], logprobs=[-0.1], versions=[2], start=0, seq=0))
+    jobs.pump()
+    assert [p.output_ids.tolist() for p in got] == [[7]] and not fut.done() and job_id in client.pending
+    client.answer(job_id, GenerateResult(output_ids=[7], logprobs=[-0.1], versions=[2], finish_reason="stop"))
+    jobs.pump()
+    assert fut.result(0).finish_reason == "stop" and len(got) == 1 and len(jobs) == 0
