@@ -10,7 +10,8 @@ The test process runs the plain single-process trainer (strategy ddp, world 1) o
 (issue 37): fp32 loss within 1e-5 and parameters within 1e-5 after 3 steps, for tiny Llama, Qwen2 (q/k/v
 biases) and Qwen3 (q/k norms) configs; a resumed step 3 gives the uninterrupted step 3's loss at 1 -> 2 and 2 -> 1;
 the 2-rank checkpoint exports to a plain Hugging Face directory with the step-2 weights; and trainer.precision fp16
-at 2 ranks skips, on both ranks, an optimizer step whose gradient overflowed on one rank only.
+at 2 ranks skips, on both ranks, an optimizer step whose gradient overflowed on one rank only; trainer.attention varlen
+at 2 ranks gives the single-process sdpa losses (tiny Qwen2).
 A fourth launch, `load` (2 ranks), checks the meta-device construction and sharded loading (issue 52 item 1):
 per family, trainer.fsdp.load slices and broadcast against full (the old path: the whole model on every rank, then
 sharded), with a reference model (kl_coef > 0) built the same way, give the same losses and parameters after 3
@@ -111,6 +112,14 @@ def run_rank(mode: str, out: Path) -> None:
         result["atomic"] = killed_mid_save_keeps_the_previous(out)
     if mode == "two":
         fp16_overflow_on_one_rank(out)
+        # trainer.attention varlen (packed rows attend block by block, algorithms/attention.py) under FSDP2 over 2
+        # ranks: the single-process sdpa trainer's losses
+        from areal_mq.algorithms.config import TrainerConfig
+        from areal_mq.algorithms.trainer import Trainer
+
+        varlen = Trainer(TrainerConfig(strategy="fsdp", attention="varlen", **CFG), out / "models" / "tiny-qwen2",
+                         device="cpu")
+        result["varlen_qwen2"] = [varlen.train_step(_batch(i))["loss"] for i in range(3)]
     if int(os.environ.get("RANK", "0")) == 0:
         (out / f"result-{mode}.json").write_text(json.dumps(result))
 
@@ -242,6 +251,7 @@ def test_fsdp_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_p
         exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
         for name, tensor in at2.items():
             torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-5, msg=f"{fam} export {name}")
+    assert two["varlen_qwen2"] == pytest.approx(single["tiny-qwen2"][0], rel=1e-5, abs=1e-5), two["varlen_qwen2"]
     # a sharded save killed half-way leaves the previous checkpoint the latest, and it loads
     atomic = one["atomic"]
     assert atomic["latest"] == atomic["good"] == "step00000001" and atomic["version"] == 1, atomic
