@@ -28,6 +28,7 @@ follows the engine's dtype: bf16 autocast over fp32 master weights); default cpu
     python benchmarks/speed/trainer.py --load [--quick] [--json PATH]   (benchmarks/speed/trainer_load.py: load peak)
     python benchmarks/speed/trainer.py --lora [--quick] [--json PATH]   (benchmarks/speed/trainer_lora.py: full vs LoRA)
     python benchmarks/speed/trainer.py --root [--quick] [--json PATH]   (benchmarks/speed/trainer_root.py: FSDP2 units)
+    python benchmarks/speed/trainer.py --long [--quick] [--json PATH]   (benchmarks/speed/trainer_long.py: mask vs varlen)
 
 `--quick` uses fewer, shorter sequences and one alternation (same code path, same long-tail shape); it
 finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
@@ -160,6 +161,11 @@ def table(report: dict, command: str) -> str:
 
 
 def main() -> None:
+    if "--long" in sys.argv:  # one micro-batch at growing lengths: the L x L mask vs block by block (issue 61)
+        import trainer_long
+
+        sys.argv = [a for a in sys.argv if a != "--long"]
+        return trainer_long.main()
     if "--root" in sys.argv:  # FSDP2: the root holding embeddings + head vs units of their own (issue 59)
         import trainer_root
 
