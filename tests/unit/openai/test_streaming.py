@@ -13,18 +13,15 @@ Run: pytest tests/unit/openai/test_streaming.py -q   (~10 s, most of it loading 
 """
 import asyncio
 import json
-import threading
 
 import numpy as np
 import pytest
 
-from areal_mq.engines.models import load_tokenizer, resolve_model
 from areal_mq.messages import GeneratePartial
-from areal_mq.openai.server import ChatService, OpenAIServer, ServeConfig
 from areal_mq.openai.streaming import TextStream
 from areal_mq.tools.registry import ToolRegistry
 
-from .test_tools_client import MODEL, AddTool, ScriptedBackend
+from .test_tools_client import MODEL, AddTool, ScriptedBackend, Servers, tokenizer  # noqa: F401 (a fixture)
 
 openai = pytest.importorskip("openai")  # the [test] extra has it
 
@@ -44,28 +41,16 @@ class StreamingBackend(ScriptedBackend):
         return iter(parts + [result])
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model(MODEL))
-
-
 @pytest.fixture
 def serve(tokenizer):
-    started = []
+    servers = Servers(tokenizer, StreamingBackend)
 
     def start(script):
-        service = ChatService(ServeConfig(port=0), MODEL, tokenizer, StreamingBackend(tokenizer, script))
-        server = OpenAIServer(service)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        thread.start()
-        started.append((server, thread))
+        server, service = servers.start(script)
         return server, service, openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=10)
 
     yield start
-    for server, thread in started:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    servers.stop()
 
 
 def _turn(doc):

@@ -52,23 +52,33 @@ def tokenizer():
     return load_tokenizer(resolve_model(MODEL))
 
 
-@pytest.fixture
-def serve(tokenizer):
-    started = []
+class Servers:
+    """Endpoints on threads, each serving `backend(tokenizer, script)`; `stop()` ends them all (the fixtures of
+    this file and of test_streaming.py)."""
 
-    def start(script):
-        service = ChatService(ServeConfig(port=0), MODEL, tokenizer, ScriptedBackend(tokenizer, script))
+    def __init__(self, tokenizer, backend):
+        self.tokenizer, self.backend, self.started = tokenizer, backend, []
+
+    def start(self, script):
+        service = ChatService(ServeConfig(port=0), MODEL, self.tokenizer, self.backend(self.tokenizer, script))
         server = OpenAIServer(service)
         thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         thread.start()
-        started.append((server, thread))
+        self.started.append((server, thread))
         return server, service
 
-    yield start
-    for server, thread in started:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    def stop(self):
+        for server, thread in self.started:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+
+
+@pytest.fixture
+def serve(tokenizer):
+    servers = Servers(tokenizer, ScriptedBackend)
+    yield servers.start
+    servers.stop()
 
 
 def agent(base_url: str, registry: ToolRegistry, question: str, episode: str) -> tuple[str, list]:
