@@ -85,7 +85,11 @@ def _in_flight(client: JobClient, worker_id: str) -> int:
     return client.stats(5)["workers"].get(worker_id, {}).get("in_flight", 0)
 
 
-def test_a_job_a_worker_never_answers_is_answered_by_another_worker(procs, leased, silent_workers):
+def test_a_job_a_worker_never_answers_is_answered_by_another_worker(procs, tmp_path, silent_workers):
+    # a 6 s lease: the good worker (a process started once the job sits at the silent one) must register within
+    # the first lease; at 2 s a loaded 2-core machine missed it (the job went back to the silent worker, whose
+    # second lease then failed it), with this code and the code before it alike
+    leased = write_config(tmp_path, {"brokers": {"job_deadline_s": 6.0, "job_max_attempts": 2}}, name="leased.yaml")
     cfg = load_config(leased)
     procs.start(["broker", "--config", str(leased)], "broker")
     broker_up(cfg)
