@@ -700,7 +700,8 @@ class Error(Message):
 
     codes: bad_frames, bad_header, bad_version, unknown_kind, bad_fields, bad_arrays, too_large,
     queue_full, no_service, job_failed, bad_request, bad_reply, forbidden, weights_unavailable, store_full,
-    disk_full, internal, version_passed (a pinned GenerateRequest reached a worker already past its version).
+    disk_full, internal, version_passed. version_passed: a pinned GenerateRequest reached a worker already past
+    its version.
     Example: Error(code="bad_version", message="protocol version 9, this broker speaks 1", ref_id="")
     """
 
