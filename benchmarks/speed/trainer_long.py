@@ -5,9 +5,10 @@ What: the Qwen2.5-0.5B shape (hidden 896, 14 heads, 2 KV heads, the 151,936 voca
 (default 2: the attention's memory is one layer's under gradient checkpointing, and 24 layers of 16k tokens would
 take an hour on 2 cores), random weights built here, fp32 on the CPU (`--dtype bfloat16` for bf16 autocast),
 gradient checkpointing. One micro-batch per length L: a GRPO group of 4 answers of (L - 256) / 4 tokens after one
-256-token prompt, shared packing, one full train_step (recompute, forward, backward, AdamW). Each (attention, L)
-runs in a fresh process so its peak resident memory (ru_maxrss, minus the same process's after building the
-trainer) is its own. Reported per L: the step's peak extra memory and seconds per 1k tokens for both, and the
+256-token prompt, shared packing, a warm-up train_step (AdamW's state made), then the measured one (recompute,
+forward, backward, AdamW). Each (attention, L) runs in a fresh process; its peak is the measured step's resident
+high-water mark (VmHWM, reset through /proc/self/clear_refs before the step) minus the resident set before it: the
+step's transient memory, the attention's included. Reported per L: the step's peak extra memory and seconds per 1k tokens for both, and the
 ratios `long_mask_vs_varlen_peak_L` (sdpa peak / varlen peak; larger = varlen saves more) and
 `long_varlen_vs_mask_speed_L` (sdpa seconds / varlen seconds). A length whose dense run exceeds `--max-gib` of
 the machine is skipped and said so (the sdpa path's scores are [14, L, L] fp32 on the CPU).
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -31,6 +31,14 @@ import common  # noqa: E402
 log = common.logger("trainer-long")
 PROMPT = 256
 GROUP = 4
+
+
+def _rss_kib(field: str) -> int:
+    """/proc/self/status's VmRSS (resident now) or VmHWM (peak since the last clear_refs 5), KiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _child(attention: str, length: int, layers: int, dtype: str, model_dir: str) -> dict:
@@ -52,11 +60,15 @@ def _child(attention: str, length: int, layers: int, dtype: str, model_dir: str)
     seqs = [SeqSample(prompt_ids=prompt, output_ids=rng.integers(0, 150000, n, dtype=np.int32),
                       logprobs=np.full(n, -3.0, np.float32), versions=np.zeros(n, np.int32), reward=float(i % 2))
             for i in range(GROUP)]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    batch = [Sample(sample_id="s0", prompt_id="p0", seqs=seqs)]
+    trainer.train_step(batch)  # warm-up: AdamW's state exists from here on, as in every step of a run but the first
+    base = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) restarts from the current resident set
+        f.write("5")
     t0 = time.perf_counter()
-    metrics = trainer.train_step([Sample(sample_id="s0", prompt_id="p0", seqs=seqs)])
+    metrics = trainer.train_step(batch)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _rss_kib("VmHWM")
     return {"attention": attention, "length": PROMPT + GROUP * n, "peak_extra_gib": round((peak - base) / 2**20, 3),
             "seconds": round(seconds, 2), "s_per_1k_tokens": round(seconds * 1000 / (PROMPT + GROUP * n), 3),
             "loss": metrics["loss"], "n_microbatches": metrics["n_microbatches"]}
