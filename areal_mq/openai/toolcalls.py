@@ -69,12 +69,9 @@ def parse_qwen(text: str) -> ParsedReply:
     bodies = CALL_BLOCK.findall(text)
     if not bodies:
         return ParsedReply(text)
-    calls = []
-    for i, body in enumerate(bodies):
-        entry, why = _call(body.strip(), "arguments")
-        if entry is None:
-            return ParsedReply(text, [], f"malformed_tool_call: call {i}: {why}")
-        calls.append(entry)
+    calls, why = _calls(bodies, "arguments")
+    if why:
+        return ParsedReply(text, [], why)
     rest = CALL_BLOCK.sub("", text).strip()
     return ParsedReply(rest or None, calls)
 
@@ -87,13 +84,19 @@ def parse_llama3(text: str) -> ParsedReply:
     if not body.startswith("{"):
         return ParsedReply(text, [], "malformed_tool_call: <|python_tag|> without a JSON call" if tagged else "")
     parts = [p for p in body.split(";") if p.strip()] if _is_json_list(body) else [body]
+    calls, why = _calls(parts, "parameters")
+    return ParsedReply(text, [], why) if why else ParsedReply(None, calls)
+
+
+def _calls(bodies: list[str], args_key: str) -> tuple[list[dict], str]:
+    """Every body as a `tool_calls` entry, or ([], the reason naming the first malformed call)."""
     calls = []
-    for i, part in enumerate(parts):
-        entry, why = _call(part.strip(), "parameters")
+    for i, body in enumerate(bodies):
+        entry, why = _call(body.strip(), args_key)
         if entry is None:
-            return ParsedReply(text, [], f"malformed_tool_call: call {i}: {why}")
+            return [], f"malformed_tool_call: call {i}: {why}"
         calls.append(entry)
-    return ParsedReply(None, calls)
+    return calls, ""
 
 
 def _is_json_list(body: str) -> bool:
