@@ -246,7 +246,7 @@ def check_evals(run_dir: Path, cfg: Any, steps: int) -> tuple[list[dict], list[d
         evals.append({k: rec.get(k) for k in ("version", "n", "strict", "lenient", "by_level")})
     want = {0, steps} | ({v for v in range(1, steps) if v % cfg.eval.every == 0} if cfg.eval.every else set())
     got = {e["version"] for e in evals}
-    if getattr(cfg.eval, "via", "process") == "rollout":  # a periodic evaluation skipped with its reason is no failure
+    if cfg.eval.via == "rollout":  # a periodic evaluation skipped with its reason is no failure
         skipped = {e["version"]: e.get("reason") for e in read_events(run_dir, "controller.eval_skipped")}
         evals += [{"version": v, "skipped": skipped[v]} for v in sorted(set(skipped) & (want - got))]
         got |= set(skipped)
