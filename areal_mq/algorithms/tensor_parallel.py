@@ -1,0 +1,215 @@
+"""Tensor parallelism composed with FSDP2: the policy split over a 2-D (dp_shard, tp) DTensor mesh.
+
+What: `parallelize(policy, mesh, fsdp_cfg, precision)` takes a plain `PolicyLogprobs` (algorithms/policy.py) and
+applies, in place, first tensor parallelism over the mesh's `tp` dimension, then FSDP2 over its data-parallel
+dimension(s), the way torchtitan's `parallelize_llama` composes them:
+
+    mesh = tp_mesh(device, dp_shard=2, tp=2)     # init_device_mesh(type, (2, 2), ("dp_shard", "tp"))
+    #            tp 0   tp 1                      rank = dp index * tp + tp index: a TP group is consecutive ranks
+    #  dp 0  [ rank 0, rank 1 ]                   (one host's GPUs where torchrun numbers them so), so the
+    #  dp 1  [ rank 2, rank 3 ]                   per-layer all-reduces stay on the node
+    parallelize(policy, mesh, cfg.fsdp, "fp32")
+
+- Each decoder layer (one plan per model family, `PLANS`, keyed by `config.model_type`; Qwen2 and Llama share
+  the decoder's shape): ColwiseParallel on q/k/v/gate/up (Megatron's column split: each TP rank computes
+  num_attention_heads / tp query heads, num_key_value_heads / tp KV heads and intermediate / tp MLP columns, its
+  local output a plain tensor), RowwiseParallel on o/down (the row split, whose partial sums are all-reduced over
+  tp at the layer's output, so the residual stream is replicated: whole on every TP rank). Hugging Face's
+  attention reshapes with `view(..., -1, head_dim)`, so it reads the local head count from the tensor; the GQA
+  ratio (heads / KV heads) is unchanged by the split. `check_divisible` refuses a tp that does not divide the
+  head counts or the MLP width, before any tensor is touched.
+- Embeddings, final norm, LM head and the per-layer norms stay REPLICATED over tp (plain parameters, not DTensors
+  on the tp dimension): the trainer computes token logprobs from the head's weight in chunks (algorithms/policy.py,
+  logprobs.py), never through `lm_head(...)`, so a vocabulary-parallel head would need a vocab-parallel
+  log-softmax there; replicated, PolicyLogprobs runs unchanged and its logits are whole on every TP rank. The cost:
+  each TP rank holds (1 / dp of) the embeddings and head whole, and computes the norms and the chunked logprobs
+  redundantly. No sequence parallelism on the norms (it would shard activations along the sequence and need the
+  HF layer's residual adds to run on DTensors; the replicated residual is what the HF code expects).
+- FSDP2 then shards every parameter over the data-parallel dimension(s) (`dp_mesh`: every dimension but tp, so a
+  3-D (dp_replicate, dp_shard, tp) mesh gives HSDP x TP) with the same units, precision and offload as the fsdp
+  strategy (fsdp.shard_policy): a TP weight becomes a 2-D DTensor (FSDP's dim-0 shard of the TP shard, on the
+  whole mesh); a replicated one a 1-D DTensor on the dp dimension. Gradients are reduce-scattered over dp only:
+  the TP ranks of one dp group see the same micro-batch.
+
+Memory per rank (fp32 master weights, AdamW, 16 bytes a parameter): 16 x (decoder-layer parameters / (dp x tp)
++ the embeddings', head's and norms' / dp), plus one gathered decoder layer's TP shard.
+
+How the trainer uses it (not wired yet: trainer.parallel's degrees are another change): a strategy's `build` makes
+`mesh = tp_mesh(device, dp, tp)` once, `refuse_lora_under_tp(cfg.lora, tp)` and `refuse_sharded_publish(...)` at
+config time, then `parallelize(PolicyLogprobs(lm, ...), mesh, cfg.fsdp, precision)` where the fsdp strategy calls
+`shard_policy`; each rank feeds its dp group's micro-batches (`dp_rank(mesh)`, the same batch on every TP rank of a
+group). Everything else is the fsdp strategy's as it is: `fsdp.clip_grad_norm` (its DTensor norm reduces over the
+whole mesh), `gather_full_state` (= fsdp.full_state_dict: `full_tensor()` per parameter gathers over dp and tp)
+for publishing, and fsdp.save_sharded / load_sharded (torch.distributed.checkpoint reshards across meshes: a
+checkpoint written at tp 2 x dp 2 loads at dp 4 and back).
+Publishing under TP is the gathered path only: weights/sharded.py's `WeightsShard` carries dim-0 row slices, and a
+TP shard is a column block (rowwise: dim 1) or, under FSDP, a strided row set; `refuse_sharded_publish` says so.
+LoRA under TP is refused (`refuse_lora_under_tp`: why there).
+
+Run: tests/integration/test_tensor_parallel.py (tp 2 x dp 2 on 4 CPU ranks over gloo against one process; the
+checkpoint resharded to dp 4 and back).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from areal_mq.errors import ConfigError
+
+TP = "tp"  # the mesh dimension tensor parallelism splits over; every other dimension is data parallel
+
+
+def tp_mesh(device: torch.device, dp_shard: int, tp: int) -> Any:
+    """The 2-D (dp_shard, tp) mesh over every rank (collective: each rank calls it); tp ranks are consecutive."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if dp_shard < 1 or tp < 1 or dp_shard * tp != world:
+        raise ConfigError(f"dp_shard {dp_shard} x tp {tp} must equal the trainer's {world} ranks")
+    return init_device_mesh(device.type, (dp_shard, tp), mesh_dim_names=("dp_shard", TP))
+
+
+def dp_mesh(mesh: Any) -> Any:
+    """The data-parallel part of `mesh`: every dimension but tp (FSDP2 shards over it)."""
+    names = tuple(n for n in mesh.mesh_dim_names if n != TP)
+    return mesh[names[0]] if len(names) == 1 else mesh[names]
+
+
+def tp_size(mesh: Any) -> int:
+    return mesh[TP].size() if TP in (mesh.mesh_dim_names or ()) else 1
+
+
+def dp_rank(mesh: Any) -> tuple[int, int]:
+    """(this rank's index among the data-parallel groups, how many there are): which slice of a batch it trains.
+    The TP ranks of one group share the index, so they see the same micro-batches."""
+    dp = dp_mesh(mesh)
+    coords = dp.get_coordinate() or [0]
+    sizes = [dp.size(i) for i in range(dp.ndim)]
+    index = 0
+    for c, s in zip(coords, sizes):
+        index = index * s + c
+    return index, dp.size()
+
+
+# ---------------------------------------------------------------- per-family plans
+def _decoder_plan() -> dict[str, Any]:
+    """Megatron's split of a Llama-shaped decoder layer (paths inside the layer)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+
+
+def _decoder_divisible(config: Any, tp: int) -> list[str]:
+    """What tp does not divide in a Llama-shaped config (empty: it fits)."""
+    want = {"num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            "intermediate_size": config.intermediate_size}
+    return [f"{k} {v}" for k, v in want.items() if v % tp]
+
+
+PLANS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[Any, int], list[str]]]] = {
+    "qwen2": (_decoder_plan, _decoder_divisible),  # q/k/v biases: split with their columns
+    "llama": (_decoder_plan, _decoder_divisible),
+}  # model_type -> (the layer's plan, what tp must divide); tested: qwen2 (tests/integration/test_tensor_parallel.py)
+
+
+def _family(lm: nn.Module) -> tuple[Any, tuple]:
+    config = lm.config
+    kind = getattr(config, "model_type", type(lm).__name__)
+    if kind not in PLANS:
+        raise ConfigError(f"tensor parallelism: model type {kind!r} has no plan (supported: {', '.join(PLANS)}); "
+                          "train it with tp 1 (fsdp alone), or add its plan to algorithms/tensor_parallel.py")
+    return config, PLANS[kind]
+
+
+def check_divisible(lm: nn.Module, tp: int) -> None:
+    """A clear error when `tp` does not divide what the plan splits (attention heads, KV heads, MLP width)."""
+    config, (_, divisible) = _family(lm)
+    bad = divisible(config, tp)
+    if bad:
+        raise ConfigError(f"tensor parallelism: tp {tp} does not divide the model's {', '.join(bad)}; each TP rank "
+                          f"computes whole heads: pick a tp that divides them")
+
+
+def apply_tp(lm: nn.Module, mesh: Any) -> None:
+    """The family's plan on every decoder layer of `lm` over the 1-D tp `mesh`, in place (ColwiseParallel /
+    RowwiseParallel turn those Linear weights into DTensors Shard(0) / Shard(1) on it)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from areal_mq.algorithms.fsdp import decoder_layers
+
+    (plan, _) = _family(lm)[1]
+    check_divisible(lm, mesh.size())
+    for layer in decoder_layers(lm):
+        parallelize_module(layer, mesh, plan())
+
+
+def parallelize(policy: nn.Module, mesh: Any, fsdp_cfg: Any, precision: str, train: bool = True) -> nn.Module:
+    """TP over `mesh`'s tp dimension, then FSDP2 over the rest (module docstring); in place, returns `policy`.
+    A mesh without a tp dimension, or with tp 1, is plain FSDP2 (fsdp.shard_policy)."""
+    from areal_mq.algorithms.fsdp import shard_policy
+
+    if tp_size(mesh) > 1:
+        apply_tp(policy.lm, mesh[TP])
+    dp = dp_mesh(mesh) if TP in (mesh.mesh_dim_names or ()) else mesh
+    return shard_policy(policy, fsdp_cfg, precision, torch.device(mesh.device_type), train=train, mesh=dp)
+
+
+# ---------------------------------------------------------------- the step
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """fsdp.clip_grad_norm for parameters on several meshes: the global L2 norm before clipping (a plain 0-dim
+    tensor), clipping in place. Under TP x FSDP a TP weight's gradient is a DTensor on the (dp, tp) mesh and a
+    replicated one's on the dp mesh alone; DTensor refuses to stack norms across meshes (aten.stack: "All operands
+    must have the same mesh"), so each mesh's gradients are normed and clipped apart, their squares summed.
+    Works for one mesh (plain FSDP) and plain tensors too."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    squares = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    if max_norm != float("inf"):
+        for grads in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+    return total
+
+
+# ---------------------------------------------------------------- publishing and refusals
+def gather_full_state(lm: nn.Module, dtype: str | None = None, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model's state dict gathered over dp AND tp (`DTensor.full_tensor()` per tensor, one at a time;
+    collective: every rank calls it, in the same order): the gathered publishing path and what a test compares.
+    Only a rank with `keep` stores the tensors. It is fsdp.full_state_dict, which is already mesh-agnostic."""
+    from areal_mq.algorithms.fsdp import full_state_dict
+
+    return full_state_dict(lm, dtype, keep)
+
+
+def refuse_sharded_publish(publish_layout: str, tp: int) -> None:
+    """Sharded (per-slice) publishing is refused under TP for now: weights/sharded.py's WeightsShard carries each
+    rank's dim-0 ROW slice of a tensor, while a TP shard is a column block (RowwiseParallel's Shard(1)) and, under
+    FSDP, a strided set of rows (FSDP's _StridedShard(0) of a ColwiseParallel Shard(0)); describing either needs a
+    new wire format. Publish gathered (trainer.publish_layout gather: gather_full_state)."""
+    if tp > 1 and publish_layout == "sharded":
+        raise ConfigError(f"trainer.publish_layout sharded with tp {tp}: a TP shard is not a dim-0 row slice, "
+                          "which is all a WeightsShard can describe; use trainer.publish_layout gather")
+
+
+def refuse_lora_under_tp(lora_cfg: Any, tp: int) -> None:
+    """LoRA under TP is refused: PEFT wraps each target Linear (lora.Linear: base_layer + lora_A + lora_B), so the
+    plan's module paths no longer name an nn.Linear, and a correct split needs per-adapter placements (colwise
+    target: A replicated, B split by columns; rowwise target: A split by rows, B replicated after an all-reduce)
+    plus an adapter gather for publishing and checkpoints; none of that exists yet. Train LoRA with tp 1."""
+    if tp > 1 and lora_cfg is not None:
+        raise ConfigError(f"trainer.lora with tp {tp}: LoRA under tensor parallelism is not supported (PEFT's "
+                          "wrapped layers have no TP plan); use tp 1 (fsdp shards the adapter already)")

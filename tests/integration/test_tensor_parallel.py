@@ -1,0 +1,274 @@
+"""Tensor parallelism composed with FSDP2 (areal_mq/algorithms/tensor_parallel.py) on 4 CPU ranks over gloo matches
+one process, and its torch.distributed.checkpoint reshards to another (dp, tp) layout and back.
+
+One launch of THIS file under torch.distributed.run, 4 ranks (CUDA hidden, one thread per rank), mode `tp`:
+  1. mesh (dp_shard 2, tp 2): a tiny Qwen2 (seeded random weights, built in memory: no files, no download) as
+     PolicyLogprobs, `parallelize`d; 3 AdamW steps of the mean token logprob loss (grad clip 1.0), each dp group
+     on its half of the batch, both TP ranks of a group on the same half; losses and grad norms per step, the
+     parameters gathered whole (`gather_full_state`) and the AdamW state gathered whole; a sharded checkpoint
+     (fsdp.save_sharded: torch.distributed.checkpoint);
+  2. mesh (dp_shard 4, tp 1): a fresh policy (seed 2: different weights) loads that checkpoint; its gathered
+     parameters and AdamW state equal step 1's; it saves its own checkpoint;
+  3. mesh (2, 2) again: a fresh policy loads the dp-4 checkpoint: equal again; then both it and the dp-4 policy
+     run a 4th step, whose loss must equal the uninterrupted run's 4th step.
+The test process runs the same model, batches and steps in one process without any process group or sharding.
+Targets (issue 61 item 4): fp32 losses, grad norms and parameters within 1e-5 of the single process after 3 steps;
+checkpoint round trips exact (1e-6); TP refusals (unknown family, heads tp does not divide, LoRA, sharded publish).
+Run: pytest tests/integration/test_tensor_parallel.py   (marked slow; about 30 s on 2 cores)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+             intermediate_size=128, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+             rms_norm_eps=1e-6)
+ROWS, COLS, STEPS, LR, CLIP = 8, 16, 3, 1e-3, 1.0
+# AdamW's eps: its first step moves each element by lr * g / (|g| + eps), so an element whose gradient cancels to
+# ~1e-8 (a k_proj bias: softmax ignores a shift along the keys, its exact gradient is 0) turns the last-bit rounding
+# of a differently ordered sum (~1e-9) into a ~lr/10 move: with eps 1e-8 one q_proj element of 4096 landed 1.9e-5
+# from the single process. eps 1e-6 bounds that amplification to lr / eps = 1e3 x the rounding, under 1e-5,
+# while the updates (~lr a step) stay far above the tolerance, so a wrong or missing shard update still fails.
+EPS = 1e-6
+
+
+def _lm(seed: int, **overrides):
+    """The tiny Qwen2, weights drawn from `seed` (std 0.1, norms 1: as engines/shapes.py draws its tiny models)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    lm = AutoModelForCausalLM.from_config(Qwen2Config(**{**SHAPE, **overrides}), dtype=torch.float32,
+                                          attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(lm.named_parameters()):
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.1, generator=gen)
+    return lm
+
+
+def _batch(step: int):
+    import torch
+
+    return torch.randint(0, SHAPE["vocab_size"], (ROWS, COLS), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _policy(seed: int):
+    from areal_mq.algorithms.policy import PolicyLogprobs
+
+    return PolicyLogprobs(_lm(seed))
+
+
+def _logp_sum(policy, ids):
+    """Sum over `ids`' rows of every next token's logprob (PolicyLogprobs' chunked path, as the trainer runs it)."""
+    import torch
+
+    rows, cols = ids.shape
+    pos = torch.arange(cols).expand(rows, cols)
+    keep = torch.arange(cols - 1)
+    logp, _ = policy(ids, pos, None, keep, torch.arange(rows * (cols - 1)), ids[:, 1:].reshape(-1), 1.0)
+    return logp.sum()
+
+
+def _step(policy, opt, ids, scale: float):
+    """One AdamW step on `ids`; the loss is -sum(logp) * scale. (loss tensor, grad norm before clipping)."""
+    from areal_mq.algorithms.tensor_parallel import clip_grad_norm
+
+    loss = -_logp_sum(policy, ids) * scale
+    loss.backward()
+    norm = clip_grad_norm(list(policy.parameters()), CLIP)
+    opt.step()
+    opt.zero_grad()
+    return loss.detach(), float(norm)
+
+
+def _adamw(policy):
+    import torch
+
+    return torch.optim.AdamW(policy.parameters(), lr=LR, eps=EPS)
+
+
+def single_process() -> dict:
+    """The reference: one process, no process group, the whole batch each step."""
+    import torch
+
+    policy = _policy(seed=1)
+    opt = _adamw(policy)
+    tokens = ROWS * (COLS - 1)
+    losses, norms = [], []
+    for i in range(STEPS + 1):
+        loss, norm = _step(policy, opt, _batch(i), 1.0 / tokens)
+        losses.append(float(loss))
+        norms.append(norm)
+        if i == STEPS - 1:
+            params = {n: t.detach().clone() for n, t in policy.lm.state_dict().items()}
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+# ---------------------------------------------------------------- the 4 ranks
+def _build(dp: int, tp: int, seed: int):
+    """A fresh policy parallelized over a (dp, tp) mesh, its AdamW, and (dp index, dp size)."""
+    import torch
+
+    from areal_mq.algorithms.config import FsdpConfig
+    from areal_mq.algorithms.tensor_parallel import dp_rank, parallelize, tp_mesh
+
+    mesh = tp_mesh(torch.device("cpu"), dp, tp)
+    policy = parallelize(_policy(seed), mesh, FsdpConfig(), "fp32")
+    return SimpleNamespace(model=policy, optimizer=_adamw(policy), mesh=mesh, dp=dp_rank(mesh))
+
+
+def _train(run, step: int) -> tuple[float, float]:
+    """Step `step` on this rank's dp slice of the batch; (the global loss, the grad norm)."""
+    import torch.distributed as dist
+
+    from areal_mq.algorithms.tensor_parallel import dp_mesh
+
+    index, size = run.dp
+    ids = _batch(step)
+    per = ROWS // size
+    mine = ids[index * per:(index + 1) * per]
+    # FSDP2 averages gradients over the dp ranks: scale by their count so the sum is the whole batch's mean
+    loss, norm = _step(run.model, run.optimizer, mine, size / (ROWS * (COLS - 1)))
+    total = loss / size
+    dist.all_reduce(total, group=dp_mesh(run.mesh).get_group())
+    return float(total), norm
+
+
+def _full(run) -> tuple[dict, dict]:
+    """(the parameters, the AdamW state) gathered whole (collective; every rank keeps them: they are tiny)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from areal_mq.algorithms.tensor_parallel import gather_full_state
+
+    params = gather_full_state(run.model.lm, "float32", keep=True)
+    optim = get_optimizer_state_dict(run.model, run.optimizer,
+                                     options=StateDictOptions(full_state_dict=True))
+    return params, optim["state"]
+
+
+def _diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two (nested) dicts of tensors with the same keys."""
+    import torch
+
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    worst = 0.0
+    for k in a:
+        if isinstance(a[k], dict):
+            worst = max(worst, _diff(a[k], b[k]))
+        else:
+            worst = max(worst, float((torch.as_tensor(a[k]).float() - torch.as_tensor(b[k]).float()).abs().max()))
+    return worst
+
+
+def run_rank(mode: str, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from areal_mq.algorithms.fsdp import load_sharded, save_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    tp = _build(2, 2, seed=1)
+    steps = [_train(tp, i) for i in range(STEPS)]
+    params, optim = _full(tp)
+    placements = {n: [str(p) for p in t.placements] for n, t in tp.model.lm.state_dict().items()
+                  if n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                           "model.norm.weight")}
+    save_sharded(tp, out / "ckpt-tp2-dp2")
+
+    dp4 = _build(4, 1, seed=2)
+    load_sharded(dp4, out / "ckpt-tp2-dp2")
+    at_dp4 = _full(dp4)
+    save_sharded(dp4, out / "ckpt-dp4")
+    back = _build(2, 2, seed=3)
+    load_sharded(back, out / "ckpt-dp4")
+    at_back = _full(back)
+    fourth = {"continued": _train(tp, STEPS)[0], "dp4": _train(dp4, STEPS)[0], "back": _train(back, STEPS)[0]}
+    result = {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "placements": placements,
+              "dp4_params": _diff(at_dp4[0], params), "dp4_optim": _diff(at_dp4[1], optim),
+              "back_params": _diff(at_back[0], params), "back_optim": _diff(at_back[1], optim),
+              "fourth": fourth, "optim_keys": sorted(optim)[:3]}
+    if dist.get_rank() == 0:
+        torch.save(params, out / "params-tp.pt")
+        (out / f"result-{mode}.json").write_text(json.dumps(result))
+
+
+def _launch(mode: str, nproc: int, out: Path) -> dict:
+    from tests.integration.procs import free_ports
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_ports(1)[0]), __file__, mode, str(out)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, output[-4000:]
+    return json.loads((out / f"result-{mode}.json").read_text())
+
+
+@pytest.mark.slow
+def test_tp2_dp2_matches_one_process_and_its_checkpoint_reshards(tmp_path):
+    import torch
+
+    torch.set_num_threads(1)
+    want = single_process()
+    got = _launch("tp", 4, tmp_path)
+    assert got["losses"] == pytest.approx(want["losses"][:STEPS], rel=1e-5, abs=1e-5), (got["losses"], want)
+    assert got["norms"] == pytest.approx(want["norms"][:STEPS], rel=1e-5, abs=1e-5), (got["norms"], want)
+    params = torch.load(tmp_path / "params-tp.pt", map_location="cpu")
+    assert params.keys() == want["params"].keys()
+    for name, tensor in params.items():
+        torch.testing.assert_close(tensor, want["params"][name], rtol=1e-5, atol=1e-5, msg=name)
+    # the layout really is TP x FSDP: a colwise weight split over both dims, a rowwise one too, a norm over dp only
+    place = got["placements"]
+    assert len(place["model.layers.0.self_attn.q_proj.weight"]) == 2, place
+    assert place["model.layers.0.self_attn.o_proj.weight"][1] == "S(1)", place
+    assert len(place["model.norm.weight"]) == 1, place
+    # resharded checkpoints: tp 2 x dp 2 -> dp 4 -> tp 2 x dp 2, parameters and AdamW state unchanged
+    for key in ("dp4_params", "dp4_optim", "back_params", "back_optim"):
+        assert got[key] <= 1e-6, (key, got[key])
+    for how, loss in got["fourth"].items():
+        assert loss == pytest.approx(want["losses"][STEPS], rel=1e-5, abs=1e-5), (how, got["fourth"], want)
+
+
+def test_tp_refuses_what_it_cannot_split():
+    from areal_mq.algorithms import tensor_parallel as tp
+    from areal_mq.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model type 'gpt2' has no plan"):
+        tp.check_divisible(SimpleNamespace(config=SimpleNamespace(model_type="gpt2")), 2)
+    three = _lm(0, num_attention_heads=3, num_key_value_heads=1, hidden_size=48)
+    with pytest.raises(ConfigError, match="tp 2 does not divide the model's num_attention_heads 3, num_key_value_"):
+        tp.check_divisible(three, 2)
+    tp.check_divisible(three, 1)
+    tp.check_divisible(_lm(0), 2)
+    with pytest.raises(ConfigError, match="LoRA under tensor parallelism"):
+        tp.refuse_lora_under_tp(object(), 2)
+    tp.refuse_lora_under_tp(None, 2)
+    tp.refuse_lora_under_tp(object(), 1)
+    with pytest.raises(ConfigError, match="publish_layout gather"):
+        tp.refuse_sharded_publish("sharded", 2)
+    tp.refuse_sharded_publish("gather", 2)
+    tp.refuse_sharded_publish("sharded", 1)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    try:
+        run_rank(sys.argv[1], Path(sys.argv[2]))
+    finally:
+        from tests.integration.procs import end_process_group
+
+        end_process_group()
