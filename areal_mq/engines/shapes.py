@@ -69,13 +69,56 @@ def hf_config(name: str, **overrides: Any) -> Any:
 
 
 def parameter_count(name: str, **overrides: Any) -> int:
-    """Parameters of the shape, from its config on the meta device (nothing allocated)."""
+    """Parameters of the shape, counted from its config (`count_parameters`; the meta device where it cannot)."""
+    counted = count_parameters(shape(name, **overrides))
+    if counted is not None:
+        return counted[0]
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(name, **overrides))
     return sum(p.numel() for p in model.parameters())
+
+
+# The decoder families whose parameters are counted from config.json alone: their modules and transformers'
+# defaults for the fields a config may leave out (head_dim: hidden / heads, except Qwen3's 128).
+_COUNTED = {"llama": dict(head_dim=None), "mistral": dict(head_dim=None), "qwen2": dict(head_dim=None),
+            "qwen3": dict(head_dim=128)}
+_NEEDED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+           "vocab_size", "tie_word_embeddings")  # absent ones take per-family defaults (Qwen2's kv heads 32, Mistral's 8)
+
+
+def head_dim_of(config: dict[str, Any]) -> int:
+    """A config.json's head dimension: its head_dim, else the family's default (Qwen3: 128; others hidden / heads)."""
+    default = _COUNTED.get(config.get("model_type"), {}).get("head_dim")
+    return config.get("head_dim") or default or config["hidden_size"] // config["num_attention_heads"]
+
+
+def count_parameters(config: dict[str, Any]) -> tuple[int, int] | None:
+    """(parameters of the model, parameters of one decoder layer) from a config.json's fields, without torch or
+    transformers (a launcher that imports both to count spends seconds of CPU beside the children it starts:
+    issue 58); None for a family not in _COUNTED or a config without the fields (the caller counts on the meta
+    device). Llama / Mistral: q, k, v, o (biases with attention_bias), gate, up, down (biases with mlp_bias), two
+    norms; Qwen2: biases on q, k and v only; Qwen3: q/k norms of head_dim (attention_bias for q, k, v, o).
+    Equal to the meta-device count for every shape in SHAPES and TINY: tests/unit/engines/test_shapes_count.py."""
+    family = config.get("model_type")
+    if family not in _COUNTED or any(config.get(k) is None for k in _NEEDED):
+        return None
+    h, i, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    kv = config["num_key_value_heads"]
+    d = head_dim_of(config)
+    q, k = heads * d, kv * d
+    if family == "qwen2":
+        attn = (h * q + q) + 2 * (h * k + k) + q * h
+    else:
+        bias = bool(config.get("attention_bias", False))
+        attn = h * q + 2 * h * k + q * h + ((q + 2 * k + h) if bias else 0)
+    mlp = 3 * h * i + ((2 * i + h) if family in ("llama", "mistral") and config.get("mlp_bias", False) else 0)
+    layer = attn + mlp + 2 * h + (2 * d if family == "qwen3" else 0)
+    vocab = config["vocab_size"]
+    total = vocab * h + config["num_hidden_layers"] * layer + h + (0 if config["tie_word_embeddings"] else vocab * h)
+    return total, layer
 
 
 def build_random_model(dst: str | Path, name: str, seed: int = 0, *, dtype: str = "float32", device: str = "cpu",

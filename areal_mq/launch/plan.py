@@ -268,6 +268,24 @@ def admission(cfg: Any, s: Shape, device_bytes: float | None) -> dict:
 
 
 def read_shape(model_dir: str | Path) -> Shape:
+    """The Shape of the model in `model_dir`, from its config.json: counted without torch for the families
+    engines/shapes.py count_parameters knows (the launcher's check runs beside the children it starts: importing
+    torch and transformers to count cost it seconds of CPU, issue 58), else on the meta device."""
+    import json
+
+    from areal_mq.engines.shapes import count_parameters, head_dim_of
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    counted = count_parameters(raw)
+    if counted is None:
+        return _meta_shape(model_dir)
+    return Shape(params=counted[0], layers=raw["num_hidden_layers"], hidden=raw["hidden_size"],
+                 intermediate=raw["intermediate_size"], vocab=raw["vocab_size"],
+                 kv_heads=raw["num_key_value_heads"], head_dim=head_dim_of(raw),
+                 tied=bool(raw["tie_word_embeddings"]), layer_params=counted[1])
+
+
+def _meta_shape(model_dir: str | Path) -> Shape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
