@@ -11,7 +11,8 @@ shared row (one prompt, two completions, trainer.attention varlen's blocks) of 1
 The test process computes the same with one unsplit process and transformers' sdpa attention (its block-diagonal
 mask from the position ids, its L x L shared mask) and compares per-token logprobs, the loss and every parameter's
 gradient to 1e-5.
-Run: pytest tests/integration/test_ulysses.py   (about 15 s on 2 cores)
+Run: pytest tests/integration/test_ulysses.py   (18-35 s on 2 busy cores, most of it the 3 processes' imports;
+marked slow)
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -89,7 +91,8 @@ def run_rank(rank: int, store: str, out: Path) -> None:
     from areal_mq.algorithms.ulysses import ATTN, reduce_cp_grads, shard_microbatch, use_ulysses
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, CP), rank=rank, world_size=CP)
+    dist.init_process_group("gloo", store=dist.FileStore(store, CP), rank=rank, world_size=CP,
+                            timeout=timedelta(seconds=60))  # a rank left alone fails instead of waiting 30 min
     group = dist.new_group(list(range(CP)))  # the cp group (here the whole world)
     model = use_ulysses(tiny_qwen2(), group)
     assert model.config._attn_implementation == ATTN
@@ -119,6 +122,7 @@ def ranks(tmp_path):
         proc.stdout.close()
 
 
+@pytest.mark.slow  # two rank processes, each importing torch and transformers
 def test_cp2_equals_one_process(ranks, tmp_path):
     import torch
 
