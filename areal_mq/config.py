@@ -302,8 +302,8 @@ class LauncherConfig(_Section):
         1, ge=1, le=64, description="Trainer processes (ranks): more than 1 starts the trainer as one unit, under "
         "torch.distributed.run on this host (backend local) or as one Ray actor per rank in a placement group "
         "(backend ray, launcher.ray_trainer_strategy), gloo on CPUs, nccl on GPUs, rank 0 talking to the brokers; "
-        "pair it with trainer.strategy fsdp to shard the model over them (docs/bigger-models.md). A rank that "
-        "dies takes the unit down, and on_child_death restart brings it back from its last checkpoint.")
+        "pair it with trainer.strategy fsdp, or trainer.parallel's degrees (whose product it must be), to shard the "
+        "model over them (docs/bigger-models.md). A rank that dies takes the unit down, and on_child_death restart brings it back from its last checkpoint.")
     stop_grace_s: float | None = Field(
         None, gt=0, description="At the end of a run, the seconds between SIGTERM (drain, checkpoint) and SIGKILL. "
         "Default: 30 s plus the trainer's checkpoint (12 bytes per parameter: fp32 weights and AdamW's two moments) "
@@ -429,11 +429,13 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         from areal_mq.algorithms.config import validate_off_policy
+        from areal_mq.algorithms.parallel import check_ranks
         from areal_mq.engines.vllm.config import configure as configure_vllm
         from areal_mq.sim.config import check_time_scales
         from areal_mq.weights.ipc import check_config as check_ipc_config
 
         validate_off_policy(self.controller.max_staleness, self.trainer)
+        check_ranks(self.trainer, self.launcher.trainer_ranks)  # trainer.parallel's product is the trainer's ranks
         self.placement.check(self.launcher)
         configure_vllm(self)
         check_time_scales(self.rollout.engine.kind, self.rollout.engine.sim, self.trainer.sim)

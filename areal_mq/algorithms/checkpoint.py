@@ -91,7 +91,8 @@ def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, k
     tmp = root / f".step{trainer.version:08d}.tmp"
     extra = extra or {}
     json.dumps(extra)  # fail before writing anything if `extra` cannot be stored
-    if trainer.is_main:
+    main = trainer.parallel.writes_main(trainer.rank)  # the single files: config, tokenizer, scheduler, JSON
+    if main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
@@ -103,7 +104,7 @@ def save_checkpoint(trainer: "Trainer", root: Path, extra: dict | None = None, k
     trainer.strategy.save_shards(trainer, tmp / SHARDED)  # collective: what each rank writes (fsdp: its shards)
     torch.save(_rng_state(trainer.device), tmp / f"rng_rank{trainer.rank}.pt")
     acc.wait_for_everyone()
-    if trainer.is_main:
+    if main:
         with open(root / TRAINED_IDS, "a") as f:  # before the rename: a checkpoint never lacks its line
             f.write(json.dumps({"version": trainer.version, "base": trainer.checkpoint_base,
                                 "ids": trainer.consumed_ids}) + "\n")
@@ -145,7 +146,7 @@ def _write_main_files(trainer: "Trainer", tmp: Path, extra: dict) -> None:
     state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
              "world_size": trainer.world_size, "consumed_ids": trainer.consumed_ids,
              "consumed_total": trainer.consumed_total, "extra": extra, "strategy": trainer.strategy.name,
-             "format": trainer.strategy.checkpoint_format}
+             "parallel": trainer.parallel.degrees(), "format": trainer.strategy.checkpoint_format}
     if trainer.scaler is not None:  # fp16: the loss scale carries on where it was
         state["loss_scaler"] = trainer.scaler.state_dict()
     (tmp / STATE_JSON).write_text(json.dumps(state))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from areal_mq.devices import DEVICE_RE
 from areal_mq.errors import ConfigError
@@ -82,6 +82,59 @@ class FsdpConfig(BaseModel):
         "computation (any strategy): tokens per chunk = budget / (4 * vocabulary).")
 
 
+class ParallelConfig(BaseModel):
+    """trainer.parallel: the trainer's parallel degrees (areal_mq/algorithms/parallel.py `ParallelDims` owns the mesh
+    they make and answers which rank does what)."""
+
+    model_config = ConfigDict(extra="forbid")
+    _source: str = PrivateAttr("trainer.parallel")  # where the degrees came from, for error messages
+
+    dp_replicate: int = Field(
+        1, description="Whole copies of the model (data parallelism across them: gradients all-reduced). -1: the "
+        "ranks the other degrees leave (launcher.trainer_ranks / (dp_shard x cp x tp)).")
+    dp_shard: int = Field(
+        -1, description="Ranks one copy's parameters, gradients and AdamW state are sharded over (FSDP2; data "
+        "parallel too: each takes its own share of the batch). -1 (default): the ranks the other degrees leave. "
+        "1 with tp and cp 1: no sharding, every rank a whole copy (what trainer.strategy ddp was).")
+    tp: int = Field(
+        1, description="Tensor parallelism: ranks that split each decoder layer's matrices (the innermost dim: keep a "
+        "tp group on one node). Accepted by the config and by `areal-mq plan`; the trainer refuses tp > 1 at start "
+        "until it is wired in (issue 61).")
+    cp: int = Field(
+        1, description="Context parallelism: ranks that split one sequence's tokens. Accepted by the config and by "
+        "`areal-mq plan`; the trainer refuses cp > 1 at start until it is wired in (issue 61).")
+
+    @field_validator("dp_replicate", "dp_shard")
+    @classmethod
+    def _dp(cls, v: int, info: Any) -> int:
+        if v != -1 and v < 1:
+            raise ValueError(f"trainer.parallel.{info.field_name} must be a positive number of ranks, or -1 (the "
+                             f"ranks the other degrees leave); got {v}")
+        return v
+
+    @field_validator("tp", "cp")
+    @classmethod
+    def _split(cls, v: int, info: Any) -> int:
+        if v < 1:
+            raise ValueError(f"trainer.parallel.{info.field_name} must be a positive number of ranks (1: off); got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_free(self) -> "ParallelConfig":
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise ValueError("trainer.parallel: dp_replicate and dp_shard are both -1; at most one may take the ranks "
+                             "the others leave (give the other a number)")
+        return self
+
+    @property
+    def shards(self) -> bool:
+        """Whether the degrees split the model (dp_shard other than 1, tp or cp above 1): no rank holds it whole."""
+        return self.dp_shard != 1 or self.tp > 1 or self.cp > 1
+
+    def degrees(self) -> str:
+        return (f"(dp_replicate {self.dp_replicate}, dp_shard {self.dp_shard}, cp {self.cp}, tp {self.tp})")
+
+
 class TrainerConfig(BaseModel):
     """Decoupled-PPO trainer settings."""
 
@@ -128,11 +181,23 @@ class TrainerConfig(BaseModel):
     )
     seed: int = Field(1, description="Seed of torch/numpy/python RNGs and of the mini-batch shuffle.")
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="ddp: every rank holds the whole model, fp32 weights + gradients + AdamW state (16 bytes "
-        "per parameter, ~1.5B parameters on an 80 GB GPU); fsdp: FSDP2 fully_shard per decoder layer and the root, "
-        "so a rank holds 16 / world_size bytes per parameter plus one gathered layer (docs/bigger-models.md). "
-        "Runs on CPU (gloo) and GPU (nccl); `trainer.fsdp` tunes it.")
+        "ddp", description="The older way to say trainer.parallel, still read (and, after loading, the strategy module "
+        "trainer.parallel needs: areal_mq/algorithms/strategy.py). ddp: every rank holds the whole model, fp32 weights "
+        "+ gradients + AdamW state (16 bytes per parameter, ~1.5B parameters on an 80 GB GPU); fsdp: FSDP2 "
+        "fully_shard per decoder layer and the root, so a rank holds 16 / world_size bytes per parameter plus one "
+        "gathered layer (docs/bigger-models.md). Runs on CPU (gloo) and GPU (nccl); `trainer.fsdp` tunes it. "
+        "Given without trainer.parallel, it maps onto it: ddp is dp_replicate -1 (every rank), dp_shard 1; fsdp is "
+        "dp_replicate trainer.fsdp.replicate, dp_shard -1 (the ranks left). Given with trainer.parallel it must agree "
+        "(fsdp exactly when dp_shard is not 1 or tp or cp is above 1), else the config is refused.")
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig, description="FSDP2 settings (strategy: fsdp).")
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="The trainer's parallel degrees, dp_replicate x dp_shard x cp x tp "
+        "= launcher.trainer_ranks (one of dp_replicate, dp_shard may be -1: the ranks the others leave; "
+        "areal_mq/algorithms/parallel.py, docs/bigger-models.md). Not given, it is read from the older keys: strategy "
+        "ddp = {dp_replicate: -1, dp_shard: 1}; strategy fsdp = {dp_replicate: fsdp.replicate, dp_shard: -1} (HSDP "
+        "when replicate > 1). Given, it decides trainer.strategy (fsdp when dp_shard is not 1 or tp or cp is above 1, "
+        "else ddp); an explicit trainer.strategy or trainer.fsdp.replicate (other than 1) that says otherwise is "
+        "refused. E.g. {dp_shard: 8, tp: 4} on 32 ranks; {dp_replicate: 2, dp_shard: 8} is HSDP over 2 nodes of 8.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     lora: LoraConfig | None = Field(
         None, description="Train a LoRA adapter on a frozen base instead of every weight (areal_mq/algorithms/lora.py, "
@@ -312,11 +377,15 @@ class TrainerConfig(BaseModel):
     def sharded_publish(self) -> bool:
         """Whether every rank serves its own shards (publish_layout, resolved; a LoRA adapter is small: rank 0's)."""
         return self.lora is None and (self.publish_layout == "sharded" or (
-            self.publish_layout == "auto" and self.strategy == "fsdp" and self.publish_mode == "zmq"))
+            self.publish_layout == "auto" and self.parallel.shards and self.parallel.tp == 1
+            and self.publish_mode == "zmq"))
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
-        if self.publish_layout == "sharded" and (self.strategy != "fsdp" or self.publish_mode != "zmq"):
+        from areal_mq.algorithms.parallel import map_degrees
+
+        map_degrees(self)  # trainer.parallel and the older trainer.strategy / fsdp.replicate, one resolved answer
+        if self.publish_layout == "sharded" and (not self.parallel.shards or self.publish_mode != "zmq"):
             raise ValueError(f"publish_layout sharded serves FSDP shards over zmq: it needs strategy fsdp and "
                              f"publish_mode zmq (got strategy {self.strategy!r}, publish_mode {self.publish_mode!r}); "
                              "use publish_layout auto or gather")
@@ -331,7 +400,7 @@ class TrainerConfig(BaseModel):
             if any(not h or any(c in h for c in "/:@ ") for h in self.weight_server_hosts):
                 raise ValueError(f"trainer.weight_server_hosts must be host names or IPv4 addresses, got "
                                  f"{self.weight_server_hosts}")
-        if self.strategy == "fsdp" and self.publish_mode == "cuda_ipc":
+        if self.parallel.shards and self.publish_mode == "cuda_ipc":
             raise ValueError("publish_mode cuda_ipc shares the live parameters of one whole model, which no FSDP rank "
                              "holds; use publish_mode disk or zmq with strategy fsdp")
         if self.lora is not None and self.publish_mode == "cuda_ipc":

@@ -24,8 +24,6 @@ class DdpStrategy:
     """Every rank holds the whole model; gradients all-reduced once per mini-batch (Accelerate's DDP)."""
 
     name = "ddp"
-    lockstep = False
-    gathers_collectively = False  # publishing a snapshot is rank 0's alone
     checkpoint_format = "hf"  # a Hugging Face directory + the optimizer's state dict
 
     def __init__(self, cfg: Any, precision: str):
@@ -45,7 +43,8 @@ class DdpStrategy:
         """The policy's own autocast dtype: fp16 (Accelerate refuses fp16 on a CPU; the loss is scaled)."""
         return torch.float16 if self.precision == "fp16" else None
 
-    def bind(self, accelerator: Any, device: torch.device) -> None:
+    def bind(self, accelerator: Any, device: torch.device, parallel: Any = None) -> None:
+        """The Accelerator and the rank's device; `parallel` (ParallelDims) is every rank a whole copy here."""
         self.accelerator, self.device = accelerator, device
 
     def build(self, model_path: str | Path, train: bool = True) -> tuple[torch.nn.Module, Any]:
@@ -82,10 +81,6 @@ class DdpStrategy:
         from areal_mq.weights.codec import unique_tensors
 
         return unique_tensors(lm.state_dict(), dtype) if keep else {}
-
-    def publish_group(self, rank: int) -> tuple[int, int] | None:
-        """Sharded publishing serves FSDP shards; a data-parallel trainer has none to serve."""
-        return None
 
     def local_slices(self, lm: torch.nn.Module, dtype: str | None) -> tuple[dict, dict]:
         raise ConfigError("sharded publishing serves FSDP shards: trainer.strategy ddp has none (publish_layout "

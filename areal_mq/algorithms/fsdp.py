@@ -3,10 +3,12 @@
 What: `FsdpStrategy` is the strategy seam's (areal_mq/algorithms/strategy.py) sharded room. Its `build` makes the
 policy on the meta device, shards it and materialises this rank's shards only from the checkpoint
 (areal_mq/algorithms/loading.py, trainer.fsdp.load), so no rank ever holds the whole model.
-The mesh is 1-D (every rank a shard) or, with trainer.fsdp.replicate R > 1, 2-D HSDP: R replica groups of
-world / R ranks each (`replicate` x `shard`, rank = replica * shard_size + shard index); parameters are sharded
-within a group and replicated across groups, FSDP2 reduce-scatters gradients within a group and all-reduces them
-across groups. Put a group on one node (launcher placement) and only the all-reduce crosses nodes.
+The mesh is the trainer's (areal_mq/algorithms/parallel.py `ParallelDims.mesh`, dims dp_replicate, dp_shard, cp,
+tp); FSDP2 shards over its data-parallel slice: dp_shard (1-D), or with trainer.parallel.dp_replicate R > 1 (the
+older trainer.fsdp.replicate) HSDP's (dp_replicate, dp_shard): R replica groups of world / R ranks each;
+parameters are sharded within a group and replicated across groups, FSDP2 reduce-scatters gradients within a group
+and all-reduces them across groups. Put a group on one node (launcher placement) and only the all-reduce crosses
+nodes. Which rank serves which slices when publishing is ParallelDims' `publish_group`.
 `shard_policy(policy, cfg, precision, device)` applies `fully_shard` to each decoder layer, to the input embeddings
 and to the final norm + LM head as one group (untied models, as torchtitan lays them out), and then to the root
 (the PolicyLogprobs wrapper: what is left; a tied model's embeddings, norm and head stay in it), with a
@@ -63,49 +65,6 @@ def ensure_process_group(device: torch.device) -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def mesh_shape(world: int, replicate: int) -> tuple[int, int]:
-    """(replica groups, ranks per group) for trainer.fsdp.replicate; a clear error when it does not divide."""
-    if replicate < 1 or world % replicate:
-        raise ConfigError(f"trainer.fsdp.replicate {replicate} must divide the trainer's {world} ranks "
-                          "(launcher.trainer_ranks): HSDP makes `replicate` groups of world / replicate ranks")
-    return replicate, world // replicate
-
-
-def device_mesh(device: torch.device, replicate: int = 1) -> Any:
-    """The 1-D mesh of every rank, or HSDP's 2-D (replicate, shard) mesh whose rows (shard groups) are ranks of one
-    host where the launch allows (`host_order`): each layer's all-gather then stays on the node."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    groups, per = mesh_shape(dist.get_world_size(), replicate)
-    if groups == 1:
-        return init_device_mesh(device.type, (per,))
-    import socket
-
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())  # once, at build time
-    order = host_order(hosts)
-    layout = torch.tensor(order, dtype=torch.int64).view(groups, per)
-    spans = [row for row in layout.tolist() if len({hosts[r] for r in row}) > 1]
-    if spans and dist.get_rank() == 0:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "HSDP shard groups %s span hosts (%s): their all-gathers cross nodes; make launcher.trainer_ranks / "
-            "trainer.fsdp.replicate divide the ranks each node holds", spans[:2], sorted(set(hosts)))
-    return DeviceMesh(device.type, layout, mesh_dim_names=("replicate", "shard"))
-
-
-def host_order(hosts: list[str]) -> list[int]:
-    """Every rank, those of one host (`hosts[rank]`) next to each other, hosts in the order of their lowest rank,
-    so rank 0 stays first. torchrun numbers a node's ranks consecutively already; a Ray placement group may not,
-    so the HSDP mesh is laid out from where the ranks really are."""
-    first: dict[str, int] = {}
-    for rank, host in enumerate(hosts):
-        first.setdefault(host, rank)
-    return sorted(range(len(hosts)), key=lambda r: (first[hosts[r]], r))
-
-
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
     """The decoder layers FSDP wraps one by one; a clear error for a model family laid out otherwise."""
     layers = getattr(getattr(lm, "model", None), "layers", None)
@@ -157,7 +116,8 @@ def vocab_units(lm: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
 def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch.device,
                  train: bool = True, mesh: Any = None, root_units: bool = True) -> nn.Module:
     """`fully_shard` every decoder layer of `policy.lm`, its input embeddings, its final norm + LM head (one group),
-    then `policy` itself (the root: what is left), over `mesh` (default: a new `device_mesh`). In place; returns it.
+    then `policy` itself (the root: what is left), over `mesh` (the trainer passes ParallelDims.dp_mesh(); default:
+    a flat mesh of every rank). In place; returns it.
 
     Why each unit reshards as it does: the embeddings run first in the forward and last in the backward, so they
     are resharded after the forward (gathered again for their backward) and never held through the step. The
@@ -171,7 +131,11 @@ def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     ensure_process_group(device)
-    mesh = mesh if mesh is not None else device_mesh(device, fsdp_cfg.replicate)
+    if mesh is None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     offload = fsdp_cfg.offload and device.type != "cpu"  # on a CPU device the shards are in host memory already
     kw = dict(mesh=mesh, mp_policy=mixed_precision(precision),
               offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy())
@@ -335,18 +299,16 @@ def _base_identity_once(model_path: Any) -> dict[str, str]:
     return box[0]
 
 class FsdpStrategy:
-    """FSDP2: parameters, gradients and AdamW state sharded over the ranks (HSDP with trainer.fsdp.replicate)."""
+    """FSDP2: parameters, gradients and AdamW state sharded over the ranks (HSDP with dp_replicate > 1)."""
 
     name = "fsdp"
-    lockstep = True  # every rank runs the busiest rank's forward count: the all-gathers are collectives
-    gathers_collectively = True  # a full snapshot is gathered tensor by tensor, every rank taking part
     checkpoint_format = "dcp"  # torch.distributed.checkpoint shards, resharded on load
 
     def __init__(self, cfg: Any, precision: str):
         self.cfg, self.precision = cfg, precision
         self.accelerator: Any = None
         self.device = torch.device("cpu")
-        self.mesh: Any = None  # made once, at the first build (policy and reference share it)
+        self.parallel: Any = None  # ParallelDims (bind): its mesh is made once, at the first build
         self.lora_identity: dict[str, str] = {}  # trainer.lora: the base's path and sha256 (checkpoints hold it)
 
     # ---------------------------------------------------------------- precision and building
@@ -358,8 +320,12 @@ class FsdpStrategy:
     def autocast(self) -> torch.dtype | None:
         return None
 
-    def bind(self, accelerator: Any, device: torch.device) -> None:
+    def bind(self, accelerator: Any, device: torch.device, parallel: Any = None) -> None:
+        """The Accelerator, the rank's device and the trainer's ParallelDims (default: every rank one shard)."""
+        from areal_mq.algorithms.parallel import ParallelDims
+
         self.accelerator, self.device = accelerator, device
+        self.parallel = parallel or ParallelDims(1, accelerator.num_processes if accelerator else 1, room=self.name)
 
     def build(self, model_path: str | Path, train: bool = True) -> tuple[nn.Module, Any]:
         """(the Hugging Face model, or under trainer.lora its PEFT wrapper; the sharded policy). trainer.fsdp.load
@@ -389,11 +355,10 @@ class FsdpStrategy:
         outer.train(train)
         if not train:
             lm.requires_grad_(False)
-        if self.mesh is None:
-            ensure_process_group(self.device)
-            self.mesh = device_mesh(self.device, self.cfg.fsdp.replicate)
+        ensure_process_group(self.device)
+        self.parallel.mesh(self.device)  # made at the first build; the reference shares it
         policy = shard_policy(PolicyLogprobs(lm, self.cfg.fsdp.logprob_chunk_mb), self.cfg.fsdp, self.precision,
-                              self.device, train=train, mesh=self.mesh)
+                              self.device, train=train, mesh=self.parallel.dp_mesh())
         if not whole:  # offload: the shards live in host memory, FSDP moves each layer to the device to compute
             at = torch.device("cpu") if self.cfg.fsdp.offload else self.device
             loading.materialise(policy, lm, model_path, at, how, rename=rename, given=given)
@@ -410,22 +375,11 @@ class FsdpStrategy:
     def full_state_dict(self, lm: nn.Module, dtype: str | None, keep: bool) -> dict:
         return full_state_dict(lm, dtype, keep)
 
-    def publish_group(self, rank: int) -> tuple[int, int] | None:
-        """(shard index, shard count) of `rank` in the one replica group that serves sharded weights (the mesh's
-        first row, which holds rank 0 as shard 0), or None for a rank of another replica group: it serves nothing
-        and never waits on a publish."""
-        if self.mesh is None or self.mesh.ndim == 1:
-            import torch.distributed as dist
-
-            return (rank, dist.get_world_size() if dist.is_initialized() else 1)
-        row = self.mesh.mesh[0].tolist()
-        return (row.index(rank), len(row)) if rank in row else None
-
     def local_slices(self, lm: nn.Module, dtype: str | None) -> tuple[dict, dict]:
+        """This rank's slices and where they sit ({} on a rank that serves nothing: ParallelDims.publish_group)."""
         import torch.distributed as dist
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        group = self.publish_group(rank)
+        group = self.parallel.publish_group(dist.get_rank() if dist.is_initialized() else 0)
         if group is None:
             return {}, {}
         return local_slices(lm, dtype, group[0])

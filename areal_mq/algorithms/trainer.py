@@ -30,11 +30,14 @@ when the rollout engine computes in bf16, fp32 when it computes in fp32, on any 
 compare the trainer's logprobs with the engine's) and the TF32 policy is set explicitly (trainer.tf32). A step keeps its
 statistics on the device and reads them back ONCE (`_reduce`): no host sync per micro-batch.
 
-Strategy (trainer.strategy, areal_mq/algorithms/strategy.py): ddp (every rank holds the whole model,
-areal_mq/algorithms/ddp.py) or fsdp (FSDP2 shards parameters, gradients and AdamW state per decoder layer, the model
-built on the meta device and each rank's shards read from the checkpoint; HSDP with trainer.fsdp.replicate;
-areal_mq/algorithms/fsdp.py). The strategy object owns the precision setup, how the model is built, the checkpoint
-format and what each rank publishes: nothing here asks which one it is.
+Parallelism (trainer.parallel, areal_mq/algorithms/parallel.py): `self.parallel` (ParallelDims) owns the mesh and
+says which rank does what: this rank's share of the batch (`dp_rank`, of `dp` shares), whether every rank runs the
+busiest rank's forward count (`lockstep`), who gathers and serves published weights. tp > 1 or cp > 1 is refused at
+start (not wired in yet, issue 61). Strategy (areal_mq/algorithms/strategy.py, the room the degrees need): ddp
+(every rank holds the whole model, areal_mq/algorithms/ddp.py) or fsdp (FSDP2 shards parameters, gradients and AdamW
+state per decoder layer, the model built on the meta device and each rank's shards read from the checkpoint; HSDP
+with dp_replicate > 1; areal_mq/algorithms/fsdp.py). The strategy object owns the precision setup, how the model is
+built, the checkpoint format and what each rank publishes: nothing here asks which one it is.
 
 How to run: in-process (`Trainer(cfg, path)`), or data-parallel on CPU with
 `accelerate launch --multi_gpu --num_processes 2 SCRIPT` (torchrun + gloo; accelerate 1.15's `--cpu`
@@ -166,15 +169,18 @@ class Trainer:
         from accelerate.utils import set_seed
 
         from areal_mq.algorithms.optim import build_optimizer, build_scheduler
+        from areal_mq.algorithms.parallel import ParallelDims, refuse_unwired
         from areal_mq.algorithms.scaler import LossScaler
         from areal_mq.algorithms.strategy import build_strategy
 
+        refuse_unwired(cfg.parallel)  # tp / cp: planned, not trained yet (issue 61)
         self.cfg = cfg
         self.model_path = Path(model_path)
         self.precision = compute_precision(cfg, engine_dtype)
         self.strategy = build_strategy(cfg, self.precision)  # the precision setup, building, checkpoints, publishing
         self.accelerator, self.device = self._accelerator(accelerator, device or cfg.device or "auto")
-        self.strategy.bind(self.accelerator, self.device)
+        self.parallel = ParallelDims.of(cfg, self.accelerator.num_processes)  # the mesh; which rank does what
+        self.strategy.bind(self.accelerator, self.device, self.parallel)
         apply_tf32_policy(self.device, cfg.tf32)
         set_seed(cfg.seed)
         # fp32 master weights (bf16/fp16 = autocast or FSDP2's MixedPrecisionPolicy); under fsdp sharded before
@@ -250,16 +256,16 @@ class Trainer:
         if not seqs:
             raise ValueError("the batch has no generated tokens to train on (every sequence is empty or "
                              "loss_excluded); check packing.trains_anything(samples) first, as the trainer worker does")
-        plan = plan_step(seqs, self.cfg, self.world_size, self.rank)
+        dp, dp_rank = self.parallel.dp, self.parallel.dp_rank(self.rank)  # this rank's share of the batch
+        plan = plan_step(seqs, self.cfg, dp, dp_rank)
         packed, shared = self.cfg.packing != "padded", self.cfg.packing == "shared"
         pad_id = self.unwrapped.config.pad_token_id or 0
         varlen = self.cfg.attention == "varlen"
         minis = [[build_microbatch(seqs, b, packed, pad_id, shared, self.device, varlen) for b in bins]
                  for bins in plan.minibatches]
         self._lockstep = [len(b) for b in plan.minibatches]
-        if self.strategy.lockstep and self.world_size > 1:  # every rank runs the busiest rank's micro-batch count
-            counts = [[len(b) for b in plan_step(seqs, self.cfg, self.world_size, r).minibatches]
-                      for r in range(self.world_size)]
+        if self.parallel.lockstep:  # every rank runs the busiest rank's micro-batch count
+            counts = [[len(b) for b in plan_step(seqs, self.cfg, dp, r).minibatches] for r in range(dp)]
             self._lockstep = [max(c[i] for c in counts) for i in range(len(minis))]
         step_counts = [StepCounts(tokens, n) for tokens, n in zip(plan.gen_tokens, plan.n_seqs)]
         return seqs, minis, step_counts, plan.oversized
@@ -367,7 +373,7 @@ class Trainer:
                 loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, step.tokens, self.cfg, mb.ref_logp,
                                     mb.seq_index, step.seqs, entropy)
                 entropy = entropy.detach()
-                self.accelerator.backward(loss * (self.world_size * self._loss_scale))
+                self.accelerator.backward(loss * (self.parallel.dp * self._loss_scale))
             at_v = mb.prox_logp if mb.prox_logp is not None else logp  # the trainer's logprobs at version v
             mm_k3, mm_n, mm_out, mm_max = mismatch_stats(at_v, mb.behav_logp, mb.versions, self.version)
             sums += torch.stack([loss.detach().double(), st.clipped.double(), st.weight_sum.double(),
@@ -515,7 +521,7 @@ class Trainer:
         (as save_pretrained does), cast to `dtype` (default cfg.publish_dtype), always copied. Under fsdp this
         is a collective (every rank calls it; the full model is gathered one tensor at a time and kept on
         rank 0 only, the others get {}): the named fallback of sharded publishing (trainer.publish_layout gather).
-        `strategy.gathers_collectively` says whether ranks other than 0 must call it."""
+        `parallel.gathers_collectively` says whether ranks other than 0 must call it."""
         if self.cfg.lora is not None:  # a LoRA version is its adapter (WeightsReady.adapter); engines merge it
             from areal_mq.algorithms.lora import snapshot  # under fsdp gathered whole, every rank taking part
 

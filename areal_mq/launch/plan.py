@@ -2,13 +2,15 @@
 
 What: `make_plan(cfg, device_gib=None)` estimates, from the model's config.json (counted on the meta device,
 nothing loaded) and the run config:
-  trainer rank   weights + gradients + AdamW state under trainer.strategy (16 bytes per parameter; fsdp:
-                 / launcher.trainer_ranks, plus one gathered decoder layer and the larger vocabulary-sized unit:
-                 the embeddings, or the final norm + LM head, gathered with its gradient, one at a time; a tied
-                 model's one matrix in the root), the reference model (kl_coef > 0), activations of one
+  trainer rank   weights + gradients + AdamW state under trainer.parallel's degrees (areal_mq/algorithms/
+                 parallel.py ParallelDims: 16 bytes per parameter; ddp whole, fsdp / dp_shard, the decoder layers
+                 also / tp; tp and cp are counted though the trainer does not run them yet), plus one
+                 gathered decoder layer (/ tp) and the larger vocabulary-sized unit: the embeddings, or the
+                 final norm + LM head, gathered with its gradient, one at a time; a tied model's one matrix in
+                 the root), the reference model (kl_coef > 0), activations of one
                  micro-batch (trainer.max_tokens_per_mb tokens: (8 H + 3 I) values per token and layer in the
-                 compute dtype, H per layer with gradient checkpointing) and its packed row's L x L attention
-                 mask (boolean, and the additive bias SDPA makes of it), one chunk of logits with its softmax
+                 compute dtype, H per layer with gradient checkpointing; / tp x cp) and its packed row's L x L
+                 attention mask (boolean, and the additive bias SDPA makes of it), one chunk of logits with its softmax
                  and gradient (3 x trainer.fsdp.logprob_chunk_mb); the publish snapshots are host memory, not
                  counted on a device: gathered (2 x the model in trainer.publish_dtype, on rank 0) or, sharded
                  (trainer.publish_layout), 2 copies of the rank's own shard staged through pinned host buckets
@@ -21,7 +23,7 @@ nothing loaded) and the run config:
                  ddp the whole model in fp32 where it trains (under trainer.lora every one of these in the compute
                  dtype's bytes: the frozen base is read straight in it); the reference model (kl_coef > 0) is built
                  the same way after the policy. A rank must fit its training peak and its load peak. Under HSDP
-                 (trainer.fsdp.replicate R) a rank shards over launcher.trainer_ranks / R ranks, not all of them;
+                 (dp_replicate R, or trainer.fsdp.replicate R) a rank shards over launcher.trainer_ranks / R ranks;
                  under trainer.lora the frozen base in the compute dtype plus 16 bytes per adapter parameter (rank
                  x (in + out) per adapted linear), both / shard ranks under fsdp, and no reference model (the base
                  with the adapter off);
@@ -302,28 +304,39 @@ def _meta_shape(model_dir: str | Path) -> Shape:
                  layer_params=sum(p.numel() for p in layers[0].parameters()))
 
 
+def parallel_dims(cfg: Any, ranks: int) -> Any:
+    """The trainer's ParallelDims (areal_mq/algorithms/parallel.py) over `ranks`; a layout whose degrees do not fill
+    the ranks is counted at the nearest degrees that run (`_layout_refusal` refuses it)."""
+    from areal_mq.algorithms.parallel import ParallelDims, degrees
+
+    (r, sh, c, tp), _ = degrees(cfg.trainer.parallel, ranks)
+    return ParallelDims(r, sh, c, tp, room=cfg.trainer.strategy)
+
+
 def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
+    """One trainer rank's training peak. The degrees divide it (ParallelDims): a decoder layer's parameters,
+    gradients and AdamW state over dp_shard x tp (`shard_ranks`), the embeddings, head and norms over dp_shard
+    (tensor parallelism keeps them whole on every tp rank: areal_mq/algorithms/tensor_parallel.py), one micro-batch's
+    activations over tp x cp (`activation_ranks`: tp splits the hidden widths, cp the tokens), the gathered layer
+    over tp; ddp divides nothing."""
     from areal_mq.algorithms.trainer import compute_precision, rollout_dtype
 
     t = cfg.trainer
+    dims = parallel_dims(cfg, ranks)
     compute = DTYPE_BYTES[compute_precision(t, rollout_dtype(cfg))]
-    shard = shard_ranks(t, ranks)
     p = Process("trainer rank", ranks)
-    p.layout = ("ddp" if t.strategy != "fsdp" else f"fsdp over {shard}" if shard == ranks else
-                f"HSDP {t.fsdp.replicate} x {shard}: shards within a group, replicas across")
-    state = 16 * s.params / shard
-    if t.strategy == "fsdp" and t.fsdp.offload:
-        state = 0.0  # in host memory (counted by the caller on the CPU only)
+    p.layout = dims.describe()
+    per_rank = _params_per_rank(s, dims)  # parameters this rank holds of one copy
     if t.lora is not None:  # algorithms/lora.py: a frozen base in the precision's dtype, the adapter + AdamW in fp32
         p.layout += f", LoRA rank {t.lora.rank}"
-        p.items.append(Item("frozen base", compute * s.params / shard))  # fsdp: sharded with the adapter
-        p.items.append(Item("adapter weights+grads+AdamW", 16 * s.adapter_params(t.lora) / shard))
-    else:
-        p.items.append(Item("weights+grads+AdamW", state))
+        p.items.append(Item("frozen base", compute * per_rank))  # fsdp: sharded with the adapter
+        p.items.append(Item("adapter weights+grads+AdamW", 16 * s.adapter_params(t.lora) / dims.shard_ranks))
+    else:  # offload: in host memory (counted by the caller on the CPU only)
+        p.items.append(Item("weights+grads+AdamW", 0.0 if dims.sharded and t.fsdp.offload else 16 * per_rank))
     if t.kl_coef > 0 and t.lora is None:  # under LoRA the reference is the base with the adapter off
-        p.items.append(Item("reference model", 4 * s.params / shard))
-    if t.strategy == "fsdp":
-        p.items.append(Item("gathered layer", 2 * compute * s.layer_params))
+        p.items.append(Item("reference model", 4 * per_rank))
+    if dims.sharded:
+        p.items.append(Item("gathered layer", 2 * compute * s.layer_params / dims.tp))
         # algorithms/fsdp.py vocab_units: untied, the embeddings' unit (gathered for its forward, again for its
         # backward) and the norm + head unit (from the last norm through the loss and its backward) are never
         # gathered together, so the larger one counts, with its gradient; tied, the one matrix is the root's,
@@ -331,7 +344,8 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
         p.items.append(Item("gathered embeddings or head + its gradient",
                             (compute + 4 * (t.lora is None)) * s.embed_params))
     per_token_layer = s.hidden if t.gradient_checkpointing else 8 * s.hidden + 3 * s.intermediate
-    p.items.append(Item("activations", t.max_tokens_per_mb * s.layers * per_token_layer * compute))
+    p.items.append(Item("activations", t.max_tokens_per_mb * s.layers * per_token_layer * compute
+                        / dims.activation_ranks))
     if t.packing in ("shared", "dynamic") and t.attention == "sdpa":  # varlen: none (algorithms/attention.py)
         # one packed row of L = max_tokens_per_mb tokens: packing.py's shared packing builds a boolean [1, 1, L, L]
         # mask, dynamic packing leaves it to transformers, which builds the same block-diagonal mask from the
@@ -344,12 +358,11 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
     return p
 
 
-def shard_ranks(t: Any, ranks: int) -> int:
-    """The ranks one copy of the model is sharded over: all of them (fsdp), ranks / trainer.fsdp.replicate (HSDP),
-    or 1 (ddp: a whole copy per rank)."""
-    if t.strategy != "fsdp":
-        return 1
-    return max(1, ranks // t.fsdp.replicate)
+def _params_per_rank(s: Shape, dims: Any) -> float:
+    """Parameters of one copy a rank holds: the decoder layers / (dp_shard x tp), the rest (embeddings, head, final
+    norm) / dp_shard; at tp 1 every parameter / dp_shard (ddp: all of them)."""
+    layers = s.layers * s.layer_params
+    return layers / dims.shard_ranks + (s.params - layers) / dims.dp_shard
 
 
 def load_peak(cfg: Any, s: Shape, ranks: int, on_cuda: bool) -> dict:
@@ -357,16 +370,17 @@ def load_peak(cfg: Any, s: Shape, ranks: int, on_cuda: bool) -> dict:
     model, beyond TORCH_BASE (the module docstring; areal_mq/algorithms/loading.py). On a CPU trainer the device IS
     the host: both figures are the same."""
     t = cfg.trainer
-    shard = shard_ranks(t, ranks)
+    dims = parallel_dims(cfg, ranks)
     per = 4.0  # fp32 master weights
     if t.lora is not None:  # the frozen base is read straight in the compute dtype, whole or in shards (no fp32 copy)
         from areal_mq.algorithms.trainer import compute_precision, rollout_dtype
 
         per = DTYPE_BYTES[compute_precision(t, rollout_dtype(cfg))]
     whole, models = per * s.params, 2 if t.kl_coef > 0 and t.lora is None else 1
+    shard = s.params / _params_per_rank(s, dims)  # the parts one copy is read in (dp_shard x tp on the layers)
     largest = FILE_BYTES * s.embed_params  # the largest tensor (the embedding), as the checkpoint stores it
-    offload = t.strategy == "fsdp" and t.fsdp.offload and on_cuda
-    if t.strategy != "fsdp":  # read whole, onto the device (ddp.py): one tensor in flight on the host
+    offload = dims.sharded and t.fsdp.offload and on_cuda
+    if not dims.sharded:  # read whole, onto the device (ddp.py): one tensor in flight on the host
         return _load(on_cuda, host=largest, device=models * whole)
     own = whole / shard
     if t.fsdp.load == "full":  # the whole model (fp32; LoRA: its dtype) on the host, then the device, then sharded
@@ -585,24 +599,24 @@ def _engine_gpus_refusal(cfg: Any) -> list[str]:
 
 
 def _layout_refusal(cfg: Any, ranks: int) -> list[str]:
-    t = cfg.trainer
-    if t.strategy == "fsdp" and ranks % t.fsdp.replicate:
-        return [f"trainer.fsdp.replicate {t.fsdp.replicate} does not divide launcher.trainer_ranks {ranks}: HSDP makes "
-                "`replicate` groups of trainer_ranks / replicate ranks; set one to a multiple of the other "
-                "(ranks / replicate = the GPUs of one node)"]
-    return []
+    """The degrees against the ranks (areal_mq/algorithms/parallel.py `degrees`: the trainer's own check)."""
+    from areal_mq.algorithms.parallel import degrees
+
+    _, error = degrees(cfg.trainer.parallel, ranks)
+    return [error] if error else []
 
 
 def _load_refusal(cfg: Any, p: Process, capacity: float) -> str:
     """A trainer rank that would train in `capacity` but cannot build its model there."""
     t = cfg.trainer
-    if t.strategy != "fsdp":
+    if not t.parallel.shards:
         knob = "shard the trainer (--set trainer.strategy=fsdp, more launcher.trainer_ranks)"
     elif t.fsdp.load == "full":
         knob = ("--set trainer.fsdp.load=slices (each rank reads only its shards; full loads the whole model in fp32 "
                 "on every rank first)")
     else:
-        knob = "more launcher.trainer_ranks, a smaller trainer.fsdp.replicate, or --set trainer.fsdp.offload=true"
+        knob = ("more launcher.trainer_ranks, a smaller trainer.parallel.dp_replicate (trainer.fsdp.replicate), or "
+                "--set trainer.fsdp.offload=true")
     return (f"a trainer rank trains in {p.nbytes / GIB:.1f} GiB and needs {p.peak('device') / GIB:.1f} GiB of "
             f"a device's {capacity / GIB:.1f} GiB to load its model ({p.layout}, trainer.fsdp.load "
             f"{t.fsdp.load}): {knob}")
@@ -610,12 +624,14 @@ def _load_refusal(cfg: Any, p: Process, capacity: float) -> str:
 
 def _knobs(cfg: Any, s: Shape) -> str:
     t = cfg.trainer
-    if t.strategy != "fsdp":
+    if not t.parallel.shards:
         need = max(2, int(16 * s.params / (40 * GIB)) + 1)
         return (f"shard the trainer: --set trainer.strategy=fsdp --set launcher.trainer_ranks={need} "
                 "(docs/bigger-models.md)")
-    if t.fsdp.replicate > 1:
-        return (f"a smaller trainer.fsdp.replicate (HSDP shards over launcher.trainer_ranks / {t.fsdp.replicate} "
+    replicate = parallel_dims(cfg, cfg.launcher.trainer_ranks).dp_replicate
+    if replicate > 1:
+        return (f"a smaller trainer.parallel.dp_replicate (trainer.fsdp.replicate; HSDP shards over "
+                f"launcher.trainer_ranks / {replicate} "
                 "ranks only), more launcher.trainer_ranks, or --set trainer.fsdp.offload=true")
     if not t.gradient_checkpointing:
         return "--set trainer.gradient_checkpointing=true, more launcher.trainer_ranks, or a smaller trainer.max_tokens_per_mb"

@@ -15,8 +15,10 @@ and never asks which layout it has. A `Publication` is what a rank took from the
                                                                                              (ipc.py buffers)
 
 Publishing runs beside the next step (trainer.publish_async, background.py) except `live`, which copies the live
-parameters in the step. Under HSDP (trainer.fsdp.replicate) a rank outside the serving replica group joins the
-endpoint exchange once, here, and serves nothing. Collective order (fsdp gather): every rank calls publish_tensors
+parameters in the step. Who serves and who joins a gather is the trainer's ParallelDims' answer
+(areal_mq/algorithms/parallel.py `publish_group`, `gathers_collectively`): under HSDP (trainer.parallel.dp_replicate
+> 1) a rank outside the serving replica group joins the endpoint exchange once, here, and serves nothing.
+Collective order (fsdp gather): every rank calls publish_tensors
 once per version in publish_version, and again in keep_for_eval only where no full copy was taken (sharded), so
 every rank takes the same branch. `WeightPublisher(cfg, run_dir, keys)` is the full-state transport: disk version
 directories under run_dir/weights (disk.py) or a WeightServer (server.py), with deltas when `deltas_on(cfg)`, or the
@@ -161,7 +163,7 @@ class TrainerPublisher:
 
     def take(self) -> Publication | None:
         t = self.trainer
-        if not t.is_main and not t.strategy.gathers_collectively:
+        if not t.is_main and not t.parallel.gathers_collectively:
             return None
         return Publication(t.version, "full" if self.adapter is None else "adapter", t.publish_tensors(),
                            t.hf_config_json)
@@ -176,7 +178,7 @@ class TrainerPublisher:
         takes one (under fsdp a gather every rank joins, in the same order: every rank took the same form). Returns
         the version's directory on rank 0, None where nothing was written; a full disk raises OSError."""
         t = self.trainer
-        if not self.keeps or (not t.is_main and not t.strategy.gathers_collectively):
+        if not self.keeps or (not t.is_main and not t.parallel.gathers_collectively):
             return None
         whole = publication.whole if publication is not None else None
         tensors = whole if whole is not None else t.publish_tensors()
@@ -256,7 +258,7 @@ def make_publisher(cfg: Any, trainer: Any, bus: Any = None, keys: Keyring | None
 def _shard_transport(cfg: Any, trainer: Any, keys: Keyring | None, log: Any, exchange: Any) -> Any:
     """The serving rank's ShardPublisher (its constructor is a collective), or None under HSDP for a rank of another
     replica group, which joins the endpoint exchange and serves nothing."""
-    group = trainer.strategy.publish_group(trainer.rank)
+    group = trainer.parallel.publish_group(trainer.rank)  # ParallelDims: who serves which slices
     if group is None:
         if exchange is not None:
             exchange("")

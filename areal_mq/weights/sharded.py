@@ -21,9 +21,10 @@ of the bytes, and the collectives of the training step never meet a publish: the
 publish is the small WeightsShard on zmq, off the training process group.
 The layout is the strategy's (areal_mq/algorithms/fsdp.py local_slices: FSDP2's dim-0 sharding, torch.chunk's rule
 `chunk_rows`; a tensor FSDP did not shard is served whole by rank 0; tied tensors once, under their first name);
-this module only receives slices and where they sit, it never looks inside a trainer. Under HSDP
-(trainer.fsdp.replicate) the ranks of replica group 0 serve (rank = shard index, world = ranks per group), the
-other groups serve nothing and never wait on a publish.
+this module only receives slices and where they sit, it never looks inside a trainer. Which ranks serve is the
+trainer's ParallelDims' `publish_group` (areal_mq/algorithms/parallel.py): under HSDP (trainer.parallel.dp_replicate
+> 1) the ranks of replica group 0 serve (rank = shard index, world = ranks per group), the other groups serve nothing
+and never wait on a publish.
 Failure: a rank that does not serve a version in time is named (trainer.shard_missing, error) and the version is not
 announced: workers stay on the version they hold and move on with the next announcement; training goes on.
 Memory per rank, all of it host memory: the staged copy of its shard (model bytes / world in publish_dtype, at
@@ -69,7 +70,7 @@ def shard_port(cfg: Any, rank: int) -> int:
 class ShardPublisher:
     """One per serving trainer rank (every rank constructs it at the same time, or joins `exchange` alone: the
     constructor exchanges endpoints with a collective on the caller's thread). `rank`/`world`: its index among the
-    serving ranks and their number (the trainer's strategy says: Trainer.strategy.publish_group); `host_rank`: the
+    serving ranks and their number (the trainer's ParallelDims says: Trainer.parallel.publish_group); `host_rank`: the
     trainer rank it is, whose entry of trainer.weight_server_hosts and port offset it takes (default `rank`). `publish(version, slices_and_layout, hf_config_json)` runs in the rank's
     BackgroundPublisher thread; on rank 0 it returns the WeightsReady to announce, or None when a rank did not serve
     the version in time; on other ranks None."""

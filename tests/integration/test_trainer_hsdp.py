@@ -61,7 +61,7 @@ def run_rank(mode: str, out: Path) -> None:
             if trainer.is_main:
                 torch.save(params, out / f"params-{fam}.pt")
             slices, where = trainer.publish_slices("float32")
-            torch.save({"group": trainer.strategy.publish_group(rank), "slices": slices, "where": where},
+            torch.save({"group": trainer.parallel.publish_group(rank), "slices": slices, "where": where},
                        out / f"slices-{fam}-rank{rank}.pt")
             result[fam] = {"losses": losses}
         elif mode == "flat2":

@@ -26,6 +26,8 @@ SHA = "ab" * 32
 
 
 class Strategy:
+    """The trainer's strategy (a LoRA base's identity) and ParallelDims (who gathers, who serves) in one stand-in."""
+
     def __init__(self, gathers: bool = False, group=(0, 1), lora_identity=None):
         self.gathers_collectively, self.group = gathers, group
         self.lora_identity = lora_identity or {}
@@ -39,7 +41,7 @@ class Trainer:
 
     def __init__(self, rank: int = 0, world: int = 1, strategy: Strategy | None = None):
         self.rank, self.world_size, self.is_main = rank, world, rank == 0
-        self.strategy = strategy or Strategy()
+        self.strategy = self.parallel = strategy or Strategy()
         self.version, self.hf_config_json = 3, "{}"
         self.calls: list[str] = []
         self.unwrapped = torch.nn.Linear(2, 2)

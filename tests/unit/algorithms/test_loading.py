@@ -91,7 +91,7 @@ def test_each_strategy_owns_its_precision_setup(name, precision, accelerate, aut
 
 
 def test_hsdp_shard_groups_are_laid_out_one_host_each_whatever_order_the_launcher_numbered_the_ranks():
-    from areal_mq.algorithms.fsdp import host_order
+    from areal_mq.algorithms.parallel import host_order
 
     assert host_order(["a", "a", "b", "b"]) == [0, 1, 2, 3]  # torchrun: already consecutive
     order = host_order(["a", "b", "a", "b", "c", "c"])  # a Ray placement group may interleave them
@@ -101,13 +101,16 @@ def test_hsdp_shard_groups_are_laid_out_one_host_each_whatever_order_the_launche
 
 
 def test_hsdp_mesh_shape_and_who_serves():
-    from areal_mq.algorithms.fsdp import mesh_shape
+    from areal_mq.algorithms.parallel import ParallelDims
 
-    assert mesh_shape(8, 2) == (2, 4) and mesh_shape(4, 1) == (1, 4)
-    with pytest.raises(ConfigError, match="must divide"):
-        mesh_shape(6, 4)
-    assert build_strategy(TrainerConfig(strategy="ddp"), "fp32").publish_group(0) is None
-    assert build_strategy(TrainerConfig(strategy="fsdp"), "fp32").publish_group(0) == (0, 1)
+    def dims(world, replicate):
+        return ParallelDims.of(TrainerConfig(strategy="fsdp", fsdp={"replicate": replicate}), world)
+
+    assert (dims(8, 2).dp_replicate, dims(8, 2).dp_shard) == (2, 4) and dims(4, 1).dp_shard == 4
+    with pytest.raises(ConfigError, match="does not divide"):
+        dims(6, 4)
+    assert ParallelDims.of(TrainerConfig(strategy="ddp"), 1).publish_group(0) is None
+    assert ParallelDims.of(TrainerConfig(strategy="fsdp"), 1).publish_group(0) == (0, 1)
 
 
 SEAM = ("areal_mq/algorithms/trainer.py", "areal_mq/algorithms/checkpoint.py", "workers/trainer.py")
