@@ -1,20 +1,26 @@
 """Tensor parallelism composed with FSDP2 (areal_mq/algorithms/tensor_parallel.py) on 4 CPU ranks over gloo matches
-one process, and its torch.distributed.checkpoint reshards to another (dp, tp) layout and back.
+one process, loads from a checkpoint on the meta device, and its torch.distributed.checkpoint reshards to another
+(dp, tp) layout and back.
 
 One launch of THIS file under torch.distributed.run, 4 ranks (CUDA hidden, one thread per rank), mode `tp`:
-  1. mesh (dp_shard 2, tp 2): a tiny Qwen2 (seeded random weights, built in memory: no files, no download) as
-     PolicyLogprobs, `parallelize`d; 3 AdamW steps of the mean token logprob loss (grad clip 1.0), each dp group
-     on its half of the batch, both TP ranks of a group on the same half; losses and grad norms per step, the
-     parameters gathered whole (`gather_full_state`) and the AdamW state gathered whole; a sharded checkpoint
+  1. per family (tiny Qwen2: q/k/v biases, untied head; tiny Llama: tied head, which stays in FSDP's root unit),
+     mesh (dp_shard 2, tp 2): the model (seeded random weights, built in memory: no download) as PolicyLogprobs,
+     `parallelize`d; 3 AdamW steps of the mean token logprob loss (grad clip 1.0), each dp group on its half of
+     the batch, both TP ranks of a group on the same half; losses and grad norms per step, the parameters
+     gathered whole (`gather_full_state`); Qwen2 also its AdamW state gathered whole and a sharded checkpoint
      (fsdp.save_sharded: torch.distributed.checkpoint);
-  2. mesh (dp_shard 4, tp 1): a fresh policy (seed 2: different weights) loads that checkpoint; its gathered
+  2. mesh (dp_shard 4, tp 1): a fresh Qwen2 (seed 2: other weights) loads that checkpoint; its gathered
      parameters and AdamW state equal step 1's; it saves its own checkpoint;
-  3. mesh (2, 2) again: a fresh policy loads the dp-4 checkpoint: equal again; then both it and the dp-4 policy
-     run a 4th step, whose loss must equal the uninterrupted run's 4th step.
-The test process runs the same model, batches and steps in one process without any process group or sharding.
+  3. mesh (2, 2) again: a fresh Qwen2 loads the dp-4 checkpoint: equal again; then it, the dp-4 one and the
+     uninterrupted one run a 4th step, whose loss must be the single process's 4th;
+  4. the fsdp strategy's meta-device construction under TP: Qwen2 built on the meta device, parallelized, its
+     shards read from a safetensors directory (algorithms/loading.py, slices and broadcast) equal the model;
+     fsdp.local_slices (sharded publishing) refuses the TP layout; one bf16 step (FSDP2 mixed precision over
+     TP shards) runs, its loss near fp32's.
+The test process runs the same models, batches and steps in one process without any process group or sharding.
 Targets (issue 61 item 4): fp32 losses, grad norms and parameters within 1e-5 of the single process after 3 steps;
 checkpoint round trips exact (1e-6); TP refusals (unknown family, heads tp does not divide, LoRA, sharded publish).
-Run: pytest tests/integration/test_tensor_parallel.py   (marked slow; about 30 s on 2 cores)
+Run: pytest tests/integration/test_tensor_parallel.py   (marked slow; about 45 s on 2 cores)
 """
 from __future__ import annotations
 
@@ -29,8 +35,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
-             intermediate_size=128, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
-             rms_norm_eps=1e-6)
+             intermediate_size=128, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-6)
+FAMILIES = {"qwen2": dict(tie_word_embeddings=False), "llama": dict(tie_word_embeddings=True)}
 ROWS, COLS, STEPS, LR, CLIP = 8, 16, 3, 1e-3, 1.0
 # AdamW's eps: its first step moves each element by lr * g / (|g| + eps), so an element whose gradient cancels to
 # ~1e-8 (a k_proj bias: softmax ignores a shift along the keys, its exact gradient is 0) turns the last-bit rounding
@@ -40,13 +46,13 @@ ROWS, COLS, STEPS, LR, CLIP = 8, 16, 3, 1e-3, 1.0
 EPS = 1e-6
 
 
-def _lm(seed: int, **overrides):
-    """The tiny Qwen2, weights drawn from `seed` (std 0.1, norms 1: as engines/shapes.py draws its tiny models)."""
+def _lm(seed: int, family: str = "qwen2", **overrides):
+    """The tiny model of `family`, weights drawn from `seed` (std 0.1, norms 1: as engines/shapes.py draws them)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    lm = AutoModelForCausalLM.from_config(Qwen2Config(**{**SHAPE, **overrides}), dtype=torch.float32,
-                                          attn_implementation="sdpa")
+    config = AutoConfig.for_model(family, **{**SHAPE, **FAMILIES[family], **overrides})
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(lm.named_parameters()):
@@ -60,10 +66,10 @@ def _batch(step: int):
     return torch.randint(0, SHAPE["vocab_size"], (ROWS, COLS), generator=torch.Generator().manual_seed(100 + step))
 
 
-def _policy(seed: int):
+def _policy(seed: int, family: str = "qwen2"):
     from areal_mq.algorithms.policy import PolicyLogprobs
 
-    return PolicyLogprobs(_lm(seed))
+    return PolicyLogprobs(_lm(seed, family))
 
 
 def _logp_sum(policy, ids):
@@ -95,11 +101,9 @@ def _adamw(policy):
     return torch.optim.AdamW(policy.parameters(), lr=LR, eps=EPS)
 
 
-def single_process() -> dict:
+def single_process(family: str) -> dict:
     """The reference: one process, no process group, the whole batch each step."""
-    import torch
-
-    policy = _policy(seed=1)
+    policy = _policy(1, family)
     opt = _adamw(policy)
     tokens = ROWS * (COLS - 1)
     losses, norms = [], []
@@ -113,15 +117,15 @@ def single_process() -> dict:
 
 
 # ---------------------------------------------------------------- the 4 ranks
-def _build(dp: int, tp: int, seed: int):
-    """A fresh policy parallelized over a (dp, tp) mesh, its AdamW, and (dp index, dp size)."""
+def _build(dp: int, tp: int, seed: int, family: str = "qwen2", precision: str = "fp32", policy=None):
+    """A fresh policy (or `policy`) parallelized over a (dp, tp) mesh, its AdamW, and (dp index, dp size)."""
     import torch
 
     from areal_mq.algorithms.config import FsdpConfig
     from areal_mq.algorithms.tensor_parallel import dp_rank, parallelize, tp_mesh
 
     mesh = tp_mesh(torch.device("cpu"), dp, tp)
-    policy = parallelize(_policy(seed), mesh, FsdpConfig(), "fp32")
+    policy = parallelize(policy if policy is not None else _policy(seed, family), mesh, FsdpConfig(), precision)
     return SimpleNamespace(model=policy, optimizer=_adamw(policy), mesh=mesh, dp=dp_rank(mesh))
 
 
@@ -168,6 +172,35 @@ def _diff(a: dict, b: dict) -> float:
     return worst
 
 
+def meta_built(out: Path) -> dict:
+    """The fsdp strategy's construction under TP: the model on the meta device, parallelized, then each rank's
+    shards (TP x FSDP boxes) read from the checkpoint; the largest difference from the model, per way of reading;
+    what fsdp.local_slices (sharded publishing) says to the TP layout; a bf16 step's loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_mq.algorithms import loading
+    from areal_mq.algorithms.fsdp import local_slices
+    from areal_mq.algorithms.policy import PolicyLogprobs
+    from areal_mq.algorithms.tensor_parallel import gather_full_state
+
+    src = out / "model-qwen2"
+    whole = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).state_dict()
+    result = {}
+    for how in ("slices", "broadcast"):
+        lm = loading.meta_causal_lm(src)
+        run = _build(2, 2, 0, policy=PolicyLogprobs(lm))
+        loading.materialise(run.model, lm, src, torch.device("cpu"), how)
+        result[how] = _diff(gather_full_state(lm, "float32", keep=True), whole)
+    try:
+        local_slices(lm, None, 0)
+        result["local_slices"] = "served"
+    except Exception as exc:  # noqa: BLE001  (the test names the class it wants)
+        result["local_slices"] = f"{type(exc).__name__}: {exc}"
+    result["bf16_loss"] = _train(_build(2, 2, 1, precision="bf16"), 0)[0]
+    return result
+
+
 def run_rank(mode: str, out: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -176,14 +209,21 @@ def run_rank(mode: str, out: Path) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    tp = _build(2, 2, seed=1)
-    steps = [_train(tp, i) for i in range(STEPS)]
-    params, optim = _full(tp)
-    placements = {n: [str(p) for p in t.placements] for n, t in tp.model.lm.state_dict().items()
-                  if n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
-                           "model.norm.weight")}
+    result, keep = {}, dist.get_rank() == 0
+    for family in FAMILIES:
+        run = _build(2, 2, 1, family)
+        steps = [_train(run, i) for i in range(STEPS)]
+        params, optim = _full(run)
+        result[family] = {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps]}
+        if keep:
+            torch.save(params, out / f"params-{family}.pt")
+        if family == "qwen2":
+            tp, tp_params, tp_optim = run, params, optim
+    result["placements"] = {n: [str(p) for p in t.placements] for n, t in tp.model.lm.state_dict().items()
+                            if n in ("model.layers.0.self_attn.q_proj.weight",
+                                     "model.layers.0.self_attn.o_proj.weight", "model.norm.weight")}
+    # resume across degrees: tp 2 x dp 2 -> dp 4 (tp 1) -> tp 2 x dp 2
     save_sharded(tp, out / "ckpt-tp2-dp2")
-
     dp4 = _build(4, 1, seed=2)
     load_sharded(dp4, out / "ckpt-tp2-dp2")
     at_dp4 = _full(dp4)
@@ -191,13 +231,12 @@ def run_rank(mode: str, out: Path) -> None:
     back = _build(2, 2, seed=3)
     load_sharded(back, out / "ckpt-dp4")
     at_back = _full(back)
-    fourth = {"continued": _train(tp, STEPS)[0], "dp4": _train(dp4, STEPS)[0], "back": _train(back, STEPS)[0]}
-    result = {"losses": [s[0] for s in steps], "norms": [s[1] for s in steps], "placements": placements,
-              "dp4_params": _diff(at_dp4[0], params), "dp4_optim": _diff(at_dp4[1], optim),
-              "back_params": _diff(at_back[0], params), "back_optim": _diff(at_back[1], optim),
-              "fourth": fourth, "optim_keys": sorted(optim)[:3]}
-    if dist.get_rank() == 0:
-        torch.save(params, out / "params-tp.pt")
+    result["fourth"] = {"continued": _train(tp, STEPS)[0], "dp4": _train(dp4, STEPS)[0],
+                        "back": _train(back, STEPS)[0]}
+    result["reshard"] = {"dp4_params": _diff(at_dp4[0], tp_params), "dp4_optim": _diff(at_dp4[1], tp_optim),
+                         "back_params": _diff(at_back[0], tp_params), "back_optim": _diff(at_back[1], tp_optim)}
+    result["meta"] = meta_built(out)
+    if keep:
         (out / f"result-{mode}.json").write_text(json.dumps(result))
 
 
@@ -223,24 +262,33 @@ def test_tp2_dp2_matches_one_process_and_its_checkpoint_reshards(tmp_path):
     import torch
 
     torch.set_num_threads(1)
-    want = single_process()
+    want = {family: single_process(family) for family in FAMILIES}
+    _lm(1).save_pretrained(str(tmp_path / "model-qwen2"), safe_serialization=True)
     got = _launch("tp", 4, tmp_path)
-    assert got["losses"] == pytest.approx(want["losses"][:STEPS], rel=1e-5, abs=1e-5), (got["losses"], want)
-    assert got["norms"] == pytest.approx(want["norms"][:STEPS], rel=1e-5, abs=1e-5), (got["norms"], want)
-    params = torch.load(tmp_path / "params-tp.pt", map_location="cpu")
-    assert params.keys() == want["params"].keys()
-    for name, tensor in params.items():
-        torch.testing.assert_close(tensor, want["params"][name], rtol=1e-5, atol=1e-5, msg=name)
+    for family, ref in want.items():
+        assert got[family]["losses"] == pytest.approx(ref["losses"][:STEPS], rel=1e-5, abs=1e-5), (family, got, ref)
+        assert got[family]["norms"] == pytest.approx(ref["norms"][:STEPS], rel=1e-5, abs=1e-5), (family, got, ref)
+        params = torch.load(tmp_path / f"params-{family}.pt", map_location="cpu")
+        tied = {"lm_head.weight"} if FAMILIES[family]["tie_word_embeddings"] else set()
+        assert set(ref["params"]) - set(params) == tied, family  # a tied head is gathered once, as the embeddings
+        for name, tensor in params.items():
+            torch.testing.assert_close(tensor, ref["params"][name], rtol=1e-5, atol=1e-5, msg=f"{family} {name}")
     # the layout really is TP x FSDP: a colwise weight split over both dims, a rowwise one too, a norm over dp only
     place = got["placements"]
     assert len(place["model.layers.0.self_attn.q_proj.weight"]) == 2, place
     assert place["model.layers.0.self_attn.o_proj.weight"][1] == "S(1)", place
     assert len(place["model.norm.weight"]) == 1, place
-    # resharded checkpoints: tp 2 x dp 2 -> dp 4 -> tp 2 x dp 2, parameters and AdamW state unchanged
-    for key in ("dp4_params", "dp4_optim", "back_params", "back_optim"):
-        assert got[key] <= 1e-6, (key, got[key])
+    # resharded checkpoints: tp 2 x dp 2 -> dp 4 -> tp 2 x dp 2, parameters and AdamW state unchanged, and each
+    # resumed copy's 4th step is the single process's
+    for key, worst in got["reshard"].items():
+        assert worst <= 1e-6, (key, got["reshard"])
     for how, loss in got["fourth"].items():
-        assert loss == pytest.approx(want["losses"][STEPS], rel=1e-5, abs=1e-5), (how, got["fourth"], want)
+        assert loss == pytest.approx(want["qwen2"]["losses"][STEPS], rel=1e-5, abs=1e-5), (how, got["fourth"])
+    # built on the meta device and read from the checkpoint, shard by shard, under TP: exactly the model
+    meta = got["meta"]
+    assert meta["slices"] == 0.0 and meta["broadcast"] == 0.0, meta
+    assert meta["local_slices"].startswith("WeightsFetchError") and "publish_layout gather" in meta["local_slices"]
+    assert abs(meta["bf16_loss"] - want["qwen2"]["losses"][0]) < 5e-2, meta
 
 
 def test_tp_refuses_what_it_cannot_split():
