@@ -33,15 +33,17 @@ already span the cp ranks: DDP over the whole dp x cp world with the loss scaled
 sharded over dp x cp (torchtitan's dp_shard_cp), sums over cp inside its own reduction.
 
 How the trainer uses it (not wired: trainer.parallel's degrees are another change, areal_mq/algorithms/parallel.py):
+    check_objective(trainer_cfg, cp)      # at config time: the settings a slice cannot compute (see Limits)
     use_ulysses(policy_lm, cp_group)      # once, for the policy and the reference model (checks the head counts)
     mb = shard_microbatch(mb, cp_group)   # each micro-batch after packing, before recompute and backward
     token_logprobs(model, mb, ...)        # unchanged: policy.py passes mb.segments (a CpRow) to every attention call
-    loss.backward(); reduce_cp_grads(policy_lm, cp_group)  # before the data-parallel reduction and clipping
-A cp group of 1 makes all three no-ops. Metrics: a rank's sums cover its tokens only (`n_tokens` its real tokens),
+    loss.backward() per micro-batch, then once per mini-batch reduce_cp_grads(policy_lm, cp_group), before clipping
+A sum is linear: once per optimizer step is enough, and it commutes with DDP's or FSDP's data-parallel reduction
+(which runs inside backward). A cp group of 1 makes them all no-ops. Metrics: a rank's sums cover its tokens only (`n_tokens` its real tokens),
 so a world-wide sum counts each once. Limits: token-level objectives only. Sequence-level statistics (loss_agg
 seq-mean-token-mean, policy_loss gspo, behav_weight_level sequence / geometric, kl_in reward's per-sequence suffix
-sums) would see only a slice's part of a sequence that crosses a slice boundary: the trainer must refuse them
-under cp > 1 until those per-sequence sums are all-reduced over the group. Padded micro-batches are refused.
+sums) would see only a slice's part of a sequence that crosses a slice boundary: `check_objective` refuses them
+under cp > 1 until those per-sequence sums are all-reduced over the group; so it does padded micro-batches.
 
 Run: pytest tests/unit/algorithms/test_ulysses.py tests/integration/test_ulysses.py (cp 2 on 2 CPU ranks over gloo
 against one process: logprobs, loss and every gradient to 1e-5).
@@ -95,6 +97,30 @@ def check_heads(config: Any, cp: int) -> None:
             f"Ulysses context parallelism: cp {cp} must divide the model's num_attention_heads {heads} and "
             f"num_key_value_heads {kv} (each rank attends with whole heads and whole GQA groups); "
             f"pick cp among {fits}")
+
+
+def check_objective(cfg: Any, cp: int) -> None:
+    """A clear error when trainer settings (a TrainerConfig) need what a slice cannot see at cp > 1: a statistic over
+    a whole sequence, or a row layout slice_microbatch refuses. Meant for config time, beside check_heads."""
+    if cp == 1:
+        return
+    bad = []
+    if cfg.loss_agg == "seq-mean-token-mean":
+        bad.append("loss_agg seq-mean-token-mean (divides by each sequence's token count)")
+    if cfg.policy_loss == "gspo":
+        bad.append("policy_loss gspo (a sequence-level ratio)")
+    if cfg.behav_correction and cfg.behav_weight_level != "token":
+        bad.append(f"behav_weight_level {cfg.behav_weight_level} (a sequence-level weight)")
+    if cfg.kl_coef > 0 and cfg.kl_in == "reward":
+        bad.append("kl_in reward (sums the KL to each sequence's end)")
+    if cfg.packing == "padded":
+        bad.append("packing padded (Ulysses splits one packed row)")
+    if cfg.packing == "shared" and cfg.attention != "varlen":
+        bad.append("packing shared with attention sdpa (its rows carry an L x L mask; use attention varlen)")
+    if bad:
+        raise ConfigError(f"Ulysses context parallelism (cp {cp}) splits a sequence over ranks, so each rank sees "
+                          f"only part of it; these trainer settings need all of it: {'; '.join(bad)}. Change them "
+                          "or train with cp 1")
 
 
 # ---------------------------------------------------------------- slicing (index arithmetic, no communication)

@@ -1,6 +1,6 @@
 """Ulysses context parallelism (areal_mq/algorithms/ulysses.py) without a second process: the row's slicing (pad,
-blocks, the target of a slice's last column), the head-count and layout errors, and a cp group of one rank as a
-no-op. The cp 2 parity with one process is tests/integration/test_ulysses.py.
+blocks, the target of a slice's last column), the head-count, layout and sequence-level-setting errors, and a cp
+group of one rank as a no-op. The cp 2 parity with one process is tests/integration/test_ulysses.py.
 
 pytest tests/unit/algorithms/test_ulysses.py
 """
@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from areal_mq.algorithms.packing import SeqData, build_microbatch
-from areal_mq.algorithms.ulysses import (CpRow, all_to_all, check_heads, reduce_cp_grads, shard_microbatch,
-                                         slice_microbatch, use_ulysses)
+from areal_mq.algorithms.config import TrainerConfig
+from areal_mq.algorithms.ulysses import (CpRow, all_to_all, check_heads, check_objective, reduce_cp_grads,
+                                         shard_microbatch, slice_microbatch, use_ulysses)
 from areal_mq.errors import ConfigError
 
 
@@ -134,3 +135,20 @@ def test_no_process_group_is_a_group_of_one():
     assert shard_microbatch(mb, None) is mb
     assert isinstance(slice_microbatch(mb, 0, 1).segments, CpRow)  # cp 1 slicing: the whole row
     assert torch.equal(slice_microbatch(mb, 0, 1).input_ids, mb.input_ids)
+
+
+@pytest.mark.parametrize("setting, named", [
+    ({"loss_agg": "seq-mean-token-mean"}, "loss_agg seq-mean-token-mean"),
+    ({"policy_loss": "gspo", "loss_agg": "seq-mean-token-mean"}, "policy_loss gspo"),
+    ({"behav_weight_level": "sequence"}, "behav_weight_level sequence"),
+    ({"kl_coef": 0.1, "kl_in": "reward"}, "kl_in reward"),
+    ({"packing": "padded"}, "packing padded"),
+    ({"packing": "shared"}, "use attention varlen"),
+])
+def test_sequence_level_settings_are_refused_under_cp(setting, named):
+    cfg = TrainerConfig(**{"packing": "dynamic", **setting})
+    with pytest.raises(ConfigError, match=named):
+        check_objective(cfg, 2)
+    check_objective(cfg, 1)  # cp 1: nothing is split
+    check_objective(TrainerConfig(packing="dynamic", kl_coef=0.1, kl_in="loss", entropy_coef=0.01), 2)  # per token
+    check_objective(TrainerConfig(packing="shared", attention="varlen", loss_agg="seq-mean-token-sum"), 2)
