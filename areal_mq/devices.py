@@ -25,6 +25,23 @@ def check_device_spec(spec: str) -> str:
     return spec
 
 
+def resolves_to_cuda(spec: str | None = "auto") -> bool:
+    """Whether `resolve_device(spec)` is a CUDA device, without importing torch where the answer is plain: cpu and
+    meta are not, cuda[:N] is (resolve_device refuses it where there is none), and `auto` is not on a host without
+    a GPU's device node (/dev/nvidia*, ROCm's /dev/kfd): `plan`'s check in the launcher asks this beside the
+    children it starts, where importing torch costs seconds of CPU (issue 58)."""
+    import glob
+
+    spec = check_device_spec(spec or "auto")
+    if spec in ("cpu", "meta"):
+        return False
+    if spec.startswith("cuda"):
+        return True
+    if not glob.glob("/dev/nvidia[0-9]*") and not glob.glob("/dev/kfd"):
+        return False
+    return resolve_device(spec).type == "cuda"
+
+
 def resolve_device(spec: str | None = "auto") -> Any:
     """`auto` -> cuda:0 if CUDA is usable else cpu; `cuda`/`cuda:N` checked against what torch sees."""
     import torch

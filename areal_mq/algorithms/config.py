@@ -444,3 +444,21 @@ def validate_off_policy(max_staleness: int, cfg: TrainerConfig) -> None:
             "Set trainer.behav_correction=true (recommended), or max_staleness=0 for synchronous training, "
             "or trainer.allow_uncorrected_off_policy=true to accept the bias explicitly."
         )
+
+# The precision rules the trainer, the engines and `plan` share: here, not in trainer.py, so that `plan` and the
+# launcher's memory check read them without importing torch (issue 58).
+def rollout_dtype(cfg: Any) -> str:
+    """The dtype the rollout engine computes in: rollout.engine.dtype, or model.dtype where that is auto."""
+    return cfg.model.dtype if cfg.rollout.engine.dtype == "auto" else cfg.rollout.engine.dtype
+
+
+def compute_precision(cfg: "TrainerConfig", engine_dtype: str) -> str:
+    """trainer.precision with `auto` resolved: the precision the rollout engine computes in (bf16 autocast for
+    a bfloat16 engine, else fp32), whatever the device. Why not "bf16 on CUDA": the behaviour weights
+    (areal_mq/algorithms/ppo.py) divide the trainer's probabilities by the engine's, so a bf16 trainer
+    against an fp32 engine is off-policy by numerics alone, and more so as the policy sharpens; on an H200 the
+    weight at staleness 0 grew from 1.3 at the first step to 106 by version 36 of the quickstart, whose
+    held-out accuracy at v50 was 30 % against the fp32 CPU runs' 42 % (benchmarks/quality/RESULTS.md, GPU stage q)."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(engine_dtype, "fp32")

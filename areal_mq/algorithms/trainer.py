@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from areal_mq.algorithms.config import TrainerConfig
+from areal_mq.algorithms.config import TrainerConfig, compute_precision, rollout_dtype  # noqa: F401 (re-exported)
 from areal_mq.algorithms.objective import StepCounts
 from areal_mq.algorithms.packing import MicroBatch, SeqData, build_microbatch, plan_step, samples_to_seqs
 from areal_mq.algorithms.ppo import ppo_loss
@@ -85,23 +85,6 @@ def mismatch_stats(trainer_logp: "torch.Tensor", behav_logp: "torch.Tensor", ver
     k3 = torch.expm1(d) - d
     return (k3.sum(), fresh.sum().double(), (fresh & (d.abs() > math.log(band))).sum().double(),
             d.abs().max() if d.numel() else torch.zeros((), dtype=torch.float64, device=d.device))
-
-
-def rollout_dtype(cfg: Any) -> str:
-    """The dtype the rollout engine computes in: rollout.engine.dtype, or model.dtype where that is auto."""
-    return cfg.model.dtype if cfg.rollout.engine.dtype == "auto" else cfg.rollout.engine.dtype
-
-
-def compute_precision(cfg: TrainerConfig, engine_dtype: str) -> str:
-    """trainer.precision with `auto` resolved: the precision the rollout engine computes in (bf16 autocast for
-    a bfloat16 engine, else fp32), whatever the device. Why not "bf16 on CUDA": the behaviour weights
-    (areal_mq/algorithms/loss.py) divide the trainer's probabilities by the engine's, so a bf16 trainer
-    against an fp32 engine is off-policy by numerics alone, and more so as the policy sharpens; on an H200 the
-    weight at staleness 0 grew from 1.3 at the first step to 106 by version 36 of the quickstart, whose
-    held-out accuracy at v50 was 30 % against the fp32 CPU runs' 42 % (benchmarks/quality/RESULTS.md, GPU stage q)."""
-    if cfg.precision != "auto":
-        return cfg.precision
-    return {"bfloat16": "bf16", "float16": "fp16"}.get(engine_dtype, "fp32")
 
 
 def apply_tf32_policy(device: "torch.device", allow: bool) -> None:

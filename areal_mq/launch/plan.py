@@ -220,7 +220,7 @@ def pool_tokens(cfg: Any, s: Shape, device_bytes: float | None) -> int:
     """Positions one engine's KV pool holds at full scale: kv_cache_bytes where set; else a vLLM engine's
     gpu_memory_utilization share of its GPUs less its weights, a torch engine's kv_cache_fraction of what its device
     has free after the weights (on CUDA), or max_kv_tokens positions on the CPU (as engines/torch/engine.py sizes it)."""
-    from areal_mq.algorithms.trainer import rollout_dtype
+    from areal_mq.algorithms.config import rollout_dtype
 
     e = cfg.rollout.engine
     width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
@@ -243,7 +243,7 @@ def pool_tokens(cfg: Any, s: Shape, device_bytes: float | None) -> int:
 def admission(cfg: Any, s: Shape, device_bytes: float | None) -> dict:
     """Rows each engine runs at once in steady state: the scheduler twin (engines/twin.py) at full scale, with
     what limits them by the engines' rule (engines/admission.py)."""
-    from areal_mq.algorithms.trainer import rollout_dtype
+    from areal_mq.algorithms.config import rollout_dtype
     from areal_mq.engines.admission import steady_rows, watermark_blocks
     from areal_mq.engines.twin import VLLM_MAX_NUM_BATCHED_TOKENS, StepCost, TwinSpec, run_twin
 
@@ -319,7 +319,7 @@ def trainer_rank(cfg: Any, s: Shape, ranks: int) -> Process:
     (tensor parallelism keeps them whole on every tp rank: areal_mq/algorithms/tensor_parallel.py), one micro-batch's
     activations over tp x cp (`activation_ranks`: tp splits the hidden widths, cp the tokens), the gathered layer
     over tp; ddp divides nothing."""
-    from areal_mq.algorithms.trainer import compute_precision, rollout_dtype
+    from areal_mq.algorithms.config import compute_precision, rollout_dtype
 
     t = cfg.trainer
     dims = parallel_dims(cfg, ranks)
@@ -373,7 +373,7 @@ def load_peak(cfg: Any, s: Shape, ranks: int, on_cuda: bool) -> dict:
     dims = parallel_dims(cfg, ranks)
     per = 4.0  # fp32 master weights
     if t.lora is not None:  # the frozen base is read straight in the compute dtype, whole or in shards (no fp32 copy)
-        from areal_mq.algorithms.trainer import compute_precision, rollout_dtype
+        from areal_mq.algorithms.config import compute_precision, rollout_dtype
 
         per = DTYPE_BYTES[compute_precision(t, rollout_dtype(cfg))]
     whole, models = per * s.params, 2 if t.kl_coef > 0 and t.lora is None else 1
@@ -400,7 +400,7 @@ def _load(on_cuda: bool, host: float, device: float) -> dict:
 
 
 def engine(cfg: Any, s: Shape) -> Process:
-    from areal_mq.algorithms.trainer import rollout_dtype
+    from areal_mq.algorithms.config import rollout_dtype
 
     e = cfg.rollout.engine
     width = DTYPE_BYTES.get(rollout_dtype(cfg), 4)
@@ -476,7 +476,7 @@ def plan_model_dir(cfg: Any) -> tuple[Path, list[str]]:
 def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path | None = None) -> Plan:
     """The plan of `cfg` (see the module docstring). `device_gib`: one device's memory (default: the first
     CUDA device's when the trainer runs on CUDA, else the host's memory shared by every process)."""
-    from areal_mq.devices import resolve_device
+    from areal_mq.devices import resolves_to_cuda
 
     notes: list[str] = []
     if model_dir is None:
@@ -492,7 +492,7 @@ def make_plan(cfg: Any, device_gib: float | None = None, model_dir: str | Path |
         notes.append(f"periodic evaluation (eval.every {cfg.eval.every}, eval.via rollout): through the rollout "
                      "engines, no engine of its own")
     asked = cfg.trainer.device or cfg.model.device
-    on_cuda = device_gib is not None or asked.startswith("cuda") or resolve_device(asked).type == "cuda"
+    on_cuda = device_gib is not None or resolves_to_cuda(asked)
     procs[0].load = load_peak(cfg, s, ranks, on_cuda)
     layout = _layout_refusal(cfg, ranks) + _engine_gpus_refusal(cfg)
     if on_cuda:
@@ -529,7 +529,7 @@ def _admission(cfg: Any, s: Shape, device_bytes: float | None) -> dict:
 
 def evaluation(cfg: Any, s: Shape) -> Process:
     """The periodic evaluation's engine (evaluation/heldout.py: at least EVAL_BATCH rows, its own KV pool)."""
-    from areal_mq.algorithms.trainer import rollout_dtype
+    from areal_mq.algorithms.config import rollout_dtype
     from areal_mq.evaluation.heldout import EVAL_BATCH
 
     e = cfg.rollout.engine
