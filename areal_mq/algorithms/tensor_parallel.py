@@ -37,13 +37,19 @@ Memory per rank (fp32 master weights, AdamW, 16 bytes a parameter): 16 x (decode
 How the trainer uses it (not wired yet: trainer.parallel's degrees are another change): a strategy's `build` makes
 `mesh = tp_mesh(device, dp, tp)` once, `refuse_lora_under_tp(cfg.lora, tp)` and `refuse_sharded_publish(...)` at
 config time, then `parallelize(PolicyLogprobs(lm, ...), mesh, cfg.fsdp, precision)` where the fsdp strategy calls
-`shard_policy`; each rank feeds its dp group's micro-batches (`dp_rank(mesh)`, the same batch on every TP rank of a
-group). Everything else is the fsdp strategy's as it is: `fsdp.clip_grad_norm` (its DTensor norm reduces over the
-whole mesh), `gather_full_state` (= fsdp.full_state_dict: `full_tensor()` per parameter gathers over dp and tp)
-for publishing, and fsdp.save_sharded / load_sharded (torch.distributed.checkpoint reshards across meshes: a
-checkpoint written at tp 2 x dp 2 loads at dp 4 and back).
-Publishing under TP is the gathered path only: weights/sharded.py's `WeightsShard` carries dim-0 row slices, and a
-TP shard is a column block (rowwise: dim 1) or, under FSDP, a strided row set; `refuse_sharded_publish` says so.
+`shard_policy`, and for a model built on the meta device `loading.materialise` as today (it reads each rank's
+TP x FSDP box, `_StridedShard` included, from the checkpoint); each rank feeds its dp group's micro-batches
+(`dp_rank(mesh)`, the same batch on every TP rank of a group). The step clips with `clip_grad_norm` below (NOT
+fsdp.clip_grad_norm, which fails here: parameters live on two meshes). The rest is the fsdp strategy's as it is:
+AdamW (foreach and fused take the two meshes), `gather_full_state` (= fsdp.full_state_dict: `full_tensor()` per
+parameter gathers over dp and tp) for publishing, and fsdp.save_sharded / load_sharded (torch.distributed.checkpoint
+reshards across meshes: a checkpoint written at tp 2 x dp 2 loads at dp 4 and back, AdamW state included).
+Over gloo every collective TP needs works as is (RowwiseParallel's all-reduce of partial sums, ColwiseParallel's
+all-reduce of its input's gradient, FSDP2's all-gather / reduce-scatter of 2-D DTensors); the one failure was the
+cross-mesh stack in the gradient norm, which is why `clip_grad_norm` groups by mesh.
+Publishing under TP is the gathered path only: weights/sharded.py's `WeightsShard` carries each rank's (start row,
+rows) of a tensor, and a RowwiseParallel weight's TP shard is a column block (Shard(1)) that no row range describes;
+`refuse_sharded_publish` says so (fsdp.local_slices refuses the layout too, WeightsFetchError).
 LoRA under TP is refused (`refuse_lora_under_tp`: why there).
 
 Run: tests/integration/test_tensor_parallel.py (tp 2 x dp 2 on 4 CPU ranks over gloo against one process; the
@@ -197,9 +203,10 @@ def gather_full_state(lm: nn.Module, dtype: str | None = None, keep: bool = True
 
 def refuse_sharded_publish(publish_layout: str, tp: int) -> None:
     """Sharded (per-slice) publishing is refused under TP for now: weights/sharded.py's WeightsShard carries each
-    rank's dim-0 ROW slice of a tensor, while a TP shard is a column block (RowwiseParallel's Shard(1)) and, under
-    FSDP, a strided set of rows (FSDP's _StridedShard(0) of a ColwiseParallel Shard(0)); describing either needs a
-    new wire format. Publish gathered (trainer.publish_layout gather: gather_full_state)."""
+    rank's dim-0 ROW range of a tensor, while a RowwiseParallel weight's TP shard (o_proj, down_proj) is a column
+    block (Shard(1)), and a ColwiseParallel one's rows come in TP-then-FSDP order (FSDP's _StridedShard(0) on the
+    dp dimension), so two TP ranks of a replica group serve halves the manifest cannot place; describing them
+    needs a new wire format. Publish gathered (trainer.publish_layout gather: gather_full_state)."""
     if tp > 1 and publish_layout == "sharded":
         raise ConfigError(f"trainer.publish_layout sharded with tp {tp}: a TP shard is not a dim-0 row slice, "
                           "which is all a WeightsShard can describe; use trainer.publish_layout gather")

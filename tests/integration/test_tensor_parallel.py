@@ -98,7 +98,9 @@ def _step(policy, opt, ids, scale: float):
 def _adamw(policy):
     import torch
 
-    return torch.optim.AdamW(policy.parameters(), lr=LR, eps=EPS)
+    # foreach: what AdamW picks on a GPU (on the CPU it defaults to the per-tensor loop), here over parameters on
+    # two meshes (TP weights on (dp, tp), replicated ones on dp): DTensor's foreach ops take the mix
+    return torch.optim.AdamW(policy.parameters(), lr=LR, eps=EPS, foreach=True)
 
 
 def single_process(family: str) -> dict:
