@@ -4,11 +4,11 @@ What: `parallelize(policy, mesh, fsdp_cfg, precision)` takes a plain `PolicyLogp
 applies, in place, first tensor parallelism over the mesh's `tp` dimension, then FSDP2 over its data-parallel
 dimension(s), the way torchtitan's `parallelize_llama` composes them:
 
-    mesh = tp_mesh(device, dp_shard=2, tp=2)     # init_device_mesh(type, (2, 2), ("dp_shard", "tp"))
-    #            tp 0   tp 1                      rank = dp index * tp + tp index: a TP group is consecutive ranks
-    #  dp 0  [ rank 0, rank 1 ]                   (one host's GPUs where torchrun numbers them so), so the
+    dims = ParallelDims(dp_shard=2, tp=2)         # algorithms/parallel.py: the mesh's owner
+    #            tp 0   tp 1                      dims (dp_replicate, dp_shard, cp, tp), tp innermost: a TP group is
+    #  dp 0  [ rank 0, rank 1 ]                   consecutive ranks (one host's GPUs under torchrun), so the
     #  dp 1  [ rank 2, rank 3 ]                   per-layer all-reduces stay on the node
-    parallelize(policy, mesh, cfg.fsdp, "fp32")
+    parallelize(policy, dims.mesh(device), dims.dp_mesh(), cfg.fsdp, "fp32")
 
 - Each decoder layer (one plan per model family, `PLANS`, keyed by `config.model_type`; Qwen2 and Llama share
   the decoder's shape): ColwiseParallel on q/k/v/gate/up (Megatron's column split: each TP rank computes
@@ -25,8 +25,8 @@ dimension(s), the way torchtitan's `parallelize_llama` composes them:
   each TP rank holds (1 / dp of) the embeddings and head whole, and computes the norms and the chunked logprobs
   redundantly. No sequence parallelism on the norms (it would shard activations along the sequence and need the
   HF layer's residual adds to run on DTensors; the replicated residual is what the HF code expects).
-- FSDP2 then shards every parameter over the data-parallel dimension(s) (`dp_mesh`: every dimension but tp, so a
-  3-D (dp_replicate, dp_shard, tp) mesh gives HSDP x TP) with the same units, precision and offload as the fsdp
+- FSDP2 then shards every parameter over the data-parallel slice of the mesh (ParallelDims.dp_mesh: dp_shard, or
+  (dp_replicate, dp_shard): HSDP x TP) with the same units, precision and offload as the fsdp
   strategy (fsdp.shard_policy): a TP weight becomes a 2-D DTensor (FSDP's dim-0 shard of the TP shard, on the
   whole mesh); a replicated one a 1-D DTensor on the dp dimension. Gradients are reduce-scattered over dp only:
   the TP ranks of one dp group see the same micro-batch.
@@ -34,13 +34,13 @@ dimension(s), the way torchtitan's `parallelize_llama` composes them:
 Memory per rank (fp32 master weights, AdamW, 16 bytes a parameter): 16 x (decoder-layer parameters / (dp x tp)
 + the embeddings', head's and norms' / dp), plus one gathered decoder layer's TP shard.
 
-How the trainer uses it (not wired yet: trainer.parallel's degrees are another change): a strategy's `build` makes
-`mesh = tp_mesh(device, dp, tp)` once, `refuse_lora_under_tp(cfg.lora, tp)` and `refuse_sharded_publish(...)` at
-config time, then `parallelize(PolicyLogprobs(lm, ...), mesh, cfg.fsdp, precision)` where the fsdp strategy calls
-`shard_policy`, and for a model built on the meta device `loading.materialise` as today (it reads each rank's
-TP x FSDP box, `_StridedShard` included, from the checkpoint); each rank feeds its dp group's micro-batches
-(`dp_rank(mesh)`, the same batch on every TP rank of a group). The step clips with `clip_grad_norm` below (NOT
-fsdp.clip_grad_norm, which fails here: parameters live on two meshes). The rest is the fsdp strategy's as it is:
+How the trainer uses it (not wired yet; parallel.refuse_unwired refuses tp > 1 at start): FsdpStrategy.build calls
+`parallelize(PolicyLogprobs(lm, ...), self.parallel.mesh(device), self.parallel.dp_mesh(), cfg.fsdp, precision,
+train)` where it calls `shard_policy` today (tp 1 is exactly that call), after `refuse_lora_under_tp(cfg.lora,
+tp)`; a model built on the meta device is then filled by `loading.materialise` as today (it reads each rank's
+TP x FSDP box, `_StridedShard` included, from the checkpoint). Each rank trains its share of the batch as
+ParallelDims.dp_rank says (the TP ranks of a group the same micro-batches). The step clips with `clip_grad_norm`
+below (NOT fsdp.clip_grad_norm, which fails here: parameters live on two meshes). The rest is the fsdp strategy's as it is:
 AdamW (foreach and fused take the two meshes), `gather_full_state` (= fsdp.full_state_dict: `full_tensor()` per
 parameter gathers over dp and tp) for publishing, and fsdp.save_sharded / load_sharded (torch.distributed.checkpoint
 reshards across meshes: a checkpoint written at tp 2 x dp 2 loads at dp 4 and back, AdamW state included).
@@ -49,7 +49,8 @@ all-reduce of its input's gradient, FSDP2's all-gather / reduce-scatter of 2-D D
 cross-mesh stack in the gradient norm, which is why `clip_grad_norm` groups by mesh.
 Publishing under TP is the gathered path only: weights/sharded.py's `WeightsShard` carries each rank's (start row,
 rows) of a tensor, and a RowwiseParallel weight's TP shard is a column block (Shard(1)) that no row range describes;
-`refuse_sharded_publish` says so (fsdp.local_slices refuses the layout too, WeightsFetchError).
+`refuse_sharded_publish` says so (fsdp.local_slices refuses the layout too, WeightsFetchError): under tp > 1,
+trainer.publish_layout auto must resolve to gather (TrainerConfig.publish_sharded), not to sharded.
 LoRA under TP is refused (`refuse_lora_under_tp`: why there).
 
 Run: tests/integration/test_tensor_parallel.py (tp 2 x dp 2 on 4 CPU ranks over gloo against one process; the
@@ -67,37 +68,9 @@ from areal_mq.errors import ConfigError
 TP = "tp"  # the mesh dimension tensor parallelism splits over; every other dimension is data parallel
 
 
-def tp_mesh(device: torch.device, dp_shard: int, tp: int) -> Any:
-    """The 2-D (dp_shard, tp) mesh over every rank (collective: each rank calls it); tp ranks are consecutive."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    if dp_shard < 1 or tp < 1 or dp_shard * tp != world:
-        raise ConfigError(f"dp_shard {dp_shard} x tp {tp} must equal the trainer's {world} ranks")
-    return init_device_mesh(device.type, (dp_shard, tp), mesh_dim_names=("dp_shard", TP))
-
-
-def dp_mesh(mesh: Any) -> Any:
-    """The data-parallel part of `mesh`: every dimension but tp (FSDP2 shards over it)."""
-    names = tuple(n for n in mesh.mesh_dim_names if n != TP)
-    return mesh[names[0]] if len(names) == 1 else mesh[names]
-
-
 def tp_size(mesh: Any) -> int:
+    """The tp degree of `mesh` (1 where it has no tp dimension)."""
     return mesh[TP].size() if TP in (mesh.mesh_dim_names or ()) else 1
-
-
-def dp_rank(mesh: Any) -> tuple[int, int]:
-    """(this rank's index among the data-parallel groups, how many there are): which slice of a batch it trains.
-    The TP ranks of one group share the index, so they see the same micro-batches."""
-    dp = dp_mesh(mesh)
-    coords = dp.get_coordinate() or [0]
-    sizes = [dp.size(i) for i in range(dp.ndim)]
-    index = 0
-    for c, s in zip(coords, sizes):
-        index = index * s + c
-    return index, dp.size()
 
 
 # ---------------------------------------------------------------- per-family plans
@@ -156,15 +129,16 @@ def apply_tp(lm: nn.Module, mesh: Any) -> None:
         parallelize_module(layer, mesh, plan())
 
 
-def parallelize(policy: nn.Module, mesh: Any, fsdp_cfg: Any, precision: str, train: bool = True) -> nn.Module:
-    """TP over `mesh`'s tp dimension, then FSDP2 over the rest (module docstring); in place, returns `policy`.
-    A mesh without a tp dimension, or with tp 1, is plain FSDP2 (fsdp.shard_policy)."""
+def parallelize(policy: nn.Module, mesh: Any, dp_mesh: Any, fsdp_cfg: Any, precision: str,
+                train: bool = True) -> nn.Module:
+    """TP over `mesh`'s tp dimension, then FSDP2 over `dp_mesh` (module docstring); in place, returns `policy`.
+    `mesh`: the trainer's whole mesh (ParallelDims.mesh); `dp_mesh`: its slice FSDP2 shards over
+    (ParallelDims.dp_mesh: dp_shard, or (dp_replicate, dp_shard)). tp 1 is plain FSDP2 (fsdp.shard_policy)."""
     from areal_mq.algorithms.fsdp import shard_policy
 
     if tp_size(mesh) > 1:
         apply_tp(policy.lm, mesh[TP])
-    dp = dp_mesh(mesh) if TP in (mesh.mesh_dim_names or ()) else mesh
-    return shard_policy(policy, fsdp_cfg, precision, torch.device(mesh.device_type), train=train, mesh=dp)
+    return shard_policy(policy, fsdp_cfg, precision, torch.device(mesh.device_type), train=train, mesh=dp_mesh)
 
 
 # ---------------------------------------------------------------- the step

@@ -4,7 +4,7 @@ one process, loads from a checkpoint on the meta device, and its torch.distribut
 
 One launch of THIS file under torch.distributed.run, 4 ranks (CUDA hidden, one thread per rank), mode `tp`:
   1. per family (tiny Qwen2: q/k/v biases, untied head; tiny Llama: tied head, which stays in FSDP's root unit),
-     mesh (dp_shard 2, tp 2): the model (seeded random weights, built in memory: no download) as PolicyLogprobs,
+     the trainer's mesh (algorithms/parallel.py ParallelDims: dp_replicate 1, dp_shard 2, cp 1, tp 2): the model (seeded random weights, built in memory: no download) as PolicyLogprobs,
      `parallelize`d; 3 AdamW steps of the mean token logprob loss (grad clip 1.0), each dp group on its half of
      the batch, both TP ranks of a group on the same half; losses and grad norms per step, the parameters
      gathered whole (`gather_full_state`); Qwen2 also its AdamW state gathered whole and a sharded checkpoint
@@ -120,22 +120,26 @@ def single_process(family: str) -> dict:
 
 # ---------------------------------------------------------------- the 4 ranks
 def _build(dp: int, tp: int, seed: int, family: str = "qwen2", precision: str = "fp32", policy=None):
-    """A fresh policy (or `policy`) parallelized over a (dp, tp) mesh, its AdamW, and (dp index, dp size)."""
+    """A fresh policy (or `policy`) parallelized over the trainer's mesh of (dp_shard dp, tp tp), its AdamW, and
+    (this rank's share of the batch, the shares)."""
     import torch
+    import torch.distributed as dist
 
     from areal_mq.algorithms.config import FsdpConfig
-    from areal_mq.algorithms.tensor_parallel import dp_rank, parallelize, tp_mesh
+    from areal_mq.algorithms.parallel import ParallelDims
+    from areal_mq.algorithms.tensor_parallel import parallelize
 
-    mesh = tp_mesh(torch.device("cpu"), dp, tp)
-    policy = parallelize(policy if policy is not None else _policy(seed, family), mesh, FsdpConfig(), precision)
-    return SimpleNamespace(model=policy, optimizer=_adamw(policy), mesh=mesh, dp=dp_rank(mesh))
+    dims = ParallelDims(dp_shard=dp, tp=tp)
+    mesh = dims.mesh(torch.device("cpu"))
+    policy = parallelize(policy if policy is not None else _policy(seed, family), mesh, dims.dp_mesh(),
+                         FsdpConfig(), precision)
+    return SimpleNamespace(model=policy, optimizer=_adamw(policy), dims=dims,
+                           dp=(dims.dp_rank(dist.get_rank()), dims.dp))
 
 
 def _train(run, step: int) -> tuple[float, float]:
     """Step `step` on this rank's dp slice of the batch; (the global loss, the grad norm)."""
     import torch.distributed as dist
-
-    from areal_mq.algorithms.tensor_parallel import dp_mesh
 
     index, size = run.dp
     ids = _batch(step)
@@ -144,7 +148,7 @@ def _train(run, step: int) -> tuple[float, float]:
     # FSDP2 averages gradients over the dp ranks: scale by their count so the sum is the whole batch's mean
     loss, norm = _step(run.model, run.optimizer, mine, size / (ROWS * (COLS - 1)))
     total = loss / size
-    dist.all_reduce(total, group=dp_mesh(run.mesh).get_group())
+    dist.all_reduce(total, group=run.dims.dp_mesh().get_group())
     return float(total), norm
 
 
