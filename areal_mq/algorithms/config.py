@@ -76,7 +76,9 @@ class FsdpConfig(BaseModel):
         "replicated across groups (16 bytes x parameters / (ranks / R) per rank), gradients reduce-scattered "
         "within a group and all-reduced across groups. Set ranks / R to the GPUs of one node so each layer's "
         "all-gather stays on the node's links and only one gradient all-reduce crosses nodes "
-        "(docs/bigger-models.md). Sharded publishing is served by group 0 alone.")
+        "(docs/bigger-models.md). Sharded publishing is served by group 0 alone. The older key for "
+        "trainer.parallel.dp_replicate: read under strategy fsdp when trainer.parallel is not given; given with "
+        "trainer.parallel, a value other than 1 must equal dp_replicate.")
     logprob_chunk_mb: float = Field(
         256.0, gt=0, description="Byte budget of one chunk of fp32 logits in the chunked logprob/entropy "
         "computation (any strategy): tokens per chunk = budget / (4 * vocabulary).")
