@@ -9,6 +9,8 @@ One launch of THIS file under torch.distributed.run, 4 ranks (CUDA hidden, one t
      the batch, both TP ranks of a group on the same half; losses and grad norms per step, the parameters
      gathered whole (`gather_full_state`); Qwen2 also its AdamW state gathered whole and a sharded checkpoint
      (fsdp.save_sharded: torch.distributed.checkpoint);
+     Then Qwen2 under two more layouts, the same 3 steps: HSDP x TP (dp_replicate 2, dp_shard 1, tp 2: FSDP2's
+     (replicate, shard) mesh beside tp) and tp 2 x dp 2 with gradient checkpointing (TP collectives recomputed);
   2. mesh (dp_shard 4, tp 1): a fresh Qwen2 (seed 2: other weights) loads that checkpoint; its gathered
      parameters and AdamW state equal step 1's; it saves its own checkpoint;
   3. mesh (2, 2) again: a fresh Qwen2 loads the dp-4 checkpoint: equal again; then it, the dp-4 one and the
@@ -20,7 +22,7 @@ One launch of THIS file under torch.distributed.run, 4 ranks (CUDA hidden, one t
 The test process runs the same models, batches and steps in one process without any process group or sharding.
 Targets (issue 61 item 4): fp32 losses, grad norms and parameters within 1e-5 of the single process after 3 steps;
 checkpoint round trips exact (1e-6); TP refusals (unknown family, heads tp does not divide, LoRA, sharded publish).
-Run: pytest tests/integration/test_tensor_parallel.py   (marked slow; about 45 s on 2 cores)
+Run: pytest tests/integration/test_tensor_parallel.py   (marked slow; 35-60 s on 2 shared cores)
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
              intermediate_size=128, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-6)
 FAMILIES = {"qwen2": dict(tie_word_embeddings=False), "llama": dict(tie_word_embeddings=True)}
+VARIANTS = {"hsdp2-tp2": dict(replicate=2, dp=1, tp=2), "tp2-dp2-recompute": dict(dp=2, tp=2, recompute=True)}
 ROWS, COLS, STEPS, LR, CLIP = 8, 16, 3, 1e-3, 1.0
 # AdamW's eps: its first step moves each element by lr * g / (|g| + eps), so an element whose gradient cancels to
 # ~1e-8 (a k_proj bias: softmax ignores a shift along the keys, its exact gradient is 0) turns the last-bit rounding
@@ -119,9 +122,11 @@ def single_process(family: str) -> dict:
 
 
 # ---------------------------------------------------------------- the 4 ranks
-def _build(dp: int, tp: int, seed: int, family: str = "qwen2", precision: str = "fp32", policy=None):
-    """A fresh policy (or `policy`) parallelized over the trainer's mesh of (dp_shard dp, tp tp), its AdamW, and
-    (this rank's share of the batch, the shares)."""
+def _build(dp: int, tp: int, seed: int, family: str = "qwen2", precision: str = "fp32", policy=None,
+           replicate: int = 1, recompute: bool = False):
+    """A fresh policy (or `policy`) parallelized over the trainer's mesh of (dp_replicate `replicate`, dp_shard
+    `dp`, tp `tp`), its AdamW, and (this rank's share of the batch, the shares). `recompute`: gradient
+    checkpointing (trainer.gradient_checkpointing), so each layer's TP collectives run again in backward."""
     import torch
     import torch.distributed as dist
 
@@ -129,10 +134,15 @@ def _build(dp: int, tp: int, seed: int, family: str = "qwen2", precision: str = 
     from areal_mq.algorithms.parallel import ParallelDims
     from areal_mq.algorithms.tensor_parallel import parallelize
 
-    dims = ParallelDims(dp_shard=dp, tp=tp)
+    from areal_mq.algorithms.ddp import enable_gradient_checkpointing
+
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=dp, tp=tp)
     mesh = dims.mesh(torch.device("cpu"))
-    policy = parallelize(policy if policy is not None else _policy(seed, family), mesh, dims.dp_mesh(),
-                         FsdpConfig(), precision)
+    policy = policy if policy is not None else _policy(seed, family)
+    if recompute:
+        enable_gradient_checkpointing(policy.lm)
+        policy.train()
+    policy = parallelize(policy, mesh, dims.dp_mesh(), FsdpConfig(), precision)
     return SimpleNamespace(model=policy, optimizer=_adamw(policy), dims=dims,
                            dp=(dims.dp_rank(dist.get_rank()), dims.dp))
 
@@ -147,8 +157,8 @@ def _train(run, step: int) -> tuple[float, float]:
     mine = ids[index * per:(index + 1) * per]
     # FSDP2 averages gradients over the dp ranks: scale by their count so the sum is the whole batch's mean
     loss, norm = _step(run.model, run.optimizer, mine, size / (ROWS * (COLS - 1)))
-    total = loss / size
-    dist.all_reduce(total, group=run.dims.dp_mesh().get_group())
+    total = loss / dist.get_world_size()  # the mean over every rank: TP ranks of a share hold the same loss
+    dist.all_reduce(total)
     return float(total), norm
 
 
@@ -225,6 +235,13 @@ def run_rank(mode: str, out: Path) -> None:
             torch.save(params, out / f"params-{family}.pt")
         if family == "qwen2":
             tp, tp_params, tp_optim = run, params, optim
+    # HSDP x TP (2 replicas of tp 2: FSDP2's (replicate, shard) mesh beside tp), and TP under recomputation
+    for name, kw in VARIANTS.items():
+        run = _build(seed=1, **kw)
+        result[name] = {"losses": [_train(run, i)[0] for i in range(STEPS)]}
+        params = _full(run)[0]
+        if keep:
+            torch.save(params, out / f"params-{name}.pt")
     result["placements"] = {n: [str(p) for p in t.placements] for n, t in tp.model.lm.state_dict().items()
                             if n in ("model.layers.0.self_attn.q_proj.weight",
                                      "model.layers.0.self_attn.o_proj.weight", "model.norm.weight")}
@@ -279,6 +296,11 @@ def test_tp2_dp2_matches_one_process_and_its_checkpoint_reshards(tmp_path):
         assert set(ref["params"]) - set(params) == tied, family  # a tied head is gathered once, as the embeddings
         for name, tensor in params.items():
             torch.testing.assert_close(tensor, ref["params"][name], rtol=1e-5, atol=1e-5, msg=f"{family} {name}")
+    for name in VARIANTS:  # Qwen2 under other layouts
+        assert got[name]["losses"] == pytest.approx(want["qwen2"]["losses"][:STEPS], rel=1e-5, abs=1e-5), (name, got)
+        params = torch.load(tmp_path / f"params-{name}.pt", map_location="cpu")
+        for key, tensor in want["qwen2"]["params"].items():
+            torch.testing.assert_close(params[key], tensor, rtol=1e-5, atol=1e-5, msg=f"{name} {key}")
     # the layout really is TP x FSDP: a colwise weight split over both dims, a rowwise one too, a norm over dp only
     place = got["placements"]
     assert len(place["model.layers.0.self_attn.q_proj.weight"]) == 2, place
