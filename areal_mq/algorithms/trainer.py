@@ -16,10 +16,11 @@ One step:
 With trainer.kl_in reward the reference logprobs of the recompute pass become a per-token reward inside the loss
 (ppo.py `kl_in_reward`: each token's advantage minus kl_coef x the k1 KL summed from it to the sequence's end), so
 the advantages computed at packing time never wait for the reference model.
-Every rank receives the SAME full sample list and computes the same plan; it trains only its share.
+Every rank receives the SAME full sample list and computes the same plan; it trains only its share (of
+`parallel.dp` shares: ParallelDims.dp_rank).
 The loss of every micro-batch is normalised by the generated-token count of the whole mini-batch
-over all ranks and multiplied by the world size (DDP averages gradients), so a step's gradient is
-the token mean over the batch whatever the number of ranks or micro-batches.
+over all ranks and multiplied by the data-parallel world `parallel.dp` (DDP and FSDP2 average gradients over it),
+so a step's gradient is the token mean over the batch whatever the number of ranks or micro-batches.
 Logprobs follow areal_mq/engines/base.py: log_softmax(logits / temperature)[token].
 
 Device: one device per rank, `self.device` == `accelerator.device` (trainer.device, else model.device;
