@@ -358,7 +358,8 @@ class TrainerConfig(BaseModel):
         "and serves its own FSDP shards from its own weight server (no rank gathers the model; WeightsReady.shards "
         "lists the slices; areal_mq/weights/sharded.py). gather: the named fallback, the full model is gathered to "
         "rank 0 one tensor at a time and served from there. auto: sharded when strategy is fsdp and publish_mode "
-        "zmq, else gather.")
+        "zmq, else gather; gather under trainer.parallel.tp > 1 (a tp shard is not a row slice a WeightsShard "
+        "describes: areal_mq/algorithms/tensor_parallel.py refuse_sharded_publish).")
     shard_publish_timeout_s: float = Field(
         120.0, gt=0, description="Sharded publishing: how long rank 0 waits for every other rank to serve a version "
         "before it announces it, plus 4x the time rank 0's own publish of its shard took (so the wait grows with the "
