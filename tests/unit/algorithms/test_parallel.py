@@ -156,3 +156,13 @@ def test_the_name_branch_pattern_sees_what_it_must():
     for line in ('if lc.ray_trainer_strategy == "STRICT_PACK":', 'opts["scheduling_strategy"] = "SPREAD"',
                  'return STRATEGIES[cfg.strategy]()(cfg, precision)'):
         assert not NAME_BRANCH.search(line), line
+
+
+def test_publishing_follows_the_degrees_not_the_name():
+    """Sharded publishing serves row slices: auto picks it where the degrees shard by rows (tp 1); cuda_ipc needs a
+    rank that holds the whole model."""
+    assert TrainerConfig(parallel={"dp_shard": 4}, publish_mode="zmq").sharded_publish
+    assert not TrainerConfig(parallel={"dp_shard": 4, "tp": 2}, publish_mode="zmq").sharded_publish
+    assert not TrainerConfig(parallel={"dp_shard": 1}, publish_mode="zmq").sharded_publish
+    with pytest.raises(ValidationError, match="cuda_ipc"):
+        TrainerConfig(parallel={"dp_shard": 1, "tp": 2}, publish_mode="cuda_ipc")
