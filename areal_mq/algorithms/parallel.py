@@ -31,7 +31,8 @@ checks the product, then answers every "which rank does what":
     dp_shard x tp), `activation_ranks` (ranks one micro-batch's activations are split over: tp x cp), `describe()`;
   - `mesh(device)`: the DeviceMesh, dims named dp_replicate, dp_shard, cp, tp (device type from the device: cpu
     with gloo, cuda with nccl), made once; `dp_mesh()`: its slice FSDP2 shards over.
-`refuse_unwired(cfg.parallel)` is the trainer's start: tp > 1 or cp > 1 is accepted by the config and by `plan`, not trained.
+`refuse_unwired(cfg.parallel)` is the trainer's start: tp > 1 or cp > 1 is accepted by the config and by `plan`, not
+trained.
 Importing this module imports no torch (the CLI and `plan` read it).
 """
 from __future__ import annotations
@@ -77,7 +78,7 @@ def map_degrees(cfg: Any) -> None:
                          f"{room} ({WHY[room]}); "
                          "give trainer.parallel alone (trainer.strategy is derived from it), or make them agree")
     replicate = cfg.fsdp.replicate
-    if room == "fsdp" and replicate != 1 and replicate != p.dp_replicate:
+    if p.shards and replicate != 1 and replicate != p.dp_replicate:
         raise ValueError(f"trainer.fsdp.replicate {replicate} contradicts trainer.parallel.dp_replicate "
                          f"{p.dp_replicate}: give trainer.parallel.dp_replicate alone")
     cfg.strategy = room
@@ -94,12 +95,13 @@ def degrees(parallel: Any, world: int) -> tuple[tuple[int, int, int, int], str |
     error = None
     if free:
         fixed[free[0]] = max(1, world // known)
-        if world % known:
+        if world % known and source != "trainer.parallel":  # the older keys: only fsdp.replicate can fail to divide
             error = (f"trainer.fsdp.replicate {parallel.dp_replicate} does not divide launcher.trainer_ranks "
                      f"{world}: HSDP makes `replicate` groups of trainer_ranks / replicate ranks; set one to a "
-                     "multiple of the other (ranks / replicate = the GPUs of one node)") if "fsdp.replicate" in source else (
-                f"{source} {parallel.degrees()} needs a multiple of {known} ranks to fill {free[0]}, and the trainer "
-                f"has {world} (launcher.trainer_ranks): change the degrees or the ranks")
+                     "multiple of the other (ranks / replicate = the GPUs of one node)")
+        elif world % known:
+            error = (f"{source} {parallel.degrees()} needs a multiple of {known} ranks to fill {free[0]}, and the "
+                     f"trainer has {world} (launcher.trainer_ranks): change the degrees or the ranks")
     elif known != world:
         error = (f"{source} {parallel.degrees()} multiplies to {known} ranks, and the trainer has {world} "
                  f"(launcher.trainer_ranks): make the product equal the ranks, or give one of dp_replicate, dp_shard "

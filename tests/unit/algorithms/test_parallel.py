@@ -92,7 +92,8 @@ def test_the_degrees_must_fill_launcher_trainer_ranks():
     assert run({"dp_shard": 8, "tp": 4}, 32).trainer.strategy == "fsdp"
     assert run({"tp": 2}, 8).trainer.parallel.dp_shard == -1  # kept as written; resolved per world
     # the older key keeps its older check: it loads, and `plan` refuses it (tests/unit/launch/test_plan_load.py)
-    old = config_from_dict({"trainer": {"strategy": "fsdp", "fsdp": {"replicate": 3}}, "launcher": {"trainer_ranks": 8}})
+    old = config_from_dict({"trainer": {"strategy": "fsdp", "fsdp": {"replicate": 3}},
+                            "launcher": {"trainer_ranks": 8}})
     assert "trainer.fsdp.replicate 3 does not divide launcher.trainer_ranks 8" in degrees(old.trainer.parallel, 8)[1]
 
 
@@ -124,7 +125,7 @@ def test_the_trainer_refuses_tensor_and_context_parallelism_at_start():
     from areal_mq.algorithms.trainer import Trainer
 
     for parallel in ({"dp_shard": 1, "tp": 2}, {"cp": 2}):
-        with pytest.raises(ConfigError, match=r"tensor/context parallelism is not wired into the trainer yet \(issue 61"):
+        with pytest.raises(ConfigError, match=r"tensor/context parallelism is not wired into the trainer yet"):
             Trainer(TrainerConfig(parallel=parallel), "/nonexistent-model")  # refused before anything is read
 
 
