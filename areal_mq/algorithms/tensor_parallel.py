@@ -36,14 +36,14 @@ Memory per rank (fp32 master weights, AdamW, 16 bytes a parameter): 16 x (decode
 
 How the trainer uses it (not wired yet; parallel.refuse_unwired refuses tp > 1 at start): FsdpStrategy.build calls
 `parallelize(PolicyLogprobs(lm, ...), self.parallel.mesh(device), self.parallel.dp_mesh(), cfg.fsdp, precision,
-train)` where it calls `shard_policy` today (tp 1 is exactly that call), after `refuse_lora_under_tp(cfg.lora,
-tp)`; a model built on the meta device is then filled by `loading.materialise` as today (it reads each rank's
-TP x FSDP box, `_StridedShard` included, from the checkpoint). Each rank trains its share of the batch as
-ParallelDims.dp_rank says (the TP ranks of a group the same micro-batches). The step clips with `clip_grad_norm`
-below (NOT fsdp.clip_grad_norm, which fails here: parameters live on two meshes). The rest is the fsdp strategy's as it is:
-AdamW (foreach and fused take the two meshes), `gather_full_state` (= fsdp.full_state_dict: `full_tensor()` per
-parameter gathers over dp and tp) for publishing, and fsdp.save_sharded / load_sharded (torch.distributed.checkpoint
-reshards across meshes: a checkpoint written at tp 2 x dp 2 loads at dp 4 and back, AdamW state included).
+train)` where it calls `shard_policy` today (tp 1 is exactly that call), after `refuse_lora_under_tp(cfg.lora, tp)`; a
+model built on the meta device is then filled by `loading.materialise` as today (it reads each rank's TP x FSDP box,
+`_StridedShard` included, from the checkpoint). Each rank trains its share of the batch as ParallelDims.dp_rank says
+(the TP ranks of a group the same micro-batches). The step clips with `clip_grad_norm` below (NOT fsdp.clip_grad_norm,
+which fails here: parameters live on two meshes). The rest is the fsdp strategy's as it is: AdamW (foreach and fused
+take the two meshes), `gather_full_state` (= fsdp.full_state_dict: `full_tensor()` per parameter gathers over dp and
+tp) for publishing, and fsdp.save_sharded / load_sharded (torch.distributed.checkpoint reshards across meshes: a
+checkpoint written at tp 2 x dp 2 loads at dp 4 and back, AdamW state included).
 Over gloo every collective TP needs works as is (RowwiseParallel's all-reduce of partial sums, ColwiseParallel's
 all-reduce of its input's gradient, FSDP2's all-gather / reduce-scatter of 2-D DTensors); the one failure was the
 cross-mesh stack in the gradient norm, which is why `clip_grad_norm` groups by mesh.
@@ -65,7 +65,7 @@ from torch import nn
 
 from areal_mq.errors import ConfigError
 
-TP = "tp"  # the mesh dimension tensor parallelism splits over; every other dimension is data parallel
+TP = "tp"  # the mesh dimension tensor parallelism splits over (algorithms/parallel.py DIMS)
 
 
 def tp_size(mesh: Any) -> int:
@@ -95,7 +95,7 @@ def _decoder_divisible(config: Any, tp: int) -> list[str]:
 PLANS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[Any, int], list[str]]]] = {
     "qwen2": (_decoder_plan, _decoder_divisible),  # q/k/v biases: split with their columns
     "llama": (_decoder_plan, _decoder_divisible),
-}  # model_type -> (the layer's plan, what tp must divide); tested: qwen2 (tests/integration/test_tensor_parallel.py)
+}  # model_type -> (the layer's plan, what tp must divide); both tested (tests/integration/test_tensor_parallel.py)
 
 
 def _family(lm: nn.Module) -> tuple[Any, tuple]:
@@ -178,9 +178,10 @@ def gather_full_state(lm: nn.Module, dtype: str | None = None, keep: bool = True
 def refuse_sharded_publish(publish_layout: str, tp: int) -> None:
     """Sharded (per-slice) publishing is refused under TP for now: weights/sharded.py's WeightsShard carries each
     rank's dim-0 ROW range of a tensor, while a RowwiseParallel weight's TP shard (o_proj, down_proj) is a column
-    block (Shard(1)), and a ColwiseParallel one's rows come in TP-then-FSDP order (FSDP's _StridedShard(0) on the
-    dp dimension), so two TP ranks of a replica group serve halves the manifest cannot place; describing them
-    needs a new wire format. Publish gathered (trainer.publish_layout gather: gather_full_state)."""
+    block (Shard(1)) that no row range describes: it needs a new wire format. (A ColwiseParallel weight's piece is a
+    row range, but placed by TP-then-FSDP order, FSDP's _StridedShard(0) on the dp dimension, which fsdp.local_slices
+    does not read: it refuses both, WeightsFetchError.) Publish gathered (trainer.publish_layout gather:
+    gather_full_state)."""
     if tp > 1 and publish_layout == "sharded":
         raise ConfigError(f"trainer.publish_layout sharded with tp {tp}: a TP shard is not a dim-0 row slice, "
                           "which is all a WeightsShard can describe; use trainer.publish_layout gather")

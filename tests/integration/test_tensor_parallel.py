@@ -3,12 +3,12 @@ one process, loads from a checkpoint on the meta device, and its torch.distribut
 (dp, tp) layout and back.
 
 One launch of THIS file under torch.distributed.run, 4 ranks (CUDA hidden, one thread per rank), mode `tp`:
-  1. per family (tiny Qwen2: q/k/v biases, untied head; tiny Llama: tied head, which stays in FSDP's root unit),
-     the trainer's mesh (algorithms/parallel.py ParallelDims: dp_replicate 1, dp_shard 2, cp 1, tp 2): the model (seeded random weights, built in memory: no download) as PolicyLogprobs,
-     `parallelize`d; 3 AdamW steps of the mean token logprob loss (grad clip 1.0), each dp group on its half of
-     the batch, both TP ranks of a group on the same half; losses and grad norms per step, the parameters
-     gathered whole (`gather_full_state`); Qwen2 also its AdamW state gathered whole and a sharded checkpoint
-     (fsdp.save_sharded: torch.distributed.checkpoint);
+  1. per family (tiny Qwen2: q/k/v biases, untied head; tiny Llama: tied head, which stays in FSDP's root unit), the
+     trainer's mesh (algorithms/parallel.py ParallelDims: dp_replicate 1, dp_shard 2, cp 1, tp 2): the model (seeded
+     random weights, built in memory: no download) as PolicyLogprobs, `parallelize`d; 3 AdamW steps of the mean token
+     logprob loss (grad clip 1.0), each dp group on its half of the batch, both TP ranks of a group on the same half;
+     losses and grad norms per step, the parameters gathered whole (`gather_full_state`); Qwen2 also its AdamW state
+     gathered whole and a sharded checkpoint (fsdp.save_sharded: torch.distributed.checkpoint);
      Then Qwen2 under two more layouts, the same 3 steps: HSDP x TP (dp_replicate 2, dp_shard 1, tp 2: FSDP2's
      (replicate, shard) mesh beside tp) and tp 2 x dp 2 with gradient checkpointing (TP collectives recomputed);
   2. mesh (dp_shard 4, tp 1): a fresh Qwen2 (seed 2: other weights) loads that checkpoint; its gathered
