@@ -121,7 +121,9 @@ def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, rewa
     except (SecurityError, ConfigError) as exc:  # e.g. a metrics sink whose package is missing
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    raise typer.Exit(code)
+    from areal_mq.actor.exit import exit_now
+
+    exit_now(code)  # without the interpreter's teardown of torch: seconds a process (areal_mq/actor/exit.py)
 
 
 @app.command("serve-openai")
