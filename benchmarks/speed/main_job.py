@@ -7,7 +7,10 @@ turn (now, baseline, now, baseline, ... `--rounds` pairs), each in its own run d
   - where the trainer's time went: waiting for a batch (`wait_s`), training (`step_s`), publishing (`publish_s`),
   - the rollout engine's generation rate (controller.stats `gen_tokens_per_s`, mean over the window).
 Headline ratio `main_job_before_vs_now` = baseline seconds per step / now seconds per step (larger is better;
->= 1.0: today's code is at least as fast as the baseline). Pairs alternate so a drifting load falls on both.
+>= 1.0: today's code is at least as fast as the baseline). Beside it `run_wall_before_vs_now`, the same over the
+whole `areal-mq run` (start-up and stop included: what every test and rehearsal that starts the system pays; with
+--quick the start and stop are most of it), and per run `overhead_s` = wall - the steps' window. Pairs alternate
+so a drifting load falls on both.
 Why: issue 51 found the main job 1.20x slower after paged KV and sharded publishing while every component
 benchmark had improved; a component benchmark that improves while this slows down is a regression
 (shared/BENCHMARKS.md).
@@ -58,6 +61,7 @@ def run_once(python: str, repo: Path, config: str, steps: int, run_dir: Path, ex
     gen = [r.get("gen_tokens_per_s") for r in read_events(run_dir, "controller.stats")
            if first["time"] <= r.get("ts", 0) <= last["time"] and r.get("gen_tokens_per_s")]
     return {"steps": len(metrics), "wall_s": round(wall, 1), "window_s": round(window, 1),
+            "overhead_s": round(wall - window, 1),
             "s_per_step": round(window / (len(metrics) - 1), 2),
             "wait_s": round(sum(m.get("wait_s", 0.0) for m in metrics[1:]), 1),
             "train_s": round(sum(m.get("step_s", 0.0) for m in metrics[1:]), 1),
@@ -98,11 +102,13 @@ def main() -> None:
     base = [x["s_per_step"] for x in results if x["side"] == "baseline"]
     if base:
         ratios["main_job_before_vs_now"] = round(statistics.mean(base) / statistics.mean(now), 3)
+        wall = {side: statistics.mean(x["wall_s"] for x in results if x["side"] == side) for side in ("now", "baseline")}
+        ratios["run_wall_before_vs_now"] = round(wall["baseline"] / wall["now"], 3)
     report = {"benchmark": "main_job", "quick": args.quick, "machine": common.machine(), "config": config,
               "steps": steps, "results": results, "ratios": ratios, "targets": {"main_job_before_vs_now": 1.0}}
-    rows = [("side", "round", "s/step", "trainer wait s", "train s", "publish s", "gen tok/s", "wall s")]
+    rows = [("side", "round", "s/step", "trainer wait s", "train s", "publish s", "gen tok/s", "wall s", "overhead s")]
     rows += [(x["side"], x["round"], x["s_per_step"], x["wait_s"], x["train_s"], x["publish_s"], x["gen_tokens_per_s"],
-              x["wall_s"]) for x in results]
+              x["wall_s"], x["overhead_s"]) for x in results]
     table = "\n".join(common.align(rows) + [""] + common.align(common.ratio_rows(report)))
     table += f"\nreproduce: python benchmarks/speed/main_job.py {' '.join(sys.argv[1:])}"
     common.save(report, Path(args.json) if args.json else None)
