@@ -121,9 +121,7 @@ def worker(role: str = typer.Argument(..., help="Worker role, e.g. rollout, rewa
     except (SecurityError, ConfigError) as exc:  # e.g. a metrics sink whose package is missing
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    from areal_mq.actor.exit import exit_now
-
-    exit_now(code)  # without the interpreter's teardown of torch: seconds a process (areal_mq/actor/exit.py)
+    raise typer.Exit(code)
 
 
 @app.command("serve-openai")
@@ -370,7 +368,15 @@ def main() -> None:
 
     app.add_typer(reward_cli.app, name="reward")  # sub-apps that live next to their components
     launch_cli.register(app)
-    app()
+    try:
+        app()
+    except SystemExit as done:  # every command, as a program (not under a test's CliRunner, which calls `app`)
+        from areal_mq.actor.exit import exit_now
+
+        if isinstance(done.code, str):
+            print(done.code, file=sys.stderr)
+        # without the interpreter's teardown of torch: seconds a process, on a run's critical path (actor/exit.py)
+        exit_now(done.code if isinstance(done.code, int) else 0 if done.code is None else 1)
 
 
 if __name__ == "__main__":

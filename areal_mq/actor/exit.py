@@ -1,4 +1,4 @@
-"""`exit_now(code)`: end a worker process the way the interpreter would, without its final teardown.
+"""`exit_now(code)`: end an `areal-mq` process the way the interpreter would, without its final teardown.
 
 What: joins every non-daemon thread (as the interpreter does first), runs the atexit handlers (logging's shutdown,
 weakref finalizers, coverage, torch's own), flushes stdout and stderr, then `os._exit(code)`.
@@ -8,6 +8,8 @@ launcher stops the rollout and reward workers when the trainer has exited, and t
 of ours needs that teardown: the event log writes through an unbuffered descriptor (telemetry/log.py), the sample
 log unbuffered (brokers/sample_log.py), metrics sinks and sockets are closed by the workers themselves before
 they return, checkpoints and weights are written and closed in full before a step ends.
+Used by areal_mq/cli.py `main` for every command run as a program (a worker, the launcher, the broker, `eval`);
+a test calling the Typer app in-process (CliRunner) never reaches it.
 AREAL_MQ_EXIT=full keeps the interpreter's own exit (a leak checker that wants every finalizer).
 """
 from __future__ import annotations
