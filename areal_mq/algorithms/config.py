@@ -100,11 +100,16 @@ class ParallelConfig(BaseModel):
         "1 with tp and cp 1: no sharding, every rank a whole copy (what trainer.strategy ddp was).")
     tp: int = Field(
         1, description="Tensor parallelism: ranks that split each decoder layer's matrices (the innermost dim: keep a "
-        "tp group on one node). Accepted by the config and by `areal-mq plan`; the trainer refuses tp > 1 at start "
-        "until it is wired in (issue 61).")
+        "tp group on one node; areal_mq/algorithms/tensor_parallel.py: Megatron's split of q/k/v/o and the MLP, "
+        "embeddings and head whole on every tp rank). tp must divide the attention heads, KV heads and MLP width; "
+        "refused with trainer.lora, with publish_layout sharded (auto gathers) and with cp > 1.")
     cp: int = Field(
-        1, description="Context parallelism: ranks that split one sequence's tokens. Accepted by the config and by "
-        "`areal-mq plan`; the trainer refuses cp > 1 at start until it is wired in (issue 61).")
+        1, description="Context parallelism: ranks that split one packed micro-batch's tokens (Ulysses, "
+        "areal_mq/algorithms/ulysses.py: two all-to-alls around each attention call); the cp ranks hold the same "
+        "parameter shards (FSDP shards over dp_shard only) and their gradients are summed. cp must divide the "
+        "attention heads and KV heads; token-level objectives only (ulysses.check_objective names the settings it "
+        "refuses at start: sequence-level loss_agg / gspo / behaviour weights, kl_in reward, padded packing, shared "
+        "packing under attention sdpa); refused with tp > 1 and with fsdp.offload.")
 
     @field_validator("dp_replicate", "dp_shard")
     @classmethod
@@ -358,8 +363,8 @@ class TrainerConfig(BaseModel):
         "and serves its own FSDP shards from its own weight server (no rank gathers the model; WeightsReady.shards "
         "lists the slices; areal_mq/weights/sharded.py). gather: the named fallback, the full model is gathered to "
         "rank 0 one tensor at a time and served from there. auto: sharded when strategy is fsdp and publish_mode "
-        "zmq, else gather; gather under trainer.parallel.tp > 1 (a tp shard is not a row slice a WeightsShard "
-        "describes: areal_mq/algorithms/tensor_parallel.py refuse_sharded_publish).")
+        "zmq, else gather; gather under trainer.parallel.tp > 1, where sharded is refused (a tp shard is not a row "
+        "slice a WeightsShard describes: areal_mq/algorithms/parallel.py refuse_under_tp).")
     shard_publish_timeout_s: float = Field(
         120.0, gt=0, description="Sharded publishing: how long rank 0 waits for every other rank to serve a version "
         "before it announces it, plus 4x the time rank 0's own publish of its shard took (so the wait grows with the "
@@ -385,9 +390,10 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
-        from areal_mq.algorithms.parallel import map_degrees
+        from areal_mq.algorithms.parallel import map_degrees, refuse_under_tp
 
         map_degrees(self)  # trainer.parallel and the older trainer.strategy / fsdp.replicate, one resolved answer
+        refuse_under_tp(self)  # LoRA and sharded publishing under tp > 1
         if self.publish_layout == "sharded" and (not self.parallel.shards or self.publish_mode != "zmq"):
             raise ValueError(f"publish_layout sharded serves FSDP shards over zmq: it needs strategy fsdp and "
                              f"publish_mode zmq (got strategy {self.strategy!r}, publish_mode {self.publish_mode!r}); "

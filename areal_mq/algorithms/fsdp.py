@@ -13,7 +13,9 @@ nodes. Which rank serves which slices when publishing is ParallelDims' `publish_
 and to the final norm + LM head as one group (untied models, as torchtitan lays them out), and then to the root
 (the PolicyLogprobs wrapper: what is left; a tied model's embeddings, norm and head stay in it), with a
 MixedPrecisionPolicy from trainer.precision (parameters cast for compute, gradients reduced in fp32) and an
-optional CPUOffloadPolicy (trainer.fsdp.offload). `clip_grad_norm` is the DTensor-aware global norm clip,
+optional CPUOffloadPolicy (trainer.fsdp.offload); under trainer.parallel.tp > 1 `build` splits each decoder layer
+over the mesh's tp dim first (algorithms/tensor_parallel.py `parallelize`). `clip_grad_norm` is the DTensor-aware
+global norm clip (grouped by mesh: tensor parallelism puts parameters on two),
 `full_state_dict` gathers the whole model one tensor at a time (the named fallback of the publish path: every
 rank takes part, rank 0 keeps the result), and `save_sharded` / `load_sharded` write and read
 `torch.distributed.checkpoint` directories, which reshard on load, so a checkpoint saved by 2 ranks resumes on 1
@@ -152,16 +154,29 @@ def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global L2 norm of the (sharded) gradients before clipping, as a plain 0-dim tensor; clips in place.
-    A DTensor norm is a partial sum over shards: `full_tensor()` reduces it over the mesh (collective)."""
+    A DTensor norm is a partial sum over shards: `full_tensor()` reduces it over its mesh (collective). Under tensor
+    parallelism (algorithms/tensor_parallel.py) a TP weight's gradient is a DTensor on the (dp, tp) mesh and a
+    replicated one's on the dp mesh alone, and DTensor refuses to stack norms across meshes ("All operands must have
+    the same mesh"): each mesh's gradients are normed apart and their squares summed. One mesh (plain FSDP2) and
+    plain tensors are the one-group case."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        total = norms[0]
+    else:
+        total = torch.stack(norms).square().sum().sqrt() if norms else torch.zeros(())
     if max_norm != float("inf"):
-        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm)
-    return norm
+        for grads in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+    return total
 
 
 def unique_state(lm: nn.Module) -> Any:
@@ -339,6 +354,7 @@ class FsdpStrategy:
         from areal_mq.algorithms import loading, lora
         from areal_mq.algorithms.ddp import enable_gradient_checkpointing
         from areal_mq.algorithms.policy import PolicyLogprobs
+        from areal_mq.algorithms.tensor_parallel import parallelize
 
         how = self.cfg.fsdp.load
         whole = how == "full" or self.device.type == "meta"
@@ -356,9 +372,10 @@ class FsdpStrategy:
         if not train:
             lm.requires_grad_(False)
         ensure_process_group(self.device)
-        self.parallel.mesh(self.device)  # made at the first build; the reference shares it
-        policy = shard_policy(PolicyLogprobs(lm, self.cfg.fsdp.logprob_chunk_mb), self.cfg.fsdp, self.precision,
-                              self.device, train=train, mesh=self.parallel.dp_mesh())
+        mesh = self.parallel.mesh(self.device)  # made at the first build; the reference shares it
+        # tp > 1: each decoder layer split over the mesh's tp dim first; then FSDP2 over its dp slice (tp 1: that alone)
+        policy = parallelize(PolicyLogprobs(lm, self.cfg.fsdp.logprob_chunk_mb), mesh, self.parallel.dp_mesh(),
+                             self.cfg.fsdp, self.precision, train=train)
         if not whole:  # offload: the shards live in host memory, FSDP moves each layer to the device to compute
             at = torch.device("cpu") if self.cfg.fsdp.offload else self.device
             loading.materialise(policy, lm, model_path, at, how, rename=rename, given=given)

@@ -5,8 +5,8 @@ trainer's ranks (launcher.trainer_ranks), torchtitan's names and order:
 
     dp_replicate  whole copies of the model; gradients all-reduced across them (DDP, or HSDP's replica groups)
     dp_shard      ranks one copy's parameters, gradients and AdamW state are sharded over (FSDP2)
-    cp            context parallelism: ranks that split one sequence           (not wired into the trainer yet)
-    tp            tensor parallelism: ranks that split each layer's matrices   (not wired into the trainer yet)
+    cp            context parallelism: ranks that split one sequence's tokens  (Ulysses, algorithms/ulysses.py)
+    tp            tensor parallelism: ranks that split each layer's matrices   (algorithms/tensor_parallel.py)
 
 A rank's place in the mesh, tp innermost (a tp group is consecutive ranks: one node's GPUs under torchrun):
 
@@ -23,6 +23,7 @@ checks the product, then answers every "which rank does what":
     degree above 1 is dp_replicate, else fsdp; `sharded` says the same as a bool;
   - the batch: `dp` (the data-parallel world the batch is split over) and `dp_rank(rank)` (ranks of one cp x tp
     group train the same sequences); `lockstep` (every rank must run the busiest rank's forward count);
+    `counts_metrics(rank)` (whose step sums enter the world-wide metric sum: tp index 0, so each token once);
   - publishing: `gathers_collectively` (every rank joins a full snapshot), `publish_group(rank)` ((index, count)
     among the ranks that serve sharded weights, or None);
   - checkpoints: `writes_main(rank)` (the config, tokenizer, scheduler and JSON state, which records the degrees;
@@ -30,9 +31,11 @@ checks the product, then answers every "which rank does what":
   - plan (areal_mq/launch/plan.py): `shard_ranks` (ranks a decoder layer's 16 bytes a parameter are split over:
     dp_shard x tp), `activation_ranks` (ranks one micro-batch's activations are split over: tp x cp), `describe()`;
   - `mesh(device)`: the DeviceMesh, dims named dp_replicate, dp_shard, cp, tp (device type from the device: cpu
-    with gloo, cuda with nccl), made once; `dp_mesh()`: its slice FSDP2 shards over.
-`refuse_unwired(cfg.parallel)` is the trainer's start: tp > 1 or cp > 1 is accepted by the config and by `plan`, not
-trained.
+    with gloo, cuda with nccl), made once; `dp_mesh()`: its slice FSDP2 shards over (never cp: the cp ranks of a
+    pair hold the same shards, their gradients summed by ulysses.reduce_cp_grads); `cp_group()`: the cp group.
+`refuse_under_tp(cfg)` (TrainerConfig's validator) refuses what tensor parallelism cannot do yet (LoRA, sharded
+publishing); `refuse_unwired(cfg)` is the trainer's start: what no room trains yet (tp and cp together, cp with
+CPU offload).
 Importing this module imports no torch (the CLI and `plan` read it).
 """
 from __future__ import annotations
@@ -119,13 +122,38 @@ def check_ranks(cfg: Any, ranks: int) -> None:
         raise ConfigError(error)
 
 
-def refuse_unwired(parallel: Any) -> None:
-    """The trainer's start (before anything is built): tp and cp are accepted by the config and by `plan`, not yet
-    trained."""
-    if parallel.tp > 1 or parallel.cp > 1:
-        raise ConfigError(f"trainer.parallel tp {parallel.tp}, cp {parallel.cp}: tensor/context parallelism is not "
-                          "wired into the trainer yet (issue 61); `areal-mq plan` counts such a layout, and the "
-                          "trainer runs dp_replicate x dp_shard (tp 1, cp 1) today")
+def refuse_under_tp(cfg: Any) -> None:
+    """TrainerConfig's check (no torch): what tp > 1 cannot do yet, with the reason. Raises ValueError.
+    - LoRA: PEFT wraps each target Linear (base_layer + lora_A + lora_B), so the tp plan's module paths no longer
+      name an nn.Linear, and a correct split needs per-adapter placements (colwise target: A replicated, B split by
+      columns; rowwise target: A split by rows, B replicated) plus an adapter gather for publishing and
+      checkpoints; none of that exists.
+    - publish_layout sharded: weights/sharded.py's WeightsShard carries each rank's dim-0 ROW range of a tensor,
+      while a RowwiseParallel weight's tp shard (o_proj, down_proj) is a column block (Shard(1)) no row range
+      describes (and a ColwiseParallel one is placed by FSDP's _StridedShard, which fsdp.local_slices does not
+      read). auto resolves to gather under tp (TrainerConfig.sharded_publish)."""
+    tp = cfg.parallel.tp
+    if tp > 1 and cfg.lora is not None:
+        raise ValueError(f"trainer.lora with trainer.parallel.tp {tp}: LoRA under tensor parallelism is not supported "
+                         "(PEFT's wrapped layers have no tp plan, and the adapter would need its own placements); "
+                         "train LoRA with tp 1 (dp_shard shards the adapter already)")
+    if tp > 1 and cfg.publish_layout == "sharded":
+        raise ValueError(f"trainer.publish_layout sharded with trainer.parallel.tp {tp}: a tp shard of o_proj / "
+                         "down_proj is a column block, not the dim-0 row slice a WeightsShard describes; use "
+                         "publish_layout gather or auto (auto gathers under tp > 1)")
+
+
+def refuse_unwired(cfg: Any) -> None:
+    """The trainer's start (before anything is built; `cfg` a TrainerConfig): what no room trains yet."""
+    p = cfg.parallel
+    if p.tp > 1 and p.cp > 1:
+        raise ConfigError(f"trainer.parallel tp {p.tp} with cp {p.cp}: tensor and context parallelism together are "
+                          "not built yet (Ulysses would split the heads each tp rank keeps, untested); use one of "
+                          "them, beside dp_replicate / dp_shard")
+    if p.cp > 1 and cfg.fsdp.offload:
+        raise ConfigError(f"trainer.parallel.cp {p.cp} with trainer.fsdp.offload: the cp ranks' gradients are summed "
+                          "by an all-reduce of the device's shards (ulysses.reduce_cp_grads), and offload keeps them "
+                          "in host memory; turn offload off or use cp 1")
 
 
 def host_order(hosts: list[str]) -> list[int]:
@@ -164,7 +192,7 @@ class ParallelDims:
     # ---------------------------------------------------------------- sizes
     @property
     def sharded(self) -> bool:
-        """Whether no rank holds a whole model (the fsdp room: FSDP2, and later TP / CP)."""
+        """Whether no rank holds a whole model (the fsdp room: FSDP2, with TP or Ulysses CP beside it)."""
         return self.room == ROOMS[1]
 
     @property
@@ -207,6 +235,12 @@ class ParallelDims:
         """`rank`'s share of the batch (0 .. dp - 1): the ranks of one cp x tp group get the same share."""
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def counts_metrics(self, rank: int) -> bool:
+        """Whether `rank`'s step sums (loss, token counts, ...) enter the world-wide metric sum: the tp ranks of a
+        group compute the same tokens, so only tp index 0 counts them; cp ranks compute disjoint tokens and all
+        count (each token once)."""
+        return self.coords(rank)["tp"] == 0
 
     @property
     def lockstep(self) -> bool:
@@ -264,6 +298,15 @@ class ParallelDims:
         if self._mesh is None:
             raise RuntimeError("ParallelDims.dp_mesh() before mesh(device)")
         return self._mesh["dp_shard"] if self.dp_replicate == 1 else self._mesh["dp_replicate", "dp_shard"]
+
+    def cp_group(self) -> Any:
+        """The process group of `rank`'s cp ranks (they split one packed row: algorithms/ulysses.py), None at cp 1
+        (every Ulysses step then a no-op). After mesh(device)."""
+        if self.cp == 1:
+            return None
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.cp_group() before mesh(device)")
+        return self._mesh["cp"].get_group()
 
     def _warn_spans(self, hosts: list[str]) -> None:
         import logging

@@ -1,6 +1,6 @@
 """Tensor parallelism composed with FSDP2: the policy split over a 2-D (dp_shard, tp) DTensor mesh.
 
-What: `parallelize(policy, mesh, fsdp_cfg, precision)` takes a plain `PolicyLogprobs` (algorithms/policy.py) and
+What: `parallelize(policy, mesh, dp_mesh, fsdp_cfg, precision)` takes a plain `PolicyLogprobs` (algorithms/policy.py) and
 applies, in place, first tensor parallelism over the mesh's `tp` dimension, then FSDP2 over its data-parallel
 dimension(s), the way torchtitan's `parallelize_llama` composes them:
 
@@ -34,27 +34,29 @@ dimension(s), the way torchtitan's `parallelize_llama` composes them:
 Memory per rank (fp32 master weights, AdamW, 16 bytes a parameter): 16 x (decoder-layer parameters / (dp x tp)
 + the embeddings', head's and norms' / dp), plus one gathered decoder layer's TP shard.
 
-How the trainer uses it (not wired yet; parallel.refuse_unwired refuses tp > 1 at start): FsdpStrategy.build calls
-`parallelize(PolicyLogprobs(lm, ...), self.parallel.mesh(device), self.parallel.dp_mesh(), cfg.fsdp, precision,
-train)` where it calls `shard_policy` today (tp 1 is exactly that call), after `refuse_lora_under_tp(cfg.lora, tp)`; a
-model built on the meta device is then filled by `loading.materialise` as today (it reads each rank's TP x FSDP box,
-`_StridedShard` included, from the checkpoint). Each rank trains its share of the batch as ParallelDims.dp_rank says
-(the TP ranks of a group the same micro-batches). The step clips with `clip_grad_norm` below (NOT fsdp.clip_grad_norm,
-which fails here: parameters live on two meshes). The rest is the fsdp strategy's as it is: AdamW (foreach and fused
-take the two meshes), `gather_full_state` (= fsdp.full_state_dict: `full_tensor()` per parameter gathers over dp and
-tp) for publishing, and fsdp.save_sharded / load_sharded (torch.distributed.checkpoint reshards across meshes: a
-checkpoint written at tp 2 x dp 2 loads at dp 4 and back, AdamW state included).
+How the trainer uses it (trainer.parallel.tp > 1): FsdpStrategy.build calls `parallelize(PolicyLogprobs(lm, ...),
+self.parallel.mesh(device), self.parallel.dp_mesh(), cfg.fsdp, precision, train)` for the policy and the reference
+model (tp 1 is exactly fsdp.shard_policy); a model built on the meta device is then filled by `loading.materialise`
+as at tp 1 (it reads each rank's TP x FSDP box, `_StridedShard` included, from the checkpoint). Each rank trains its
+share of the batch as ParallelDims.dp_rank says (the TP ranks of a group the same micro-batches, so only tp index 0
+counts them in the step's metrics: ParallelDims.counts_metrics). The step clips with fsdp.clip_grad_norm, which
+groups the gradients by mesh (DTensor refuses to stack norms across meshes, and here parameters live on two).
+The rest is the fsdp strategy's as it is: AdamW (foreach and fused take the two meshes), `gather_full_state`
+(= fsdp.full_state_dict: `full_tensor()` per parameter gathers over dp and tp) for publishing, and fsdp.save_sharded
+/ load_sharded (torch.distributed.checkpoint reshards across meshes: a checkpoint written at tp 2 x dp 2 loads at
+dp 4 and back, AdamW state included; the trainer's at tp 2 resumes at world 1).
 Over gloo every collective TP needs works as is (RowwiseParallel's all-reduce of partial sums, ColwiseParallel's
 all-reduce of its input's gradient, FSDP2's all-gather / reduce-scatter of 2-D DTensors); the one failure was the
-cross-mesh stack in the gradient norm, which is why `clip_grad_norm` groups by mesh.
+cross-mesh stack in the gradient norm, which is why fsdp.clip_grad_norm groups by mesh.
 Publishing under TP is the gathered path only: weights/sharded.py's `WeightsShard` carries each rank's (start row,
 rows) of a tensor, and a RowwiseParallel weight's TP shard is a column block (Shard(1)) that no row range describes;
-`refuse_sharded_publish` says so (fsdp.local_slices refuses the layout too, WeightsFetchError): under tp > 1,
-trainer.publish_layout auto must resolve to gather (TrainerConfig.publish_sharded), not to sharded.
-LoRA under TP is refused (`refuse_lora_under_tp`: why there).
+trainer.publish_layout auto resolves to gather under tp > 1 (TrainerConfig.sharded_publish), sharded is refused when
+the config is read (parallel.refuse_under_tp, which also refuses LoRA under TP: why there), and fsdp.local_slices
+refuses the layout too (WeightsFetchError).
 
 Run: tests/integration/test_tensor_parallel.py (tp 2 x dp 2 on 4 CPU ranks over gloo against one process; the
-checkpoint resharded to dp 4 and back).
+checkpoint resharded to dp 4 and back); tests/integration/test_trainer_tp_cp.py (the Trainer at tp 2 against one
+process, its checkpoint resumed at world 1).
 """
 from __future__ import annotations
 
@@ -141,31 +143,7 @@ def parallelize(policy: nn.Module, mesh: Any, dp_mesh: Any, fsdp_cfg: Any, preci
     return shard_policy(policy, fsdp_cfg, precision, torch.device(mesh.device_type), train=train, mesh=dp_mesh)
 
 
-# ---------------------------------------------------------------- the step
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """fsdp.clip_grad_norm for parameters on several meshes: the global L2 norm before clipping (a plain 0-dim
-    tensor), clipping in place. Under TP x FSDP a TP weight's gradient is a DTensor on the (dp, tp) mesh and a
-    replicated one's on the dp mesh alone; DTensor refuses to stack norms across meshes (aten.stack: "All operands
-    must have the same mesh"), so each mesh's gradients are normed and clipped apart, their squares summed.
-    Works for one mesh (plain FSDP) and plain tensors too."""
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-    squares = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
-    if max_norm != float("inf"):
-        for grads in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
-    return total
-
-
-# ---------------------------------------------------------------- publishing and refusals
+# ---------------------------------------------------------------- publishing
 def gather_full_state(lm: nn.Module, dtype: str | None = None, keep: bool = True) -> dict[str, torch.Tensor]:
     """The whole model's state dict gathered over dp AND tp (`DTensor.full_tensor()` per tensor, one at a time;
     collective: every rank calls it, in the same order): the gathered publishing path and what a test compares.
@@ -173,25 +151,3 @@ def gather_full_state(lm: nn.Module, dtype: str | None = None, keep: bool = True
     from areal_mq.algorithms.fsdp import full_state_dict
 
     return full_state_dict(lm, dtype, keep)
-
-
-def refuse_sharded_publish(publish_layout: str, tp: int) -> None:
-    """Sharded (per-slice) publishing is refused under TP for now: weights/sharded.py's WeightsShard carries each
-    rank's dim-0 ROW range of a tensor, while a RowwiseParallel weight's TP shard (o_proj, down_proj) is a column
-    block (Shard(1)) that no row range describes: it needs a new wire format. (A ColwiseParallel weight's piece is a
-    row range, but placed by TP-then-FSDP order, FSDP's _StridedShard(0) on the dp dimension, which fsdp.local_slices
-    does not read: it refuses both, WeightsFetchError.) Publish gathered (trainer.publish_layout gather:
-    gather_full_state)."""
-    if tp > 1 and publish_layout == "sharded":
-        raise ConfigError(f"trainer.publish_layout sharded with tp {tp}: a TP shard is not a dim-0 row slice, "
-                          "which is all a WeightsShard can describe; use trainer.publish_layout gather")
-
-
-def refuse_lora_under_tp(lora_cfg: Any, tp: int) -> None:
-    """LoRA under TP is refused: PEFT wraps each target Linear (lora.Linear: base_layer + lora_A + lora_B), so the
-    plan's module paths no longer name an nn.Linear, and a correct split needs per-adapter placements (colwise
-    target: A replicated, B split by columns; rowwise target: A split by rows, B replicated after an all-reduce)
-    plus an adapter gather for publishing and checkpoints; none of that exists yet. Train LoRA with tp 1."""
-    if tp > 1 and lora_cfg is not None:
-        raise ConfigError(f"trainer.lora with tp {tp}: LoRA under tensor parallelism is not supported (PEFT's "
-                          "wrapped layers have no TP plan); use tp 1 (fsdp shards the adapter already)")

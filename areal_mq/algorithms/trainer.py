@@ -33,8 +33,12 @@ statistics on the device and reads them back ONCE (`_reduce`): no host sync per 
 
 Parallelism (trainer.parallel, areal_mq/algorithms/parallel.py): `self.parallel` (ParallelDims) owns the mesh and
 says which rank does what: this rank's share of the batch (`dp_rank`, of `dp` shares), whether every rank runs the
-busiest rank's forward count (`lockstep`), who gathers and serves published weights. tp > 1 or cp > 1 is refused at
-start (not wired in yet, issue 61). Strategy (areal_mq/algorithms/strategy.py, the room the degrees need): ddp
+busiest rank's forward count (`lockstep`), who gathers and serves published weights, whose sums count in the
+metrics (`counts_metrics`: tp index 0; each token once). tp > 1 splits each decoder layer inside the fsdp room
+(algorithms/tensor_parallel.py; the tp ranks of a group train the same micro-batches). cp > 1 splits each packed
+micro-batch's columns over the cp ranks (algorithms/ulysses.py, `self.context`: sharded after packing, Ulysses
+attention on the policy and reference, the cp ranks' gradients summed before clipping; FSDP2 shards over dp_shard
+only, so this sum is the one reduction over cp). Strategy (areal_mq/algorithms/strategy.py, the room the degrees need): ddp
 (every rank holds the whole model, areal_mq/algorithms/ddp.py) or fsdp (FSDP2 shards parameters, gradients and AdamW
 state per decoder layer, the model built on the meta device and each rank's shards read from the checkpoint; HSDP
 with dp_replicate > 1; areal_mq/algorithms/fsdp.py). The strategy object owns the precision setup, how the model is
@@ -156,8 +160,10 @@ class Trainer:
         from areal_mq.algorithms.parallel import ParallelDims, refuse_unwired
         from areal_mq.algorithms.scaler import LossScaler
         from areal_mq.algorithms.strategy import build_strategy
+        from areal_mq.algorithms.ulysses import ContextParallel, check_objective
 
-        refuse_unwired(cfg.parallel)  # tp / cp: planned, not trained yet (issue 61)
+        refuse_unwired(cfg)  # what no layout trains yet (tp with cp, cp with offload)
+        check_objective(cfg, cfg.parallel.cp)  # cp > 1: what a slice of a sequence cannot compute
         self.cfg = cfg
         self.model_path = Path(model_path)
         self.precision = compute_precision(cfg, engine_dtype)
@@ -174,25 +180,30 @@ class Trainer:
                        if self.precision == "fp16" else None)  # fp16: the loss is scaled (algorithms/scaler.py)
         self.optimizer = build_optimizer(self.unwrapped, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
+        # cp > 1: each packed row split over the cp ranks (algorithms/ulysses.py); a no-op handle at cp 1
+        self.context = ContextParallel(self.parallel.cp_group())
         self.ref_model = None
         if cfg.kl_coef > 0 and cfg.lora is not None:  # the base with the adapter off (lora.reference): no 2nd model
             self.ref_model = self.model
         elif cfg.kl_coef > 0:  # built like the policy: under fsdp 4 bytes per parameter / shard ranks more
             ref_unwrapped, self.ref_model = self.strategy.build(self.model_path, train=False)
-            if cfg.attention == "varlen":
-                from areal_mq.algorithms.attention import use_varlen
-
-                use_varlen(ref_unwrapped)
-        if cfg.attention == "varlen":  # packed rows attend block by block (algorithms/attention.py)
-            from areal_mq.algorithms.attention import use_varlen
-
-            use_varlen(self.unwrapped)
+            self._attention(ref_unwrapped)
+        self._attention(self.unwrapped)
         self.version = 0
         self.optimizer_steps = 0
         self.consumed_ids: list[str] = []  # trained since the last checkpoint (algorithms/checkpoint.py)
         self.consumed_total = 0  # trained over the run
         self.checkpoint_base = 0  # the version of the checkpoint this interval started from
         self.resumed_ids: list[str] = []  # the interval the loaded checkpoint closed (load_checkpoint)
+
+    def _attention(self, lm: Any) -> None:
+        """How `lm` attends: packed rows block by block under trainer.attention varlen (algorithms/attention.py),
+        then, at cp > 1, Ulysses around it (it hands every unsplit call to the same varlen function)."""
+        if self.cfg.attention == "varlen":
+            from areal_mq.algorithms.attention import use_varlen
+
+            use_varlen(lm)
+        self.context.attach(lm)
 
     def _accelerator(self, given: Any, spec: str) -> tuple[Any, "torch.device"]:
         """The Accelerator (given, or made for the resolved device) and the device this rank trains on."""
@@ -245,8 +256,8 @@ class Trainer:
         packed, shared = self.cfg.packing != "padded", self.cfg.packing == "shared"
         pad_id = self.unwrapped.config.pad_token_id or 0
         varlen = self.cfg.attention == "varlen"
-        minis = [[build_microbatch(seqs, b, packed, pad_id, shared, self.device, varlen) for b in bins]
-                 for bins in plan.minibatches]
+        minis = [[self.context.shard(build_microbatch(seqs, b, packed, pad_id, shared, self.device, varlen), pad_id)
+                  for b in bins] for bins in plan.minibatches]  # cp > 1: this rank's columns of each row
         self._lockstep = [len(b) for b in plan.minibatches]
         if self.parallel.lockstep:  # every rank runs the busiest rank's micro-batch count
             counts = [[len(b) for b in plan_step(seqs, self.cfg, dp, r).minibatches] for r in range(dp)]
@@ -293,10 +304,13 @@ class Trainer:
         mbs = [mb for mini in minis for mb in mini]
         reduce = None
         if self.world_size > 1:
+            import torch
             import torch.distributed as dist
 
+            counts = self.parallel.counts_metrics(self.rank)  # tp: one rank of a group counts its tokens
+
             def reduce(t):  # NCCL reduces device tensors only
-                on = t.to(self.device)
+                on = t.to(self.device) if counts else torch.zeros_like(t, device=self.device)
                 dist.all_reduce(on, op=dist.ReduceOp.SUM)
                 t.copy_(on.cpu() if t.device.type == "cpu" else on)
         parts = [(mb.advantages, mb.behav_logp, mb.ref_logp, mb.seq_index) for mb in mbs]
@@ -378,6 +392,7 @@ class Trainer:
         import torch
 
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
+        self.context.reduce_grads(self.model)  # cp > 1: the row's gradient is the sum of the cp ranks' (FSDP: dp only)
         if self.scaler is not None:
             self.scaler.unscale_(self.model.parameters())
         norm = self.strategy.clip(self.model, max_norm)
@@ -456,10 +471,14 @@ class Trainer:
     def _all_reduce(self, sums: "torch.Tensor", counts: np.ndarray, weight_max: "torch.Tensor",
                     norms: list["torch.Tensor"]) -> "torch.Tensor":
         """[sums (_SUMS order) summed over ranks, max weight over ranks, norms...] as one float64 tensor on
-        the device (NCCL refuses CPU tensors; the norms are those of the all-reduced gradient already)."""
+        the device (NCCL refuses CPU tensors; the norms are those of the all-reduced gradient already). Each token
+        counts once: the tp ranks of a group computed the same tokens, so only tp index 0 adds its sums
+        (ParallelDims.counts_metrics); cp ranks computed disjoint slices of a row and all add theirs."""
         import torch
 
         total = torch.cat([sums, torch.as_tensor(counts, dtype=torch.float64).to(self.device)])
+        if not self.parallel.counts_metrics(self.rank):
+            total = torch.zeros_like(total)
         weight_max = weight_max.reshape(-1)
         if self.world_size > 1:
             import torch.distributed as dist

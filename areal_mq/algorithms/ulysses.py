@@ -32,12 +32,15 @@ all-to-all backward), so the row's gradient of a parameter is the SUM of the cp 
 already span the cp ranks: DDP over the whole dp x cp world with the loss scaled by that world's size, or FSDP
 sharded over dp x cp (torchtitan's dp_shard_cp), sums over cp inside its own reduction.
 
-How the trainer uses it (not wired: trainer.parallel's degrees are another change, areal_mq/algorithms/parallel.py):
-    check_objective(trainer_cfg, cp)      # at config time: the settings a slice cannot compute (see Limits)
-    use_ulysses(policy_lm, cp_group)      # once, for the policy and the reference model (checks the head counts)
-    mb = shard_microbatch(mb, cp_group)   # each micro-batch after packing, before recompute and backward
+How the trainer uses it (trainer.parallel.cp > 1; areal_mq/algorithms/trainer.py): FSDP2 shards over dp_shard only
+(ParallelDims.dp_mesh never includes cp), so the cp ranks of a pair hold the same shards and the trainer sums their
+gradients itself, through `ContextParallel` (one handle, every call a no-op at cp 1):
+    check_objective(trainer_cfg, cp)      # at the trainer's start: the settings a slice cannot compute (see Limits)
+    cp = ContextParallel(parallel.cp_group())
+    cp.attach(lm)                         # after trainer.attention's setup, for the policy and the reference model
+    mb = cp.shard(mb, pad_id)             # each micro-batch after packing (Trainer.prepare), before recompute
     token_logprobs(model, mb, ...)        # unchanged: policy.py passes mb.segments (a CpRow) to every attention call
-    loss.backward() per micro-batch, then once per mini-batch reduce_cp_grads(policy_lm, cp_group), before clipping
+    loss.backward() per micro-batch, then cp.reduce_grads(model) once per mini-batch, before unscaling and clipping
 A sum is linear: once per optimizer step is enough, and it commutes with DDP's or FSDP's data-parallel reduction
 (which runs inside backward). A cp group of 1 makes them all no-ops. Metrics: a rank's sums cover its tokens only (`n_tokens` its real tokens),
 so a world-wide sum counts each once. Limits: token-level objectives only. Sequence-level statistics (loss_agg
@@ -111,8 +114,8 @@ def check_objective(cfg: Any, cp: int) -> None:
         bad.append("policy_loss gspo (a sequence-level ratio)")
     if cfg.behav_correction and cfg.behav_weight_level != "token":
         bad.append(f"behav_weight_level {cfg.behav_weight_level} (a sequence-level weight)")
-    if cfg.kl_coef > 0 and cfg.kl_in == "reward":
-        bad.append("kl_in reward (sums the KL to each sequence's end)")
+    if cfg.kl_coef > 0 and cfg.kl_in in ("reward", "reward_normalized"):
+        bad.append(f"kl_in {cfg.kl_in} (sums the KL to each sequence's end)")
     if cfg.packing == "padded":
         bad.append("packing padded (Ulysses splits one packed row)")
     if cfg.packing == "shared" and cfg.attention != "varlen":
@@ -246,6 +249,27 @@ def use_ulysses(model: Any, group: Any) -> Any:
     register()
     base.set_attn_implementation(ATTN)
     return model
+
+
+class ContextParallel:
+    """The trainer's one handle on Ulysses over its cp `group` (ParallelDims.cp_group; None at cp 1: every call a
+    no-op, so the trainer calls them whatever the layout)."""
+
+    def __init__(self, group: Any = None):
+        self.group = group if group is not None and cp_size(group) > 1 else None
+
+    def attach(self, model: Any) -> Any:
+        """Switch `model` (policy or reference) to the Ulysses attention; after trainer.attention's setup."""
+        return model if self.group is None else use_ulysses(model, self.group)
+
+    def shard(self, mb: MicroBatch, pad_id: int = 0) -> MicroBatch:
+        """This rank's share of a packed micro-batch (`mb` itself at cp 1)."""
+        return mb if self.group is None else shard_microbatch(mb, self.group, pad_id)
+
+    def reduce_grads(self, model: Any) -> None:
+        """Sum the gradients over the cp ranks: once per mini-batch, after its backward, before clipping."""
+        if self.group is not None:
+            reduce_cp_grads(model, self.group)
 
 
 @torch.no_grad()

@@ -121,12 +121,27 @@ def test_who_does_what_under_hsdp_cp_and_ddp():
     assert not ddp.lockstep and not ddp.gathers_collectively and ddp.shard_ranks == 1 and ddp.describe() == "ddp"
 
 
-def test_the_trainer_refuses_tensor_and_context_parallelism_at_start():
+def test_the_trainer_refuses_what_no_layout_trains_yet_at_start():
     from areal_mq.algorithms.trainer import Trainer
 
-    for parallel in ({"dp_shard": 1, "tp": 2}, {"cp": 2}):
-        with pytest.raises(ConfigError, match=r"tensor/context parallelism is not wired into the trainer yet"):
-            Trainer(TrainerConfig(parallel=parallel), "/nonexistent-model")  # refused before anything is read
+    refused = {"tensor and context parallelism together are not built yet": dict(parallel={"tp": 2, "cp": 2}),
+               "cp 2 with trainer.fsdp.offload": dict(parallel={"cp": 2}, fsdp={"offload": True}, packing="dynamic"),
+               "packing shared with attention sdpa": dict(parallel={"cp": 2})}  # ulysses.check_objective
+    for message, cfg in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            Trainer(TrainerConfig(**cfg), "/nonexistent-model")  # refused before anything is read
+
+
+def test_what_tensor_parallelism_cannot_do_is_refused_when_the_config_is_read():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="LoRA under tensor parallelism is not supported"):
+        TrainerConfig(parallel={"tp": 2}, lora={"rank": 4})
+    with pytest.raises(ValidationError, match="a tp shard of o_proj / down_proj is a column block"):
+        TrainerConfig(parallel={"tp": 2}, publish_layout="sharded")
+    assert TrainerConfig(parallel={"dp_shard": 2}, lora={"rank": 4}).lora is not None  # tp 1: LoRA as before
+    assert TrainerConfig(parallel={"cp": 2}, publish_mode="zmq").sharded_publish  # cp: the cp-0 ranks serve rows
+    assert not TrainerConfig(parallel={"tp": 2}, publish_mode="zmq").sharded_publish  # auto gathers under tp
 
 
 # branches on the strategy's name: `strategy ==`, `strategy in`, `strategy.name ==`, `== "fsdp"` and the like
