@@ -142,6 +142,7 @@ def test_no_process_group_is_a_group_of_one():
     ({"policy_loss": "gspo", "loss_agg": "seq-mean-token-mean"}, "policy_loss gspo"),
     ({"behav_weight_level": "sequence"}, "behav_weight_level sequence"),
     ({"kl_coef": 0.1, "kl_in": "reward"}, "kl_in reward"),
+    ({"kl_coef": 0.1, "kl_in": "reward_normalized", "adv_estimator": "reinforce_pp"}, "kl_in reward_normalized"),
     ({"packing": "padded"}, "packing padded"),
     ({"packing": "shared"}, "use attention varlen"),
 ])
@@ -152,3 +153,12 @@ def test_sequence_level_settings_are_refused_under_cp(setting, named):
     check_objective(cfg, 1)  # cp 1: nothing is split
     check_objective(TrainerConfig(packing="dynamic", kl_coef=0.1, kl_in="loss", entropy_coef=0.01), 2)  # per token
     check_objective(TrainerConfig(packing="shared", attention="varlen", loss_agg="seq-mean-token-sum"), 2)
+
+
+def test_the_trainers_handle_is_a_no_op_at_cp_1():
+    """ContextParallel without a group (ParallelDims.cp_group at cp 1): the trainer calls it whatever the layout."""
+    from areal_mq.algorithms.ulysses import ContextParallel
+
+    off, mb = ContextParallel(None), object()
+    assert off.group is None and off.shard(mb) is mb and off.attach(mb) is mb
+    off.reduce_grads(None)  # nothing to sum, nothing touched
