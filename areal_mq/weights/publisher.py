@@ -7,10 +7,10 @@ and never asks which layout it has. A `Publication` is what a rank took from the
 
     layout   chosen when                          a rank takes, on the step's thread         published by
     gather   ddp; fsdp with publish_layout        full (Trainer.publish_tensors: a copy;     rank 0's WeightPublisher
-             gather; LoRA; the simulated trainer  under fsdp a collective every rank joins)  (disk | zmq)
-                                                  or adapter (trainer.lora: the adapter)
+             gather; tp > 1; LoRA; the simulated  under fsdp a collective every rank joins)  (disk | zmq)
+             trainer                              or adapter (trainer.lora: the adapter)
     sharded  fsdp over zmq (publish_layout auto   shard (Trainer.publish_slices: its own     every serving rank's
-             or sharded)                          slices, no collective)                     ShardPublisher (sharded.py)
+             or sharded), trainer.parallel.tp 1   slices, no collective)                     ShardPublisher (sharded.py)
     live     publish_mode cuda_ipc                live (rank 0's live parameters)            rank 0's WeightPublisher
                                                                                              (ipc.py buffers)
 
@@ -248,7 +248,8 @@ def make_publisher(cfg: Any, trainer: Any, bus: Any = None, keys: Keyring | None
         if trainer.is_main and trainer.world_size > 1 and log is not None:  # say once why, and what would avoid it
             log.info("trainer.publish_layout", layout=kind, world=trainer.world_size, publish_mode=tcfg.publish_mode,
                      hint="every version is gathered to rank 0 and published from there; with publish_mode zmq every "
-                          "rank serves its own shard instead (publish_layout auto or sharded, docs/bigger-models.md)")
+                          "rank serves its own shard instead (publish_layout auto or sharded; not under trainer.parallel.tp > 1, "
+                          "whose shards are column blocks: docs/bigger-models.md)")
     if kind == "live":
         return LivePublisher(tcfg, trainer, transport, bus, log)
     return TrainerPublisher(tcfg, trainer, transport, bus, log, background=tcfg.publish_async and trainer.is_main,
