@@ -38,10 +38,10 @@ metrics (`counts_metrics`: tp index 0; each token once). tp > 1 splits each deco
 (algorithms/tensor_parallel.py; the tp ranks of a group train the same micro-batches). cp > 1 splits each packed
 micro-batch's columns over the cp ranks (algorithms/ulysses.py, `self.context`: sharded after packing, Ulysses
 attention on the policy and reference, the cp ranks' gradients summed before clipping; FSDP2 shards over dp_shard
-only, so this sum is the one reduction over cp). Strategy (areal_mq/algorithms/strategy.py, the room the degrees need): ddp
-(every rank holds the whole model, areal_mq/algorithms/ddp.py) or fsdp (FSDP2 shards parameters, gradients and AdamW
-state per decoder layer, the model built on the meta device and each rank's shards read from the checkpoint; HSDP
-with dp_replicate > 1; areal_mq/algorithms/fsdp.py). The strategy object owns the precision setup, how the model is
+only, so this sum is the one reduction over cp). Strategy (areal_mq/algorithms/strategy.py, the room the degrees
+need): ddp (every rank holds the whole model, areal_mq/algorithms/ddp.py) or fsdp (FSDP2 shards parameters,
+gradients and AdamW state per decoder layer, the model built on the meta device and each rank's shards read from the
+checkpoint; HSDP with dp_replicate > 1; areal_mq/algorithms/fsdp.py). The strategy object owns the precision setup, how the model is
 built, the checkpoint format and what each rank publishes: nothing here asks which one it is.
 
 How to run: in-process (`Trainer(cfg, path)`), or data-parallel on CPU with

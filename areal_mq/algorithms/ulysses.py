@@ -42,14 +42,16 @@ gradients itself, through `ContextParallel` (one handle, every call a no-op at c
     token_logprobs(model, mb, ...)        # unchanged: policy.py passes mb.segments (a CpRow) to every attention call
     loss.backward() per micro-batch, then cp.reduce_grads(model) once per mini-batch, before unscaling and clipping
 A sum is linear: once per optimizer step is enough, and it commutes with DDP's or FSDP's data-parallel reduction
-(which runs inside backward). A cp group of 1 makes them all no-ops. Metrics: a rank's sums cover its tokens only (`n_tokens` its real tokens),
-so a world-wide sum counts each once. Limits: token-level objectives only. Sequence-level statistics (loss_agg
-seq-mean-token-mean, policy_loss gspo, behav_weight_level sequence / geometric, kl_in reward's per-sequence suffix
-sums) would see only a slice's part of a sequence that crosses a slice boundary: `check_objective` refuses them
-under cp > 1 until those per-sequence sums are all-reduced over the group; so it does padded micro-batches.
+(which runs inside backward). A cp group of 1 makes them all no-ops. Metrics: a rank's sums cover its tokens only
+(`n_tokens` its real tokens), so a sum over the cp ranks counts each once. Limits: token-level objectives only.
+Sequence-level statistics (loss_agg seq-mean-token-mean, policy_loss gspo, behav_weight_level sequence / geometric,
+kl_in reward's and reward_normalized's per-sequence suffix sums) would see only a slice's part of a sequence that crosses a slice boundary:
+`check_objective` refuses them under cp > 1 until those per-sequence sums are all-reduced over the group; so it does
+padded micro-batches.
 
 Run: pytest tests/unit/algorithms/test_ulysses.py tests/integration/test_ulysses.py (cp 2 on 2 CPU ranks over gloo
-against one process: logprobs, loss and every gradient to 1e-5).
+against one process: logprobs, loss and every gradient to 1e-5); tests/integration/test_trainer_tp_cp.py (the Trainer
+at cp 2 against one process, its checkpoint resumed at tp 2).
 """
 from __future__ import annotations
 

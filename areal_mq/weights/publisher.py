@@ -248,8 +248,8 @@ def make_publisher(cfg: Any, trainer: Any, bus: Any = None, keys: Keyring | None
         if trainer.is_main and trainer.world_size > 1 and log is not None:  # say once why, and what would avoid it
             log.info("trainer.publish_layout", layout=kind, world=trainer.world_size, publish_mode=tcfg.publish_mode,
                      hint="every version is gathered to rank 0 and published from there; with publish_mode zmq every "
-                          "rank serves its own shard instead (publish_layout auto or sharded; not under trainer.parallel.tp > 1, "
-                          "whose shards are column blocks: docs/bigger-models.md)")
+                          "rank serves its own shard instead (publish_layout auto or sharded; not under "
+                          "trainer.parallel.tp > 1, whose shards are column blocks: docs/bigger-models.md)")
     if kind == "live":
         return LivePublisher(tcfg, trainer, transport, bus, log)
     return TrainerPublisher(tcfg, trainer, transport, bus, log, background=tcfg.publish_async and trainer.is_main,
