@@ -15,7 +15,7 @@ The test process runs the plain single-process trainer (world 1, no sharding, no
 Targets: per-step loss and the metrics that count tokens (n_gen_tokens, fwd_tokens: each token once, whatever tp
 and cp) equal world 1; loss, entropy, clip fraction and grad norm within 1e-5, parameters within 1e-5 after 3 steps;
 the resumed step 3 equal to the uninterrupted one, across tp 2 -> dp 2 and cp 2 -> tp 2.
-Run: pytest tests/integration/test_trainer_tp_cp.py   (marked slow; about 40 s on 2 shared cores)
+Run: pytest tests/integration/test_trainer_tp_cp.py   (marked slow; 30-45 s on 2 cores, two minutes when others load them)
 """
 from __future__ import annotations
 
