@@ -34,7 +34,8 @@ def pytest_configure(config):
 LONGEST_FIRST = ("test_rehearsal.py", "test_gpu_harness.py", "test_e2e.py", "test_soak.py", "test_agent.py",
                  "test_netns_hosts.py", "test_ray_backend.py", "test_gpu_stage_precision.py", "test_trainer_ranks.py",
                  "test_weight_deltas.py", "test_trainer_hsdp.py", "test_chaos.py", "test_trainer_benchmark.py",
-                 "test_trainer_fsdp.py", "test_broker_benchmark.py", "test_lora_run.py", "test_trainer_worker.py",
+                 "test_trainer_fsdp.py", "test_tensor_parallel.py", "test_trainer_tp_cp.py", "test_ulysses.py",
+                 "test_broker_benchmark.py", "test_lora_run.py", "test_trainer_worker.py",
                  "test_quality_benchmark.py")
 
 

@@ -21,6 +21,34 @@ def free_ports(n: int) -> list[int]:
     return quiet_ports("127.0.0.1", n)
 
 
+def run_ranks(script: str | Path, *args: str, nproc: int, timeout: float = 400) -> str:
+    """Run `script ARGS...` on `nproc` ranks under torch.distributed.run (127.0.0.1, a port of this xdist worker's,
+    CUDA hidden, one thread per rank, this checkout first on the path); its output. A failed rank fails the test with
+    the output's tail; a hung one is killed at `timeout`."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_ports(1)[0]), str(script), *args]
+    proc = subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def launch_ranks(script: str | Path, mode: str, nproc: int, out: Path, timeout: float = 400) -> dict:
+    """`run_ranks(script, MODE, OUT)`: a rank script's convention (test_trainer_fsdp.py and its kin), its rank 0
+    writing OUT/result-MODE.json; that result."""
+    import json
+
+    run_ranks(script, mode, str(out), nproc=nproc, timeout=timeout)
+    return json.loads((Path(out) / f"result-{mode}.json").read_text())
+
+
 def end_process_group() -> None:
     """A rank script's last act: its process group's threads joined before exit (a 2-rank test's rank aborted with
     SIGABRT in CI when it exited with gloo's threads running; areal_mq/algorithms/trainer.py Trainer.close)."""

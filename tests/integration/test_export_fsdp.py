@@ -9,8 +9,6 @@ Run: pytest tests/integration/test_export_fsdp.py   (about 30 s on 2 cores, mark
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,12 +37,6 @@ def run_rank(out: Path) -> None:
             torch.save(params, out / f"params-{fam}.pt")
 
 
-def _free_port() -> int:
-    from tests.integration.procs import free_ports  # below the ephemeral range, this xdist worker's slice
-
-    return free_ports(1)[0]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_two_rank_fsdp_checkpoint_exports_bf16_shards_with_the_trainers_greedy_tokens(tmp_path):
@@ -56,17 +48,9 @@ def test_a_two_rank_fsdp_checkpoint_exports_bf16_shards_with_the_trainers_greedy
 
     for fam in FAMILIES:
         build_random_model(tmp_path / "models" / fam, fam, seed=5)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), __file__, str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, output[-4000:]
+    from tests.integration.procs import run_ranks
+
+    run_ranks(__file__, str(tmp_path), nproc=2)
 
     prompt = torch.tensor([[1, 306, 4658, 278, 6593, 310, 2834, 338]])
     for fam in FAMILIES:

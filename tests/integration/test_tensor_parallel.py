@@ -28,8 +28,6 @@ Run: pytest tests/integration/test_tensor_parallel.py   (marked slow; 35-60 s on
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -265,20 +263,9 @@ def run_rank(mode: str, out: Path) -> None:
 
 
 def _launch(mode: str, nproc: int, out: Path) -> dict:
-    from tests.integration.procs import free_ports
+    from tests.integration.procs import launch_ranks
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_ports(1)[0]), __file__, mode, str(out)]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, output[-4000:]
-    return json.loads((out / f"result-{mode}.json").read_text())
+    return launch_ranks(__file__, mode, nproc, out, timeout=300)
 
 
 @pytest.mark.slow

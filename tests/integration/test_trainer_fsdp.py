@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -181,30 +180,10 @@ def fp16_overflow_on_one_rank(out: Path) -> None:
          "optimizer_steps": trainer.optimizer_steps}))
 
 
-def _free_port() -> int:
-    from tests.integration.procs import free_ports  # below the ephemeral range, this xdist worker's slice
-
-    return free_ports(1)[0]
-
-
 def _launch(mode: str, nproc: int, out: Path) -> dict:
-    return _launch_file(__file__, mode, nproc, out)
+    from tests.integration.procs import launch_ranks
 
-
-def _launch_file(script: str, mode: str, nproc: int, out: Path) -> dict:
-    """Run `script MODE OUT` on `nproc` ranks under torch.distributed.run; its rank 0's result-MODE.json."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), script, mode, str(out)]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, output[-4000:]
-    return json.loads((out / f"result-{mode}.json").read_text())
+    return launch_ranks(__file__, mode, nproc, out)
 
 
 @pytest.mark.slow

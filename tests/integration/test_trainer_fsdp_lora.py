@@ -117,7 +117,7 @@ def test_lora_under_fsdp_on_two_ranks_matches_ddp_and_resumes(tmp_path, family):
     from accelerate.state import AcceleratorState
 
     from areal_mq.engines.shapes import build_random_model
-    from tests.integration.test_trainer_fsdp import _launch_file
+    from tests.integration.procs import launch_ranks
 
     build_random_model(tmp_path / "model", family, seed=5)
     torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def test_lora_under_fsdp_on_two_ranks_matches_ddp_and_resumes(tmp_path, family):
         del trainer
         AcceleratorState._reset_state(reset_partial_state=True)  # a bf16 Accelerator would make the next fail
 
-    _launch_file(__file__, "two", 2, tmp_path)
+    launch_ranks(__file__, "two", 2, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     got = torch.load(tmp_path / "tensors.pt", map_location="cpu")
     losses, adapter, _ = want["fp32"]

@@ -88,7 +88,7 @@ def test_hsdp_2x2_matches_world_1_resumes_on_2_then_1_and_back_and_serves_from_o
     import torch
 
     from areal_mq.engines.shapes import build_random_model
-    from tests.integration.test_trainer_fsdp import _launch_file
+    from tests.integration.procs import launch_ranks
 
     for fam in FAMILIES:
         build_random_model(tmp_path / "models" / fam, fam, seed=5)
@@ -99,10 +99,10 @@ def test_hsdp_2x2_matches_world_1_resumes_on_2_then_1_and_back_and_serves_from_o
         losses = [trainer.train_step(_batch(i))["loss"] for i in range(3)]
         single[fam] = (losses, {n: p.detach().clone() for n, p in trainer.unwrapped.state_dict().items()},
                        trainer.train_step(_batch(3))["loss"])
-    hsdp = _launch_file(__file__, "hsdp", 4, tmp_path)
-    flat2 = _launch_file(__file__, "flat2", 2, tmp_path)
-    one = _launch_file(__file__, "one", 1, tmp_path)
-    back = _launch_file(__file__, "back", 4, tmp_path)
+    hsdp = launch_ranks(__file__, "hsdp", 4, tmp_path)
+    flat2 = launch_ranks(__file__, "flat2", 2, tmp_path)
+    one = launch_ranks(__file__, "one", 1, tmp_path)
+    back = launch_ranks(__file__, "back", 4, tmp_path)
     for fam in FAMILIES:
         losses, params, fourth = single[fam]
         assert hsdp[fam]["world"] == 4 and flat2[fam]["world"] == 2 and one[fam]["world"] == 1

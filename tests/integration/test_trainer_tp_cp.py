@@ -103,7 +103,7 @@ def test_trainer_at_tp2_and_cp2_matches_one_process_and_resumes_across_layouts(t
     import torch
 
     from areal_mq.engines.shapes import build_random_model
-    from tests.integration.test_trainer_fsdp import _launch_file
+    from tests.integration.procs import launch_ranks
 
     build_random_model(tmp_path / "models" / FAMILY, FAMILY, seed=5)
     torch.set_num_threads(1)
@@ -116,7 +116,7 @@ def test_trainer_at_tp2_and_cp2_matches_one_process_and_resumes_across_layouts(t
             at2 = {n: p.detach().clone() for n, p in single.unwrapped.state_dict().items()}
     final = {n: p.detach().clone() for n, p in single.unwrapped.state_dict().items()}
 
-    got = _launch_file(__file__, "tpcp", 2, tmp_path)
+    got = launch_ranks(__file__, "tpcp", 2, tmp_path)
 
     def same(a: dict, b: dict, what: str, exact: tuple = EXACT) -> None:
         for k in exact:
