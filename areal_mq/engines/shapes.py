@@ -1,6 +1,6 @@
 """Model shapes from their public configs, built locally with seeded random weights (nothing is downloaded).
 
-What: `SHAPES` holds the architecture fields of the model sizes users train (Qwen2.5 0.5B-14B, Qwen3 4B/8B,
+What: `SHAPES` holds the architecture fields of the model sizes users train (Qwen2.5 0.5B-72B, Qwen3 4B/8B,
 Llama 3.2 1B), copied from each model's public config.json; `TINY` holds 2-layer versions of each family (Llama,
 Qwen2 with q/k/v biases, Qwen3 with q/k norms) for the sharded-trainer tests. `build_random_model(dst, name)`
 writes config.json + model.safetensors with weights from one seeded generator, and reuses a directory already
@@ -34,6 +34,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                         num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
     "qwen2.5-32b": dict(_QWEN25, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
                         num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-72b": dict(_QWEN25, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
     "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,

@@ -1,11 +1,13 @@
 """The toy version of a run config that a rehearsal runs (launch/rehearsal.py): same layout, toy sizes.
 
-What: `toy_config(cfg, steps, run_dir, cache)` keeps every process count, the strategy, the publishing layout, the
-checkpoints, the evaluations, the restart policy and the placement of `cfg`, and replaces what a CPU cannot hold: the
-model by a 2-layer random model of the same family (`toy_model`: model_type, tied head, Qwen2 biases, Qwen3 q/k norms;
-the model's own tokenizer where its directory is here), the sizes (engine rows, KV, answer length, batch, steps), the
-devices (cpu; GPU indices stay as pretend devices), and data files that are not on this machine (`toy_data`: the
-shipped sample of the same format). A field it cannot keep is a ConfigError naming it.
+What: `toy_config(cfg, steps, run_dir, cache)` keeps every process count (trainer ranks up to TOY_TRAINER_RANKS),
+the strategy, the parallel degrees, the publishing layout, the checkpoints, the evaluations, the restart policy and
+the placement of `cfg`, and replaces what a CPU cannot hold: the model by a 2-layer random model of the same family
+(`toy_model`: model_type, tied head, Qwen2 biases, Qwen3 q/k norms, KV heads that tp and cp divide; the model's own
+tokenizer where its directory is here), trainer ranks past TOY_TRAINER_RANKS (fewer dp_shard ranks, tp and cp kept:
+`_toy_ranks`, said in the notes), the sizes (engine rows, KV, answer length, batch, steps), the devices (cpu; GPU
+indices stay as pretend devices), and data files that are not on this machine (`toy_data`: the shipped sample of the
+same format). A field it cannot keep is a ConfigError naming it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from areal_mq.errors import ConfigError
 TOY_ROWS = 8  # rows of a rehearsal engine
 TOY_NEW_TOKENS = 16
 TOY_EVAL = 4  # held-out problems per rehearsal evaluation
+TOY_TRAINER_RANKS = 8  # the most trainer ranks a rehearsal starts (the 7B 2-node layout's 8 gloo ranks)
 
 @dataclass
 class Toy:
@@ -71,7 +74,14 @@ def toy_model(cfg: Any, cache: Path) -> tuple[Path, dict]:
     overrides: dict = {"tie_word_embeddings": tied}
     if local is not None:  # the real tokenizer: its vocabulary and special ids
         overrides.update({k: family[k] for k in ("vocab_size", "bos_token_id", "eos_token_id") if family.get(k) is not None})
+    split = max(cfg.trainer.parallel.tp, cfg.trainer.parallel.cp)
+    tiny = TINY[f"tiny-{kind}"]
+    if tiny["num_key_value_heads"] % split:  # tp and cp split whole heads and GQA groups: a KV head for each rank
+        heads = max(tiny["num_attention_heads"], split)
+        overrides.update(num_attention_heads=heads, num_key_value_heads=split, head_dim=tiny["hidden_size"] // heads)
     dst = cache / f"{kind}-{'tied' if tied else 'untied'}-{'own' if local else 'smollm2'}-tokenizer"
+    if "num_key_value_heads" in overrides:
+        dst = dst.with_name(f"{dst.name}-kv{split}")
     if local is not None:
         import hashlib  # a stable name per model directory (hash() of a str changes with every process)
 
@@ -83,7 +93,8 @@ def toy_model(cfg: Any, cache: Path) -> tuple[Path, dict]:
         for name in TOKENIZER_COPY:
             if (local / name).is_file():
                 shutil.copy2(local / name, dst / name)
-    return dst, {"family": kind, "tied": tied, "path": str(dst),
+    kv = overrides.get("num_key_value_heads", tiny["num_key_value_heads"])
+    return dst, {"family": kind, "tied": tied, "path": str(dst), "kv_heads": kv,
                  "tokenizer": str(local) if local else "SmolLM2's (the model is not on this machine)"}
 
 
@@ -195,6 +206,7 @@ def toy_config(cfg: Any, steps: int, run_dir: Path, cache: Path) -> Toy:
              ppo_n_minibatches=min(t["ppo_n_minibatches"], 2),
              keep_weight_versions=max(t["keep_weight_versions"], steps + 1))
     lc = d["launcher"]
+    _toy_ranks(t, lc, toy)
     lc["threads"] = {role: 1 for role in ("trainer", "rollout", "reward", "controller", "agent", "broker")}
     lc["stop_grace_s"] = 30.0
     lc["max_restarts"] = max(1, lc["max_restarts"])
@@ -211,6 +223,26 @@ def toy_config(cfg: Any, steps: int, run_dir: Path, cache: Path) -> Toy:
     except ConfigError as exc:
         raise ConfigError(f"the toy version of this config is invalid: {exc}") from None
     return toy
+
+
+def _toy_ranks(t: dict, lc: dict, toy: Toy) -> None:
+    """At most TOY_TRAINER_RANKS trainer ranks: a layout past them (the 72B's 32) keeps its tp x cp group and fewer
+    dp_shard ranks (the same rooms, mesh and collectives; 32 toy ranks would not fit a CI machine's memory)."""
+    p = t["parallel"]
+    inner = p["tp"] * p["cp"]
+    if lc["trainer_ranks"] <= TOY_TRAINER_RANKS or inner > TOY_TRAINER_RANKS:
+        return
+    shard = max(1, TOY_TRAINER_RANKS // inner) if p["dp_shard"] != 1 else 1
+    ranks = p["dp_replicate"] * shard * inner if p["dp_replicate"] > 0 else TOY_TRAINER_RANKS
+    replicate = p["dp_replicate"]
+    if ranks > TOY_TRAINER_RANKS:
+        p["dp_replicate"] = max(1, TOY_TRAINER_RANKS // (shard * inner))
+        ranks = p["dp_replicate"] * shard * inner
+    also = f"dp_replicate {replicate} -> {p['dp_replicate']}, " if replicate != p["dp_replicate"] else ""
+    toy.notes.append(f"launcher.trainer_ranks {lc['trainer_ranks']} -> {ranks} (trainer.parallel {also}dp_shard "
+                     f"{p['dp_shard']} -> {shard}, tp {p['tp']} and cp {p['cp']} kept): the full-scale rank's memory "
+                     "is the plan's above")
+    p["dp_shard"], lc["trainer_ranks"] = shard, ranks
 
 
 def _importable(module: str) -> bool:

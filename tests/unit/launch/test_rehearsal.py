@@ -108,6 +108,25 @@ def test_the_32b_layout_keeps_eight_ranks_and_two_gpus_per_engine_and_says_how_i
     assert any("vLLM" in n and "torch engine" in n for n in t.notes), t.notes
 
 
+def test_the_72b_tp_layout_keeps_its_tp_group_on_eight_ranks_and_a_kv_head_per_tp_rank(tmp_path):
+    """32 toy ranks would not fit a CI machine: the toy keeps tp 4 and fewer dp_shard ranks, says so, and builds a
+    toy model whose KV heads tp divides (the tiny family has 2)."""
+    cfg, t = toy(tmp_path, "qwen2.5-72b-tp.yaml")
+    p = t.cfg.trainer.parallel
+    assert (cfg.launcher.trainer_ranks, cfg.trainer.parallel.tp) == (32, 4)
+    assert (t.cfg.launcher.trainer_ranks, p.dp_shard, p.tp, p.cp) == (8, 2, 4, 1)
+    assert any(n.startswith("launcher.trainer_ranks 32 -> 8") for n in t.notes), t.notes
+    fields = model_config(t)
+    assert fields["num_key_value_heads"] % 4 == 0 and fields["num_attention_heads"] % 4 == 0 and t.model["kv_heads"] == 4
+
+
+def test_the_7b_cp_layout_keeps_its_four_ranks_and_cp_2(tmp_path):
+    cfg, t = toy(tmp_path, "qwen2.5-7b-32k-cp.yaml")
+    p = t.cfg.trainer.parallel
+    assert (t.cfg.launcher.trainer_ranks, p.dp_shard, p.cp) == (4, 2, 2) and t.cfg.trainer.attention == "varlen"
+    assert not any(n.startswith("launcher.trainer_ranks") for n in t.notes), t.notes
+
+
 def test_the_14b_lora_layout_keeps_its_adapter_and_four_plus_four_gpus(tmp_path):
     cfg, t = toy(tmp_path, "qwen2.5-14b-lora-node.yaml")
     c = t.cfg
