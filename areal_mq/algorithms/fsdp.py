@@ -14,8 +14,8 @@ and to the final norm + LM head as one group (untied models, as torchtitan lays 
 (the PolicyLogprobs wrapper: what is left; a tied model's embeddings, norm and head stay in it), with a
 MixedPrecisionPolicy from trainer.precision (parameters cast for compute, gradients reduced in fp32) and an
 optional CPUOffloadPolicy (trainer.fsdp.offload); under trainer.parallel.tp > 1 `build` splits each decoder layer
-over the mesh's tp dim first (algorithms/tensor_parallel.py `parallelize`). `clip_grad_norm` is the DTensor-aware
-global norm clip (grouped by mesh: tensor parallelism puts parameters on two),
+over the mesh's tp dim first (`parallelize`, with algorithms/tensor_parallel.py `apply_tp`). `clip_grad_norm` is the
+DTensor-aware global norm clip (grouped by mesh: tensor parallelism puts parameters on two),
 `full_state_dict` gathers the whole model one tensor at a time (the named fallback of the publish path: every
 rank takes part, rank 0 keeps the result), and `save_sharded` / `load_sharded` write and read
 `torch.distributed.checkpoint` directories, which reshard on load, so a checkpoint saved by 2 ranks resumes on 1
@@ -113,6 +113,19 @@ def vocab_units(lm: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
     if any(id(p) in mine for p in (*head.parameters(), *norm.parameters())):
         return None, []  # tied
     return embed, [norm, head]
+
+
+def parallelize(policy: nn.Module, mesh: Any, dp_mesh: Any, fsdp_cfg: Any, precision: str,
+                train: bool = True) -> nn.Module:
+    """Tensor parallelism over `mesh`'s tp dimension (algorithms/tensor_parallel.py `apply_tp`), then FSDP2 over
+    `dp_mesh` (`shard_policy`); in place, returns `policy`. `mesh`: the trainer's whole mesh (ParallelDims.mesh);
+    `dp_mesh`: its slice FSDP2 shards over (ParallelDims.dp_mesh: dp_shard, or (dp_replicate, dp_shard)). At tp 1
+    it is `shard_policy` alone. (Here, not in tensor_parallel.py, so that module needs nothing of this one.)"""
+    from areal_mq.algorithms.tensor_parallel import TP, apply_tp, tp_size
+
+    if tp_size(mesh) > 1:
+        apply_tp(policy.lm, mesh[TP])
+    return shard_policy(policy, fsdp_cfg, precision, torch.device(mesh.device_type), train=train, mesh=dp_mesh)
 
 
 def shard_policy(policy: nn.Module, fsdp_cfg: Any, precision: str, device: torch.device,
@@ -354,7 +367,6 @@ class FsdpStrategy:
         from areal_mq.algorithms import loading, lora
         from areal_mq.algorithms.ddp import enable_gradient_checkpointing
         from areal_mq.algorithms.policy import PolicyLogprobs
-        from areal_mq.algorithms.tensor_parallel import parallelize
 
         how = self.cfg.fsdp.load
         whole = how == "full" or self.device.type == "meta"

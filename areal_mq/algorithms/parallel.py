@@ -59,10 +59,9 @@ def room_of(parallel: Any) -> str:
 def _legacy(cfg: Any) -> Any:
     """trainer.parallel as the older keys say it: ddp = every rank a whole copy; fsdp = fsdp.replicate copies, each
     sharded over the ranks left."""
-    from areal_mq.algorithms.config import ParallelConfig
-
-    made = {"ddp": lambda: ParallelConfig(dp_replicate=-1, dp_shard=1),
-            "fsdp": lambda: ParallelConfig(dp_replicate=cfg.fsdp.replicate, dp_shard=-1)}[cfg.strategy]()
+    degrees = type(cfg.parallel)  # config.py's ParallelConfig (the default's class: this module imports no config)
+    made = {"ddp": lambda: degrees(dp_replicate=-1, dp_shard=1),
+            "fsdp": lambda: degrees(dp_replicate=cfg.fsdp.replicate, dp_shard=-1)}[cfg.strategy]()
     made._source = (f"trainer.strategy {cfg.strategy}" +
                     (f" with trainer.fsdp.replicate {cfg.fsdp.replicate}" if made.dp_shard == -1 else ""))
     return made

@@ -1,14 +1,14 @@
 """Tensor parallelism composed with FSDP2: the policy split over a 2-D (dp_shard, tp) DTensor mesh.
 
-What: `parallelize(policy, mesh, dp_mesh, fsdp_cfg, precision)` takes a plain `PolicyLogprobs` (algorithms/policy.py) and
-applies, in place, first tensor parallelism over the mesh's `tp` dimension, then FSDP2 over its data-parallel
-dimension(s), the way torchtitan's `parallelize_llama` composes them:
+What: `apply_tp(lm, mesh["tp"])` splits a model's decoder layers over the mesh's `tp` dimension; fsdp.py `parallelize
+(policy, mesh, dp_mesh, fsdp_cfg, precision)` composes it with FSDP2 over the data-parallel dimension(s) in place,
+the way torchtitan's `parallelize_llama` does (this module needs nothing of fsdp.py; fsdp.py calls it):
 
     dims = ParallelDims(dp_shard=2, tp=2)         # algorithms/parallel.py: the mesh's owner
     #            tp 0   tp 1                      dims (dp_replicate, dp_shard, cp, tp), tp innermost: a TP group is
     #  dp 0  [ rank 0, rank 1 ]                   consecutive ranks (one host's GPUs under torchrun), so the
     #  dp 1  [ rank 2, rank 3 ]                   per-layer all-reduces stay on the node
-    parallelize(policy, dims.mesh(device), dims.dp_mesh(), cfg.fsdp, "fp32")
+    fsdp.parallelize(policy, dims.mesh(device), dims.dp_mesh(), cfg.fsdp, "fp32")
 
 - Each decoder layer (one plan per model family, `PLANS`, keyed by `config.model_type`; Qwen2 and Llama share
   the decoder's shape): ColwiseParallel on q/k/v/gate/up (Megatron's column split: each TP rank computes
@@ -34,15 +34,15 @@ dimension(s), the way torchtitan's `parallelize_llama` composes them:
 Memory per rank (fp32 master weights, AdamW, 16 bytes a parameter): 16 x (decoder-layer parameters / (dp x tp)
 + the embeddings', head's and norms' / dp), plus one gathered decoder layer's TP shard.
 
-How the trainer uses it (trainer.parallel.tp > 1): FsdpStrategy.build calls `parallelize(PolicyLogprobs(lm, ...),
-self.parallel.mesh(device), self.parallel.dp_mesh(), cfg.fsdp, precision, train)` for the policy and the reference
+How the trainer uses it (trainer.parallel.tp > 1): FsdpStrategy.build calls `fsdp.parallelize(PolicyLogprobs(lm,
+...), self.parallel.mesh(device), self.parallel.dp_mesh(), cfg.fsdp, precision, train)` for the policy and the reference
 model (tp 1 is exactly fsdp.shard_policy); a model built on the meta device is then filled by `loading.materialise`
 as at tp 1 (it reads each rank's TP x FSDP box, `_StridedShard` included, from the checkpoint). Each rank trains its
 share of the batch as ParallelDims.dp_rank says (the TP ranks of a group the same micro-batches, so only tp index 0
 counts them in the step's metrics: ParallelDims.counts_metrics). The step clips with fsdp.clip_grad_norm, which
 groups the gradients by mesh (DTensor refuses to stack norms across meshes, and here parameters live on two).
-The rest is the fsdp strategy's as it is: AdamW (foreach and fused take the two meshes), `gather_full_state`
-(= fsdp.full_state_dict: `full_tensor()` per parameter gathers over dp and tp) for publishing, and fsdp.save_sharded
+The rest is the fsdp strategy's as it is: AdamW (foreach and fused take the two meshes), fsdp.full_state_dict
+(`full_tensor()` per parameter gathers over dp and tp) for publishing, and fsdp.save_sharded
 / load_sharded (torch.distributed.checkpoint reshards across meshes: a checkpoint written at tp 2 x dp 2 loads at
 dp 4 and back, AdamW state included; the trainer's at tp 2 resumes at world 1).
 Over gloo every collective TP needs works as is (RowwiseParallel's all-reduce of partial sums, ColwiseParallel's
@@ -123,31 +123,7 @@ def apply_tp(lm: nn.Module, mesh: Any) -> None:
     RowwiseParallel turn those Linear weights into DTensors Shard(0) / Shard(1) on it)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from areal_mq.algorithms.fsdp import decoder_layers
-
     (plan, _) = _family(lm)[1]
     check_divisible(lm, mesh.size())
-    for layer in decoder_layers(lm):
+    for layer in lm.model.layers:  # every family in PLANS lays its decoder out there
         parallelize_module(layer, mesh, plan())
-
-
-def parallelize(policy: nn.Module, mesh: Any, dp_mesh: Any, fsdp_cfg: Any, precision: str,
-                train: bool = True) -> nn.Module:
-    """TP over `mesh`'s tp dimension, then FSDP2 over `dp_mesh` (module docstring); in place, returns `policy`.
-    `mesh`: the trainer's whole mesh (ParallelDims.mesh); `dp_mesh`: its slice FSDP2 shards over
-    (ParallelDims.dp_mesh: dp_shard, or (dp_replicate, dp_shard)). tp 1 is plain FSDP2 (fsdp.shard_policy)."""
-    from areal_mq.algorithms.fsdp import shard_policy
-
-    if tp_size(mesh) > 1:
-        apply_tp(policy.lm, mesh[TP])
-    return shard_policy(policy, fsdp_cfg, precision, torch.device(mesh.device_type), train=train, mesh=dp_mesh)
-
-
-# ---------------------------------------------------------------- publishing
-def gather_full_state(lm: nn.Module, dtype: str | None = None, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The whole model's state dict gathered over dp AND tp (`DTensor.full_tensor()` per tensor, one at a time;
-    collective: every rank calls it, in the same order): the gathered publishing path and what a test compares.
-    Only a rank with `keep` stores the tensors. It is fsdp.full_state_dict, which is already mesh-agnostic."""
-    from areal_mq.algorithms.fsdp import full_state_dict
-
-    return full_state_dict(lm, dtype, keep)

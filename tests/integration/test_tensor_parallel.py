@@ -131,7 +131,7 @@ def _build(dp: int, tp: int, seed: int, family: str = "qwen2", precision: str = 
 
     from areal_mq.algorithms.config import FsdpConfig
     from areal_mq.algorithms.parallel import ParallelDims
-    from areal_mq.algorithms.tensor_parallel import parallelize
+    from areal_mq.algorithms.fsdp import parallelize
 
     from areal_mq.algorithms.ddp import enable_gradient_checkpointing
 
@@ -165,7 +165,7 @@ def _full(run) -> tuple[dict, dict]:
     """(the parameters, the AdamW state) gathered whole (collective; every rank keeps them: they are tiny)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from areal_mq.algorithms.tensor_parallel import gather_full_state
+    from areal_mq.algorithms.fsdp import full_state_dict as gather_full_state
 
     params = gather_full_state(run.model.lm, "float32", keep=True)
     optim = get_optimizer_state_dict(run.model, run.optimizer,
@@ -197,7 +197,7 @@ def meta_built(out: Path) -> dict:
     from areal_mq.algorithms import loading
     from areal_mq.algorithms.fsdp import local_slices
     from areal_mq.algorithms.policy import PolicyLogprobs
-    from areal_mq.algorithms.tensor_parallel import gather_full_state
+    from areal_mq.algorithms.fsdp import full_state_dict as gather_full_state
 
     src = out / "model-qwen2"
     whole = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).state_dict()
