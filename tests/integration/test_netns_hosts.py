@@ -476,6 +476,7 @@ def _audit(run_dir: Path, monkeypatch) -> dict:
             "left_pending": len(pending)}
 
 
+@pytest.mark.long  # 107-141 s beside another test in CI (tests/README.md)
 @pytest.mark.timeout(600)
 def test_run_across_network_namespaces(tmp_path, monkeypatch):
     why = netns_unavailable()
