@@ -263,10 +263,15 @@ def record(run: dict, args, run_dir: Path, started: float, wall_s: float, sets: 
     }
 
 
-def prune(run_dir: Path) -> None:
-    """Keep the run's metrics, evaluations and logs; its weights and checkpoints (~0.5 GB a version) go."""
-    for sub in ("weights", "checkpoints", "eval_pins"):
+def prune(run_dir: Path, keep_final: int | None = None) -> None:
+    """Keep the run's metrics, evaluations and logs; its weights and checkpoints (~0.5 GB a version) go, except
+    weights/v{keep_final} where given (--keep-final: for a later `areal-mq eval --samples N` of the final policy)."""
+    for sub in ("checkpoints", "eval_pins"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)
+    weights = run_dir / "weights"
+    for version in (weights.iterdir() if weights.is_dir() else ()):
+        if keep_final is None or version.name != f"v{keep_final}":
+            shutil.rmtree(version, ignore_errors=True)
 
 
 def default_plot(args, out: Path) -> Path:
@@ -310,6 +315,8 @@ def main() -> None:
                                                   "else docs/quality_vN.png; quick: OUT/quality.png).")
     parser.add_argument("--plan", action="store_true", help="Print the runs and an estimate of machine time; run nothing.")
     parser.add_argument("--report-only", action="store_true", help="Report the results file; run nothing.")
+    parser.add_argument("--keep-final", action="store_true", help="Keep each run's final weights (weights/vN, "
+                        "~0.5 GB a run) for a later evaluation, e.g. pass@k: areal-mq eval --weights RUN/weights/vN.")
     common.add_device_arg(parser)
     args = parser.parse_args()
     default = lambda given, quick, full: given if given is not None else quick if args.quick else full  # noqa: E731
@@ -334,7 +341,7 @@ def main() -> None:
                 continue
             run_dir = out / f"{run['mode']}-seed{run['seed']}-v{args.versions}"  # runs of another length keep theirs
             line = record(run, args, run_dir, *launch(run, args, run_dir))
-            prune(run_dir)
+            prune(run_dir, args.versions if args.keep_final else None)
             results.parent.mkdir(parents=True, exist_ok=True)
             with open(results, "a") as f:
                 f.write(json.dumps(line) + "\n")
