@@ -15,6 +15,11 @@ truncation, repeated or malformed boxes; areal_mq.rewards.arith_reward), so a co
   (workflows/calc.py, never eval), appends `<result>VALUE</result>` as environment tokens and lets the model
   continue its answer; at most `max_calls` (default 2) calls. Reward: the task's reward of the final text.
   A worked example in the prompt shows the tool (a 135M model does not invent a tag it never saw).
+- `openai_agent`: runs an agent written with the plain `openai` client, `def solve(client, problem) -> str` (or
+  `async def` taking an AsyncOpenAI), named by `agent` (agent.workflow_args, 'module:function', e.g.
+  areal_mq.workflows.calculator_agent:solve); its chat completions go through an in-process OpenAI endpoint
+  to the run's rollout workers and are recorded token by token as the episode (areal_mq/workflows/openai_agent.py).
+  Reward: the task's reward of the text the agent returns.
 Each sets ctx.info (attempts, correct_at, tool_calls) which the controller logs and evaluations count.
 """
 from __future__ import annotations
@@ -85,4 +90,11 @@ def pending_call(text: str) -> str | None:
     return text[start + len(CALC_OPEN):].split(CALC_CLOSE, 1)[0]
 
 
-BUILTINS = {"single": single, "multi_turn_retry": multi_turn_retry, "tool_calc": tool_calc}
+async def openai_agent(ctx: Any, problem: Any) -> float:
+    from areal_mq.workflows.openai_agent import openai_agent as run  # the endpoint and openai only when used
+
+    return await run(ctx, problem)
+
+
+BUILTINS = {"single": single, "multi_turn_retry": multi_turn_retry, "tool_calc": tool_calc,
+            "openai_agent": openai_agent}
