@@ -28,7 +28,8 @@ Failures fail the episode alone, with the reason: the agent raised or returned n
 split reason), it made no call, or (run_episode) it ran past agent.episode_timeout_s. An ended episode's endpoint
 calls are refused and its turn in flight cancelled; a sync agent blocked outside the client (time.sleep) cannot be
 stopped by Python and keeps its thread (at most MAX_AGENT_THREADS run at once).
-ctx.info: turns, tool_calls (calls the endpoint parsed), tool_errors (replies that opened a call that was not
+ctx.info: chat_calls (the agent's chat completions: model turns; not `turns`, which the agent's episode_done log
+event names already), tool_calls (calls the endpoint parsed), tool_errors (replies that opened a call that was not
 valid), correct_at (1/0), exact_turns / continued_turns (the recorder's audit).
 Run: python -m areal_mq.evaluation.episodes --config configs/tools-arith.yaml --workflow openai_agent --n 20
 """
@@ -292,7 +293,7 @@ async def run_agent(ctx: Any, problem: Any, endpoint: AgentEndpoint) -> float:
     last = recorded.turns[-1].choices[0]
     verdict = await ctx.score(answer, truncated=last.finish_reason == "length")
     audit = recorded.to_json()["audit"]
-    ctx.info.update(turns=len(recorded.turns), correct_at=1 if verdict.correct else 0,
+    ctx.info.update(chat_calls=len(recorded.turns), correct_at=1 if verdict.correct else 0,
                     tool_calls=sum(t.choices[0].tool_calls for t in recorded.turns),
                     tool_errors=sum(bool(t.choices[0].tool_error) for t in recorded.turns),
                     exact_turns=audit["exact_turns"], continued_turns=audit["continued_turns"])

@@ -57,8 +57,9 @@ def test_the_calculator_agent_trains_its_tool_call_result_and_answer(tokenizer, 
     outcome, ctx, model = episode(tokenizer, endpoint, "areal_mq.workflows.calculator_agent:solve",
                                   [CALL, "17 + 25 = 42. The answer is \\boxed{42}."], max_tokens=1024)
     assert outcome.error is None and outcome.seq.reward == 1.0
-    assert ctx.info == {"turns": 2, "correct_at": 1, "tool_calls": 1, "tool_errors": 0, "exact_turns": 2,
+    assert ctx.info == {"chat_calls": 2, "correct_at": 1, "tool_calls": 1, "tool_errors": 0, "exact_turns": 2,
                         "continued_turns": 1}
+    assert not set(ctx.info) & {"episode", "turns", "reward", "tokens", "seconds"}  # agent.episode_done's own keys
     first, second = model.requests
     for k, req in enumerate(model.requests):  # the episode's identity and the run's sampling, per turn
         assert (req.session, req.group_id, req.sample_index, req.min_version) == ("ep-1", "g7", 2, 3)
@@ -85,7 +86,7 @@ def test_no_tools_arm_and_an_async_agent(tokenizer, endpoint):
     assert outcome.error is None and outcome.seq.reward == 0.0 and ctx.info["tool_calls"] == 0
     assert "calculator" not in tokenizer.decode(model.requests[0].prompt_ids)
     outcome, ctx, _ = episode(tokenizer, endpoint, f"{AGENTS}:answers_async", ["\\boxed{42}"], episode_id="ep-3")
-    assert outcome.error is None and outcome.seq.reward == 1.0 and ctx.info["turns"] == 1
+    assert outcome.error is None and outcome.seq.reward == 1.0 and ctx.info["chat_calls"] == 1
 
 
 def test_a_malformed_call_is_text_and_a_bad_expression_an_answer(tokenizer, endpoint):
