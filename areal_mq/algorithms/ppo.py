@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from areal_mq.algorithms.config import TrainerConfig
-from areal_mq.algorithms.objective import (LOSS_AGGREGATIONS, POLICY_LOSSES, StepCounts, _need_seq_index,
-                                           sequence_log_weight)
+from areal_mq.algorithms.objective import (LOCAL, LOSS_AGGREGATIONS, POLICY_LOSSES, SequenceSums, StepCounts,
+                                           _need_seq_index, sequence_log_weight)
 
 __all__ = ["LossStats", "behaviour_weight", "kl_in_reward", "kl_penalty", "ppo_loss", "sequence_log_weight", "suffix_sums",
            "surrogate"]
@@ -54,15 +54,16 @@ class LossStats:
 
 
 def behaviour_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cfg: TrainerConfig,
-                     seq_index: torch.Tensor | None = None):
+                     seq_index: torch.Tensor | None = None, sums: SequenceSums = LOCAL):
     """(weight used in the loss, raw weight, keep-mask, capped-mask) for the behaviour correction.
-    `seq_index` ([N], the sequence of each token) is needed for behav_weight_level sequence / geometric."""
+    `seq_index` ([N], the sequence of each token) is needed for behav_weight_level sequence / geometric, whose
+    sums cover each sequence wherever it lies (`sums`: objective.py SequenceSums)."""
     log_w = prox_logp - behav_logp
     if cfg.behav_correction and cfg.behav_weight_level != "token":
         if seq_index is None or seq_index.shape != log_w.shape:
             raise ValueError(f"behav_weight_level {cfg.behav_weight_level!r} needs the sequence of every token "
                              "(seq_index, the same length as the logprobs)")
-        log_w = sequence_log_weight(log_w, seq_index, cfg.behav_weight_level)
+        log_w = sequence_log_weight(log_w, seq_index, cfg.behav_weight_level, sums)
     raw = torch.exp(log_w)
     ones = torch.ones_like(raw, dtype=torch.bool)
     if not cfg.behav_correction:
@@ -84,9 +85,9 @@ def behaviour_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cfg: Tra
 
 
 def surrogate(logp: torch.Tensor, prox_logp: torch.Tensor, advantages: torch.Tensor, cfg: TrainerConfig,
-              seq_index: torch.Tensor | None = None):
+              seq_index: torch.Tensor | None = None, sums: SequenceSums = LOCAL):
     """(per-token policy loss before the behaviour weight, clipped-mask) of trainer.policy_loss."""
-    return POLICY_LOSSES[cfg.policy_loss](logp, prox_logp, advantages, cfg, seq_index)
+    return POLICY_LOSSES[cfg.policy_loss](logp, prox_logp, advantages, cfg, seq_index, sums=sums)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -97,19 +98,25 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-def suffix_sums(x: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+def suffix_sums(x: torch.Tensor, seq_index: torch.Tensor, sums: SequenceSums = LOCAL) -> torch.Tensor:
     """Per token t of sequence i, sum over the tokens s >= t of sequence i of x_s. The tokens of a sequence are
     contiguous and in order, sequences numbered 0..S-1 in order (seq_index non-decreasing), as packing.py lays
-    them out: the suffix sum over the whole micro-batch minus what the later sequences hold. float64 inside."""
+    them out: the suffix sum over the whole micro-batch minus what the later sequences hold, plus what the later
+    cp ranks hold of sequence i (`sums.later`: their columns come after this rank's). float64 inside; a constant."""
     x64 = x.double()
     after_t = x64.flip(0).cumsum(0).flip(0)  # sum over s >= t of the whole micro-batch
-    totals = x64.new_zeros(seq_index.numel()).index_add_(0, seq_index, x64)
+    totals = sums.own(x64, seq_index)
     later = totals.sum() - totals.cumsum(0)  # sum over the sequences after i
-    return (after_t - later[seq_index]).to(x.dtype)
+    out = after_t - later[seq_index]
+    beyond = sums.later(totals)
+    if beyond is not None:
+        out = out + beyond[seq_index]
+    return out.to(x.dtype)
 
 
 def kl_in_reward(advantages: torch.Tensor, behav_logp: torch.Tensor, ref_logp: torch.Tensor,
-                 seq_index: torch.Tensor | None, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 seq_index: torch.Tensor | None, kl_coef: float,
+                 sums: SequenceSums = LOCAL) -> tuple[torch.Tensor, torch.Tensor]:
     """trainer.kl_in reward: the KL to the reference as a per-token reward, folded into the advantage as
     REINFORCE++ does (arXiv 2501.03262, eq. 8-9): A_t = A_seq - kl_coef * sum_{s >= t} KL_s, with the k1 estimate
     KL_s = log pi_old(y_s) - log pi_ref(y_s) where pi_old is the policy that sampled the token (the behaviour
@@ -117,7 +124,7 @@ def kl_in_reward(advantages: torch.Tensor, behav_logp: torch.Tensor, ref_logp: t
     tokens have no logprob). Returns (the advantages, the summed KL as a 0-dim float32)."""
     kl = behav_logp - ref_logp
     seq_index = _need_seq_index(seq_index, kl, "trainer.kl_in 'reward'")
-    return advantages - kl_coef * suffix_sums(kl, seq_index), kl.sum().float()
+    return advantages - kl_coef * suffix_sums(kl, seq_index, sums), kl.sum().float()
 
 
 def ppo_loss(
@@ -131,6 +138,7 @@ def ppo_loss(
     seq_index: torch.Tensor | None = None,
     total_seqs: float | None = None,
     entropy: torch.Tensor | None = None,
+    sums: SequenceSums = LOCAL,
 ) -> tuple[torch.Tensor, LossStats]:
     """Loss of one micro-batch's generated tokens, already normalised by the step's counts (trainer.loss_agg).
 
@@ -140,17 +148,21 @@ def ppo_loss(
     policy_loss gspo and loss_agg seq-mean-token-mean. `total_tokens` / `total_seqs`: generated tokens /
     sequences of the whole optimizer step (total_seqs is needed by the loss_agg modes other than token-mean).
     `entropy` ([N], with gradient): the policy's entropy at each token, for trainer.entropy_coef > 0.
+    `sums`: how a per-sequence statistic sums its sequence (objective.py SequenceSums): LOCAL when this process
+    holds whole sequences, ulysses.CpSequenceSums when the tokens are a cp rank's slice of a packed row (the loss
+    then counts this rank's tokens only; the cp ranks' losses and gradients add up to the whole row's).
     """
     if total_tokens <= 0:
         raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
     prox_logp = prox_logp.detach()
-    weight, raw, keep, capped = behaviour_weight(prox_logp, behav_logp.detach(), cfg, seq_index)
+    weight, raw, keep, capped = behaviour_weight(prox_logp, behav_logp.detach(), cfg, seq_index, sums)
     kl_sum = logp.new_zeros((), dtype=torch.float32)
     if cfg.kl_coef > 0 and ref_logp is not None and cfg.kl_in == "reward_normalized":
         kl_sum = (behav_logp.detach() - ref_logp.detach()).sum().float()  # already in the advantages: logged only
     if cfg.kl_coef > 0 and ref_logp is not None and cfg.kl_in == "reward":
-        advantages, kl_sum = kl_in_reward(advantages, behav_logp.detach(), ref_logp.detach(), seq_index, cfg.kl_coef)
-    policy, clipped = surrogate(logp, prox_logp, advantages, cfg, seq_index)
+        advantages, kl_sum = kl_in_reward(advantages, behav_logp.detach(), ref_logp.detach(), seq_index, cfg.kl_coef,
+                                          sums)
+    policy, clipped = surrogate(logp, prox_logp, advantages, cfg, seq_index, sums)
     per_token = weight * policy
     if cfg.kl_coef > 0 and ref_logp is not None and cfg.kl_in == "loss":
         kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
@@ -161,7 +173,7 @@ def ppo_loss(
             raise ValueError("trainer.entropy_coef > 0 needs the entropy of every token (entropy, the same length "
                              "as the logprobs, with gradient)")
         per_token = per_token - cfg.entropy_coef * entropy
-    loss = LOSS_AGGREGATIONS[cfg.loss_agg](per_token, seq_index, StepCounts(total_tokens, total_seqs), cfg)
+    loss = LOSS_AGGREGATIONS[cfg.loss_agg](per_token, seq_index, StepCounts(total_tokens, total_seqs), cfg, sums)
     with torch.no_grad():
         stats = LossStats(
             n_tokens=logp.numel(),

@@ -37,8 +37,9 @@ busiest rank's forward count (`lockstep`), who gathers and serves published weig
 metrics (`counts_metrics`: tp index 0; each token once). tp > 1 splits each decoder layer inside the fsdp room
 (algorithms/tensor_parallel.py; the tp ranks of a group train the same micro-batches). cp > 1 splits each packed
 micro-batch's columns over the cp ranks (algorithms/ulysses.py, `self.context`: sharded after packing, Ulysses
-attention on the policy and reference, the cp ranks' gradients summed before clipping; FSDP2 shards over dp_shard
-only, so this sum is the one reduction over cp). Strategy (areal_mq/algorithms/strategy.py, the room the degrees
+attention on the policy and reference, the loss's per-sequence statistics summed over the cp group
+(`context.sequence_sums`), the cp ranks' gradients summed before clipping; FSDP2 shards over dp_shard only, so this
+sum is the one reduction over cp). Strategy (areal_mq/algorithms/strategy.py, the room the degrees
 need): ddp (every rank holds the whole model, areal_mq/algorithms/ddp.py) or fsdp (FSDP2 shards parameters,
 gradients and AdamW state per decoder layer, the model built on the meta device and each rank's shards read from the
 checkpoint; HSDP with dp_replicate > 1; areal_mq/algorithms/fsdp.py). The strategy object owns the precision setup, how the model is
@@ -369,7 +370,7 @@ class Trainer:
                 else:  # None: one mini-batch, so this forward runs on the proximal weights (see recompute)
                     prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
                 loss, st = ppo_loss(logp, prox, mb.behav_logp, mb.advantages, step.tokens, self.cfg, mb.ref_logp,
-                                    mb.seq_index, step.seqs, entropy)
+                                    mb.seq_index, step.seqs, entropy, self.context.sequence_sums(mb))
                 entropy = entropy.detach()
                 self.accelerator.backward(loss * (self.parallel.dp * self._loss_scale))
             at_v = mb.prox_logp if mb.prox_logp is not None else logp  # the trainer's logprobs at version v

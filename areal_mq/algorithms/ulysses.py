@@ -40,14 +40,23 @@ gradients itself, through `ContextParallel` (one handle, every call a no-op at c
     cp.attach(lm)                         # after trainer.attention's setup, for the policy and the reference model
     mb = cp.shard(mb, pad_id)             # each micro-batch after packing (Trainer.prepare), before recompute
     token_logprobs(model, mb, ...)        # unchanged: policy.py passes mb.segments (a CpRow) to every attention call
+    ppo_loss(..., sums=cp.sequence_sums(mb))  # per-sequence statistics over the whole row (below)
     loss.backward() per micro-batch, then cp.reduce_grads(model) once per mini-batch, before unscaling and clipping
 A sum is linear: once per optimizer step is enough, and it commutes with DDP's or FSDP's data-parallel reduction
 (which runs inside backward). A cp group of 1 makes them all no-ops. Metrics: a rank's sums cover its tokens only
-(`n_tokens` its real tokens), so a sum over the cp ranks counts each once. Limits: token-level objectives only.
-Sequence-level statistics (loss_agg seq-mean-token-mean, policy_loss gspo, behav_weight_level sequence / geometric,
-kl_in reward's and reward_normalized's per-sequence suffix sums) would see only a slice's part of a sequence that crosses a slice boundary:
-`check_objective` refuses them under cp > 1 until those per-sequence sums are all-reduced over the group; so it does
-padded micro-batches.
+(`n_tokens` its real tokens), so a sum over the cp ranks counts each once.
+
+Sequence-level objectives: a sequence may cross a slice boundary, so a per-sequence statistic is a sum of the cp
+ranks' partial sums. `CpSequenceSums` (objective.py's SequenceSums seam) sums each rank's tokens per sequence number
+(the micro-batch's numbering, the same on every rank) and all-reduces them over the group: a sequence's token count
+(loss_agg seq-mean-token-mean), gspo's log s_i = mean(θ - p) and behav_weight_level sequence / geometric's sum or
+mean of (p - b); kl_in reward's suffix sum adds what the later ranks hold of the token's sequence (`later`: their
+columns come after). Every one of these is a constant of the loss (detached logprobs: gspo's gradient is s_i x
+grad θ_t, through each token's own θ_t), so a plain sum is exact; `totals` still all-reduces through an autograd
+Function whose backward is the same sum (d/dx_r of sum_r' L_r'(sum_r x_r) = sum_r' dL_r'/dy), so a statistic that
+carried a gradient would stay right. Each rank's loss then counts its own tokens, and the cp ranks' losses and summed
+gradients are the whole row's. Limits (`check_objective`): kl_in reward_normalized (advantages.normalize_returns
+takes each part's suffix sums alone), padded micro-batches, and shared rows under attention sdpa.
 
 Run: pytest tests/unit/algorithms/test_ulysses.py tests/integration/test_ulysses.py (cp 2 on 2 CPU ranks over gloo
 against one process: logprobs, loss and every gradient to 1e-5); tests/integration/test_trainer_tp_cp.py (the Trainer
@@ -62,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mq.algorithms.attention import Segment, _mask, varlen_attention
+from areal_mq.algorithms.objective import LOCAL, SequenceSums
 from areal_mq.algorithms.packing import MicroBatch
 from areal_mq.errors import ConfigError
 
@@ -106,26 +116,23 @@ def check_heads(config: Any, cp: int) -> None:
 
 def check_objective(cfg: Any, cp: int) -> None:
     """A clear error when trainer settings (a TrainerConfig) need what a slice cannot see at cp > 1: a statistic over
-    a whole sequence, or a row layout slice_microbatch refuses. Meant for config time, beside check_heads."""
+    a whole sequence that CpSequenceSums does not reach, or a row layout slice_microbatch refuses. Meant for config
+    time, beside check_heads. (loss_agg seq-mean-token-mean, policy_loss gspo, behav_weight_level sequence /
+    geometric and kl_in reward are summed over the cp group: CpSequenceSums.)"""
     if cp == 1:
         return
     bad = []
-    if cfg.loss_agg == "seq-mean-token-mean":
-        bad.append("loss_agg seq-mean-token-mean (divides by each sequence's token count)")
-    if cfg.policy_loss == "gspo":
-        bad.append("policy_loss gspo (a sequence-level ratio)")
-    if cfg.behav_correction and cfg.behav_weight_level != "token":
-        bad.append(f"behav_weight_level {cfg.behav_weight_level} (a sequence-level weight)")
-    if cfg.kl_coef > 0 and cfg.kl_in in ("reward", "reward_normalized"):
-        bad.append(f"kl_in {cfg.kl_in} (sums the KL to each sequence's end)")
+    if cfg.kl_coef > 0 and cfg.kl_in == "reward_normalized":
+        bad.append("kl_in reward_normalized (its returns' suffix sums are taken per rank, before the loss; "
+                   "kl_in reward is supported)")
     if cfg.packing == "padded":
         bad.append("packing padded (Ulysses splits one packed row)")
     if cfg.packing == "shared" and cfg.attention != "varlen":
         bad.append("packing shared with attention sdpa (its rows carry an L x L mask; use attention varlen)")
     if bad:
         raise ConfigError(f"Ulysses context parallelism (cp {cp}) splits a sequence over ranks, so each rank sees "
-                          f"only part of it; these trainer settings need all of it: {'; '.join(bad)}. Change them "
-                          "or train with cp 1")
+                          f"only part of it; these trainer settings are not built for that: {'; '.join(bad)}. "
+                          "Change them or train with cp 1")
 
 
 # ---------------------------------------------------------------- slicing (index arithmetic, no communication)
@@ -210,6 +217,45 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Any) -
     return _AllToAll.apply(x, scatter_dim, gather_dim, group)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over `group` on every rank; its backward is the same sum of the gradients (every rank's loss reads it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class CpSequenceSums(SequenceSums):
+    """Per-sequence sums over a cp group's slices of one packed row (see the module docstring): each rank sums its own
+    tokens into `n_seqs` slots (the micro-batch's sequence numbers, the same on every rank) and the group adds them.
+    Every rank of the group calls the same methods in the same order (collectives), empty slices included."""
+
+    def __init__(self, group: Any, n_seqs: int):
+        self.group, self.n_seqs = group, max(n_seqs, 1)
+
+    def slots(self, seq_index: torch.Tensor) -> int:
+        return self.n_seqs
+
+    def totals(self, values: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+        return _AllReduceSum.apply(self.own(values, seq_index), self.group)
+
+    @torch.no_grad()
+    def later(self, own: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(own) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, own.contiguous(), group=self.group)
+        after = parts[dist.get_rank(self.group) + 1:]
+        return torch.stack(after).sum(0) if after else torch.zeros_like(own)
+
+
 def ulysses_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                       dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                       areal_segments: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -267,6 +313,10 @@ class ContextParallel:
     def shard(self, mb: MicroBatch, pad_id: int = 0) -> MicroBatch:
         """This rank's share of a packed micro-batch (`mb` itself at cp 1)."""
         return mb if self.group is None else shard_microbatch(mb, self.group, pad_id)
+
+    def sequence_sums(self, mb: MicroBatch) -> SequenceSums:
+        """How ppo_loss sums a sequence of this (sharded) micro-batch: over the cp group, or LOCAL at cp 1."""
+        return LOCAL if self.group is None else CpSequenceSums(self.group, len(mb.seq_ids))
 
     def reduce_grads(self, model: Any) -> None:
         """Sum the gradients over the cp ranks: once per mini-batch, after its backward, before clipping."""

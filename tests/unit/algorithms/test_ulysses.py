@@ -138,21 +138,45 @@ def test_no_process_group_is_a_group_of_one():
 
 
 @pytest.mark.parametrize("setting, named", [
-    ({"loss_agg": "seq-mean-token-mean"}, "loss_agg seq-mean-token-mean"),
-    ({"policy_loss": "gspo", "loss_agg": "seq-mean-token-mean"}, "policy_loss gspo"),
-    ({"behav_weight_level": "sequence"}, "behav_weight_level sequence"),
-    ({"kl_coef": 0.1, "kl_in": "reward"}, "kl_in reward"),
     ({"kl_coef": 0.1, "kl_in": "reward_normalized", "adv_estimator": "reinforce_pp"}, "kl_in reward_normalized"),
     ({"packing": "padded"}, "packing padded"),
     ({"packing": "shared"}, "use attention varlen"),
 ])
-def test_sequence_level_settings_are_refused_under_cp(setting, named):
+def test_what_a_slice_cannot_compute_is_refused_under_cp(setting, named):
     cfg = TrainerConfig(**{"packing": "dynamic", **setting})
     with pytest.raises(ConfigError, match=named):
         check_objective(cfg, 2)
     check_objective(cfg, 1)  # cp 1: nothing is split
-    check_objective(TrainerConfig(packing="dynamic", kl_coef=0.1, kl_in="loss", entropy_coef=0.01), 2)  # per token
-    check_objective(TrainerConfig(packing="shared", attention="varlen", loss_agg="seq-mean-token-sum"), 2)
+
+
+@pytest.mark.parametrize("setting", [
+    {"kl_coef": 0.1, "kl_in": "loss", "entropy_coef": 0.01},  # per token
+    {"packing": "shared", "attention": "varlen", "loss_agg": "seq-mean-token-sum"},
+    {"loss_agg": "seq-mean-token-mean"},  # the sequence-level statistics, summed over the cp group (CpSequenceSums;
+    {"policy_loss": "gspo", "loss_agg": "seq-mean-token-mean"},  # tests/integration/test_ulysses_objectives.py)
+    {"behav_weight_level": "sequence"},
+    {"behav_weight_level": "geometric", "policy_loss": "gspo"},
+    {"kl_coef": 0.1, "kl_in": "reward"},
+])
+def test_sequence_level_objectives_train_under_cp(setting):
+    check_objective(TrainerConfig(**{"packing": "dynamic", **setting}), 2)
+
+
+def test_cp_sequence_sums_of_a_one_rank_group_are_the_local_ones(one_rank_group):
+    """CpSequenceSums on a group of one: the local sums (sized by the micro-batch's sequences, not its tokens), the
+    differentiable total's gradient passed through, nothing held by later ranks."""
+    from areal_mq.algorithms.objective import LOCAL
+    from areal_mq.algorithms.ulysses import ContextParallel, CpSequenceSums
+
+    seq_index = torch.tensor([0, 0, 1, 2, 2, 2])
+    x = torch.arange(6.0, requires_grad=True)
+    sums = CpSequenceSums(one_rank_group, 3)
+    total = sums.totals(x, seq_index)
+    assert total.tolist() == [1.0, 2.0, 12.0] and total.shape == (3,)
+    (total * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert x.grad.tolist() == [1.0, 1.0, 2.0, 3.0, 3.0, 3.0]
+    assert torch.equal(sums.later(sums.own(x.detach(), seq_index)), torch.zeros(3))
+    assert ContextParallel(None).sequence_sums(_dynamic_row()) is LOCAL and LOCAL.later(total) is None
 
 
 def test_the_trainers_handle_is_a_no_op_at_cp_1():
