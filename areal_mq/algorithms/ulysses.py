@@ -60,7 +60,8 @@ takes each part's suffix sums alone), padded micro-batches, and shared rows unde
 
 Run: pytest tests/unit/algorithms/test_ulysses.py tests/integration/test_ulysses.py (cp 2 on 2 CPU ranks over gloo
 against one process: logprobs, loss and every gradient to 1e-5); tests/integration/test_trainer_tp_cp.py (the Trainer
-at cp 2 against one process, its checkpoint resumed at tp 2).
+at cp 2 against one process, its checkpoint resumed at tp 2); tests/integration/test_ulysses_objectives.py (the
+sequence-level objectives at cp 2 against one process: the Trainer over two steps, ppo_loss case by case).
 """
 from __future__ import annotations
 
