@@ -174,21 +174,21 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     plain tensors are the one-group case."""
     from torch.distributed.tensor import DTensor
 
-    groups: dict[Any, list[torch.Tensor]] = {}
+    groups: dict[Any, list[nn.Parameter]] = {}  # mesh -> the parameters whose gradients live on it
     for p in params:
         if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if len(norms) == 1:
         total = norms[0]
     else:
         total = torch.stack(norms).square().sum().sqrt() if norms else torch.zeros(())
     if max_norm != float("inf"):
-        for grads in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+        for group in groups.values():  # it takes the PARAMETERS and scales their .grad (given gradients, whose
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)  # own .grad is None, it scaled nothing)
     return total
 
 

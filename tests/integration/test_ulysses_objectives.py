@@ -29,10 +29,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 FAMILY = "tiny-qwen2"
 # adam_eps 1e-6: see test_trainer_tp_cp.py (last-bit differences of a rarely seen embedding row's gradient).
-# grad_clip off: with behaviour logprobs near the model's the gradient norm is ~2.7, and fsdp.clip_grad_norm (the cp
-# trainer's clip) hands gradients where torch.nn.utils.clip_grads_with_norm_ takes parameters, so it clips nothing
-# while world 1 (ddp) clips: the parameters then part by up to 2e-4 after one step. Restore 1.0 once that is fixed.
-TRAINER = dict(lr=1e-3, max_tokens_per_mb=64, seed=3, grad_clip=None, ppo_n_minibatches=2, checkpoint_every=0,
+# grad_clip 1.0 with behaviour logprobs near the model's: the gradient norm is ~2.7, so the clip acts on both sides
+# (this test found fsdp.clip_grad_norm clipping nothing: it handed gradients to clip_grads_with_norm_, which takes
+# parameters; the parameters then parted from world 1's by up to 2e-4 after one step).
+TRAINER = dict(lr=1e-3, max_tokens_per_mb=64, seed=3, grad_clip=1.0, ppo_n_minibatches=2, checkpoint_every=0,
                attention="varlen", adam_eps=1e-6, policy_loss="gspo", loss_agg="seq-mean-token-mean",
                behav_weight_level="geometric", kl_coef=0.05, kl_in="reward")
 CLOSE = ("loss", "clip_frac", "grad_norm", "kl", "behav_weight_mean")

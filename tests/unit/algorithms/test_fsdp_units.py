@@ -78,3 +78,27 @@ print("same", len(new_grads))
                           env={"PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                                "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0 and "same" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+def test_clip_grad_norm_scales_the_gradients_it_reports_and_leaves_small_ones_alone():
+    """fsdp.clip_grad_norm (every fsdp/tp/cp trainer's clip) returns the norm before clipping and scales the
+    parameters' .grad to max_norm: it once handed the gradients themselves to clip_grads_with_norm_, which takes
+    parameters, so nothing was ever clipped while the reported norm looked right."""
+    from areal_mq.algorithms.fsdp import clip_grad_norm
+
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
+    a.grad, b.grad = torch.full((3,), 3.0), torch.full((4,), 4.0)  # norm sqrt(27 + 64)
+    before = (27.0 + 64.0) ** 0.5
+    norm = clip_grad_norm([a, b], 1.0)
+    assert abs(float(norm) - before) < 1e-5
+    after = torch.cat([a.grad, b.grad]).norm()
+    assert abs(float(after) - 1.0) < 1e-4, f"gradients not clipped: norm {float(after)}"
+    assert torch.allclose(a.grad, torch.full((3,), 3.0 / before), atol=1e-5)
+    small = torch.nn.Parameter(torch.zeros(2))
+    small.grad = torch.tensor([0.3, 0.4])
+    assert abs(float(clip_grad_norm([small], 1.0)) - 0.5) < 1e-6
+    assert torch.allclose(small.grad, torch.tensor([0.3, 0.4]))  # below max_norm: unchanged
+    big = torch.nn.Parameter(torch.zeros(2))
+    big.grad = torch.tensor([30.0, 40.0])
+    assert abs(float(clip_grad_norm([big], float("inf"))) - 50.0) < 1e-4
+    assert torch.allclose(big.grad, torch.tensor([30.0, 40.0]))  # inf: report only
