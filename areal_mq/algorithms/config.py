@@ -107,9 +107,10 @@ class ParallelConfig(BaseModel):
         1, description="Context parallelism: ranks that split one packed micro-batch's tokens (Ulysses, "
         "areal_mq/algorithms/ulysses.py: two all-to-alls around each attention call); the cp ranks hold the same "
         "parameter shards (FSDP shards over dp_shard only) and their gradients are summed. cp must divide the "
-        "attention heads and KV heads; token-level objectives only (ulysses.check_objective names the settings it "
-        "refuses at start: sequence-level loss_agg / gspo / behaviour weights, kl_in reward, padded packing, shared "
-        "packing under attention sdpa); refused with tp > 1 and with fsdp.offload.")
+        "attention heads and KV heads; sequence-level objectives (gspo, seq-mean loss_agg, sequence / geometric "
+        "behaviour weights, kl_in reward) sum each sequence's statistics over the cp ranks; ulysses.check_objective "
+        "names what it refuses at start: kl_in reward_normalized, padded packing, shared packing under attention "
+        "sdpa; refused with tp > 1 and with fsdp.offload.")
 
     @field_validator("dp_replicate", "dp_shard")
     @classmethod
