@@ -75,7 +75,8 @@ def reinforce_pp_estimator(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> 
     return [(r - mean) / scale for r in rewards]
 
 
-def normalize_returns(parts: Sequence[tuple], cfg: TrainerConfig, all_reduce: Callable | None = None) -> list:
+def normalize_returns(parts: Sequence[tuple], cfg: TrainerConfig, all_reduce: Callable | None = None,
+                      sums: Sequence | None = None) -> list:
     """trainer.kl_in reward_normalized, REINFORCE++ in the paper's order (arXiv 2501.03262 eq. 8-10; OpenRLHF):
     per trained token t of a sequence with transformed reward R, the return G_t = R - kl_coef x sum_{s >= t} KL_s
     (k1: KL_s = behaviour logp - reference logp, no discount), then A_t = (G_t - mean) / (std + adv_eps) with the
@@ -83,12 +84,18 @@ def normalize_returns(parts: Sequence[tuple], cfg: TrainerConfig, all_reduce: Ca
 
     `parts`: one (rewards [N], behav_logp [N], ref_logp [N], seq_index [N]) per micro-batch, torch tensors, the
     rewards each token's sequence's R. `all_reduce(tensor)` sums a float64 tensor over the data-parallel ranks
-    (None: one rank). Returns the advantages per part (float32). Every rank must call it (a collective)."""
+    (None: one rank). `sums`: one objective.SequenceSums per part (None: LOCAL each); under context parallelism
+    (ulysses.CpSequenceSums) a part is this rank's slice of a packed row, and a token's suffix sum adds what the later
+    cp ranks hold of its sequence; the step's mean and std then count each cp rank's own tokens, disjoint, through
+    `all_reduce`. Returns the advantages per part (float32). Every rank must call it (a collective)."""
     import torch
 
+    from areal_mq.algorithms.objective import LOCAL
     from areal_mq.algorithms.ppo import suffix_sums
 
-    returns = [r.double() - cfg.kl_coef * suffix_sums((b - ref).double(), i) for r, b, ref, i in parts]
+    sums = list(sums) if sums is not None else [LOCAL] * len(parts)
+    returns = [r.double() - cfg.kl_coef * suffix_sums((b - ref).double(), i, part_sums)
+               for (r, b, ref, i), part_sums in zip(parts, sums)]
     stats = torch.zeros(3, dtype=torch.float64, device=returns[0].device if returns else None)
     for g in returns:
         stats += torch.stack([g.new_tensor(float(g.numel())), g.sum(), (g * g).sum()])

@@ -108,8 +108,8 @@ class ParallelConfig(BaseModel):
         "areal_mq/algorithms/ulysses.py: two all-to-alls around each attention call); the cp ranks hold the same "
         "parameter shards (FSDP shards over dp_shard only) and their gradients are summed. cp must divide the "
         "attention heads and KV heads; sequence-level objectives (gspo, seq-mean loss_agg, sequence / geometric "
-        "behaviour weights, kl_in reward) sum each sequence's statistics over the cp ranks; ulysses.check_objective "
-        "names what it refuses at start: kl_in reward_normalized, padded packing, shared packing under attention "
+        "behaviour weights, kl_in reward and reward_normalized) sum each sequence's statistics over the cp ranks; "
+        "ulysses.check_objective names what it refuses at start: padded packing, shared packing under attention "
         "sdpa; refused with tp > 1 and with fsdp.offload.")
 
     @field_validator("dp_replicate", "dp_shard")

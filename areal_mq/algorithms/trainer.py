@@ -315,7 +315,8 @@ class Trainer:
                 dist.all_reduce(on, op=dist.ReduceOp.SUM)
                 t.copy_(on.cpu() if t.device.type == "cpu" else on)
         parts = [(mb.advantages, mb.behav_logp, mb.ref_logp, mb.seq_index) for mb in mbs]
-        for mb, adv in zip(mbs, normalize_returns(parts, self.cfg, reduce)):
+        sums = [self.context.sequence_sums(mb) for mb in mbs]  # cp: a sequence's KL on the later ranks counts too
+        for mb, adv in zip(mbs, normalize_returns(parts, self.cfg, reduce, sums)):
             mb.advantages = adv.to(mb.advantages.dtype)
 
     def _reference(self) -> Any:

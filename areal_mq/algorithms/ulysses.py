@@ -55,8 +55,9 @@ columns come after). Every one of these is a constant of the loss (detached logp
 grad θ_t, through each token's own θ_t), so a plain sum is exact; `totals` still all-reduces through an autograd
 Function whose backward is the same sum (d/dx_r of sum_r' L_r'(sum_r x_r) = sum_r' dL_r'/dy), so a statistic that
 carried a gradient would stay right. Each rank's loss then counts its own tokens, and the cp ranks' losses and summed
-gradients are the whole row's. Limits (`check_objective`): kl_in reward_normalized (advantages.normalize_returns
-takes each part's suffix sums alone), padded micro-batches, and shared rows under attention sdpa.
+gradients are the whole row's. kl_in reward_normalized's returns (advantages.normalize_returns)
+take the same suffix sums, and its mean and std count each rank's own tokens. Limits (`check_objective`): padded
+micro-batches, and shared rows under attention sdpa.
 
 Run: pytest tests/unit/algorithms/test_ulysses.py tests/integration/test_ulysses.py (cp 2 on 2 CPU ranks over gloo
 against one process: logprobs, loss and every gradient to 1e-5); tests/integration/test_trainer_tp_cp.py (the Trainer
@@ -119,13 +120,10 @@ def check_objective(cfg: Any, cp: int) -> None:
     """A clear error when trainer settings (a TrainerConfig) need what a slice cannot see at cp > 1: a statistic over
     a whole sequence that CpSequenceSums does not reach, or a row layout slice_microbatch refuses. Meant for config
     time, beside check_heads. (loss_agg seq-mean-token-mean, policy_loss gspo, behav_weight_level sequence /
-    geometric and kl_in reward are summed over the cp group: CpSequenceSums.)"""
+    geometric and kl_in reward / reward_normalized are summed over the cp group: CpSequenceSums.)"""
     if cp == 1:
         return
     bad = []
-    if cfg.kl_coef > 0 and cfg.kl_in == "reward_normalized":
-        bad.append("kl_in reward_normalized (its returns' suffix sums are taken per rank, before the loss; "
-                   "kl_in reward is supported)")
     if cfg.packing == "padded":
         bad.append("packing padded (Ulysses splits one packed row)")
     if cfg.packing == "shared" and cfg.attention != "varlen":

@@ -3,7 +3,8 @@ per-sequence aggregations at 32k-token answers, where a sequence is cut between 
 
 One launch of THIS file under torch.distributed.run, 2 ranks (gloo on the CPU, one thread per rank), fp32:
   1. the real Trainer at trainer.parallel cp 2 (varlen, shared packing, 2 mini-batches a step, a KL reference) with
-     policy_loss gspo, loss_agg seq-mean-token-mean, behav_weight_level geometric and kl_in reward: 2 steps, then
+     policy_loss gspo, loss_agg seq-mean-token-mean, behav_weight_level geometric and REINFORCE++'s kl_in
+     reward_normalized (advantages.normalize_returns: suffix sums across the ranks, mean/std over both): 2 steps, then
      its weights gathered. Answers of 8-29 tokens: every packed row cuts a sequence between the ranks (checked);
   2. ppo_loss itself on test_ulysses.py's three packed rows (3 sequences in a dynamic row, one cut by the split; one
      sequence that rank 0 holds none of; a shared prompt with two completions), the tiny Qwen2 switched to Ulysses,
@@ -34,7 +35,7 @@ FAMILY = "tiny-qwen2"
 # parameters; the parameters then parted from world 1's by up to 2e-4 after one step).
 TRAINER = dict(lr=1e-3, max_tokens_per_mb=64, seed=3, grad_clip=1.0, ppo_n_minibatches=2, checkpoint_every=0,
                attention="varlen", adam_eps=1e-6, policy_loss="gspo", loss_agg="seq-mean-token-mean",
-               behav_weight_level="geometric", kl_coef=0.05, kl_in="reward")
+               behav_weight_level="geometric", kl_coef=0.05, kl_in="reward_normalized", adv_estimator="reinforce_pp")
 CLOSE = ("loss", "clip_frac", "grad_norm", "kl", "behav_weight_mean")
 CASES = {
     "gspo-seqmean": dict(policy_loss="gspo", loss_agg="seq-mean-token-mean"),
