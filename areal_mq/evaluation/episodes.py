@@ -5,10 +5,14 @@ episodes at once (the engine batches their turns), on the base model or a publis
 
     acc_first     correct at the first model turn (ctx.info correct_at == 1)
     acc_within    correct at any attempt (correct_at >= 1)
-    tool_frac     episodes that called the tool (tool_calc: ctx.info tool_calls > 0), with acc_with_tool /
-                  acc_without_tool over those two subsets
+    tool_frac     episodes that called the tool (tool_calc, openai_agent: ctx.info tool_calls > 0), with
+                  acc_with_tool / acc_without_tool over those two subsets
+    tool_error_frac  episodes with ctx.info tool_errors > 0 (tool_calc: an expression the calculator refused;
+                  openai_agent: a reply that opened a tool call that was not a valid one)
 Run: python -m areal_mq.evaluation.episodes --config configs/multiturn.yaml [--weights runs/multiturn/weights/v36]
         [--workflow tool_calc] [--n 200] [--out result.json]
+     python -m areal_mq.evaluation.episodes --config configs/tools-arith.yaml --workflow openai_agent --n 100 \
+        [--set agent.workflow_args.agent=areal_mq.workflows.calculator_agent:solve_no_tools]
 """
 from __future__ import annotations
 
@@ -68,7 +72,8 @@ def evaluate_workflow(cfg: Any, workflow: str | None = None, weights: str | None
         results = asyncio.run(_episodes(cfg, fn, problems, tokenizer, fmt, backend, sampling, progress))
     finally:
         engine.close()
-    return summarize(results, spec, weights, time.perf_counter() - t0)
+    return {**summarize(results, spec, weights, time.perf_counter() - t0),
+            "workflow_args": dict(cfg.agent.workflow_args)}  # e.g. openai_agent's agent: which arm this is
 
 
 def summarize(results: list, spec: str, weights: str | None, seconds: float) -> dict:
@@ -83,8 +88,10 @@ def summarize(results: list, spec: str, weights: str | None, seconds: float) -> 
     return {"workflow": spec, "weights": weights or "base", "n": n,
             "acc_first": round(sum(i.get("correct_at", 0) == 1 for i in infos) / n, 4), "acc_within": acc(infos),
             "failed": sum(o.error is not None for o, _ in results),
+            "errors": sorted({o.error[:160] for o, _ in results if o.error is not None})[:5],  # why, a few kinds
             "turns_mean": round(sum(o.turns for o, _ in results) / n, 3),
             "tool_frac": round(len(tool) / n, 4), "acc_with_tool": acc(tool), "acc_without_tool": acc(no_tool),
+            "tool_error_frac": round(sum(i.get("tool_errors", 0) > 0 for i in infos) / n, 4),
             "seconds": round(seconds, 1)}
 
 

@@ -29,7 +29,8 @@ SYSTEM_NO_TOOLS = "You are a careful math assistant. End with the answer in \\bo
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator",
     "description": "Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
+    "parameters": {"type": "object",
+                   "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
                    "required": ["expression"]}}}
 
 EXAMPLE = [  # numbers outside every arith pool (as the quickstart's examples), so it shares nothing with a problem

@@ -57,6 +57,8 @@ from areal_mq.workflows.episode import Episode
 MODEL = "policy"  # the one model the in-process endpoint serves: the policy being trained
 MAX_AGENT_THREADS = 1024  # sync agents running at once (threads start on demand; a hung one keeps its thread)
 MAX_EPISODES = 8192  # episodes recorded at once (agent.max_episodes is at most 4096; evaluations run n at once)
+TURN_WAIT_S = 24 * 3600.0  # no deadline of its own: agent.episode_timeout_s ends a turn (an evaluation queues all
+# its episodes at once, so a late one waits for the engine; the endpoint's default 300 s failed most of 100)
 
 
 class AgentFailed(WorkflowError):
@@ -212,7 +214,7 @@ class AgentEndpoint:
         self.api_key = secrets.token_hex(16)
         self.bridge = EpisodeBridge()
         cfg = ServeConfig(host="127.0.0.1", port=0, api_key=self.api_key, max_connections=MAX_EPISODES,
-                          read_timeout_s=300.0, api=ApiLimits(max_tokens=4096),
+                          read_timeout_s=300.0, request_timeout_s=TURN_WAIT_S, api=ApiLimits(max_tokens=4096),
                           episodes=RecorderLimits(max_episodes=MAX_EPISODES, ttl_s=24 * 3600.0))
         self.service = ChatService(cfg, MODEL, tokenizer, self.bridge, EpisodeRecorder(cfg.episodes))
         self.server = OpenAIServer(self.service)

@@ -56,7 +56,8 @@ def calls_forever(client, problem):
             r = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR])
             messages.append(r.choices[0].message)
             for call in r.choices[0].message.tool_calls or []:
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(call.function.arguments)})
+                result = calculator(call.function.arguments)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     except openai.BadRequestError:
         return "\\boxed{5}"
     return "never refused"
@@ -71,3 +72,9 @@ def other_episode(client, problem):
 def asks_two_choices(client, problem):
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": problem.prompt}], n=2)
     return "x"
+
+
+def streams(client, problem):
+    chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": problem.prompt}],
+                                            stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -80,13 +80,15 @@ def test_the_calculator_agent_trains_its_tool_call_result_and_answer(tokenizer, 
     assert endpoint.recorder.get("ep-1") is None and endpoint.bridge.open_episodes() == 0  # nothing left behind
 
 
-def test_no_tools_arm_and_an_async_agent(tokenizer, endpoint):
+def test_no_tools_arm_an_async_agent_and_a_streaming_one(tokenizer, endpoint):
     outcome, ctx, model = episode(tokenizer, endpoint, "areal_mq.workflows.calculator_agent:solve_no_tools",
                                   ["It is \\boxed{41}."], episode_id="ep-2")
     assert outcome.error is None and outcome.seq.reward == 0.0 and ctx.info["tool_calls"] == 0
     assert "calculator" not in tokenizer.decode(model.requests[0].prompt_ids)
     outcome, ctx, _ = episode(tokenizer, endpoint, f"{AGENTS}:answers_async", ["\\boxed{42}"], episode_id="ep-3")
     assert outcome.error is None and outcome.seq.reward == 1.0 and ctx.info["chat_calls"] == 1
+    outcome, ctx, _ = episode(tokenizer, endpoint, f"{AGENTS}:streams", ["So \\boxed{42}"], episode_id="ep-3s")
+    assert outcome.error is None and outcome.seq.reward == 1.0 and ctx.info["exact_turns"] == 1
 
 
 def test_a_malformed_call_is_text_and_a_bad_expression_an_answer(tokenizer, endpoint):
@@ -150,3 +152,26 @@ def test_config_code_imports_neither_openai_nor_the_endpoint():
             "print(sorted(m for m in ('openai', 'torch', 'areal_mq.openai.server') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_concurrent_episodes_on_an_in_process_engine(tokenizer, endpoint, make_engine):
+    """The evaluation's set-up (workflows/local.py): the engine's pump and the endpoint's threads share one loop."""
+    from areal_mq.workflows.local import EngineBackend
+
+    backend = EngineBackend(make_engine(max_concurrent=4))
+
+    async def main():
+        ctxs = [EpisodeContext(Problem(f"p{i}", f"What is {i} + 2?", str(i + 2)), [1, 2, 3], tokenizer, backend,
+                               sampling=SamplingSpec(temperature=0.0, max_new_tokens=16), episode_id=f"eng-{i}",
+                               max_tokens=256, args={"agent": "areal_mq.workflows.calculator_agent:solve"})
+                for i in range(3)]
+        flow = lambda c, p: run_agent(c, p, endpoint)  # noqa: E731
+        return ctxs, await asyncio.gather(*(run_episode(flow, c, c.problem, 120) for c in ctxs))
+
+    ctxs, outcomes = asyncio.run(main())
+    for ctx, outcome in zip(ctxs, outcomes):
+        assert outcome.error is None, outcome.error
+        seq = outcome.seq
+        assert ctx.info["exact_turns"] == ctx.info["chat_calls"] >= 1
+        assert (seq.versions[seq.loss_mask == 1] >= 0).all() and (seq.versions[seq.loss_mask == 0] == -1).all()
+        assert 0 < int(seq.loss_mask.sum()) <= 64 * ctx.info["chat_calls"]  # the agent's max_tokens per reply
