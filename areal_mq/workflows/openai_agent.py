@@ -206,6 +206,14 @@ class EpisodeBridge:
         return why
 
 
+class AgentServer(OpenAIServer):
+    """The endpoint's HTTP server with a listen backlog for every episode's client connecting at once (an
+    evaluation starts n together; the default backlog of 5 drops connections on a busy machine: a first 100-episode
+    evaluation here lost some to `APIConnectionError`)."""
+
+    request_queue_size = 1024
+
+
 class AgentEndpoint:
     """The endpoint an agent process's clients talk to: ChatService + OpenAIServer on 127.0.0.1 (a free port, a
     random API key), its backend the EpisodeBridge, and the thread pool sync agents run in. `close()` stops it."""
@@ -217,7 +225,7 @@ class AgentEndpoint:
                           read_timeout_s=300.0, request_timeout_s=TURN_WAIT_S, api=ApiLimits(max_tokens=4096),
                           episodes=RecorderLimits(max_episodes=MAX_EPISODES, ttl_s=24 * 3600.0))
         self.service = ChatService(cfg, MODEL, tokenizer, self.bridge, EpisodeRecorder(cfg.episodes))
-        self.server = OpenAIServer(self.service)
+        self.server = AgentServer(self.service)
         self.threads = concurrent.futures.ThreadPoolExecutor(MAX_AGENT_THREADS, thread_name_prefix="openai-agent")
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="openai-agent-http", daemon=True)
