@@ -66,7 +66,8 @@ def test_a_turn_spanning_a_weight_update_is_stamped_per_token(make_engine, tiny_
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))
 def test_builtins_run_end_to_end_on_the_tiny_model(make_engine, tiny_tokenizer, name):
-    ctx = context(make_engine(), tiny_tokenizer, args={"attempts": 3},
+    args = {"attempts": 3, "agent": "areal_mq.workflows.calculator_agent:solve"}  # what each built-in reads
+    ctx = context(make_engine(), tiny_tokenizer, args=args,
                   sampling=SamplingSpec(temperature=1.0, max_new_tokens=12, seed=3))
     outcome = asyncio.run(run_episode(BUILTINS[name], ctx, PROBLEM, 120))
     assert outcome.error is None, outcome.error
