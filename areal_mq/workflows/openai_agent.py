@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import inspect
 import secrets
 import threading
@@ -71,15 +70,9 @@ def load_agent(spec: Any) -> Callable:
         raise ConfigError("openai_agent needs agent.workflow_args.agent: 'module:function' naming "
                           "`def solve(client: openai.OpenAI, problem) -> str`, e.g. "
                           "areal_mq.workflows.calculator_agent:solve")
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name.isidentifier():
-        raise ConfigError(f"agent.workflow_args.agent {spec!r}: use 'module:function', e.g. my_pkg.agents:solve")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise ConfigError(f"agent {spec!r}: cannot import {module!r} ({exc}); is it on PYTHONPATH?") from None
-    except AttributeError:
-        raise ConfigError(f"agent {spec!r}: module {module!r} has no {name!r}") from None
+    from areal_mq.workflows.runner import import_function
+
+    fn = import_function(spec, f"agent.workflow_args.agent {spec!r}", "'module:function', e.g. my_pkg.agents:solve")
     if not callable(fn):
         raise ConfigError(f"agent {spec!r} is a {type(fn).__name__}, not a function `solve(client, problem)`")
     return fn

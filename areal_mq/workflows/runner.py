@@ -21,21 +21,28 @@ from areal_mq.messages import SeqSample
 from areal_mq.workflows.builtin import BUILTINS
 
 
+def import_function(spec: str, what: str, usage: str) -> Any:
+    """The object 'package.module:function' names (the operator's config or CLI, never the wire); ConfigError naming
+    `what` (e.g. "workflow 'x:y'") and `usage` (the accepted forms, with an example) when it is not one."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name.isidentifier():
+        raise ConfigError(f"{what}: use {usage}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ConfigError(f"{what}: cannot import {module!r} ({exc}); is it on PYTHONPATH?") from None
+    except AttributeError:
+        raise ConfigError(f"{what}: module {module!r} has no {name!r}") from None
+
+
 def load_workflow(spec: str) -> Callable:
     """A built-in name or 'package.module:function' naming an `async def f(ctx, problem)`."""
     if spec in BUILTINS:
         return BUILTINS[spec]
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name.isidentifier():
-        raise ConfigError(f"workflow {spec!r}: use a built-in ({', '.join(BUILTINS)}) or 'module:function', "
-                          "e.g. my_pkg.workflows:episode")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise ConfigError(f"workflow {spec!r}: cannot import {module!r} ({exc}); is it on PYTHONPATH?") from None
-    except AttributeError:
-        raise ConfigError(f"workflow {spec!r}: module {module!r} has no {name!r}") from None
+    fn = import_function(spec, f"workflow {spec!r}", f"a built-in ({', '.join(BUILTINS)}) or 'module:function', "
+                         "e.g. my_pkg.workflows:episode")
     if not inspect.iscoroutinefunction(fn):
+        name = spec.partition(":")[2]
         raise ConfigError(f"workflow {spec!r} must be an async function `async def {name}(ctx, problem)`")
     return fn
 

@@ -111,7 +111,7 @@ def test_a_malformed_call_is_text_and_a_bad_expression_an_answer(tokenizer, endp
     (f"{AGENTS}:calls_forever", [CALL] * 3, "call 3 exceeds agent.max_turns (2)"),
     (f"{AGENTS}:other_episode", [], "no running episode 'someone-else'"),
     (f"{AGENTS}:asks_two_choices", [], "n must be 1"),
-    ("no_such_module:solve", [], "ConfigError: agent 'no_such_module:solve': cannot import 'no_such_module'"),
+    ("no_such_module:solve", [], "ConfigError: agent.workflow_args.agent 'no_such_module:solve': cannot import 'no_such_module'"),
     (f"{AGENTS}:NOT_AN_AGENT", [], "is a int, not a function"),
     (None, [], "openai_agent needs agent.workflow_args.agent"),
 ])
