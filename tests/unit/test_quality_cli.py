@@ -17,3 +17,38 @@ def test_default_figure_is_one_per_run_length(tmp_path):
         path = quality.default_plot(Namespace(quick=False, versions=versions), tmp_path)
         assert path == ROOT / "docs" / f"quality_v{versions}.png"
     assert quality.default_plot(Namespace(quick=True, versions=50), tmp_path) == tmp_path / "quality.png"
+
+
+def test_prune_keeps_only_the_final_weights_when_asked(tmp_path):
+    for sub in ("weights/v49", "weights/v50", "checkpoints/step50", "eval_pins/v25"):
+        (tmp_path / sub).mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    quality.prune(tmp_path, keep_final=50)  # --keep-final
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v50"]
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "eval_pins").exists()
+    quality.prune(tmp_path)  # the default: every version goes, the metrics stay
+    assert not list((tmp_path / "weights").iterdir()) and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_recipe_report_pairs_each_recipe_with_grpo(tmp_path):
+    """benchmarks/quality/recipes_report.py: v50 accuracy per seed, the gap to GRPO's same seed and to its mean over
+    all its seeds; runs of another length, size or a mode that is no recipe are left out."""
+    import recipes_report
+
+    def run(mode, seed, strict, versions=50, eval_n=1100):
+        return {"mode": mode, "seed": seed, "versions": versions, "eval_n": eval_n, "quick": False, "date": "d",
+                "evals": [{"version": 0, "strict": 0.2, "t_s": 0.0}, {"version": versions, "strict": strict,
+                                                                       "t_s": 20.0 * versions}],
+                "per_step": {"entropy": [0.6, 0.1], "clip_frac": [0.0, 0.02]}}
+
+    runs = [run("async_eta2", 0, 0.40), run("async_eta2", 1, 0.46), run("gspo_eta2", 0, 0.45),
+            run("gspo_eta2", 1, 0.30), run("drgrpo_eta2", 0, 0.41, versions=20), run("sync", 0, 0.9),
+            run("rloo_eta2", 0, 0.5, eval_n=200)]
+    s = recipes_report.summary(runs, 50, 1100)
+    assert set(s["modes"]) == {"async_eta2", "gspo_eta2"} and s["grpo_mean"] == 43.0
+    gspo = s["modes"]["gspo_eta2"]
+    assert gspo["strict_v50"] == {0: 45.0, 1: 30.0} and gspo["mean"] == 37.5
+    assert gspo["gap_to_grpo_same_seed"] == [5.0, -16.0] and gspo["gap_to_grpo_mean"] == -5.5
+    assert gspo["within_target"] is False  # 5.5 points below GRPO's mean: outside the ±5 target
+    assert gspo["clip_frac_max"] == [0.02, 0.02] and gspo["s_per_version"] == [20.0, 20.0]
+    assert "GSPO" in recipes_report.table(s, {"gspo_eta2": {"pass@1": 0.3, "pass@8": 0.6, "n": 200}})
