@@ -70,7 +70,7 @@ def load_agent(spec: Any) -> Callable:
         raise ConfigError("openai_agent needs agent.workflow_args.agent: 'module:function' naming "
                           "`def solve(client: openai.OpenAI, problem) -> str`, e.g. "
                           "areal_mq.workflows.calculator_agent:solve")
-    from areal_mq.workflows.runner import import_function
+    from areal_mq.workflows.specs import import_function
 
     fn = import_function(spec, f"agent.workflow_args.agent {spec!r}", "'module:function', e.g. my_pkg.agents:solve")
     if not callable(fn):

@@ -9,7 +9,6 @@ not exceptions: the agent answers the job with an Error and takes the next one.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import time
@@ -19,20 +18,7 @@ from typing import Any, Callable
 from areal_mq.errors import ConfigError
 from areal_mq.messages import SeqSample
 from areal_mq.workflows.builtin import BUILTINS
-
-
-def import_function(spec: str, what: str, usage: str) -> Any:
-    """The object 'package.module:function' names (the operator's config or CLI, never the wire); ConfigError naming
-    `what` (e.g. "workflow 'x:y'") and `usage` (the accepted forms, with an example) when it is not one."""
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name.isidentifier():
-        raise ConfigError(f"{what}: use {usage}")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise ConfigError(f"{what}: cannot import {module!r} ({exc}); is it on PYTHONPATH?") from None
-    except AttributeError:
-        raise ConfigError(f"{what}: module {module!r} has no {name!r}") from None
+from areal_mq.workflows.specs import import_function
 
 
 def load_workflow(spec: str) -> Callable:
