@@ -266,11 +266,11 @@ def record(run: dict, args, run_dir: Path, started: float, wall_s: float, sets: 
 def prune(run_dir: Path, keep_final: int | None = None) -> None:
     """Keep the run's metrics, evaluations and logs; its weights and checkpoints (~0.5 GB a version) go, except
     weights/v{keep_final} where given (--keep-final: for a later `areal-mq eval --samples N` of the final policy)."""
-    for sub in ("checkpoints", "eval_pins"):
+    for sub in ("checkpoints", "eval_pins") if keep_final is not None else ("weights", "checkpoints", "eval_pins"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)
     weights = run_dir / "weights"
-    for version in (weights.iterdir() if weights.is_dir() else ()):
-        if keep_final is None or version.name != f"v{keep_final}":
+    for version in (weights.iterdir() if keep_final is not None and weights.is_dir() else ()):
+        if version.name != f"v{keep_final}":
             shutil.rmtree(version, ignore_errors=True)
 
 
