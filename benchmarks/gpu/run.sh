@@ -9,6 +9,7 @@
 #   e   configs/quickstart-gpu.yaml to v50, held-out accuracy  (stage_e_quickstart.py; real weights)
 #   f   e2e async vs sync                                      (stage_f_e2e.py -> benchmarks/speed/e2e.py; real weights)
 #   g   FSDP2 trainer (world 1) vs plain loop, Qwen2.5-1.5B / Qwen3-4B shapes (stage_g_fsdp.py; random weights)
+#   h   long answers: dense vs block mask, 7B shape at 8k-32k (stage_h_long.py; random weights; not in all)
 #   l   sharded loading: 7B / 14B shapes built on meta, loaded, one step (stage_l_load.py; random weights; not in all)
 #   p   precision pairs bf16/bf16, fp16/fp16, bf16/fp32: quickstart-gpu to v50 each (stage_p_precision.py; real weights; not in all)
 #   q   quality study: sync vs async η=2 pairs, workers side by side (stage_q_quality.py; real weights; not in all)
@@ -97,6 +98,7 @@ run_stage() {
     b) timeout 590 "$PY" benchmarks/gpu/stage_b_engine.py "${args[@]}" ;;
     c) timeout 590 "$PY" benchmarks/gpu/stage_c_trainer.py "${args[@]}" ;;
     g) timeout 590 "$PY" benchmarks/gpu/stage_g_fsdp.py "${args[@]}" ;;
+    h) timeout 590 "$PY" benchmarks/gpu/stage_h_long.py "${args[@]}" ;;
     l) timeout 590 "$PY" benchmarks/gpu/stage_l_load.py "${args[@]}" ;;
     p) timeout 590 "$PY" benchmarks/gpu/stage_p_precision.py "${args[@]}" ;;
     d) timeout 590 "$PY" benchmarks/gpu/stage_d_update.py "${args[@]}" ;;
@@ -112,8 +114,8 @@ case "$STAGE" in
   model-a) receive_half a ;;
   model-b) receive_half b ;;
   install) ensure_installed ;;
-  a|b|c|d|e|f|g|l|p|q|fit) ensure_installed; stage "$STAGE" ;;
+  a|b|c|d|e|f|g|h|l|p|q|fit) ensure_installed; stage "$STAGE" ;;
   all) ensure_installed; rm -f "$DEST/results.md"; for s in a b c d e f g fit; do stage "$s"; done
        echo "run.sh: all stages done; results in $DEST (results.md, stage_*.json, sim_timing.json)" ;;
-  *) echo "run.sh: unknown stage '${STAGE}'; one of a b c d e f g l p q fit all install model-a model-b (header)" >&2; exit 2 ;;
+  *) echo "run.sh: unknown stage '${STAGE}'; one of a b c d e f g h l p q fit all install model-a model-b (header)" >&2; exit 2 ;;
 esac

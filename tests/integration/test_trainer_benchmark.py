@@ -64,3 +64,59 @@ def test_trainer_root_units_benchmark_quick_runs(tmp_path):
     assert len(before["rank_step_peak_gib"]) == report["world"] == 2
     assert report["loss_max_abs_diff"] == 0.0 and report["plan"]["before_gib"] > report["plan"]["after_gib"]
     assert "fsdp_root_units_rank_peak" in stdout and "command: python benchmarks/speed/trainer.py --root" in stdout
+
+
+def _trainer_long():
+    import importlib
+    import sys
+
+    from .bench_smoke import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "speed"))
+    return importlib.import_module("trainer_long")
+
+
+def test_long_ratios_carry_the_issues_names():
+    """`trainer.py --long`'s ratios (issue 61 item 5): dense_vs_block_mask_peak_16k from the micro-batch peaks, the
+    growth from 8k to the longest per attention; the dense path's skip is decided by its mask's 5 bytes a pair."""
+    tl = _trainer_long()
+    rows = [{"attention": a, "length": n, "mb_peak_gib": p, "seconds": s, "loss": -1e-6}
+            for a, n, p, s in (("sdpa", 2048, 1.1, 10), ("varlen", 2048, 1.0, 10), ("sdpa", 8192, 2.0, 40),
+                               ("varlen", 8192, 1.5, 40), ("sdpa", 16384, 4.0, 90), ("varlen", 16384, 2.0, 80),
+                               ("varlen", 32768, 3.0, 200))]
+    r = tl.ratios(rows)
+    assert r["dense_vs_block_mask_peak_16k"] == 2.0 and r["dense_vs_block_mask_peak_2k"] == 1.1
+    assert r["block_vs_dense_speed_16k"] == 1.125
+    assert r["varlen_peak_growth_8k_to_32k"] == 2.0 and r["sdpa_peak_growth_8k_to_16k"] == 2.0
+    assert "dense_vs_block_mask_peak_32k" not in r  # sdpa did not run at 32k: no ratio made up
+    assert tl.mask_gib(16384) == 1.25 and tl.mask_gib(32768) == 5.0
+    rows[0]["loss"] = -0.5  # the two attentions must train the same micro-batch to the same loss
+    with pytest.raises(RuntimeError, match="losses differ"):
+        tl.ratios(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_long_gpu_stage_quick_on_the_cpu(tmp_path):
+    """benchmarks/gpu/stage_h_long.py --device cpu --quick (run.sh h's code path; trainer_long's --quick sizes): both
+    attentions at 512 and 1024 tokens, each in its own process, the peaks and ratios written."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .bench_smoke import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu/stage_h_long.py"), "--device", "cpu", "--quick",
+                           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=560, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads((tmp_path / "out" / "stage_h.json").read_text())
+    assert r["stage"] == "h" and [(x["length"], x["attention"]) for x in r["rows"]] == [
+        (512, "sdpa"), (512, "varlen"), (1024, "sdpa"), (1024, "varlen")]
+    assert all(0 < x["mb_peak_gib"] <= x["step_peak_gib"] + 0.05 for x in r["rows"])
+    assert set(r["ratios"]) >= {"dense_vs_block_mask_peak_512", "dense_vs_block_mask_peak_1k", "block_vs_dense_speed_1k"}
+    assert "need 2 or more" in r["parallel"]["why"]
+    assert "## Stage h" in (tmp_path / "out" / "results.md").read_text()
