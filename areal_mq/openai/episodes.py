@@ -55,11 +55,12 @@ class Choice:
     finish_reason: str
     tool_calls: int = 0  # calls parsed out of its text (the tokens stay as generated)
     tool_error: str = ""  # why text that opened a tool call was returned as text (toolcalls.ParsedReply.error)
+    tool_repairs: int = 0  # of tool_calls, those read as a bare argument (the prompted_bare family)
 
     def to_json(self) -> dict:
         return {"output_ids": self.output_ids.tolist(), "logprobs": self.logprobs.tolist(),
                 "versions": self.versions.tolist(), "finish_reason": self.finish_reason,
-                "tool_calls": self.tool_calls, "tool_error": self.tool_error}
+                "tool_calls": self.tool_calls, "tool_error": self.tool_error, "tool_repairs": self.tool_repairs}
 
 
 @dataclass

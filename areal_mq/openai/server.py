@@ -38,7 +38,7 @@ from areal_mq.openai.backend import OpenAIBackend
 from areal_mq.openai.episodes import Choice, EpisodeRecorder, RecorderLimits, RecordedTurn, Served
 from areal_mq.openai.prompts import Prompt, PromptBuilder, message_key, tools_key
 from areal_mq.openai.streaming import HELD_FAMILIES, TextStream, chunks
-from areal_mq.openai.toolcalls import FAMILIES, ToolFamily, family_for
+from areal_mq.openai.toolcalls import FAMILIES, ToolFamily, family_for, parse_reply
 from areal_mq.security import RateLimited
 
 EPISODE_PATH = re.compile(r"^/v1/episodes/([A-Za-z0-9_.:@-]{1,128})$")
@@ -101,7 +101,7 @@ class ChatService:
         if call.stream:
             return self._stream(call, built, family)
         results = self.backend.generate(prompt, call.samplings, sessions, self.cfg.request_timeout_s)
-        parsed = [family.parse(built.forced + r.text) for r in results]
+        parsed = [parse_reply(family, built.forced + r.text, call.tools) for r in results]
         messages = [assistant_message(p.content, p.tool_calls) for p in parsed]
         if call.episode_id:
             self._record(call, built, results, parsed, messages)
@@ -116,7 +116,7 @@ class ChatService:
                           hold_all=tools and (bool(built.forced) or family.name not in HELD_FAMILIES))
 
         def finish(result: Any) -> tuple[Any, dict]:
-            parsed = family.parse(built.forced + result.text)
+            parsed = parse_reply(family, built.forced + result.text, call.tools)
             message = assistant_message(parsed.content, parsed.tool_calls)
             if call.episode_id:
                 self._record(call, built, [result], [parsed], [message])
@@ -134,7 +134,7 @@ class ChatService:
         """The turn (tokens exactly as generated, whatever the parser made of them) and what was served."""
         ids = np.asarray(built.ids, dtype=np.int32)
         turn = RecordedTurn(ids, [Choice(r.output_ids, r.logprobs, r.versions, r.finish_reason, len(p.tool_calls),
-                                         p.error) for r, p in zip(results, parsed)],
+                                         p.error, p.repaired) for r, p in zip(results, parsed)],
                             origin=built.origin, split_reason=built.split_reason, edit_at=built.edit_at)
         served = Served([message_key(m) for m in call.messages], tools_key(call.tools), ids,
                         [(message_key(m), np.asarray(r.output_ids, dtype=np.int32)) for m, r in zip(messages, results)])

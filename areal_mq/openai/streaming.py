@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterator
 
 from areal_mq.messages import GeneratePartial, GenerateResult
 
-HELD_FAMILIES = {"qwen": "<tool_call>", "prompted": "<tool_call>"}  # where a call opens in a streamed reply
+# where a call opens in a streamed reply
+HELD_FAMILIES = {"qwen": "<tool_call>", "prompted": "<tool_call>", "prompted_bare": "<tool_call>"}
 
 
 class TextStream:

@@ -7,6 +7,11 @@ What: a `ToolFamily` says how the endpoint offers tools to a model and reads its
     `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`, several joined by `;`).
   - prompted: the template knows no tools (SmolLM2's own): the endpoint lists the tools in the system message
     (PROMPTED_SYSTEM, the qwen form) and renders tool results as `<tool_response>` user text; qwen parsing.
+  - prompted_bare: as `prompted`, and a call whose arguments are not a JSON object is read as the bare value of
+    the function's one string parameter when it has exactly one (`{"name": "calculator", "arguments": 18 + 64}`
+    -> {"expression": "18 + 64"}): what a small model without tool training writes (benchmarks/quality/RESULTS.md).
+    Chosen by name only (`--tool-family prompted_bare`, the openai_agent workflow's `tool_family`), never by auto;
+    each such call is counted in the episode record's `tool_repairs`.
   - none: tools are rendered as for `prompted`, nothing is parsed: the reply is always text.
 `family_for(chat_template, name="auto")` picks one; `family.parse(text)` returns a ParsedReply: the content,
 OpenAI `tool_calls` entries (ids `call_<hex>`), and `error` when text that opened a call was not a valid call
@@ -38,6 +43,7 @@ class ParsedReply:
     content: str | None  # None when the reply is only tool calls
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI entries {"id", "type", "function"}
     error: str = ""  # "" or why a call the text opened was not parsed (then content is the whole text)
+    repaired: int = 0  # calls read as a bare argument (prompted_bare), counted in the episode record
 
 
 def _entry(name: str, arguments: dict) -> dict:
@@ -112,6 +118,65 @@ def parse_none(text: str) -> ParsedReply:
     return ParsedReply(text)
 
 
+BARE_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*(.*)', re.S)
+MAX_BARE_CHARS = 2000  # a bare argument longer than this is not read as one
+
+
+def string_parameter(tools: list[dict], name: str) -> str | None:
+    """The one parameter of function `name` when it has exactly one and it is a string; else None."""
+    for tool in tools:
+        fn = tool.get("function") or {}
+        if fn.get("name") != name:
+            continue
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        if isinstance(props, dict) and len(props) == 1:
+            (key, spec), = props.items()
+            if isinstance(spec, dict) and spec.get("type") == "string":
+                return key
+    return None
+
+
+def bare_call(body: str, tools: list[dict]) -> dict | None:
+    """A `<tool_call>` body `{"name": N, "arguments": VALUE}` whose VALUE is not a JSON object, read as N's one
+    string parameter (the text up to the object's closing brace, a JSON string unquoted); None when it is not that."""
+    m = BARE_CALL.fullmatch(body)
+    if not m:
+        return None
+    key = string_parameter(tools, m.group(1))
+    raw = m.group(2).strip()
+    raw = raw[:-1].rstrip() if raw.endswith("}") else raw
+    if key is None or not raw or raw.startswith("{") or len(raw) > MAX_BARE_CHARS:
+        return None
+    if raw.startswith('"'):
+        try:
+            value = json.loads(raw)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(value, str):
+            return None
+    else:
+        value = raw
+    return _entry(m.group(1), {key: value})
+
+
+def repair_bare(text: str, tools: list[dict], parsed: ParsedReply) -> ParsedReply:
+    """prompted_bare: `parsed` with its malformed calls read as bare arguments where every one of them can be (else
+    `parsed` unchanged: a reply is all calls or text, never half of each)."""
+    if not parsed.error:
+        return parsed
+    calls, repaired = [], 0
+    for body in CALL_BLOCK.findall(text):
+        entry, _ = _call(body.strip(), "arguments")
+        if entry is None:
+            entry = bare_call(body.strip(), tools)
+            repaired += 1
+        if entry is None:
+            return parsed
+        calls.append(entry)
+    rest = CALL_BLOCK.sub("", text).strip()
+    return ParsedReply(rest or None, calls, "", repaired)
+
+
 @dataclass(frozen=True)
 class ToolFamily:
     name: str
@@ -119,6 +184,7 @@ class ToolFamily:
     template_tools: bool  # the chat template renders `tools` (else: PROMPTED_SYSTEM and <tool_response> text)
     required_prefix: str  # what starts the reply for tool_choice "required"
     named_prefix: str  # ... for a named function ({name} filled in)
+    bare_arguments: bool = False  # read a one-string-parameter call's bare value (repair_bare)
 
     def forced(self, tool_choice: str | dict) -> str:
         """The prompt text that forces a call ("" for auto / none)."""
@@ -132,6 +198,7 @@ FAMILIES: dict[str, ToolFamily] = {f.name: f for f in (
     ToolFamily("qwen", parse_qwen, True, "<tool_call>\n", QWEN_NAMED),
     ToolFamily("llama3", parse_llama3, True, '{"name": "', '{{"name": "{name}", "parameters": '),
     ToolFamily("prompted", parse_qwen, False, "<tool_call>\n", QWEN_NAMED),
+    ToolFamily("prompted_bare", parse_qwen, False, "<tool_call>\n", QWEN_NAMED, bare_arguments=True),
     ToolFamily("none", parse_none, False, "", ""),
 )}
 
@@ -148,3 +215,9 @@ def family_for(chat_template: str | None, name: str = "auto") -> ToolFamily:
     if PYTHON_TAG in template or "ipython" in template:
         return FAMILIES["llama3"]
     return FAMILIES["qwen"]
+
+
+def parse_reply(family: ToolFamily, text: str, tools: list[dict]) -> ParsedReply:
+    """`family.parse(text)`, with prompted_bare's reading of bare arguments (repair_bare) where the family asks."""
+    parsed = family.parse(text)
+    return repair_bare(text, tools, parsed) if family.bare_arguments else parsed

@@ -4,8 +4,10 @@ r"""The agent configs/tools-arith.yaml trains: arithmetic with a `calculator` fu
 What: `solve(client, problem)` sends the question after a system prompt and one worked example (an assistant
 message calling the tool, the tool's answer, a final `\boxed{N}`), offers one function tool, `calculator`
 ({"expression": string}, answered by the safe evaluator of areal_mq/workflows/calc.py, never eval), answers at
-most MAX_CALLS calls and returns the final reply's text. `solve_no_tools` is the same agent and prompt without
-the tool (its example computes in words): the comparison arm of the evaluation.
+most MAX_CALLS calls and returns the final reply's text. `solve_first_call` is the same agent with its first call
+made with `tool_choice` naming the calculator (the OpenAI API's way to require a call; later turns are `auto`).
+`solve_no_tools` is the same agent and prompt without the tool (its example computes in words): the comparison arm
+of the evaluation.
 Why this prompt: a 135M model does not invent a tool call it never saw; the worked example shows one
 (benchmarks/quality/RESULTS.md measured the same for the `<calc>` text protocol of the tool_calc built-in).
 How: agent.workflow: openai_agent, agent.workflow_args.agent: areal_mq.workflows.calculator_agent:solve
@@ -60,11 +62,13 @@ def calculator(arguments: str) -> str:
         return f"error: {exc}"
 
 
-def solve(client: Any, problem: Any, max_calls: int = MAX_CALLS) -> str:
-    """Answer `problem.prompt` with the calculator; the final reply's text."""
+def solve(client: Any, problem: Any, max_calls: int = MAX_CALLS, first_choice: Any = "auto") -> str:
+    """Answer `problem.prompt` with the calculator; the final reply's text. `first_choice`: the first call's
+    tool_choice (later calls: auto)."""
     messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": problem.prompt}]
-    for _ in range(max_calls + 1):
+    for turn in range(max_calls + 1):
         reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR],
+                                               tool_choice=first_choice if turn == 0 else "auto",
                                                max_tokens=MAX_TOKENS, stop=STOP)
         message = reply.choices[0].message
         if not message.tool_calls:
@@ -73,6 +77,11 @@ def solve(client: Any, problem: Any, max_calls: int = MAX_CALLS) -> str:
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(call.function.arguments)})
     return message.content or ""
+
+
+def solve_first_call(client: Any, problem: Any) -> str:
+    """`solve` whose first call must call the calculator (tool_choice naming it)."""
+    return solve(client, problem, first_choice={"type": "function", "function": {"name": "calculator"}})
 
 
 def solve_no_tools(client: Any, problem: Any) -> str:

@@ -30,7 +30,8 @@ calls are refused and its turn in flight cancelled; a sync agent blocked outside
 stopped by Python and keeps its thread (at most MAX_AGENT_THREADS run at once).
 ctx.info: chat_calls (the agent's chat completions: model turns; not `turns`, which the agent's episode_done log
 event names already), tool_calls (calls the endpoint parsed), tool_errors (replies that opened a call that was not
-valid), correct_at (1/0), exact_turns / continued_turns (the recorder's audit).
+valid), tool_repairs (calls read as a bare argument: `agent.workflow_args.tool_family: prompted_bare`), correct_at
+(1/0), exact_turns / continued_turns (the recorder's audit).
 Run: python -m areal_mq.evaluation.episodes --config configs/tools-arith.yaml --workflow openai_agent --n 20
 """
 from __future__ import annotations
@@ -211,12 +212,13 @@ class AgentEndpoint:
     """The endpoint an agent process's clients talk to: ChatService + OpenAIServer on 127.0.0.1 (a free port, a
     random API key), its backend the EpisodeBridge, and the thread pool sync agents run in. `close()` stops it."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, tool_family: str = "auto"):
         self.api_key = secrets.token_hex(16)
         self.bridge = EpisodeBridge()
         cfg = ServeConfig(host="127.0.0.1", port=0, api_key=self.api_key, max_connections=MAX_EPISODES,
                           read_timeout_s=300.0, request_timeout_s=TURN_WAIT_S, api=ApiLimits(max_tokens=4096),
-                          episodes=RecorderLimits(max_episodes=MAX_EPISODES, ttl_s=24 * 3600.0))
+                          episodes=RecorderLimits(max_episodes=MAX_EPISODES, ttl_s=24 * 3600.0),
+                          tool_family=tool_family)
         self.service = ChatService(cfg, MODEL, tokenizer, self.bridge, EpisodeRecorder(cfg.episodes))
         self.server = AgentServer(self.service)
         self.threads = concurrent.futures.ThreadPoolExecutor(MAX_AGENT_THREADS, thread_name_prefix="openai-agent")
@@ -246,17 +248,19 @@ class AgentEndpoint:
 
 
 class AgentEndpoints:
-    """One endpoint per tokenizer in this process, started on first use (an agent process has one tokenizer)."""
+    """One endpoint per tokenizer and tool family in this process, started on first use (an agent process has one
+    tokenizer and one agent.workflow_args)."""
 
     def __init__(self) -> None:
-        self._endpoints: dict[int, tuple[Any, AgentEndpoint]] = {}
+        self._endpoints: dict[tuple[int, str], tuple[Any, AgentEndpoint]] = {}
         self._lock = threading.Lock()
 
-    def get(self, tokenizer: Any) -> AgentEndpoint:
+    def get(self, tokenizer: Any, tool_family: str = "auto") -> AgentEndpoint:
+        key = (id(tokenizer), tool_family)
         with self._lock:
-            if id(tokenizer) not in self._endpoints:  # the tokenizer is kept: its id stays its own
-                self._endpoints[id(tokenizer)] = (tokenizer, AgentEndpoint(tokenizer))
-            return self._endpoints[id(tokenizer)][1]
+            if key not in self._endpoints:  # the tokenizer is kept: its id stays its own
+                self._endpoints[key] = (tokenizer, AgentEndpoint(tokenizer, tool_family))
+            return self._endpoints[key][1]
 
     def close(self) -> None:
         with self._lock:
@@ -270,7 +274,18 @@ PROCESS_ENDPOINTS = AgentEndpoints()  # the agent process's endpoint: a workflow
 
 async def openai_agent(ctx: Any, problem: Any) -> float:
     """The built-in (areal_mq/workflows/builtin.py): the configured agent on this process's endpoint."""
-    return await run_agent(ctx, problem, PROCESS_ENDPOINTS.get(ctx.tokenizer))
+    return await run_agent(ctx, problem, PROCESS_ENDPOINTS.get(ctx.tokenizer, tool_family(ctx.args)))
+
+
+def tool_family(args: dict) -> str:
+    """agent.workflow_args.tool_family: how the endpoint offers tools and reads calls (areal_mq/openai/toolcalls.py;
+    default auto, from the chat template)."""
+    from areal_mq.openai.toolcalls import FAMILIES
+
+    name = args.get("tool_family", "auto")
+    if name != "auto" and name not in FAMILIES:
+        raise ConfigError(f"agent.workflow_args.tool_family {name!r}: one of auto, {', '.join(FAMILIES)}")
+    return name
 
 
 async def run_agent(ctx: Any, problem: Any, endpoint: AgentEndpoint) -> float:
@@ -299,6 +314,7 @@ async def run_agent(ctx: Any, problem: Any, endpoint: AgentEndpoint) -> float:
     ctx.info.update(chat_calls=len(recorded.turns), correct_at=1 if verdict.correct else 0,
                     tool_calls=sum(t.choices[0].tool_calls for t in recorded.turns),
                     tool_errors=sum(bool(t.choices[0].tool_error) for t in recorded.turns),
+                    tool_repairs=sum(t.choices[0].tool_repairs for t in recorded.turns),
                     exact_turns=audit["exact_turns"], continued_turns=audit["continued_turns"])
     return verdict.reward
 

@@ -82,3 +82,45 @@ def test_serve_config_takes_a_known_family_only():
     assert serve_config(cfg, "127.0.0.1", 0, tool_family="llama3").tool_family == "llama3"
     with pytest.raises(ConfigError, match="--tool-family"):
         serve_config(cfg, "127.0.0.1", 0, tool_family="hermes2")
+
+
+CALC = [{"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}},
+        {"type": "function", "function": {"name": "add", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+@pytest.mark.parametrize("text, want", [
+    ('<tool_call>\n{"name": "calculator", "arguments": 18 + 64}\n</tool_call>', [("calculator", {"expression": "18 + 64"})]),
+    ('<tool_call>\n{"name": "calculator", "arguments": "3 * (4 + 5)"}', [("calculator", {"expression": "3 * (4 + 5)"})]),
+    ('<tool_call>{"name": "calculator", "arguments": 7 - 2</tool_call>', [("calculator", {"expression": "7 - 2"})]),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>\n'
+     '<tool_call>{"name": "calculator", "arguments": 2 * 3}</tool_call>',
+     [("calculator", {"expression": "1+1"}), ("calculator", {"expression": "2 * 3"})]),
+])
+def test_prompted_bare_reads_a_one_string_parameter_calls_bare_value(text, want):
+    from areal_mq.openai.toolcalls import parse_reply
+
+    reply = parse_reply(FAMILIES["prompted_bare"], text, CALC)
+    assert calls(reply) == want and reply.error == "" and reply.repaired == sum(
+        "{\"expression\"" not in b for b in text.split("<tool_call>")[1:])
+    plain = parse_reply(FAMILIES["prompted"], text, CALC)  # the default families never do this
+    assert plain.repaired == 0 and plain.error.startswith("malformed_tool_call")
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "add", "arguments": 1 + 2}</tool_call>',  # add has two integer parameters
+    '<tool_call>{"name": "nosuch", "arguments": 1 + 2}</tool_call>',  # not a listed tool
+    '<tool_call>{"name": "calculator", "arguments": {"expression": 1</tool_call>',  # a broken object is not bare
+    '<tool_call>{"name": "calculator", "arguments": }</tool_call>',  # nothing there
+    '<tool_call>{"name": "calculator", "arguments": "unterminated}</tool_call>',  # a broken JSON string
+    '<tool_call>{"name": "calculator", "arguments": ' + "1+" * 1500 + "1}</tool_call>",  # over MAX_BARE_CHARS
+    '<tool_call>{"name": "calculator", "arguments": 1 + 1}</tool_call><tool_call>not json</tool_call>',  # half
+])
+def test_prompted_bare_leaves_what_is_not_a_bare_argument_malformed(text):
+    from areal_mq.openai.toolcalls import parse_reply
+
+    reply = parse_reply(FAMILIES["prompted_bare"], text, CALC)
+    assert reply.tool_calls == [] and reply.content == text and "malformed_tool_call" in reply.error
+    assert reply.repaired == 0
+    assert family_for("{{ messages }}").name == "prompted"  # auto never picks it

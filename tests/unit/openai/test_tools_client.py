@@ -150,3 +150,37 @@ def test_tools_are_validated(serve):
     with pytest.raises(openai.BadRequestError) as err:  # a tool result must say which call it answers
         client.chat.completions.create(model=MODEL, messages=user + [{"role": "tool", "content": "3"}], tools=tools)
     assert err.value.body["param"] == "messages[1].tool_call_id"
+
+
+def test_the_calculator_agent_forces_its_first_call_and_prompted_bare_reads_the_bare_expression(tokenizer):
+    """areal_mq/workflows/calculator_agent.py solve_first_call against an endpoint with tool_family prompted_bare:
+    the named tool_choice puts the call's opening in the prompt, the model's bare `18 + 64}` is read as
+    {"expression": "18 + 64"}, the calculator answers 82, the final reply is the answer; the record counts the
+    repair and the trained tokens stay the generated ones."""
+    from types import SimpleNamespace
+
+    from areal_mq.workflows import calculator_agent
+
+    service = ChatService(ServeConfig(port=0, tool_family="prompted_bare"), calculator_agent.MODEL, tokenizer,
+                          ScriptedBackend(tokenizer, ["18 + 64}\n", "18 + 64 = 82. The answer is \\boxed{82}."]))
+    server = OpenAIServer(service)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=10,
+                               default_headers={"X-Episode-Id": "calc-1"})
+        answer = calculator_agent.solve_first_call(client, SimpleNamespace(prompt="What is 18 + 64?"))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert answer == "18 + 64 = 82. The answer is \\boxed{82}."
+    first, second = service.backend.prompts
+    assert tokenizer.decode(first).endswith('<tool_call>\n{"name": "calculator", "arguments": ')
+    assert "<tool_response>\n82\n</tool_response>" in tokenizer.decode(second)
+    ep = service.recorder.pop("calc-1")
+    choice = ep.turns[0].choices[0]
+    assert choice.tool_calls == 1 and choice.tool_repairs == 1 and choice.tool_error == ""
+    assert ep.to_json()["turns"][0]["choices"][0]["tool_repairs"] == 1
+    gen = [s["tokens"] for s in ep.to_segments() if s["kind"] == "generated"]
+    assert gen == [t.choices[0].output_ids.tolist() for t in ep.turns]  # trained = generated, whatever was parsed

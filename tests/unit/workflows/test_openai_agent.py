@@ -42,12 +42,12 @@ def endpoint(tokenizer):
     ep.close()
 
 
-def episode(tokenizer, endpoint, agent, script, episode_id="ep-1", timeout_s=20.0, **kw):
+def episode(tokenizer, endpoint, agent, script, episode_id="ep-1", timeout_s=20.0, args=None, **kw):
     problem = Problem("p1", "What is 17 + 25?", "42")
     model = ScriptedModel(tokenizer, script, rewards=LocalRewards())
     ctx = EpisodeContext(problem, [1, 2, 3], tokenizer, model, sampling=SamplingSpec(temperature=0.7, seed=5),
                          episode_id=episode_id, group_id="g7", sample_index=2, min_version=3,
-                         args={"agent": agent}, **kw)
+                         args={"agent": agent, **(args or {})}, **kw)
     flow = (lambda c, p: run_agent(c, p, endpoint)) if endpoint is not None else load_workflow("openai_agent")
     outcome = asyncio.run(run_episode(flow, ctx, problem, timeout_s))
     return outcome, ctx, model
@@ -137,6 +137,24 @@ def test_the_builtin_starts_one_endpoint_per_process(tokenizer):
         outcome, _, _ = episode(tokenizer, None, "areal_mq.workflows.calculator_agent:solve", ["\\boxed{42}"])
         assert outcome.error is None and outcome.seq.reward == 1.0
         assert PROCESS_ENDPOINTS.get(tokenizer) is PROCESS_ENDPOINTS.get(tokenizer)
+    finally:
+        PROCESS_ENDPOINTS.close()
+
+
+def test_tool_family_prompted_bare_reads_the_forced_calls_bare_expression(tokenizer):
+    """agent.workflow_args.tool_family prompted_bare on the built-in's endpoint: solve_first_call's forced call
+    written bare (what SmolLM2 writes) is a call; ctx.info counts the repair; an unknown family is the episode's
+    error, named."""
+    first = "areal_mq.workflows.calculator_agent:solve_first_call"
+    try:
+        outcome, ctx, _ = episode(tokenizer, None, first, ["17 + 25}\n", "17 + 25 = 42. \\boxed{42}"],
+                                  args={"tool_family": "prompted_bare"})
+        assert outcome.error is None and outcome.seq.reward == 1.0
+        assert ctx.info["tool_calls"] == 1 and ctx.info["tool_repairs"] == 1 and ctx.info["tool_errors"] == 0
+        outcome, ctx, _ = episode(tokenizer, None, first, ["17 + 25}\n", "\\boxed{42}"])  # auto: prompted
+        assert ctx.info["tool_calls"] == 0 and ctx.info["tool_errors"] == 1
+        outcome, _, _ = episode(tokenizer, None, first, ["\\boxed{42}"], args={"tool_family": "hermes9"})
+        assert "tool_family 'hermes9'" in outcome.error
     finally:
         PROCESS_ENDPOINTS.close()
 
