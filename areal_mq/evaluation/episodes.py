@@ -9,6 +9,8 @@ episodes at once (the engine batches their turns), on the base model or a publis
                   acc_with_tool / acc_without_tool over those two subsets
     tool_error_frac  episodes with ctx.info tool_errors > 0 (tool_calc: an expression the calculator refused;
                   openai_agent: a reply that opened a tool call that was not a valid one)
+    tool_repair_frac  episodes with ctx.info tool_repairs > 0 (openai_agent with tool_family prompted_bare: a call
+                  read as a bare argument)
 Run: python -m areal_mq.evaluation.episodes --config configs/multiturn.yaml [--weights runs/multiturn/weights/v36]
         [--workflow tool_calc] [--n 200] [--out result.json]
      python -m areal_mq.evaluation.episodes --config configs/tools-arith.yaml --workflow openai_agent --n 100 \
@@ -92,6 +94,7 @@ def summarize(results: list, spec: str, weights: str | None, seconds: float) -> 
             "turns_mean": round(sum(o.turns for o, _ in results) / n, 3),
             "tool_frac": round(len(tool) / n, 4), "acc_with_tool": acc(tool), "acc_without_tool": acc(no_tool),
             "tool_error_frac": round(sum(i.get("tool_errors", 0) > 0 for i in infos) / n, 4),
+            "tool_repair_frac": round(sum(i.get("tool_repairs", 0) > 0 for i in infos) / n, 4),
             "seconds": round(seconds, 1)}
 
 

@@ -57,8 +57,8 @@ def test_the_calculator_agent_trains_its_tool_call_result_and_answer(tokenizer, 
     outcome, ctx, model = episode(tokenizer, endpoint, "areal_mq.workflows.calculator_agent:solve",
                                   [CALL, "17 + 25 = 42. The answer is \\boxed{42}."], max_tokens=1024)
     assert outcome.error is None and outcome.seq.reward == 1.0
-    assert ctx.info == {"chat_calls": 2, "correct_at": 1, "tool_calls": 1, "tool_errors": 0, "exact_turns": 2,
-                        "continued_turns": 1}
+    assert ctx.info == {"chat_calls": 2, "correct_at": 1, "tool_calls": 1, "tool_errors": 0, "tool_repairs": 0,
+                        "exact_turns": 2, "continued_turns": 1}
     assert not set(ctx.info) & {"episode", "turns", "reward", "tokens", "seconds"}  # agent.episode_done's own keys
     first, second = model.requests
     for k, req in enumerate(model.requests):  # the episode's identity and the run's sampling, per turn
