@@ -1,7 +1,8 @@
 """The main job as a benchmark: the quickstart's training steps at today's code against a baseline, side by side.
 
 What: `areal-mq run configs/quickstart.yaml --skip-eval --set controller.total_steps=N` with two installations in
-turn (now, baseline, now, baseline, ... `--rounds` pairs), each in its own run directory, and per run:
+turn (now, baseline, baseline, now, ... `--rounds` pairs, the order swapped every other pair: the side that runs
+first after a quiet spell is not always the same), each in its own run directory, and per run:
   - seconds per training step, first to last step (metrics.jsonl `time`; the start-up before the first step and the
     stop after the last are not the job's pace and are left out),
   - where the trainer's time went: waiting for a batch (`wait_s`), training (`step_s`), publishing (`publish_s`),
@@ -88,7 +89,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for r in range(args.rounds):
-        for label, python, repo in sides:
+        for label, python, repo in (sides if r % 2 == 0 else sides[::-1]):  # who goes first alternates too
             run_dir = out / f"{label}-{r}"
             if run_dir.exists():
                 import shutil
