@@ -1,0 +1,42 @@
+"""benchmarks/quality/tools_curve.py (the tool task's training curve from agent events): windows, the order, cut lines,
+the refusals. Run: pytest tests/unit/test_tools_curve.py -q   (< 2 s)"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "quality"))
+import tools_curve  # noqa: E402
+
+
+def write_events(run_dir: Path, eps: list[dict]) -> None:
+    (run_dir / "events").mkdir(parents=True)
+    lines = [json.dumps({"event": "agent.episode_done", **e}) for e in eps]
+    lines.insert(1, json.dumps({"event": "agent.started", "ts": 0.5}))  # other events are not episodes
+    (run_dir / "events" / "agent-agent-0.jsonl").write_text("\n".join(lines) + '\n{"event": "agent.epis')  # cut line
+
+
+def test_windows_count_each_outcome_in_the_order_episodes_ended(tmp_path, capsys):
+    eps = [dict(ts=3.0, correct_at=1, tool_calls=1, tool_repairs=1, tool_errors=0, exact_turns=2, chat_calls=2),
+           dict(ts=1.0, correct_at=0, tool_calls=0, tool_repairs=0, tool_errors=1, exact_turns=1, chat_calls=1),
+           dict(ts=2.0, correct_at=2, tool_calls=2, tool_repairs=0, tool_errors=0, exact_turns=2, chat_calls=3)]
+    write_events(tmp_path, eps)
+    assert [e["ts"] for e in tools_curve.episodes(tmp_path)] == [1.0, 2.0, 3.0]
+    out = tmp_path / "curve.json"
+    assert tools_curve.main([str(tmp_path), "--window", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["episodes"] for r in rows] == [2, 3] and [r["n"] for r in rows] == [2, 1]
+    first = rows[0]  # ts 1.0 and 2.0
+    assert (first["correct"], first["called"], first["bare"], first["malformed"], first["exact"]) == (0.5, 0.5, 0, 0.5, 0.5)
+    assert rows[1]["correct"] == rows[1]["bare"] == rows[1]["exact"] == 1.0
+    assert "episodes" in capsys.readouterr().out
+
+
+def test_refuses_what_is_not_a_run_and_a_bad_window(tmp_path):
+    with pytest.raises(SystemExit):
+        tools_curve.main([str(tmp_path)])
+    write_events(tmp_path, [])
+    with pytest.raises(SystemExit):
+        tools_curve.main([str(tmp_path), "--window", "0"])
+    assert tools_curve.windows([], 10) == []
