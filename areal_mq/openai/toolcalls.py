@@ -70,16 +70,17 @@ def _call(body: str, args_key: str) -> tuple[dict | None, str]:
     return _entry(call["name"], args), ""
 
 
-def parse_qwen(text: str) -> ParsedReply:
-    """`<tool_call>{json}</tool_call>` blocks (a last block cut before its closing tag is read too)."""
+def parse_qwen(text: str, bare_tools: list[dict] | None = None) -> ParsedReply:
+    """`<tool_call>{json}</tool_call>` blocks (a last block cut before its closing tag is read too). With
+    `bare_tools` (prompted_bare), a block that is not a valid call may be read as a bare argument (bare_call)."""
     bodies = CALL_BLOCK.findall(text)
     if not bodies:
         return ParsedReply(text)
-    calls, why = _calls(bodies, "arguments")
+    calls, why, repaired = _calls(bodies, "arguments", bare_tools)
     if why:
         return ParsedReply(text, [], why)
     rest = CALL_BLOCK.sub("", text).strip()
-    return ParsedReply(rest or None, calls)
+    return ParsedReply(rest or None, calls, "", repaired)
 
 
 def parse_llama3(text: str) -> ParsedReply:
@@ -90,19 +91,24 @@ def parse_llama3(text: str) -> ParsedReply:
     if not body.startswith("{"):
         return ParsedReply(text, [], "malformed_tool_call: <|python_tag|> without a JSON call" if tagged else "")
     parts = [p for p in body.split(";") if p.strip()] if _is_json_list(body) else [body]
-    calls, why = _calls(parts, "parameters")
+    calls, why, _ = _calls(parts, "parameters")
     return ParsedReply(text, [], why) if why else ParsedReply(None, calls)
 
 
-def _calls(bodies: list[str], args_key: str) -> tuple[list[dict], str]:
-    """Every body as a `tool_calls` entry, or ([], the reason naming the first malformed call)."""
-    calls = []
+def _calls(bodies: list[str], args_key: str, bare_tools: list[dict] | None = None) -> tuple[list[dict], str, int]:
+    """Every body as a `tool_calls` entry, or ([], the reason naming the first malformed call, 0): a reply is all
+    calls or text, never half of each. With `bare_tools`, a body that is not a valid call is tried as a bare
+    argument (bare_call); the third value counts those read so."""
+    calls, repaired = [], 0
     for i, body in enumerate(bodies):
         entry, why = _call(body.strip(), args_key)
+        if entry is None and bare_tools is not None:
+            entry = bare_call(body.strip(), bare_tools)
+            repaired += entry is not None
         if entry is None:
-            return [], f"malformed_tool_call: call {i}: {why}"
+            return [], f"malformed_tool_call: call {i}: {why}", 0
         calls.append(entry)
-    return calls, ""
+    return calls, "", repaired
 
 
 def _is_json_list(body: str) -> bool:
@@ -159,24 +165,6 @@ def bare_call(body: str, tools: list[dict]) -> dict | None:
     return _entry(m.group(1), {key: value})
 
 
-def repair_bare(text: str, tools: list[dict], parsed: ParsedReply) -> ParsedReply:
-    """prompted_bare: `parsed` with its malformed calls read as bare arguments where every one of them can be (else
-    `parsed` unchanged: a reply is all calls or text, never half of each)."""
-    if not parsed.error:
-        return parsed
-    calls, repaired = [], 0
-    for body in CALL_BLOCK.findall(text):
-        entry, _ = _call(body.strip(), "arguments")
-        if entry is None:
-            entry = bare_call(body.strip(), tools)
-            repaired += 1
-        if entry is None:
-            return parsed
-        calls.append(entry)
-    rest = CALL_BLOCK.sub("", text).strip()
-    return ParsedReply(rest or None, calls, "", repaired)
-
-
 @dataclass(frozen=True)
 class ToolFamily:
     name: str
@@ -184,7 +172,7 @@ class ToolFamily:
     template_tools: bool  # the chat template renders `tools` (else: PROMPTED_SYSTEM and <tool_response> text)
     required_prefix: str  # what starts the reply for tool_choice "required"
     named_prefix: str  # ... for a named function ({name} filled in)
-    bare_arguments: bool = False  # read a one-string-parameter call's bare value (repair_bare)
+    bare_arguments: bool = False  # read a one-string-parameter call's bare value (bare_call)
 
     def forced(self, tool_choice: str | dict) -> str:
         """The prompt text that forces a call ("" for auto / none)."""
@@ -218,6 +206,5 @@ def family_for(chat_template: str | None, name: str = "auto") -> ToolFamily:
 
 
 def parse_reply(family: ToolFamily, text: str, tools: list[dict]) -> ParsedReply:
-    """`family.parse(text)`, with prompted_bare's reading of bare arguments (repair_bare) where the family asks."""
-    parsed = family.parse(text)
-    return repair_bare(text, tools, parsed) if family.bare_arguments else parsed
+    """`family.parse(text)`, or for prompted_bare the same qwen parsing reading bare arguments against `tools`."""
+    return parse_qwen(text, tools) if family.bare_arguments else family.parse(text)

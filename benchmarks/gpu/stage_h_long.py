@@ -21,34 +21,34 @@ import argparse
 import sys
 
 import report
-from report import common
 
 sys.path.insert(0, str(report.HERE.parent / "speed"))  # trainer_long.py
 import trainer_long  # noqa: E402
 
 FULL = {"shape": "qwen2.5-7b", "layers": 4, "lengths": [8192, 16384, 32768], "dtype": "bfloat16"}
-log = common.logger("gpu-h")
 
 
 def run(args) -> dict:
     import torch
 
-    quick = report.cpu_smoke(args) or args.quick
-    sizes = {"shape": "qwen2.5-0.5b", "layers": 1, "lengths": [512, 1024], "dtype": "float32"} if quick else FULL
+    sizes = {"shape": "qwen2.5-0.5b", "layers": 1, "lengths": [512, 1024], "dtype": "float32"} if args.quick else FULL
     gpus = torch.cuda.device_count() if str(args.device).startswith("cuda") else 0
     ns = argparse.Namespace(quick=False, device=str(args.device), max_gib=1e9, plot=None, **sizes)
     r = trainer_long.run(ns, args.work)
     parallel = {"cp": "not run", "tp": "not run",
                 "why": f"{gpus} GPU(s) here: context and tensor parallelism need 2 or more (parity: gloo tests in CI)"}
-    return {"title": "long answers: dense mask vs block mask", "quick": args.quick, "machine": report.machine(args.device),
+    return {"title": "long answers: dense mask vs block mask", "quick": args.quick,
+            "machine": report.machine(args.device),
             **{k: r[k] for k in ("shape", "layers", "dtype", "device", "rows", "skipped", "ratios")},
             "parallel": parallel}
 
 
 def markdown(r: dict) -> str:
     rows = [("L", "attention", "micro-batch peak GiB", "step peak GiB", "s / 1k tokens")]
-    rows += [(x["length"], x["attention"], x["mb_peak_gib"], x["step_peak_gib"], x["s_per_1k_tokens"]) for x in r["rows"]]
-    lines = [f"{r['shape']} shape, {r['layers']} layers, {r['dtype']}, gradient checkpointing", "", report.table(rows), ""]
+    rows += [(x["length"], x["attention"], x["mb_peak_gib"], x["step_peak_gib"], x["s_per_1k_tokens"])
+             for x in r["rows"]]
+    lines = [f"{r['shape']} shape, {r['layers']} layers, {r['dtype']}, gradient checkpointing", "",
+             report.table(rows), ""]
     lines += [f"- `{k}` = {v}" for k, v in r["ratios"].items()]
     lines.append(f"- parallel: {r['parallel']['why']}")
     return "\n".join(lines)
