@@ -29,6 +29,7 @@ follows the engine's dtype: bf16 autocast over fp32 master weights); default cpu
     python benchmarks/speed/trainer.py --lora [--quick] [--json PATH]   (benchmarks/speed/trainer_lora.py: full vs LoRA)
     python benchmarks/speed/trainer.py --root [--quick] [--json PATH]   (benchmarks/speed/trainer_root.py: FSDP2 units)
     python benchmarks/speed/trainer.py --long [--quick] [--json PATH]   (benchmarks/speed/trainer_long.py: mask vs varlen)
+    python benchmarks/speed/trainer.py --recipes [--quick] [--json PATH]   (benchmarks/speed/trainer_recipes.py: a step per recipe)
 
 `--quick` uses fewer, shorter sequences and one alternation (same code path, same long-tail shape); it
 finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
@@ -161,6 +162,11 @@ def table(report: dict, command: str) -> str:
 
 
 def main() -> None:
+    if "--recipes" in sys.argv:  # GRPO and each recipe's trainer settings, a step's cost side by side (issue 60)
+        import trainer_recipes
+
+        sys.argv = [a for a in sys.argv if a != "--recipes"]
+        return trainer_recipes.main()
     if "--long" in sys.argv:  # one micro-batch at growing lengths: the L x L mask vs block by block (issue 61)
         import trainer_long
 

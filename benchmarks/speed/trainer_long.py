@@ -246,7 +246,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = common.timed(run, args, tmp_prefix="trainer-long-")
-    common.finish(report, args.json, table(report, common.command("trainer.py --long")))
+    command = " ".join(["python benchmarks/speed/trainer.py --long", *sys.argv[1:]])  # trainer.py drops the flag
+    common.finish(report, args.json, table(report, command))
 
 
 if __name__ == "__main__":

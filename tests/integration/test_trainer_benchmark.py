@@ -120,3 +120,33 @@ def test_long_gpu_stage_quick_on_the_cpu(tmp_path):
     assert set(r["ratios"]) >= {"dense_vs_block_mask_peak_512", "dense_vs_block_mask_peak_1k", "block_vs_dense_speed_1k"}
     assert "need 2 or more" in r["parallel"]["why"]
     assert "## Stage h" in (tmp_path / "out" / "results.md").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_trainer_recipes_benchmark_quick_runs(tmp_path):
+    """`trainer.py --recipes --quick` (benchmarks/speed/trainer_recipes.py, issue 60): GRPO and every recipe of
+    benchmarks/quality/quality.py train the same batch; REINFORCE++ alone builds a reference model; DAPO's
+    sampling-side settings are named, not timed. Seconds on the tiny Llama."""
+    import subprocess
+    import sys
+
+    from .bench_smoke import ROOT
+
+    usage = subprocess.run([sys.executable, str(ROOT / "benchmarks/speed/trainer.py"), "--recipes", "--help"],
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and "recipe" in usage.stdout  # trainer.py hands --recipes to trainer_recipes.py
+    report, stdout = run_quick("speed/trainer_recipes.py", tmp_path)
+    setup, *rows = report["results"]
+    names = [r["name"] for r in rows]
+    assert names == ["grpo", "gspo", "drgrpo", "dapo", "reinforcepp", "rloo", "cispo"]
+    assert set(report["ratios"]) == {f"{n}_vs_grpo_step_s" for n in names[1:]}
+    assert all(v > 0 for v in report["ratios"].values())
+    by = {r["name"]: r for r in rows}
+    assert [n for n in names if by[n]["reference_model"]] == ["reinforcepp"]
+    assert by["dapo"]["sampling_overrides"] and not by["gspo"]["sampling_overrides"]
+    assert by["gspo"]["trainer_overrides"]["policy_loss"] == "gspo"
+    assert all(len(r["step_s"]) == 1 for r in rows)
+    assert "command: python benchmarks/speed/trainer.py --recipes --quick" in stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/speed/trainer_recipes.py"), "--quick",
+                          "--only", "nosuch"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "unknown recipe" in bad.stderr
