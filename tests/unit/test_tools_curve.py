@@ -40,3 +40,38 @@ def test_refuses_what_is_not_a_run_and_a_bad_window(tmp_path):
     with pytest.raises(SystemExit):
         tools_curve.main([str(tmp_path), "--window", "0"])
     assert tools_curve.windows([], 10) == []
+
+
+def test_tools_report_arms_seeds_curves_and_refusals(tmp_path, capsys):
+    """benchmarks/quality/tools_report.py: the last line of each episodes.py --out file counts, arms keep the order
+    they were named in, means per arm; a curve per run; bad specs and non-results are refused with the reason."""
+    import tools_report
+
+    def result(name: str, acc: float, tool_frac: float, lines: int = 1) -> str:
+        path = tmp_path / name
+        recs = [{"n": 100, "acc_first": 0.0, "tool_frac": 0.0}] * (lines - 1)
+        recs.append({"n": 100, "acc_first": acc, "tool_frac": tool_frac, "workflow_args": {"agent": "m:f"}})
+        path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+        return str(path)
+
+    run = tmp_path / "run"
+    write_events(run, [dict(ts=float(i), correct_at=int(i >= 2), tool_calls=1, exact_turns=1, chat_calls=1)
+                       for i in range(4)])
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = [f"tool:0={result('a', 0.97, 1.0)}", f"no-tool:0={result('b', 0.18, 0.0)}",
+            f"tool:1={result('c', 0.91, 1.0, lines=3)}", "--curve", f"tool s0={run}", "--window", "2",
+            "--json", str(out), "--plot", str(png)]
+    assert tools_report.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert list(rep["arms"]) == ["tool", "no-tool"]
+    assert rep["arms"]["tool"]["acc"] == [97.0, 91.0] and rep["arms"]["tool"]["mean"] == 94.0
+    assert rep["arms"]["tool"]["seeds"] == ["0", "1"] and rep["arms"]["no-tool"]["mean"] == 18.0
+    assert [r["correct"] for r in rep["curves"]["tool s0"]] == [0.0, 1.0]
+    assert png.stat().st_size > 0 and "no-tool" in capsys.readouterr().out
+    for bad in (["tool0=" + result("d", 0.5, 0.0)], ["tool:0"], [f"tool:0={tmp_path / 'missing'}"],
+                [f"tool:0={result('e', 0.5, 0.0)}", "--curve", f"x={tmp_path}"]):
+        with pytest.raises(SystemExit):
+            tools_report.main(bad)
+    (tmp_path / "f").write_text('{"accuracy": 1}\n')
+    with pytest.raises(SystemExit):
+        tools_report.main([f"tool:0={tmp_path / 'f'}"])
