@@ -32,13 +32,32 @@ def episodes(run_dir: Path) -> list[dict]:
     return sorted(rows, key=lambda e: e.get("ts", 0.0))
 
 
+def published(run_dir: Path) -> list[tuple[float, int]]:
+    """(ts, version) of each weights version the trainer published, oldest first."""
+    out = []
+    for path in sorted((run_dir / "events").glob("trainer*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "trainer.published" and isinstance(ev.get("version"), int):
+                out.append((float(ev.get("ts", 0.0)), ev["version"]))
+    return sorted(out)
+
+
+def version_at(pubs: list[tuple[float, int]], ts: float) -> int:
+    """The newest version published at or before `ts` (0: the base weights)."""
+    return max((v for t, v in pubs if t <= ts), default=0)
+
+
 def windows(rows: list[dict], size: int) -> list[dict]:
     """Fractions per window of `size` episodes (the last window may be shorter; an empty run gives none)."""
     out = []
     for start in range(0, len(rows), size):
         part = rows[start:start + size]
         n = len(part)
-        out.append({"episodes": start + n, "n": n,
+        out.append({"episodes": start + n, "n": n, "ts": part[-1].get("ts", 0.0),
                     "correct": sum(e.get("correct_at", 0) >= 1 for e in part) / n,
                     "called": sum(e.get("tool_calls", 0) > 0 for e in part) / n,
                     "bare": sum(e.get("tool_repairs", 0) > 0 for e in part) / n,

@@ -1,5 +1,6 @@
 """The tool task's arms side by side (issue 62 item 5): held-out accuracy per arm and seed, the training curves of the
-runs behind them, a table, a plot and a JSON summary. Reads only.
+runs behind them (against the policy version, from the trainer's `trainer.published` events), a table, a plot
+and a JSON summary. Reads only.
 
 What: each EVAL is `ARM:SEED=PATH`, PATH a result of `python -m areal_mq.evaluation.episodes ... --out PATH` (one
 JSON object per line; the last line counts) for that arm and training seed; each `--curve LABEL=RUN_DIR` a run of
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -59,7 +61,7 @@ def summary(evals: list[tuple[str, str, dict]]) -> dict:
     return arms
 
 
-def plot(arms: dict, curves: dict, path: Path) -> str:
+def plot(arms: dict, curves: dict, window: int, path: Path) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,9 +69,9 @@ def plot(arms: dict, curves: dict, path: Path) -> str:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     for label, rows in curves.items():
-        left.plot([r["episodes"] for r in rows], [r["correct"] for r in rows], marker=".", label=label)
-    left.set(xlabel="training episodes ended", ylabel="right, fraction of the window", ylim=(-0.02, 1.02),
-             title="training episodes")
+        left.plot([r["version"] for r in rows], [r["correct"] for r in rows], marker=".", label=label)
+    left.set(xlabel="policy version when the window's last episode ended", ylabel="right, fraction of the window",
+             ylim=(-0.02, 1.02), title=f"training episodes (windows of {window})")
     if curves:
         left.legend(fontsize=8)
     names = list(arms)
@@ -77,7 +79,7 @@ def plot(arms: dict, curves: dict, path: Path) -> str:
         a = arms[name]
         right.bar(i, a["mean"], color="C0", alpha=0.35)
         right.scatter([i] * len(a["acc"]), a["acc"], color="C0", zorder=3)
-        right.text(i, a["mean"] + 2, f"{a['mean']:.0f}", ha="center", fontsize=8)
+        right.text(i, 2, f"{a['mean']:.0f}", ha="center", fontsize=8)
     right.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
     right.set(ylabel="held-out accuracy, %", ylim=(0, 105), title="held-out (dots: seeds; bar: mean)")
     fig.suptitle("tools-arith: the calculator agent with and without its tool")
@@ -102,17 +104,21 @@ def main(argv: list[str] | None = None) -> int:
             label, sep, run_dir = spec.partition("=")
             if not (sep and label and run_dir) or not (Path(run_dir) / "events").is_dir():
                 raise ValueError(f"--curve {spec!r}: expected LABEL=RUN_DIR, a run directory with events/")
-            curves[label] = tools_curve.windows(tools_curve.episodes(Path(run_dir)), args.window)
+            rows = tools_curve.windows(tools_curve.episodes(Path(run_dir)), args.window)
+            pubs = tools_curve.published(Path(run_dir))
+            curves[label] = [{**r, "version": tools_curve.version_at(pubs, r["ts"])} for r in rows]
     except (ValueError, OSError) as exc:
         ap.error(str(exc))
     arms = summary(evals)
-    print(f"{'arm':<24} {'seeds':<8} {'accuracy % per seed':<22} {'mean':>6}  {'n':>5}  called")
+    print(f"{'arm':<28} {'seeds':<8} {'accuracy % per seed':<22} {'mean':>6}  {'n':>5}  called")
     for name, a in arms.items():
         called = "-" if all(t is None for t in a["tool_frac"]) else " ".join(f"{t or 0:.2f}" for t in a["tool_frac"])
-        print(f"{name:<24} {','.join(a['seeds']):<8} {' '.join(f'{x:.0f}' for x in a['acc']):<22} "
+        print(f"{name:<28} {','.join(a['seeds']):<8} {' '.join(f'{x:.0f}' for x in a['acc']):<22} "
               f"{a['mean']:>6.1f}  {','.join(map(str, sorted(set(a['n'])))):>5}  {called}")
-    report = {"arms": arms, "curves": curves, "window": args.window,
-              "plot": plot(arms, curves, args.plot) if args.plot else None}
+    report = {"command": shlex.join(["python", "benchmarks/quality/tools_report.py",
+                                      *(sys.argv[1:] if argv is None else argv)]),
+              "arms": arms, "curves": curves, "window": args.window,
+              "plot": plot(arms, curves, args.window, args.plot) if args.plot else None}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))

@@ -57,6 +57,9 @@ def test_tools_report_arms_seeds_curves_and_refusals(tmp_path, capsys):
     run = tmp_path / "run"
     write_events(run, [dict(ts=float(i), correct_at=int(i >= 2), tool_calls=1, exact_turns=1, chat_calls=1)
                        for i in range(4)])
+    (run / "events" / "trainer-trainer.jsonl").write_text("\n".join(json.dumps(e) for e in (
+        {"event": "trainer.published", "ts": 1.5, "version": 1}, {"event": "trainer.step", "ts": 2.0, "version": 9},
+        {"event": "trainer.published", "ts": 3.0, "version": 2})) + "\n")
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     argv = [f"tool:0={result('a', 0.97, 1.0)}", f"no-tool:0={result('b', 0.18, 0.0)}",
             f"tool:1={result('c', 0.91, 1.0, lines=3)}", "--curve", f"tool s0={run}", "--window", "2",
@@ -67,6 +70,7 @@ def test_tools_report_arms_seeds_curves_and_refusals(tmp_path, capsys):
     assert rep["arms"]["tool"]["acc"] == [97.0, 91.0] and rep["arms"]["tool"]["mean"] == 94.0
     assert rep["arms"]["tool"]["seeds"] == ["0", "1"] and rep["arms"]["no-tool"]["mean"] == 18.0
     assert [r["correct"] for r in rep["curves"]["tool s0"]] == [0.0, 1.0]
+    assert [r["version"] for r in rep["curves"]["tool s0"]] == [0, 2]  # the newest published at a window's end
     assert png.stat().st_size > 0 and "no-tool" in capsys.readouterr().out
     for bad in (["tool0=" + result("d", 0.5, 0.0)], ["tool:0"], [f"tool:0={tmp_path / 'missing'}"],
                 [f"tool:0={result('e', 0.5, 0.0)}", "--curve", f"x={tmp_path}"]):
