@@ -37,7 +37,7 @@ from areal_mq.openai.api import (ApiError, ApiLimits, ChatCall, assistant_messag
 from areal_mq.openai.backend import OpenAIBackend
 from areal_mq.openai.episodes import Choice, EpisodeRecorder, RecorderLimits, RecordedTurn, Served
 from areal_mq.openai.prompts import Prompt, PromptBuilder, message_key, tools_key
-from areal_mq.openai.streaming import HELD_FAMILIES, TextStream, chunks
+from areal_mq.openai.streaming import TextStream, chunks
 from areal_mq.openai.toolcalls import FAMILIES, ToolFamily, family_for, parse_reply
 from areal_mq.security import RateLimited
 
@@ -112,8 +112,8 @@ class ChatService:
         parsed and recorded exactly as without stream."""
         events = self.backend.stream(built.ids, call.samplings[0], call.episode_id, self.cfg.request_timeout_s)
         tools = family.name != "none"
-        text = TextStream(self.decode_text, call.samplings[0].stop_strings, HELD_FAMILIES.get(family.name),
-                          hold_all=tools and (bool(built.forced) or family.name not in HELD_FAMILIES))
+        text = TextStream(self.decode_text, call.samplings[0].stop_strings, family.call_marker,
+                          hold_all=tools and (bool(built.forced) or family.call_marker is None))
 
         def finish(result: Any) -> tuple[Any, dict]:
             parsed = parse_reply(family, built.forced + result.text, call.tools)

@@ -22,10 +22,6 @@ from typing import Any, Callable, Iterator
 
 from areal_mq.messages import GeneratePartial, GenerateResult
 
-# where a call opens in a streamed reply
-HELD_FAMILIES = {"qwen": "<tool_call>", "prompted": "<tool_call>", "prompted_bare": "<tool_call>"}
-
-
 class TextStream:
     """Content deltas of one answer from its token ids; `decode(ids)` must skip special tokens like the engine."""
 

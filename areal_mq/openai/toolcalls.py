@@ -173,6 +173,9 @@ class ToolFamily:
     required_prefix: str  # what starts the reply for tool_choice "required"
     named_prefix: str  # ... for a named function ({name} filled in)
     bare_arguments: bool = False  # read a one-string-parameter call's bare value (bare_call)
+    # where a call opens in a streamed reply (streaming.py holds text back from it); None: a call cannot be told
+    # from content before the reply ends, so a streamed reply with tools waits whole for its result
+    call_marker: str | None = None
 
     def forced(self, tool_choice: str | dict) -> str:
         """The prompt text that forces a call ("" for auto / none)."""
@@ -183,10 +186,11 @@ class ToolFamily:
 
 QWEN_NAMED = '<tool_call>\n{{"name": "{name}", "arguments": '
 FAMILIES: dict[str, ToolFamily] = {f.name: f for f in (
-    ToolFamily("qwen", parse_qwen, True, "<tool_call>\n", QWEN_NAMED),
+    ToolFamily("qwen", parse_qwen, True, "<tool_call>\n", QWEN_NAMED, call_marker="<tool_call>"),
     ToolFamily("llama3", parse_llama3, True, '{"name": "', '{{"name": "{name}", "parameters": '),
-    ToolFamily("prompted", parse_qwen, False, "<tool_call>\n", QWEN_NAMED),
-    ToolFamily("prompted_bare", parse_qwen, False, "<tool_call>\n", QWEN_NAMED, bare_arguments=True),
+    ToolFamily("prompted", parse_qwen, False, "<tool_call>\n", QWEN_NAMED, call_marker="<tool_call>"),
+    ToolFamily("prompted_bare", parse_qwen, False, "<tool_call>\n", QWEN_NAMED, bare_arguments=True,
+               call_marker="<tool_call>"),
     ToolFamily("none", parse_none, False, "", ""),
 )}
 

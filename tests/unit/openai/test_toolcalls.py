@@ -124,3 +124,14 @@ def test_prompted_bare_leaves_what_is_not_a_bare_argument_malformed(text):
     assert reply.tool_calls == [] and reply.content == text and "malformed_tool_call" in reply.error
     assert reply.repaired == 0
     assert family_for("{{ messages }}").name == "prompted"  # auto never picks it
+
+
+def test_each_family_says_where_a_streamed_call_opens():
+    """The streamed reply holds text back from a family's `call_marker` (areal_mq/openai/streaming.py); the family
+    owns it, so a new family cannot be missed by the stream. A marker is where the family's forced call opens, and
+    a family without one (Llama's bare JSON) streams a reply with tools only whole."""
+    for fam in FAMILIES.values():
+        if fam.call_marker is not None:
+            assert fam.required_prefix.startswith(fam.call_marker), fam.name
+            assert fam.parse(f"hi {fam.call_marker}").content.startswith("hi"), fam.name
+    assert {f.name for f in FAMILIES.values() if f.call_marker is None} == {"llama3", "none"}
