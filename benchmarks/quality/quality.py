@@ -275,9 +275,13 @@ def prune(run_dir: Path, keep_final: int | None = None) -> None:
 
 
 def default_plot(args, out: Path) -> Path:
-    """The figure's path when --plot is not given: one per run length, so runs of other lengths keep theirs."""
+    """The figure's path when --plot is not given: one per run length, so runs of other lengths keep theirs; a study
+    of levers only (--modes naming no core mode, e.g. one recipe) draws under OUT, never over the docs/ figure of
+    the study it is compared with (the recipes' own figure: recipes_report.py)."""
     if args.quick:
         return out / "quality.png"
+    if getattr(args, "modes", None) and not any(MODES[m][4] for m in args.modes if m in MODES):
+        return out / f"quality_v{args.versions}.png"
     return ROOT / "docs" / ("quality.png" if args.versions == STUDY_VERSIONS else f"quality_v{args.versions}.png")
 
 
@@ -312,7 +316,8 @@ def main() -> None:
                                                      "quick: bench-results/quality-quick/quality.jsonl).")
     parser.add_argument("--out", type=Path, help="Where run dirs go (default bench-results/quality[-quick]).")
     parser.add_argument("--plot", type=Path, help=f"PNG path (default docs/quality.png at {STUDY_VERSIONS} versions, "
-                                                  "else docs/quality_vN.png; quick: OUT/quality.png).")
+                                                  "else docs/quality_vN.png; quick, or --modes naming no core mode: "
+                                                  "OUT/quality[_vN].png).")
     parser.add_argument("--plan", action="store_true", help="Print the runs and an estimate of machine time; run nothing.")
     parser.add_argument("--report-only", action="store_true", help="Report the results file; run nothing.")
     parser.add_argument("--keep-final", action="store_true", help="Keep each run's final weights (weights/vN, "

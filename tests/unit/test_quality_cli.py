@@ -17,6 +17,11 @@ def test_default_figure_is_one_per_run_length(tmp_path):
         path = quality.default_plot(Namespace(quick=False, versions=versions), tmp_path)
         assert path == ROOT / "docs" / f"quality_v{versions}.png"
     assert quality.default_plot(Namespace(quick=True, versions=50), tmp_path) == tmp_path / "quality.png"
+    # levers alone (a recipe's run) draw under OUT; a study with a core mode keeps the docs/ figure
+    lever = Namespace(quick=False, versions=50, modes=["dapo_eta2"])
+    assert quality.default_plot(lever, tmp_path) == tmp_path / "quality_v50.png"
+    both = Namespace(quick=False, versions=50, modes=["async_eta2", "dapo_eta2"])
+    assert quality.default_plot(both, tmp_path) == ROOT / "docs" / "quality_v50.png"
 
 
 def test_prune_keeps_only_the_final_weights_when_asked(tmp_path):
