@@ -15,35 +15,20 @@ import json
 import sys
 from pathlib import Path
 
+from areal_mq.telemetry.tail import read_events  # merged by time, a line cut by a stop skipped
+
 KEYS = ("correct", "called", "bare", "malformed", "exact")
 
 
 def episodes(run_dir: Path) -> list[dict]:
     """The run's ended episodes, oldest first."""
-    rows = []
-    for path in sorted((run_dir / "events").glob("agent-*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a stop
-            if ev.get("event") == "agent.episode_done":
-                rows.append(ev)
-    return sorted(rows, key=lambda e: e.get("ts", 0.0))
+    return read_events(run_dir, "agent.episode_done")
 
 
 def published(run_dir: Path) -> list[tuple[float, int]]:
     """(ts, version) of each weights version the trainer published, oldest first."""
-    out = []
-    for path in sorted((run_dir / "events").glob("trainer*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if ev.get("event") == "trainer.published" and isinstance(ev.get("version"), int):
-                out.append((float(ev.get("ts", 0.0)), ev["version"]))
-    return sorted(out)
+    return [(float(ev.get("ts", 0.0)), ev["version"]) for ev in read_events(run_dir, "trainer.published")
+            if isinstance(ev.get("version"), int)]
 
 
 def version_at(pubs: list[tuple[float, int]], ts: float) -> int:
