@@ -37,6 +37,7 @@ finishes in under a minute on 2 idle cores. benchmarks/RESULTS.md records runs.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -56,6 +57,14 @@ SIZES = {  # quick, full
 
 
 log = common.logger("trainer")
+# the comparisons with a script of their own, in benchmarks/speed/: flag -> module
+SUB_BENCHMARKS = {
+    "--recipes": "trainer_recipes",  # GRPO and each recipe's trainer settings, a step's cost side by side (issue 60)
+    "--long": "trainer_long",  # one micro-batch at growing lengths: the L x L mask vs block by block (issue 61)
+    "--root": "trainer_root",  # FSDP2: the root holding embeddings + head vs units of their own (issue 59)
+    "--lora": "trainer_lora",  # full fine-tuning vs a LoRA adapter, peak memory (issue 53)
+    "--load": "trainer_load",  # loading the sharded trainer, old path vs each rank's shards (issue 52)
+}
 
 
 def longtail_batch(seed: int, groups: int, group_size: int, prompt_len: tuple[int, int], median: int,
@@ -162,31 +171,10 @@ def table(report: dict, command: str) -> str:
 
 
 def main() -> None:
-    if "--recipes" in sys.argv:  # GRPO and each recipe's trainer settings, a step's cost side by side (issue 60)
-        import trainer_recipes
-
-        sys.argv = [a for a in sys.argv if a != "--recipes"]
-        return trainer_recipes.main()
-    if "--long" in sys.argv:  # one micro-batch at growing lengths: the L x L mask vs block by block (issue 61)
-        import trainer_long
-
-        sys.argv = [a for a in sys.argv if a != "--long"]
-        return trainer_long.main()
-    if "--root" in sys.argv:  # FSDP2: the root holding embeddings + head vs units of their own (issue 59)
-        import trainer_root
-
-        sys.argv = [a for a in sys.argv if a != "--root"]
-        return trainer_root.main()
-    if "--lora" in sys.argv:  # full fine-tuning vs a LoRA adapter, peak memory (issue 53)
-        import trainer_lora
-
-        sys.argv = [a for a in sys.argv if a != "--lora"]
-        return trainer_lora.main()
-    if "--load" in sys.argv:  # loading the sharded trainer, old path vs each rank's shards (issue 52)
-        import trainer_load
-
-        sys.argv = [a for a in sys.argv if a != "--load"]
-        return trainer_load.main()
+    for flag, module in SUB_BENCHMARKS.items():  # a flag hands the run to its own script (it drops the flag)
+        if flag in sys.argv:
+            sys.argv = [a for a in sys.argv if a != flag]
+            return importlib.import_module(module).main()
     if "--strategy" in sys.argv:  # the sharded comparison (issue 37): its own script, same flags
         import trainer_fsdp
 
