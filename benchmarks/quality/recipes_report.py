@@ -5,11 +5,15 @@ What: for every recipe mode of quality.py (`RECIPES`) with finished v50 runs on 
 accuracy per seed, its gap to GRPO's run of the same seed (async_eta2, the quickstart's default) and to GRPO's mean
 over all its seeds (6 seeds, 43.2 %), the first and last steps' entropy, the steps' largest clip fraction and the
 seconds a version took on this machine (training wall time to v50 / 50: generation, reward and training together,
-noisy on a shared 2-core machine). Pass@k figures, where `--passk FILE` names a JSON of `areal-mq eval --json`
-results keyed by mode, join the table. The plot: every seed's v50 strict accuracy per recipe, GRPO's seeds beside
-them, GRPO's mean and its ±5-point band (the issue's target).
+noisy on a shared 2-core machine). pass@k at temperature 1.0 joins the table from `--passk-dir`: one
+`areal-mq eval --samples 8 --temperature 1.0 --k 1,8 --json` output a kept run's final weights, named
+MODE-seedS.json (base.json: the base model), averaged over a mode's seeds. `--rerun FILE`: GRPO runs again on
+today's code (a results file of its own, so they neither replace nor join the six it is compared with). The plot:
+every seed's v50 strict accuracy per recipe, GRPO's seeds beside them, GRPO's mean and its ±5-point band (the
+issue's target); with pass@k measured, a second panel of pass@1 and pass@8 per recipe.
 
     python benchmarks/quality/recipes_report.py [--results benchmarks/results/quality.jsonl] [--plot PNG] [--json PATH]
+        [--passk-dir benchmarks/results/passk] [--rerun benchmarks/results/grpo_rerun.jsonl]
 """
 from __future__ import annotations
 
@@ -65,6 +69,35 @@ def summary(runs: list[dict], versions: int, eval_n: int) -> dict:
             "grpo_seeds": len(base_all), "target_points": TARGET_POINTS, "modes": out}
 
 
+def read_passk(folder: Path | None) -> dict:
+    """{mode: {"pass@1", "pass@8", "n", "seeds", "truncated"}}: the strict pass@1 and pass@8 of every
+    `areal-mq eval --json` output in `folder` (MODE-seedS.json; base.json is the base model, mode "base"), averaged
+    over a mode's seeds; n is the problems of one evaluation. Outputs of different sizes or k are refused."""
+    if folder is None or not folder.is_dir():
+        return {}
+    found: dict[str, list[tuple[int, dict]]] = {}
+    for f in sorted(folder.glob("*.json")):
+        mode, _, seed = f.stem.rpartition("-seed")
+        mode, seed = (mode, int(seed)) if mode else (f.stem, 0)
+        found.setdefault(mode, []).append((seed, json.loads(f.read_text())))
+    out = {}
+    for mode, evals in found.items():
+        pk = [e["pass_at_k"] for _, e in evals]
+        if len({p["n"] for p in pk}) != 1 or any("8" not in p["pass@k_strict"] for p in pk):
+            raise SystemExit(f"{folder}: {mode}'s evaluations differ in size or lack pass@8: {[p['n'] for p in pk]}")
+        out[mode] = {"pass@1": sum(p["pass@k_strict"]["1"] for p in pk) / len(pk),
+                     "pass@8": sum(p["pass@k_strict"]["8"] for p in pk) / len(pk), "n": pk[0]["n"],
+                     "seeds": sorted(s for s, _ in evals),
+                     "truncated": sum(e.get("truncated", 0.0) for _, e in evals) / len(evals)}
+    return out
+
+
+def reruns(runs: list[dict], versions: int, eval_n: int) -> dict:
+    """{seed: v50 strict %} of GRPO's runs in a rerun results file."""
+    return {r["seed"]: final(r) for r in runs if r["mode"] == BASE and r["versions"] == versions
+            and r["eval_n"] == eval_n and not r["quick"] and final(r) is not None}
+
+
 def table(s: dict, passk: dict) -> str:
     rows = [("recipe", "seeds", "v50 strict per seed", "mean", "vs GRPO mean", "vs GRPO same seed", "entropy first→last",
              "max clip", "s/version", "pass@1 / pass@8 (T=1)")]
@@ -82,6 +115,13 @@ def table(s: dict, passk: dict) -> str:
             " ".join(f"{a:.2f}→{b:.2f}" for a, b in m["entropy_first_last"][:2]),
             f"{max(m['clip_frac_max']):.3f}", " ".join(f"{x:.0f}" for x in m["s_per_version"][:3]),
             "-" if not pk else f"{100 * pk['pass@1']:.1f} / {100 * pk['pass@8']:.1f} (n={pk['n']})"))
+    if s.get("grpo_rerun"):
+        rows.append(("GRPO rerun on today's code", ",".join(map(str, s["grpo_rerun"])),
+                     " ".join(f"{v:.1f}" for v in s["grpo_rerun"].values()), "", "", "", "", "", "", ""))
+    if "base" in passk:
+        pk = passk["base"]
+        rows.append(("base model (v0)", "", "", "", "", "", "", "", "",
+                     f"{100 * pk['pass@1']:.1f} / {100 * pk['pass@8']:.1f} (n={pk['n']})"))
     return "\n".join(common.align(rows))
 
 
@@ -92,7 +132,11 @@ def plot(s: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     order = [BASE, *[m for m in quality.RECIPES if m in s["modes"]]]
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    passk = s.get("passk") or {}
+    if passk:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(9, 4.2))
     if s["grpo_mean"] is not None:
         ax.axhspan(s["grpo_mean"] - TARGET_POINTS, s["grpo_mean"] + TARGET_POINTS, color="tab:green", alpha=0.12,
                    label=f"GRPO mean ± {TARGET_POINTS:.0f} points (the target)")
@@ -102,6 +146,10 @@ def plot(s: dict, out: Path) -> Path:
         ys = list(m["strict_v50"].values())
         ax.scatter([x] * len(ys), ys, color="tab:blue" if mode != BASE else "tab:green", zorder=3)
         ax.plot([x - 0.25, x + 0.25], [m["mean"]] * 2, color="black", lw=2)
+    if s.get("grpo_rerun"):
+        ys = list(s["grpo_rerun"].values())
+        ax.scatter([0.15] * len(ys), ys, facecolors="none", edgecolors="tab:red", zorder=3,
+                   label="GRPO rerun on today's code")
     ax.axhline(20.5, color="gray", ls="--", lw=1, label="base model (v0) 20.5 %")
     ax.set_xticks(range(len(order)))
     ax.set_xticklabels(["GRPO" if m == BASE else m.replace("_eta2", "") for m in order])
@@ -109,6 +157,16 @@ def plot(s: dict, out: Path) -> Path:
     ax.set_title(f"Recipes on the quickstart's task: v{s['versions']}, n = {s['eval_n']} per evaluation, "
                  "one dot a seed, bar = mean")
     ax.legend(loc="lower right", fontsize=8)
+    if passk:
+        names = [m for m in ["base", *order] if m in passk]
+        xs = range(len(names))
+        bx.bar([x - 0.2 for x in xs], [100 * passk[m]["pass@1"] for m in names], 0.4, label="pass@1")
+        bx.bar([x + 0.2 for x in xs], [100 * passk[m]["pass@8"] for m in names], 0.4, label="pass@8")
+        bx.set_xticks(list(xs))
+        bx.set_xticklabels(["GRPO" if m == BASE else m.replace("_eta2", "") for m in names])
+        bx.set_ylabel("strict accuracy (%)")
+        bx.set_title(f"temperature 1.0, 8 answers a problem, n = {passk[names[0]]['n']}", fontsize=10)
+        bx.legend(fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
@@ -121,15 +179,19 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=quality.RESULTS)
     parser.add_argument("--versions", type=int, default=50)
     parser.add_argument("--eval-n", type=int, default=1100)
-    parser.add_argument("--passk", type=Path, help="JSON {mode: {pass@1, pass@8, n}} from areal-mq eval --json runs.")
+    parser.add_argument("--passk-dir", type=Path, default=Path("benchmarks/results/passk"),
+                        help="areal-mq eval --json outputs, MODE-seedS.json (base.json: the base model).")
+    parser.add_argument("--rerun", type=Path, help="A results file of GRPO runs again on today's code.")
     parser.add_argument("--plot", type=Path, default=Path("docs/recipes.png"))
     parser.add_argument("--json", type=Path, help="Write the summary here.")
     args = parser.parse_args()
     s = summary(quality_report.read_jsonl(args.results), args.versions, args.eval_n)
     if not s["modes"]:
         raise SystemExit(f"{args.results}: no v{args.versions} runs of GRPO or a recipe")
-    passk = json.loads(args.passk.read_text()) if args.passk else {}
+    passk = read_passk(args.passk_dir)
     s["passk"] = passk
+    if args.rerun:
+        s["grpo_rerun"] = reruns(quality_report.read_jsonl(args.rerun), args.versions, args.eval_n)
     s["plot"] = str(plot(s, args.plot))
     common.save(s, args.json)
     print(table(s, passk))

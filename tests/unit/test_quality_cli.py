@@ -5,6 +5,8 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "quality")]  # common.py; the quality study
 import quality  # noqa: E402
@@ -57,3 +59,40 @@ def test_the_recipe_report_pairs_each_recipe_with_grpo(tmp_path):
     assert gspo["within_target"] is False  # 5.5 points below GRPO's mean: outside the ±5 target
     assert gspo["clip_frac_max"] == [0.02, 0.02] and gspo["s_per_version"] == [20.0, 20.0]
     assert "GSPO" in recipes_report.table(s, {"gspo_eta2": {"pass@1": 0.3, "pass@8": 0.6, "n": 200}})
+
+
+def test_the_recipe_report_reads_passk_outputs_and_a_grpo_rerun(tmp_path):
+    """recipes_report.py: `areal-mq eval --json` outputs named MODE-seedS.json average over seeds (base.json is the
+    base model); an output of another size is refused, not averaged in; GRPO's rerun is its own row and dots."""
+    import json
+
+    import recipes_report
+
+    def ev(p1, p8, n=200):
+        return {"truncated": 0.1, "pass_at_k": {"n": n, "pass@k_strict": {"1": p1, "8": p8}}}
+
+    folder = tmp_path / "passk"
+    folder.mkdir()
+    for name, body in {"base": ev(0.06, 0.26), "rloo_eta2-seed0": ev(0.40, 0.60), "rloo_eta2-seed1": ev(0.30, 0.70)}.items():
+        (folder / f"{name}.json").write_text(json.dumps(body))
+    pk = recipes_report.read_passk(folder)
+    assert set(pk) == {"base", "rloo_eta2"} and pk["rloo_eta2"]["seeds"] == [0, 1]
+    assert abs(pk["rloo_eta2"]["pass@1"] - 0.35) < 1e-12 and abs(pk["rloo_eta2"]["pass@8"] - 0.65) < 1e-12
+    assert recipes_report.read_passk(tmp_path / "absent") == {}
+
+    def run(mode, seed, strict, versions=50):
+        return {"mode": mode, "seed": seed, "versions": versions, "eval_n": 1100, "quick": False, "date": "d",
+                "evals": [{"version": versions, "strict": strict, "t_s": 1000.0}],
+                "per_step": {"entropy": [0.6, 0.1], "clip_frac": [0.0]}}
+
+    s = recipes_report.summary([run("async_eta2", 0, 0.42), run("rloo_eta2", 0, 0.48)], 50, 1100)
+    s["grpo_rerun"] = recipes_report.reruns([run("async_eta2", 0, 0.47), run("async_eta2", 1, 0.5, versions=20),
+                                             run("rloo_eta2", 1, 0.9)], 50, 1100)
+    assert s["grpo_rerun"] == {0: 47.0}
+    s["passk"] = pk
+    text = recipes_report.table(s, pk)
+    assert "GRPO rerun on today's code" in text and "35.0 / 65.0 (n=200)" in text and "6.0 / 26.0" in text
+    assert recipes_report.plot(s, tmp_path / "r.png").stat().st_size > 0
+    (folder / "rloo_eta2-seed2.json").write_text(json.dumps(ev(0.5, 0.8, n=100)))
+    with pytest.raises(SystemExit, match="differ in size"):
+        recipes_report.read_passk(folder)
