@@ -14,6 +14,10 @@ adv_std_norm false: the mean is subtracted only). adv_baseline is the group esti
 The paper also folds a token-level KL into the reward: trainer.kl_in reward folds it after this normalisation
 (areal_mq/algorithms/ppo.py); trainer.kl_in reward_normalized before it, per token, in the paper's order
 (`normalize_returns`, run by the trainer after its reference pass).
+`reinforce_pp_baseline` (REINFORCE++-baseline, the variant of the same paper's later versions for prompts sampled
+several times; OpenRLHF's `reinforce_baseline`): each sequence's transformed reward minus its group's mean first (the
+per-prompt baseline), then the same normalisation over every sequence of the step, which divides by the batch's
+std rather than each group's (GRPO's). A group of one has nothing to compare against: 0, as in `group`.
 Data-parallel ranks: every rank receives the whole step's sample list (workers/trainer.py broadcasts it) and
 computes the advantages here, before packing.py splits the sequences between ranks, so the "global batch" is the
 whole step on every rank and the normalisation is the same everywhere, with no collective.
@@ -68,11 +72,27 @@ def reinforce_pp_estimator(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> 
     rewards = [transform_rewards(r, cfg) for r in groups]
     if cfg.kl_in == "reward_normalized":
         return rewards
-    flat = np.concatenate(rewards) if rewards else np.zeros(0)
+    return _batch_normalised(rewards, cfg)
+
+
+def reinforce_pp_baseline_estimator(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:
+    """REINFORCE++-baseline: every group's transformed rewards centred on their own mean, then normalised over the
+    whole step (`reinforce_pp_estimator`'s normalisation of the centred values; with trainer.kl_in
+    reward_normalized the centred values, normalised per token after the reference pass)."""
+    centred = [r - r.mean() if len(r) > 1 else np.zeros(len(r)) for r in (transform_rewards(g, cfg) for g in groups)]
+    if cfg.kl_in == "reward_normalized":
+        return centred
+    return _batch_normalised(centred, cfg)
+
+
+def _batch_normalised(values: list[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:
+    """(v - mean) / (std + adv_eps) with the mean and population std over every value of the step (adv_std_norm
+    false: minus the mean only), returned group by group."""
+    flat = np.concatenate(values) if values else np.zeros(0)
     if flat.size == 0:
-        return rewards
+        return values
     mean, scale = flat.mean(), (flat.std() + cfg.adv_eps if cfg.adv_std_norm else 1.0)
-    return [(r - mean) / scale for r in rewards]
+    return [(v - mean) / scale for v in values]
 
 
 def normalize_returns(parts: Sequence[tuple], cfg: TrainerConfig, all_reduce: Callable | None = None,
@@ -110,7 +130,8 @@ def normalize_returns(parts: Sequence[tuple], cfg: TrainerConfig, all_reduce: Ca
 
 
 AdvantageEstimator = Callable[[Sequence[np.ndarray], TrainerConfig], list[np.ndarray]]
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"group": group_estimator, "reinforce_pp": reinforce_pp_estimator}
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"group": group_estimator, "reinforce_pp": reinforce_pp_estimator,
+                                                       "reinforce_pp_baseline": reinforce_pp_baseline_estimator}
 
 
 def step_advantages(groups: Sequence[np.ndarray], cfg: TrainerConfig) -> list[np.ndarray]:

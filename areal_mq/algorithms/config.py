@@ -286,7 +286,7 @@ class TrainerConfig(BaseModel):
         "reference) of every generated token is a per-token reward, folded into the advantage as REINFORCE++ does "
         "(arXiv 2501.03262): A_t = A - kl_coef x (sum of the KL over the sequence's tokens from t on), after the "
         "advantage estimator (the KL is not normalised with the rewards; kl_estimator is not used). "
-        "reward_normalized (adv_estimator reinforce_pp only): the paper's order, as OpenRLHF runs it: each token's "
+        "reward_normalized (adv_estimator reinforce_pp or reinforce_pp_baseline only): the paper's order, as OpenRLHF runs it: each token's "
         "return G_t = reward - kl_coef x (the KL summed from t on), then normalised over every trained token of the "
         "step on every rank ((G - mean) / (std + adv_eps); adv_std_norm false: minus the mean only), after the "
         "reference pass (areal_mq/algorithms/advantages.py `normalize_returns`).")
@@ -302,13 +302,15 @@ class TrainerConfig(BaseModel):
     reward_scale: float = Field(1.0, description="Rewards are transformed as clip((r + reward_bias) * reward_scale).")
     reward_bias: float = Field(0.0, description="Added to every reward before scaling.")
     reward_clip: float | None = Field(None, gt=0, description="Clip transformed rewards to [-reward_clip, reward_clip].")
-    adv_estimator: Literal["group", "reinforce_pp"] = Field(
+    adv_estimator: Literal["group", "reinforce_pp", "reinforce_pp_baseline"] = Field(
         "group", description="The advantage estimator (registry ADVANTAGE_ESTIMATORS in "
         "areal_mq/algorithms/advantages.py). group: each prompt's group of sequences against a baseline within the "
         "group (adv_baseline), optionally divided by the group's std (adv_std_norm; GRPO; adv_std_norm false is "
         "Dr. GRPO's unnormalised advantage, leave_one_out without it is RLOO). reinforce_pp: REINFORCE++ (arXiv "
         "2501.03262): no group baseline, the rewards minus the mean over every sequence of the step, divided by "
-        "their std (adv_std_norm; adv_baseline unused); the paper pairs it with kl_in reward."
+        "their std (adv_std_norm; adv_baseline unused); the paper pairs it with kl_in reward. reinforce_pp_baseline: "
+        "REINFORCE++-baseline: each group's rewards minus the group's mean first, then the same normalisation over "
+        "the step."
     )
     adv_baseline: Literal["group_mean", "leave_one_out", "none"] = Field(
         "group_mean", description="Baseline subtracted within a group: its mean, the mean of the others, or none."
@@ -423,9 +425,10 @@ class TrainerConfig(BaseModel):
             raise ValueError("trainer.loss_agg 'constant' divides each sequence's token sum by trainer.loss_agg_constant, "
                              "which is not set: give the normaliser (Dr. GRPO uses the generation budget, e.g. the "
                              "rollouts' max_new_tokens)")
-        if self.kl_in == "reward_normalized" and (self.adv_estimator != "reinforce_pp" or self.kl_coef <= 0):
+        if self.kl_in == "reward_normalized" and (not self.adv_estimator.startswith("reinforce_pp") or self.kl_coef <= 0):
             raise ValueError(f"trainer.kl_in 'reward_normalized' folds the KL into REINFORCE++'s returns before their "
-                             f"batch normalisation: it needs adv_estimator reinforce_pp (got {self.adv_estimator!r}) "
+                             f"batch normalisation: it needs adv_estimator reinforce_pp or reinforce_pp_baseline (got "
+                             f"{self.adv_estimator!r}) "
                              f"and kl_coef > 0 (got {self.kl_coef}); use kl_in 'reward' with another estimator")
         if self.behav_cap_mode == "mask" and self.behav_weight_cap is None:
             raise ValueError("behav_cap_mode 'mask' needs a behav_weight_cap; set one (e.g. 5.0) or use 'truncate'")

@@ -133,3 +133,28 @@ def test_the_trainer_normalizes_the_returns_after_its_reference_pass(tiny_model_
         results[kl_in, "loss"] = m["loss"]
     assert results["reward_normalized", 16] == pytest.approx(results["reward_normalized", 4096], abs=1e-5)
     assert results["reward_normalized", "loss"] != pytest.approx(results["reward", "loss"])
+
+
+def test_reinforce_pp_baseline_trains_through_the_real_trainer_in_the_papers_order(tiny_model_dir):
+    """REINFORCE++-baseline with the KL in the returns: the trainer normalises the group-centred returns over the
+    step (mean 0, std 1), and they are not REINFORCE++'s (whose returns keep each prompt's mean reward)."""
+    import numpy as np
+
+    from areal_mq.algorithms.trainer import Trainer
+    from tests.unit.algorithms.batches import behaviour_near_model, make_samples
+
+    noisy = behaviour_near_model(make_samples(5, n_groups=2, group_size=3), tiny_model_dir, noise=0.3, seed=1)
+    advs = {}
+    for estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        cfg = TrainerConfig(lr=1e-3, max_tokens_per_mb=4096, adv_estimator=estimator, kl_coef=0.5,
+                            kl_in="reward_normalized")
+        trainer = Trainer(cfg, tiny_model_dir)
+        _, minis, _, _ = trainer.prepare(noisy)
+        trainer.recompute(minis)
+        trainer._normalize_returns(minis)
+        adv = torch.cat([mb.advantages for mini in minis for mb in mini]).double()
+        assert float(adv.mean()) == pytest.approx(0.0, abs=1e-5)
+        assert float(adv.std(unbiased=False)) == pytest.approx(1.0, rel=1e-4)
+        advs[estimator] = adv.tolist()
+        assert np.isfinite(Trainer(cfg, tiny_model_dir).train_step(noisy)["loss"])
+    assert advs["reinforce_pp_baseline"] != pytest.approx(advs["reinforce_pp"], abs=1e-3)

@@ -56,3 +56,25 @@ def test_every_data_parallel_rank_trains_with_the_same_global_normalisation():
     for r in range(2):  # each rank's share keeps the global advantages (its own mean is generally not 0)
         again = samples_to_seqs(samples, cfg)
         assert [again[i].advantage for i in shares[r]] == [seqs[i].advantage for i in shares[r]]
+
+
+def test_reinforce_pp_baseline_centres_each_group_then_normalises_over_the_step_by_hand():
+    """REINFORCE++-baseline (arXiv 2501.03262, the group-baseline variant; OpenRLHF's reinforce_baseline): A = r -
+    mean_group(r), then (A - mean_batch(A)) / std_batch(A). Rewards 1, 0 | 1, 1 | 0, 0, 1: centred 1/2, -1/2 | 0, 0 |
+    -1/3, -1/3, 2/3; their batch mean is 0 and their population variance (1/4 + 1/4 + 1/9 + 1/9 + 4/9) / 7 = 1/6, so
+    every centred value is multiplied by sqrt(6). GRPO would divide each group by its own std instead (1, -1 and
+    -0.71, -0.71, 1.41); REINFORCE++ without the baseline would give the all-right group +1 each."""
+    groups = [np.array([1.0, 0.0]), np.array([1.0, 1.0]), np.array([0.0, 0.0, 1.0])]
+    got = step_advantages(groups, TrainerConfig(adv_estimator="reinforce_pp_baseline", adv_eps=1e-12))
+    r6 = math.sqrt(6)
+    assert [g.tolist() for g in got] == [pytest.approx([r6 / 2, -r6 / 2]), pytest.approx([0.0, 0.0]),
+                                         pytest.approx([-r6 / 3, -r6 / 3, 2 * r6 / 3])]
+    # a lone sequence has no group to be compared with: 0, and it still counts in the step's std
+    got = step_advantages([np.array([3.0]), np.array([1.0, 0.0])],
+                          TrainerConfig(adv_estimator="reinforce_pp_baseline", adv_eps=1e-12))
+    std = math.sqrt((0.25 + 0.25) / 3)
+    assert [g.tolist() for g in got] == [[0.0], pytest.approx([0.5 / std, -0.5 / std])]
+    # with the KL folded in per token, the estimator hands the centred rewards on (normalize_returns normalises them)
+    cfg = TrainerConfig(adv_estimator="reinforce_pp_baseline", kl_coef=0.1, kl_in="reward_normalized")
+    assert [g.tolist() for g in step_advantages(groups, cfg)][0] == pytest.approx([0.5, -0.5])
+    assert "reinforce_pp_baseline" in ADVANTAGE_ESTIMATORS
