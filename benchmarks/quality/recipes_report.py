@@ -7,7 +7,7 @@ over all its seeds (6 seeds, 43.2 %), the first and last steps' entropy, the ste
 seconds a version took on this machine (training wall time to v50 / 50: generation, reward and training together,
 noisy on a shared 2-core machine). pass@k at temperature 1.0 joins the table from `--passk-dir`: one
 `areal-mq eval --samples 8 --temperature 1.0 --k 1,8 --json` output a kept run's final weights, named
-MODE-seedS.json (base.json: the base model), averaged over a mode's seeds. `--rerun FILE`: GRPO runs again on
+MODE-seedS.json (base.json: the base model; grpo_rerun-seedS.json: GRPO's rerun), averaged over a mode's seeds. `--rerun FILE`: GRPO runs again on
 today's code (a results file of its own, so they neither replace nor join the six it is compared with). The plot:
 every seed's v50 strict accuracy per recipe, GRPO's seeds beside them, GRPO's mean and its ±5-point band (the
 issue's target); with pass@k measured, a second panel of pass@1 and pass@8 per recipe.
@@ -28,6 +28,7 @@ import quality  # noqa: E402  (benchmarks/quality/, on sys.path through common)
 import quality_report  # noqa: E402
 
 BASE = "async_eta2"
+RERUN = "grpo_rerun"  # pass@k of GRPO's rerun weights: benchmarks/results/passk/grpo_rerun-seedS.json
 TARGET_POINTS = 5.0  # issue 60: every recipe within 5 points of GRPO at v50
 
 
@@ -115,9 +116,11 @@ def table(s: dict, passk: dict) -> str:
             " ".join(f"{a:.2f}→{b:.2f}" for a, b in m["entropy_first_last"][:2]),
             f"{max(m['clip_frac_max']):.3f}", " ".join(f"{x:.0f}" for x in m["s_per_version"][:3]),
             "-" if not pk else f"{100 * pk['pass@1']:.1f} / {100 * pk['pass@8']:.1f} (n={pk['n']})"))
-    if s.get("grpo_rerun"):
-        rows.append(("GRPO rerun on today's code", ",".join(map(str, s["grpo_rerun"])),
-                     " ".join(f"{v:.1f}" for v in s["grpo_rerun"].values()), "", "", "", "", "", "", ""))
+    if s.get("grpo_rerun") or RERUN in passk:
+        pk = passk.get(RERUN)
+        rows.append(("GRPO rerun on today's code", ",".join(map(str, s.get("grpo_rerun") or {})),
+                     " ".join(f"{v:.1f}" for v in (s.get("grpo_rerun") or {}).values()), "", "", "", "", "", "",
+                     "-" if not pk else f"{100 * pk['pass@1']:.1f} / {100 * pk['pass@8']:.1f} (n={pk['n']})"))
     if "base" in passk:
         pk = passk["base"]
         rows.append(("base model (v0)", "", "", "", "", "", "", "", "",
@@ -158,12 +161,12 @@ def plot(s: dict, out: Path) -> Path:
                  "one dot a seed, bar = mean")
     ax.legend(loc="lower right", fontsize=8)
     if passk:
-        names = [m for m in ["base", *order] if m in passk]
+        names = [m for m in ["base", RERUN, *order] if m in passk]
         xs = range(len(names))
         bx.bar([x - 0.2 for x in xs], [100 * passk[m]["pass@1"] for m in names], 0.4, label="pass@1")
         bx.bar([x + 0.2 for x in xs], [100 * passk[m]["pass@8"] for m in names], 0.4, label="pass@8")
         bx.set_xticks(list(xs))
-        bx.set_xticklabels(["GRPO" if m == BASE else m.replace("_eta2", "") for m in names])
+        bx.set_xticklabels([{BASE: "GRPO", RERUN: "GRPO\n(rerun)"}.get(m, m.replace("_eta2", "")) for m in names])
         bx.set_ylabel("strict accuracy (%)")
         bx.set_title(f"temperature 1.0, 8 answers a problem, n = {passk[names[0]]['n']}", fontsize=10)
         bx.legend(fontsize=8)

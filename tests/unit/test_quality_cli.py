@@ -73,10 +73,11 @@ def test_the_recipe_report_reads_passk_outputs_and_a_grpo_rerun(tmp_path):
 
     folder = tmp_path / "passk"
     folder.mkdir()
-    for name, body in {"base": ev(0.06, 0.26), "rloo_eta2-seed0": ev(0.40, 0.60), "rloo_eta2-seed1": ev(0.30, 0.70)}.items():
+    for name, body in {"base": ev(0.06, 0.26), "rloo_eta2-seed0": ev(0.40, 0.60), "rloo_eta2-seed1": ev(0.30, 0.70),
+                       "grpo_rerun-seed0": ev(0.33, 0.55)}.items():
         (folder / f"{name}.json").write_text(json.dumps(body))
     pk = recipes_report.read_passk(folder)
-    assert set(pk) == {"base", "rloo_eta2"} and pk["rloo_eta2"]["seeds"] == [0, 1]
+    assert set(pk) == {"base", "rloo_eta2", "grpo_rerun"} and pk["rloo_eta2"]["seeds"] == [0, 1]
     assert abs(pk["rloo_eta2"]["pass@1"] - 0.35) < 1e-12 and abs(pk["rloo_eta2"]["pass@8"] - 0.65) < 1e-12
     assert recipes_report.read_passk(tmp_path / "absent") == {}
 
@@ -91,7 +92,7 @@ def test_the_recipe_report_reads_passk_outputs_and_a_grpo_rerun(tmp_path):
     assert s["grpo_rerun"] == {0: 47.0}
     s["passk"] = pk
     text = recipes_report.table(s, pk)
-    assert "GRPO rerun on today's code" in text and "35.0 / 65.0 (n=200)" in text and "6.0 / 26.0" in text
+    assert "GRPO rerun on today's code" in text and "35.0 / 65.0 (n=200)" in text and "6.0 / 26.0" in text and "33.0 / 55.0" in text
     assert recipes_report.plot(s, tmp_path / "r.png").stat().st_size > 0
     (folder / "rloo_eta2-seed2.json").write_text(json.dumps(ev(0.5, 0.8, n=100)))
     with pytest.raises(SystemExit, match="differ in size"):
