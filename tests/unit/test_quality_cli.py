@@ -92,7 +92,8 @@ def test_the_recipe_report_reads_passk_outputs_and_a_grpo_rerun(tmp_path):
     assert s["grpo_rerun"] == {0: 47.0}
     s["passk"] = pk
     text = recipes_report.table(s, pk)
-    assert "GRPO rerun on today's code" in text and "35.0 / 65.0 (n=200)" in text and "6.0 / 26.0" in text and "33.0 / 55.0" in text
+    assert "GRPO rerun on today's code" in text and "35.0 / 65.0 (n=200)" in text
+    assert "6.0 / 26.0" in text and "33.0 / 55.0" in text
     assert recipes_report.plot(s, tmp_path / "r.png").stat().st_size > 0
     (folder / "rloo_eta2-seed2.json").write_text(json.dumps(ev(0.5, 0.8, n=100)))
     with pytest.raises(SystemExit, match="differ in size"):
