@@ -221,8 +221,8 @@ def test_the_objective_variants_are_the_recipe_examples_beside_the_quickstart():
     outcome, overlong shaping): it is rehearsed as processes, and its clip-higher objective goes through the same
     seam (areal_mq/algorithms/objective.py) in the trainer process there."""
     variants = {p.name: objective_twin(p) for p in CONFIGS if objective_twin(p)}
-    assert variants == {f"quickstart-{n}.yaml": "quickstart.yaml"
-                        for n in ("cispo", "drgrpo", "gspo", "reinforcepp", "rloo")}, variants
+    recipes = ("cispo", "drgrpo", "entropy", "gspo", "reinforcepp", "reinforcepp-baseline", "rloo")
+    assert variants == {f"quickstart-{n}.yaml": "quickstart.yaml" for n in recipes}, variants
 
 
 def test_the_data_variants_are_the_1_5b_node_layouts_and_nothing_else():
