@@ -99,6 +99,11 @@ def reruns(runs: list[dict], versions: int, eval_n: int) -> dict:
             and r["eval_n"] == eval_n and not r["quick"] and final(r) is not None}
 
 
+def passk_cell(pk: dict | None) -> str:
+    """The table's pass@1 / pass@8 cell of one `read_passk` entry ("-" when not measured)."""
+    return "-" if not pk else f"{100 * pk['pass@1']:.1f} / {100 * pk['pass@8']:.1f} (n={pk['n']})"
+
+
 def table(s: dict, passk: dict) -> str:
     rows = [("recipe", "seeds", "v50 strict per seed", "mean", "vs GRPO mean", "vs GRPO same seed", "entropy first→last",
              "max clip", "s/version", "pass@1 / pass@8 (T=1)")]
@@ -115,16 +120,14 @@ def table(s: dict, passk: dict) -> str:
             "-" if mode == BASE else " ".join(f"{g:+.1f}" for g in m["gap_to_grpo_same_seed"]),
             " ".join(f"{a:.2f}→{b:.2f}" for a, b in m["entropy_first_last"][:2]),
             f"{max(m['clip_frac_max']):.3f}", " ".join(f"{x:.0f}" for x in m["s_per_version"][:3]),
-            "-" if not pk else f"{100 * pk['pass@1']:.1f} / {100 * pk['pass@8']:.1f} (n={pk['n']})"))
+            passk_cell(pk)))
     if s.get("grpo_rerun") or RERUN in passk:
         pk = passk.get(RERUN)
         rows.append(("GRPO rerun on today's code", ",".join(map(str, s.get("grpo_rerun") or {})),
                      " ".join(f"{v:.1f}" for v in (s.get("grpo_rerun") or {}).values()), "", "", "", "", "", "",
-                     "-" if not pk else f"{100 * pk['pass@1']:.1f} / {100 * pk['pass@8']:.1f} (n={pk['n']})"))
+                     passk_cell(pk)))
     if "base" in passk:
-        pk = passk["base"]
-        rows.append(("base model (v0)", "", "", "", "", "", "", "", "",
-                     f"{100 * pk['pass@1']:.1f} / {100 * pk['pass@8']:.1f} (n={pk['n']})"))
+        rows.append(("base model (v0)", "", "", "", "", "", "", "", "", passk_cell(passk["base"])))
     return "\n".join(common.align(rows))
 
 
